@@ -1,0 +1,469 @@
+"""The MBC catalogue: parse it, validate each row, pick subsets and splits, and account for every row.
+
+Pure logic: no torch, no diffsynth, no media decoding (that is ``probe.py``). The command line
+around it is ``convert.py``.
+
+Row numbering: ``row`` is the 1-based number of a data record, counting from the first record
+after the header. Blank records (a line with nothing but whitespace and commas, e.g. ``""`` or
+``",,"``) are not data rows: they get no number and are counted as ``blank_lines``. So the
+identity ``written + rejected == input rows`` holds over numbered rows, and ``line`` (the
+physical line where a record starts, header = line 1) finds a row in an editor even when
+captions span several lines.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+REQUIRED_COLUMNS = ("file_path", "caption", "media_type")
+MEDIA_TYPES = ("video", "image")
+
+# The extensions DiffSynth 1.1.8's VideoDataset decides on (it goes by extension, not by our
+# media_type); a test checks these against the installed package.
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp"})
+VIDEO_EXTENSIONS = frozenset({"mp4", "avi", "mov", "wmv", "mkv", "flv", "webm", "gif"})
+
+# Strings pandas.read_csv (which DiffSynth uses) turns into NaN by default, quoted or not.
+PANDAS_NA_STRINGS = frozenset({
+    "", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+    "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null",
+})
+
+
+class Reason:
+    """Reject categories; the text in rejects.csv starts with one of these."""
+
+    MALFORMED_ROW = "malformed row"
+    EMPTY_FILE_PATH = "empty file_path"
+    OUTSIDE_BASE_PATH = "path outside --base-path"
+    UNKNOWN_MEDIA_TYPE = "unknown media_type"
+    UNSUPPORTED_EXTENSION = "unsupported extension"
+    EXTENSION_CONTRADICTS = "extension contradicts media_type"
+    EMPTY_CAPTION = "empty caption"
+    CAPTION_READS_AS_MISSING = "caption reads as missing in pandas"
+    DUPLICATE = "duplicate of an earlier row"
+    DUPLICATE_OF_VALIDATION = "duplicate of validation row"
+    MISSING_FILE = "missing file"
+    UNREADABLE_MEDIA = "unreadable media"
+    NOT_SELECTED = "not selected"
+    NOT_IN_SUBSET = "not in subset"
+
+
+class CatalogError(Exception):
+    """The catalogue as a whole cannot be read (not found, not UTF-8, bad CSV, missing column)."""
+
+
+@dataclass(frozen=True)
+class CatalogRow:
+    row: int  # 1-based data row number (blank records not counted)
+    line: int  # physical line where the record starts; the header is line 1
+    file_path: str
+    caption: str
+    media_type: str
+    field_count: int  # fields in this record; differs from the header's when the row is malformed
+
+
+@dataclass
+class Catalog:
+    path: str
+    sha256: str
+    columns: list[str]
+    expected_field_count: int
+    rows: list[CatalogRow]
+    blank_lines: int = 0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A row that passed validation: what goes into metadata.csv."""
+
+    catalog: str  # "train" or "val": the catalogue it came from
+    source: CatalogRow
+    media_type: str  # "video" or "image"
+    resolved_path: str  # absolute, normalised
+    relative_path: str  # relative to --base-path, "/"-separated; what DiffSynth joins to its base path
+
+    @property
+    def row(self) -> int:
+        return self.source.row
+
+
+@dataclass(frozen=True)
+class Reject:
+    catalog: str  # "train" or "val"
+    row: int
+    line: int
+    file_path: str
+    code: str  # one of Reason's values
+    reason: str  # code plus detail, e.g. "duplicate of an earlier row (row 3)"
+
+
+@dataclass
+class Validation:
+    catalog: str
+    accepted: list[Entry] = field(default_factory=list)
+    rejects: list[Reject] = field(default_factory=list)
+
+    def reject(self, row: CatalogRow, code: str, detail: str = "") -> None:
+        reason = f"{code} ({detail})" if detail else code
+        self.rejects.append(Reject(self.catalog, row.row, row.line, row.file_path, code, reason))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_catalog(path: str | os.PathLike) -> Catalog:
+    """Read a catalogue file; raise CatalogError naming the file (and line) when it cannot be read."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except FileNotFoundError:
+        raise CatalogError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise CatalogError(f"{path}: is a directory, not a CSV file") from None
+    except OSError as error:
+        raise CatalogError(f"{path}: cannot read ({error.strerror or error})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise CatalogError(
+            f"{path}: not UTF-8 (line {line}, byte offset {error.start}: {error.reason}); "
+            "re-save it as UTF-8"
+        ) from None
+    catalog = parse_catalog_text(text, name=path)
+    catalog.sha256 = hashlib.sha256(data).hexdigest()
+    return catalog
+
+
+def parse_catalog_text(text: str, name: str = "<catalog>") -> Catalog:
+    """Parse catalogue text (BOM already removed). Header names are matched trimmed and case-blind."""
+    csv.field_size_limit(2**31 - 1)  # captions can be long; the default 128 KiB would abort the file
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    records = _records_with_lines(reader, name)
+    header_line, header = next(records, (0, None))
+    if header is None or not any(cell.strip() for cell in header):
+        raise CatalogError(f"{name}: empty file, expected a header with columns {', '.join(REQUIRED_COLUMNS)}")
+    columns = [cell.strip() for cell in header]
+    positions = _required_column_positions(columns, name)
+    file_path_at, caption_at, media_type_at = (positions[c] for c in REQUIRED_COLUMNS)
+
+    rows: list[CatalogRow] = []
+    blank_lines = 0
+    for line, record in records:
+        if all(not cell.strip() for cell in record):
+            blank_lines += 1
+            continue
+        rows.append(CatalogRow(
+            row=len(rows) + 1,
+            line=line,
+            file_path=_cell(record, file_path_at),
+            caption=_cell(record, caption_at),
+            media_type=_cell(record, media_type_at),
+            field_count=len(record),
+        ))
+    return Catalog(path=name, sha256="", columns=columns, expected_field_count=len(columns),
+                   rows=rows, blank_lines=blank_lines)
+
+
+def _records_with_lines(reader, name: str):
+    """Yield (start line, record); turn csv errors into CatalogError with the line."""
+    previous_line_num = 0
+    while True:
+        try:
+            record = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:
+            raise CatalogError(
+                f"{name}: malformed CSV at line {previous_line_num + 1} ({error}); "
+                "check the quotes in that row"
+            ) from None
+        yield previous_line_num + 1, record
+        previous_line_num = reader.line_num
+
+
+def _required_column_positions(columns: list[str], name: str) -> dict[str, int]:
+    lowered = [column.lower() for column in columns]
+    positions = {}
+    for required in REQUIRED_COLUMNS:
+        count = lowered.count(required)
+        if count == 0:
+            raise CatalogError(
+                f"{name}: missing required column '{required}' "
+                f"(header has: {', '.join(repr(c) for c in columns)})"
+            )
+        if count > 1:
+            raise CatalogError(f"{name}: column '{required}' appears {count} times in the header")
+        positions[required] = lowered.index(required)
+    return positions
+
+
+def _cell(record: list[str], index: int) -> str:
+    return record[index] if index < len(record) else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def normalise_base_path(base_path: str | os.PathLike) -> str:
+    return os.path.normpath(os.path.abspath(os.fspath(base_path)))
+
+
+def file_extension(path: str) -> str:
+    return os.path.splitext(path)[1].lstrip(".").lower()
+
+
+def validate_rows(
+    catalog: Catalog,
+    base_path: str,
+    catalog_name: str = "train",
+    check_files: bool = True,
+    validation_paths: dict[str, int] | None = None,
+) -> Validation:
+    """Check each row; the first problem found is its reject reason.
+
+    Order: field count, file_path, inside base path, media_type, extension, caption, duplicate
+    (of an earlier accepted row, then of an accepted validation row), file exists. ``base_path``
+    must be normalised (``normalise_base_path``). ``validation_paths`` maps resolved path to
+    validation row number.
+    """
+    result = Validation(catalog_name)
+    base_prefix = base_path.rstrip(os.sep) + os.sep
+    seen: dict[str, int] = {}
+    candidates: list[Entry] = []
+    for row in catalog.rows:
+        if row.field_count != catalog.expected_field_count:
+            result.reject(row, Reason.MALFORMED_ROW,
+                          f"{row.field_count} fields, header has {catalog.expected_field_count}")
+            continue
+        file_path = row.file_path.strip()
+        if not file_path:
+            result.reject(row, Reason.EMPTY_FILE_PATH)
+            continue
+        resolved = os.path.normpath(os.path.join(base_path, file_path))
+        if not resolved.startswith(base_prefix):
+            result.reject(row, Reason.OUTSIDE_BASE_PATH, f"resolves to {resolved}")
+            continue
+        media_type = row.media_type.strip().lower()
+        if media_type not in MEDIA_TYPES:
+            result.reject(row, Reason.UNKNOWN_MEDIA_TYPE, repr(row.media_type))
+            continue
+        extension = file_extension(resolved)
+        if extension not in IMAGE_EXTENSIONS and extension not in VIDEO_EXTENSIONS:
+            result.reject(row, Reason.UNSUPPORTED_EXTENSION, f"'.{extension}'" if extension else "none")
+            continue
+        extension_media_type = "image" if extension in IMAGE_EXTENSIONS else "video"
+        if extension_media_type != media_type:
+            result.reject(row, Reason.EXTENSION_CONTRADICTS,
+                          f"'.{extension}' is {extension_media_type}, row says {media_type}")
+            continue
+        if not row.caption.strip():
+            result.reject(row, Reason.EMPTY_CAPTION)
+            continue
+        if row.caption in PANDAS_NA_STRINGS:
+            result.reject(row, Reason.CAPTION_READS_AS_MISSING, repr(row.caption))
+            continue
+        if resolved in seen:
+            result.reject(row, Reason.DUPLICATE, f"row {seen[resolved]}")
+            continue
+        if validation_paths and resolved in validation_paths:
+            result.reject(row, Reason.DUPLICATE_OF_VALIDATION, f"validation row {validation_paths[resolved]}")
+            continue
+        seen[resolved] = row.row
+        relative = resolved[len(base_prefix):]
+        if os.sep != "/":
+            relative = relative.replace(os.sep, "/")
+        candidates.append(Entry(catalog_name, row, media_type, resolved, relative))
+
+    if check_files:
+        for entry in candidates:
+            if os.path.isfile(entry.resolved_path):
+                result.accepted.append(entry)
+            else:
+                result.reject(entry.source, Reason.MISSING_FILE, entry.resolved_path)
+    else:
+        result.accepted = candidates
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection: --media, --subset, --val-fraction
+
+
+def select_media(entries: Sequence[Entry], media: str) -> tuple[list[Entry], list[Entry]]:
+    """Split entries into (kept, not selected) by --media (all, video or image)."""
+    if media == "all":
+        return list(entries), []
+    kept = [e for e in entries if e.media_type == media]
+    dropped = [e for e in entries if e.media_type != media]
+    return kept, dropped
+
+
+def stratified_counts(group_sizes: dict[str, int], total: int) -> dict[str, int]:
+    """Share ``total`` over groups in proportion to their sizes (largest remainder, ties by name)."""
+    available = sum(group_sizes.values())
+    if total >= available:
+        return dict(group_sizes)
+    exact = {name: total * size / available for name, size in group_sizes.items()}
+    counts = {name: int(value) for name, value in exact.items()}
+    leftover = total - sum(counts.values())
+    by_remainder = sorted(group_sizes, key=lambda name: (-(exact[name] - counts[name]), name))
+    for name in by_remainder[:leftover]:
+        counts[name] += 1
+    return counts
+
+
+def _group_by_media_type(entries: Sequence[Entry]) -> dict[str, list[Entry]]:
+    groups: dict[str, list[Entry]] = {}
+    for entry in entries:
+        groups.setdefault(entry.media_type, []).append(entry)
+    return groups
+
+
+def _pick_per_group(entries: Sequence[Entry], counts: dict[str, int], seed: int) -> tuple[list[Entry], list[Entry]]:
+    """Pick counts[media_type] entries of each media type at random; both lists keep catalogue order."""
+    picked_rows: set[int] = set()
+    for media_type, group in sorted(_group_by_media_type(entries).items()):
+        rng = random.Random(f"{seed}:{media_type}")
+        picked_rows.update(e.row for e in rng.sample(group, counts.get(media_type, 0)))
+    picked = [e for e in entries if e.row in picked_rows]
+    rest = [e for e in entries if e.row not in picked_rows]
+    return picked, rest
+
+
+def stratified_subset(entries: Sequence[Entry], size: int, seed: int) -> tuple[list[Entry], list[Entry]]:
+    """(subset, not picked): ``size`` entries whose video/image ratio matches ``entries``."""
+    group_sizes = {k: len(v) for k, v in _group_by_media_type(entries).items()}
+    return _pick_per_group(entries, stratified_counts(group_sizes, size), seed)
+
+
+def stratified_split(entries: Sequence[Entry], val_fraction: float, seed: int) -> tuple[list[Entry], list[Entry]]:
+    """(train, val): round(fraction * n) of each media type go to validation."""
+    counts = {k: round(val_fraction * len(v)) for k, v in _group_by_media_type(entries).items()}
+    val, train = _pick_per_group(entries, counts, seed + 1_000_003)
+    return train, val
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting
+
+
+def count_media_types(entries: Iterable[Entry]) -> dict[str, int]:
+    counts = Counter(e.media_type for e in entries)
+    return {media_type: counts.get(media_type, 0) for media_type in MEDIA_TYPES}
+
+
+def count_reasons(rejects: Iterable[Reject]) -> dict[str, int]:
+    return dict(sorted(Counter(r.code for r in rejects).items()))
+
+
+def check_accounting(input_rows: int, written: Sequence[Entry], rejects: Sequence[Reject]) -> None:
+    """Every input row is written or rejected, exactly once; raise AssertionError otherwise."""
+    written_rows = [e.row for e in written]
+    rejected_rows = [r.row for r in rejects]
+    all_rows = sorted(written_rows + rejected_rows)
+    if all_rows != list(range(1, input_rows + 1)):
+        raise AssertionError(
+            f"row accounting broken: {input_rows} input rows, {len(written_rows)} written, "
+            f"{len(rejected_rows)} rejected"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole plan, before probing
+
+
+@dataclass
+class SubsetInfo:
+    requested: int
+    available: int  # valid, selected rows it was drawn from
+    taken: int
+    took_all: bool  # requested >= available
+    available_by_media_type: dict[str, int]
+    taken_by_media_type: dict[str, int]
+
+
+@dataclass
+class ConversionPlan:
+    train: list[Entry]
+    val: list[Entry]
+    rejects: list[Reject]
+    input_rows: dict[str, int]  # catalogue name -> numbered data rows
+    blank_lines: dict[str, int]
+    subset: SubsetInfo | None = None
+    split_mode: str | None = None  # "catalog", "fraction" or None
+
+
+def _not_selected(entries: Iterable[Entry], code: str, detail: str) -> list[Reject]:
+    reason = f"{code} ({detail})" if detail else code
+    return [Reject(e.catalog, e.row, e.source.line, e.source.file_path, code, reason) for e in entries]
+
+
+def plan_conversion(
+    train_catalog: Catalog,
+    base_path: str,
+    *,
+    val_catalog: Catalog | None = None,
+    val_fraction: float | None = None,
+    subset: int | None = None,
+    seed: int = 0,
+    media: str = "all",
+    check_files: bool = True,
+) -> ConversionPlan:
+    """Validate, filter by --media, take --subset, split off validation rows.
+
+    Order for the training catalogue: validate (every row, incl. duplicates of validation rows),
+    --media, --subset (of what is left), then --val-fraction (of the subset). The validation
+    catalogue is validated and filtered by --media but never subset. Every row not kept becomes
+    a Reject, so written + rejected == input rows per catalogue.
+    """
+    base_path = normalise_base_path(base_path)
+    rejects: list[Reject] = []
+    val_entries: list[Entry] = []
+    validation_paths: dict[str, int] = {}
+    input_rows = {"train": len(train_catalog.rows)}
+    blank_lines = {"train": train_catalog.blank_lines}
+    split_mode = None
+
+    if val_catalog is not None:
+        split_mode = "catalog"
+        input_rows["val"] = len(val_catalog.rows)
+        blank_lines["val"] = val_catalog.blank_lines
+        val_result = validate_rows(val_catalog, base_path, "val", check_files)
+        rejects += val_result.rejects
+        validation_paths = {e.resolved_path: e.row for e in val_result.accepted}
+        val_entries, unselected = select_media(val_result.accepted, media)
+        rejects += _not_selected(unselected, Reason.NOT_SELECTED, f"--media {media}")
+
+    train_result = validate_rows(train_catalog, base_path, "train", check_files, validation_paths)
+    rejects += train_result.rejects
+    train_entries, unselected = select_media(train_result.accepted, media)
+    rejects += _not_selected(unselected, Reason.NOT_SELECTED, f"--media {media}")
+
+    subset_info = None
+    if subset is not None:
+        available = count_media_types(train_entries)
+        picked, not_picked = stratified_subset(train_entries, subset, seed)
+        rejects += _not_selected(not_picked, Reason.NOT_IN_SUBSET, f"--subset {subset}")
+        subset_info = SubsetInfo(subset, len(train_entries), len(picked), subset >= len(train_entries),
+                                 available, count_media_types(picked))
+        train_entries = picked
+
+    if val_fraction is not None:
+        split_mode = "fraction"
+        train_entries, val_from_train = stratified_split(train_entries, val_fraction, seed)
+        val_entries = val_from_train
+
+    return ConversionPlan(train_entries, val_entries, rejects, input_rows, blank_lines, subset_info, split_mode)
