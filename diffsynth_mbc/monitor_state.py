@@ -388,16 +388,15 @@ class HistoryFile:
                     break
                 buf = carry + chunk if carry else chunk
                 cut = buf.rfind(b"\n")
-                if cut < 0:
-                    carry = buf
-                    if len(carry) > MAX_LINE_BYTES:  # garbage without newlines: skip it
-                        self.offset += len(carry)
-                        self.skipped_bytes += len(carry)
-                        carry = b""
-                    continue
-                self._consume(buf, cut + 1)
-                changed = True
+                if cut >= 0:
+                    self._consume(buf, cut + 1)
+                    changed = True
                 carry = buf[cut + 1:]
+                if len(carry) > MAX_LINE_BYTES:  # garbage without line breaks: skip it
+                    self.offset += len(carry)
+                    self.skipped_bytes += len(carry)
+                    carry = b""
+                    changed = True
             self.torn = bool(carry.strip())
         return changed
 
