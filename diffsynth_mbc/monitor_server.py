@@ -4,8 +4,8 @@ Routes (GET and HEAD; OPTIONS answers CORS preflight; anything else 405):
 
 - ``/``                      the dashboard page (diffsynth_mbc/web/dashboard.html, self-contained);
 - ``/api/training/status``   the run aggregate (the same object as ``--once --json``);
-- ``/api/training/metrics``  per-step history, keyed by rank: ``rank`` (optional, default all
-  ranks of the run), ``since`` (a step; records with a larger step), ``limit`` (records per
+- ``/api/training/metrics``  per-step history, keyed by rank: ``rank`` (optional, default every
+  rank of the run with a status file), ``since`` (a step; records with a larger step), ``limit`` (records per
   rank, 1..10000, default 1000), ``points`` (optional, 2..5000: the bounded down-sampled
   series instead of raw records).
 

@@ -676,7 +676,7 @@ class MonitorState:
 
     def metrics(self, rank: int | None = None, since: float | None = None, limit: int = 1000,
                 points: int | None = None) -> dict:
-        """Per-step history of one rank or all ranks of the run, keyed by rank (as a string).
+        """Per-step history of one rank or of every rank of the run with a status file, keyed by rank.
 
         Raw JSONL records with step > since (at most ``limit`` per rank; ``truncated`` says
         more exist and ``next_since`` is where to continue), or with ``points`` the bounded
@@ -685,7 +685,7 @@ class MonitorState:
         """
         with self._lock:
             snap = self.snapshot(max_age_s=0.5)
-            ranks = self.run_ranks() if rank is None else [rank]
+            ranks = sorted(r["rank"] for r in snap["ranks"]) if rank is None else [rank]
             plan = {}
             for r in ranks:
                 hf = self._history_for(r)
