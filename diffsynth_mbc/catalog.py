@@ -48,7 +48,7 @@ class Reason:
     UNSUPPORTED_EXTENSION = "unsupported extension"
     EXTENSION_CONTRADICTS = "extension contradicts media_type"
     EMPTY_CAPTION = "empty caption"
-    CAPTION_READS_AS_MISSING = "caption reads as missing in pandas"
+    CAPTION_NOT_TEXT = "caption does not read back as text in pandas"
     DUPLICATE = "duplicate of an earlier row"
     DUPLICATE_OF_VALIDATION = "duplicate of validation row"
     MISSING_FILE = "missing file"
@@ -61,7 +61,7 @@ class CatalogError(Exception):
     """The catalogue as a whole cannot be read (not found, not UTF-8, bad CSV, missing column)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CatalogRow:
     row: int  # 1-based data row number (blank records not counted)
     line: int  # physical line where the record starts; the header is line 1
@@ -81,7 +81,7 @@ class Catalog:
     blank_lines: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Entry:
     """A row that passed validation: what goes into metadata.csv."""
 
@@ -150,47 +150,43 @@ def parse_catalog_text(text: str, name: str = "<catalog>") -> Catalog:
     """Parse catalogue text (BOM already removed). Header names are matched trimmed and case-blind."""
     csv.field_size_limit(2**31 - 1)  # captions can be long; the default 128 KiB would abort the file
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
-    records = _records_with_lines(reader, name)
-    header_line, header = next(records, (0, None))
-    if header is None or not any(cell.strip() for cell in header):
+    leading_blank_lines = 0
+    try:
+        header = next(reader, None)
+        while header is not None and not "".join(header).strip():
+            leading_blank_lines += 1
+            header = next(reader, None)
+    except csv.Error as error:
+        raise _malformed(name, reader.line_num, error) from None
+    if header is None:
         raise CatalogError(f"{name}: empty file, expected a header with columns {', '.join(REQUIRED_COLUMNS)}")
     columns = [cell.strip() for cell in header]
     positions = _required_column_positions(columns, name)
     file_path_at, caption_at, media_type_at = (positions[c] for c in REQUIRED_COLUMNS)
 
     rows: list[CatalogRow] = []
-    blank_lines = 0
-    for line, record in records:
-        if all(not cell.strip() for cell in record):
-            blank_lines += 1
-            continue
-        rows.append(CatalogRow(
-            row=len(rows) + 1,
-            line=line,
-            file_path=_cell(record, file_path_at),
-            caption=_cell(record, caption_at),
-            media_type=_cell(record, media_type_at),
-            field_count=len(record),
-        ))
-    return Catalog(path=name, sha256="", columns=columns, expected_field_count=len(columns),
+    blank_lines = leading_blank_lines
+    expected = len(columns)
+    line = reader.line_num + 1  # where the next record starts
+    try:
+        for record in reader:
+            if not "".join(record).strip():
+                blank_lines += 1
+            elif len(record) == expected:
+                rows.append(CatalogRow(len(rows) + 1, line, record[file_path_at], record[caption_at],
+                                       record[media_type_at], expected))
+            else:
+                rows.append(CatalogRow(len(rows) + 1, line, _cell(record, file_path_at), _cell(record, caption_at),
+                                       _cell(record, media_type_at), len(record)))
+            line = reader.line_num + 1
+    except csv.Error as error:
+        raise _malformed(name, line, error) from None
+    return Catalog(path=name, sha256="", columns=columns, expected_field_count=expected,
                    rows=rows, blank_lines=blank_lines)
 
 
-def _records_with_lines(reader, name: str):
-    """Yield (start line, record); turn csv errors into CatalogError with the line."""
-    previous_line_num = 0
-    while True:
-        try:
-            record = next(reader)
-        except StopIteration:
-            return
-        except csv.Error as error:
-            raise CatalogError(
-                f"{name}: malformed CSV at line {previous_line_num + 1} ({error}); "
-                "check the quotes in that row"
-            ) from None
-        yield previous_line_num + 1, record
-        previous_line_num = reader.line_num
+def _malformed(name: str, line: int, error: csv.Error) -> CatalogError:
+    return CatalogError(f"{name}: malformed CSV at line {line} ({error}); check the quotes in that row")
 
 
 def _required_column_positions(columns: list[str], name: str) -> dict[str, int]:
@@ -222,7 +218,54 @@ def normalise_base_path(base_path: str | os.PathLike) -> str:
 
 
 def file_extension(path: str) -> str:
-    return os.path.splitext(path)[1].lstrip(".").lower()
+    """Lower-case extension without the dot, "" if none (a leading dot alone is no extension)."""
+    name = path[path.rfind(os.sep) + 1:]
+    dot = name.rfind(".")
+    return name[dot + 1:].lower() if dot > 0 else ""
+
+
+def caption_reads_as_non_text(caption: str) -> str | None:
+    """Why pandas.read_csv (DiffSynth's reader) would not give this caption back as a string, or None.
+
+    pandas turns NA-like strings into NaN, and a column whose values all look like numbers or
+    booleans into numbers or booleans; the text encoder then gets a float, not a prompt. Checked
+    per row (a subset could hold only such rows), erring on the side of rejecting.
+    """
+    if caption in PANDAS_NA_STRINGS:
+        return f"{caption!r} reads as NaN"
+    stripped = caption.strip()
+    if stripped.lower() in ("true", "false"):
+        return f"{caption!r} reads as a boolean"
+    try:
+        float(stripped)
+    except ValueError:
+        return None
+    return f"{caption!r} reads as a number"
+
+
+def existing_files(paths: Iterable[str]) -> set[str]:
+    """The paths (absolute, normalised) that are regular files, or links to one.
+
+    Lists each folder once instead of a stat per file when many files share a folder: on
+    network storage a listing costs a few round trips where 1,000 stats cost 1,000.
+    """
+    by_folder: dict[str, list[str]] = {}
+    for path in paths:
+        folder, _, name = path.rpartition(os.sep)
+        by_folder.setdefault(folder or os.sep, []).append(name)
+    found: set[str] = set()
+    for folder, names in by_folder.items():
+        prefix = folder if folder.endswith(os.sep) else folder + os.sep
+        if len(names) < 16:
+            found.update(prefix + n for n in names if os.path.isfile(prefix + n))
+            continue
+        try:
+            with os.scandir(folder) as listing:
+                files = {entry.name for entry in listing if entry.is_file()}
+        except OSError:  # missing folder, or not a folder: none of its files exist
+            continue
+        found.update(prefix + n for n in names if n in files)
+    return found
 
 
 def validate_rows(
@@ -252,7 +295,7 @@ def validate_rows(
         if not file_path:
             result.reject(row, Reason.EMPTY_FILE_PATH)
             continue
-        resolved = os.path.normpath(os.path.join(base_path, file_path))
+        resolved = os.path.normpath(file_path if os.path.isabs(file_path) else base_prefix + file_path)
         if not resolved.startswith(base_prefix):
             result.reject(row, Reason.OUTSIDE_BASE_PATH, f"resolves to {resolved}")
             continue
@@ -272,8 +315,9 @@ def validate_rows(
         if not row.caption.strip():
             result.reject(row, Reason.EMPTY_CAPTION)
             continue
-        if row.caption in PANDAS_NA_STRINGS:
-            result.reject(row, Reason.CAPTION_READS_AS_MISSING, repr(row.caption))
+        caption_problem = caption_reads_as_non_text(row.caption)
+        if caption_problem:
+            result.reject(row, Reason.CAPTION_NOT_TEXT, caption_problem)
             continue
         if resolved in seen:
             result.reject(row, Reason.DUPLICATE, f"row {seen[resolved]}")
@@ -288,8 +332,9 @@ def validate_rows(
         candidates.append(Entry(catalog_name, row, media_type, resolved, relative))
 
     if check_files:
+        existing = existing_files(e.resolved_path for e in candidates)
         for entry in candidates:
-            if os.path.isfile(entry.resolved_path):
+            if entry.resolved_path in existing:
                 result.accepted.append(entry)
             else:
                 result.reject(entry.source, Reason.MISSING_FILE, entry.resolved_path)

@@ -1,0 +1,31 @@
+"""Write catalogue files byte by byte, the way real exports come (BOM, CRLF, blank lines)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Iterable, Sequence
+
+HEADER = ("file_path", "caption", "media_type")
+
+
+def catalog_text(rows: Iterable[Sequence[str]], header: Sequence[str] = HEADER, line_end: str = "\n") -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator=line_end)
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def write_catalog(path, rows: Iterable[Sequence[str]], header: Sequence[str] = HEADER, line_end: str = "\n",
+                  bom: bool = False) -> Path:
+    path = Path(path)
+    data = catalog_text(rows, header, line_end).encode("utf-8")
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + data)
+    return path
+
+
+def read_csv_records(path) -> list[dict[str, str]]:
+    with open(path, encoding="utf-8", newline="") as handle:
+        return list(csv.DictReader(handle))
