@@ -1,0 +1,54 @@
+"""Print the step plan of a training before it starts: ``python -m diffsynth_mbc.plan --world_size N [train flags]``.
+
+Reads the same preset and flags as ``diffsynth_mbc.train`` and counts the metadata rows the way
+DiffSynth's loader will. The human plan goes to stderr; with ``--shell`` the output and log folders
+go to stdout as shell assignments for the launchers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from .step_plan import StepPlan
+from .train_options import OptionsError, resolve_options
+
+
+def count_metadata_rows(path: str) -> int:
+    import pandas as pd
+    return len(pd.read_csv(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.plan", add_help=True)
+    parser.add_argument("--world_size", type=int, required=True, help="total processes (GPUs) of the run")
+    parser.add_argument("--shell", action="store_true", help="print OUTPUT_PATH=... LOG_DIR=... on stdout")
+    known, train_argv = parser.parse_known_args(argv)
+    try:
+        options = resolve_options(train_argv)
+        rows = count_metadata_rows(options.dataset_metadata_path)
+        plan = StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=known.world_size,
+                        batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
+                        num_epochs=options.num_epochs)
+    except FileNotFoundError as exc:
+        print(f"error: metadata not found: {exc.filename}", file=sys.stderr)
+        return 2
+    except (OptionsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"step plan: {options.dataset_metadata_path}", file=sys.stderr)
+    print(f"  rows {plan.rows:,} x repeat {plan.repeat} = {plan.samples_per_epoch:,} samples per epoch", file=sys.stderr)
+    print(f"  GPUs {plan.world_size} -> {plan.samples_per_rank_per_epoch:,} samples per GPU per epoch", file=sys.stderr)
+    print(f"  batch {plan.batch_size} x accumulation {plan.gradient_accumulation} -> "
+          f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch", file=sys.stderr)
+    print(f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)", file=sys.stderr)
+    if known.shell:
+        print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
+        print(f"LOG_DIR={shlex.quote(options.log_dir)}")
+        print(f"TOTAL_STEPS={plan.total_steps}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

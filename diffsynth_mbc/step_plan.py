@@ -1,0 +1,101 @@
+"""How many steps a run takes, per rank, under DDP. Pure arithmetic: no torch, no diffsynth.
+
+Each rank sees ceil(rows * repeat / world_size) samples per epoch (the distributed sampler pads the
+last round), groups them into batches, and takes one optimizer step per ``gradient_accumulation``
+batches (a partial group at the end of an epoch still steps). So
+
+    steps_per_epoch = ceil(ceil(ceil(rows * repeat / world_size) / batch_size) / gradient_accumulation)
+    total_steps     = steps_per_epoch * num_epochs
+
+The users' dashboard showed 5,000 steps for 5,000 samples on 2 GPUs; each rank really runs 2,500.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rows: int
+    repeat: int
+    world_size: int
+    batch_size: int
+    gradient_accumulation: int
+    num_epochs: int
+
+    def __post_init__(self):
+        for name in ("repeat", "world_size", "batch_size", "gradient_accumulation", "num_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.rows < 0:
+            raise ValueError(f"rows must not be negative, got {self.rows}")
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.rows * self.repeat
+
+    @property
+    def samples_per_rank_per_epoch(self) -> int:
+        return _ceil_div(self.samples_per_epoch, self.world_size)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches each rank loads per epoch (what len() of the prepared data loader says)."""
+        return _ceil_div(self.samples_per_rank_per_epoch, self.batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps each rank takes per epoch."""
+        return _ceil_div(self.batches_per_epoch, self.gradient_accumulation)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.num_epochs
+
+    @property
+    def effective_batch(self) -> int:
+        """Samples per optimizer step across all ranks."""
+        return self.world_size * self.batch_size * self.gradient_accumulation
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "samples_per_epoch": self.samples_per_epoch,
+                "samples_per_rank_per_epoch": self.samples_per_rank_per_epoch,
+                "batches_per_epoch": self.batches_per_epoch, "steps_per_epoch": self.steps_per_epoch,
+                "total_steps": self.total_steps, "effective_batch": self.effective_batch}
+
+    def describe(self) -> str:
+        return (f"{self.rows:,} rows x repeat {self.repeat} = {self.samples_per_epoch:,} samples/epoch; "
+                f"{self.world_size} GPU(s) -> {self.samples_per_rank_per_epoch:,} samples per GPU per epoch; "
+                f"batch {self.batch_size} x accumulation {self.gradient_accumulation} -> "
+                f"{self.steps_per_epoch:,} optimizer steps per GPU per epoch; "
+                f"{self.num_epochs} epoch(s) -> {self.total_steps:,} steps in total (per GPU)")
+
+
+def steps_from_loader(batches_per_epoch: int, gradient_accumulation: int, num_epochs: int) -> tuple[int, int]:
+    """(steps_per_epoch, total_steps) from the length of the already-sharded data loader."""
+    steps_per_epoch = _ceil_div(batches_per_epoch, gradient_accumulation)
+    return steps_per_epoch, steps_per_epoch * num_epochs
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
+              min_factor: float = 0.0) -> float:
+    """Multiplier of the base learning rate before optimizer step ``step`` (0-based).
+
+    Linear warm-up from 1/(warmup+1) to 1 over ``warmup_steps`` steps, then constant, or cosine
+    down to ``min_factor`` at ``total_steps``.
+    """
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"unknown lr schedule {schedule!r}; use 'constant' or 'cosine'")
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / decay_steps))
+    return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
