@@ -154,7 +154,9 @@ def _probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: 
 
 def _csv_text(header, rows) -> str:
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")  # QUOTE_MINIMAL, doubled quotes: what pandas reads
+    # RFC 4180 line ends: with "\n" Python's writer would leave a lone "\r" in a caption unquoted, and
+    # pandas would split the row there. QUOTE_MINIMAL with doubled quotes is what pandas reads.
+    writer = csv.writer(buffer, lineterminator="\r\n")
     writer.writerow(header)
     writer.writerows(rows)
     return buffer.getvalue()

@@ -105,7 +105,7 @@ def make_demo_catalog(
     media_dir.mkdir(parents=True, exist_ok=True)
     catalog_path = root / "catalog.csv"
     with open(catalog_path, "w", encoding="utf-8", newline="") as handle:
-        writer = csv.writer(handle, lineterminator=os.linesep if os.name == "nt" else "\n")
+        writer = csv.writer(handle, lineterminator="\n")
         writer.writerow(("file_path", "caption", "media_type"))
         writer.writerows(rows)
     return catalog_path

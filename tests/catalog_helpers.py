@@ -11,8 +11,16 @@ HEADER = ("file_path", "caption", "media_type")
 
 
 def catalog_text(rows: Iterable[Sequence[str]], header: Sequence[str] = HEADER, line_end: str = "\n") -> str:
+    """CSV text with ``line_end`` after each record; every field holding "\r" or "\n" ends up quoted.
+
+    Python's writer quotes only the characters of its own line terminator (and "\n"), so with
+    "\n" line ends a lone "\r" would stay bare: then quote every field instead.
+    """
+    rows = [list(row) for row in rows]
+    bare_cr_possible = line_end != "\r\n" and any("\r" in field for row in rows for field in row)
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator=line_end)
+    writer = csv.writer(buffer, lineterminator=line_end,
+                        quoting=csv.QUOTE_ALL if bare_cr_possible else csv.QUOTE_MINIMAL)
     writer.writerow(header)
     writer.writerows(rows)
     return buffer.getvalue()
