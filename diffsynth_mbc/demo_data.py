@@ -7,7 +7,6 @@ imageio's ffmpeg backend; images are PNG or JPEG written with PIL.
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 
 import numpy as np
