@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
-from .monitor_state import MonitorState
+from .monitor_state import MonitorState, json_safe
 
 STATUS_PATH = "/api/training/status"
 METRICS_PATH = "/api/training/metrics"
@@ -134,7 +134,10 @@ def make_handler(state: MonitorState, page: bytes, quiet: bool = True):
                 self.wfile.write(body)
 
         def _json(self, code: int, obj) -> None:
-            body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+            try:
+                body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+            except ValueError:  # a non-finite number slipped through: send null instead
+                body = json.dumps(json_safe(obj), allow_nan=False, separators=(",", ":")).encode()
             self._send(code, body, "application/json; charset=utf-8")
 
         def _error(self, code: int, message: str, parameter: str | None = None) -> None:

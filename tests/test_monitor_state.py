@@ -322,3 +322,19 @@ def test_series_stays_bounded_and_keeps_the_mean(values, max_points):
         total = sum(m * n for m, n in zip(series.mean, series.n))
         assert total == pytest.approx(sum(values), rel=1e-6, abs=1e-3)
         assert len(series.points(max_points=5)) <= 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.floats(-1e3, 1e3, allow_nan=False), max_size=90), max_size=12), st.integers(2, 30))
+def test_series_extend_in_batches_equals_adding_one_by_one(batches, max_points):
+    one, bulk = Series(max_points), Series(max_points)
+    i = 0
+    for batch in batches:
+        xs = list(range(i, i + len(batch)))
+        i += len(batch)
+        for x, y in zip(xs, batch):
+            one.add(x, y)
+        bulk.extend(xs, batch)
+    assert (bulk.x, bulk.lo, bulk.hi, bulk.n, bulk.bucket, bulk.count) == (one.x, one.lo, one.hi, one.n, one.bucket,
+                                                                         one.count)
+    assert bulk.mean == pytest.approx(one.mean, abs=1e-6)
