@@ -236,11 +236,16 @@ def caption_reads_as_non_text(caption: str) -> str | None:
     stripped = caption.strip()
     if stripped.lower() in ("true", "false"):
         return f"{caption!r} reads as a boolean"
+    if not stripped or stripped[0] not in _NUMBER_STARTS:
+        return None  # cheap exit for ordinary text: float() raising costs more than this check
     try:
         float(stripped)
     except ValueError:
         return None
     return f"{caption!r} reads as a number"
+
+
+_NUMBER_STARTS = frozenset("0123456789+-.iInN")
 
 
 def existing_files(paths: Iterable[str]) -> set[str]:
