@@ -65,13 +65,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(options, status: RankStatusWriter) -> None:
     status.set_status(run_files.STATUS_LOADING, phase="importing torch and diffsynth")
+    import dataclasses
     import datetime
 
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
-    from diffsynth.trainers.utils import VideoDataset
 
+    from .dataset import MBCVideoDataset
     from .pipeline import build_demo_pipeline, load_pipeline
     from .progress import ProgressLogger
     from .step_plan import StepPlan, lr_factor, steps_from_loader
@@ -113,10 +114,9 @@ def train(options, status: RankStatusWriter) -> None:
         max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary)
 
     status.update(phase="reading metadata")
-    dataset = VideoDataset(base_path=options.dataset_base_path, metadata_path=options.dataset_metadata_path,
-                           num_frames=options.num_frames, height=options.height, width=options.width,
-                           data_file_keys=("video",), repeat=options.dataset_repeat)
-    plan = StepPlan(rows=len(dataset.data), repeat=options.dataset_repeat, world_size=accelerator.num_processes,
+    dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path, num_frames=options.num_frames,
+                              height=options.height, width=options.width, repeat=options.dataset_repeat)
+    plan = StepPlan(rows=dataset.rows, repeat=options.dataset_repeat, world_size=accelerator.num_processes,
                     batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
                     num_epochs=options.num_epochs)
     if plan.rows == 0:
@@ -131,8 +131,14 @@ def train(options, status: RankStatusWriter) -> None:
 
     status.update(phase="preparing (DDP / DeepSpeed)")
     module, optimizer, loader = accelerator.prepare(module, optimizer, loader)
-    steps_per_epoch, total_steps = steps_from_loader(len(loader), options.gradient_accumulation_steps,
-                                                     options.num_epochs)
+    # What the loop will really do: DeepSpeed's config may override the accumulation we asked for.
+    accumulation = accelerator.gradient_accumulation_steps
+    if accumulation != options.gradient_accumulation_steps:
+        print(f"[rank {accelerator.process_index}] note: gradient accumulation is {accumulation} (from the "
+              f"DeepSpeed config), not --gradient_accumulation_steps {options.gradient_accumulation_steps}",
+              file=sys.stderr)
+        plan = dataclasses.replace(plan, gradient_accumulation=accumulation)
+    steps_per_epoch, total_steps = steps_from_loader(len(loader), accumulation, options.num_epochs)
     if steps_per_epoch != plan.steps_per_epoch:
         print(f"[rank {accelerator.process_index}] note: the data loader gives {steps_per_epoch} steps/epoch, "
               f"the plan said {plan.steps_per_epoch}; using the data loader's", file=sys.stderr)

@@ -1,0 +1,45 @@
+"""Running the real launchers and commands as subprocesses, with caches kept inside the test folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def isolated_env(work: Path, **extra) -> dict:
+    env = dict(os.environ)
+    for var in ("HF_HOME", "TORCH_EXTENSIONS_DIR", "MODELSCOPE_CACHE", "TMPDIR", "TRITON_CACHE_DIR"):
+        path = work / ".cache" / var.lower()
+        path.mkdir(parents=True, exist_ok=True)
+        env[var] = str(path)
+    env["PYTHON"] = sys.executable
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("MBC_RUN_ID", None)
+    env.update({key: str(value) for key, value in extra.items()})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_status(log_dir: Path, rank: int) -> dict:
+    return json.loads((log_dir / f"training_gpu{rank}.json").read_text())
+
+
+def read_history(log_dir: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / f"training_gpu{rank}.jsonl").read_text().splitlines()]
+
+
+def cpu_launch_command(*train_args: str, num_processes: int = 2) -> list[str]:
+    """accelerate launch of the training on CPU ranks (gloo), the way the demo launcher does it."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "diffsynth_mbc.train", *train_args]
