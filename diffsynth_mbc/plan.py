@@ -1,8 +1,8 @@
 """Print the step plan of a training before it starts: ``python -m diffsynth_mbc.plan --world_size N [train flags]``.
 
 Reads the same preset and flags as ``diffsynth_mbc.train`` and counts the metadata rows the way
-DiffSynth's loader will. The human plan goes to stderr; with ``--shell`` the output and log folders
-go to stdout as shell assignments for the launchers.
+DiffSynth's loader will, and prints the plan on stderr. ``--paths-only`` reads no data and prints
+the output and log folders as shell assignments for the launchers.
 """
 
 from __future__ import annotations
@@ -23,10 +23,15 @@ def count_metadata_rows(path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.plan", add_help=True)
     parser.add_argument("--world_size", type=int, required=True, help="total processes (GPUs) of the run")
-    parser.add_argument("--shell", action="store_true", help="print OUTPUT_PATH=... LOG_DIR=... on stdout")
+    parser.add_argument("--paths-only", action="store_true",
+                        help="only validate the flags and print OUTPUT_PATH=... LOG_DIR=... (reads no data)")
     known, train_argv = parser.parse_known_args(argv)
     try:
         options = resolve_options(train_argv)
+        if known.paths_only:
+            print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
+            print(f"LOG_DIR={shlex.quote(options.log_dir)}")
+            return 0
         rows = count_metadata_rows(options.dataset_metadata_path)
         plan = StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=known.world_size,
                         batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
@@ -43,10 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  batch {plan.batch_size} x accumulation {plan.gradient_accumulation} -> "
           f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch", file=sys.stderr)
     print(f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)", file=sys.stderr)
-    if known.shell:
-        print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
-        print(f"LOG_DIR={shlex.quote(options.log_dir)}")
-        print(f"TOTAL_STEPS={plan.total_steps}")
     return 0
 
 

@@ -45,7 +45,8 @@ mbc_launch() {
     esac
     shift
   done
-  cd "$MBC_ROOT"
+  # Relative paths (presets, runs/) are taken from the folder the launcher is started in.
+  [[ -f $preset ]] || preset=$MBC_ROOT/$preset
 
   local model_given=0
   for arg in "${train_args[@]+"${train_args[@]}"}"; do [[ $arg == --model_dir* || $arg == --model_id* ]] && model_given=1; done
@@ -57,23 +58,22 @@ mbc_launch() {
 
   local accelerate_args=() env_prefix=()
   if [[ $demo == 1 ]]; then
-    preset=configs/train_demo.yaml
-    "$PYTHON" -m diffsynth_mbc.demo prepare runs/demo
+    preset=$MBC_ROOT/configs/train_demo.yaml
     gpus=2
     env_prefix=(env ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1)
     accelerate_args=(--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no
                      --dynamo_backend no --main_process_port "$(mbc_free_port)")
   else
     # shellcheck disable=SC1091
-    source configs/nccl_pcie.env
+    source "$MBC_ROOT/configs/nccl_pcie.env"
     [[ -n $gpus ]] || gpus=$(mbc_count_gpus)
     [[ $gpus =~ ^[1-9][0-9]*$ ]] || mbc_die "cannot tell how many GPUs to use (got '$gpus'); pass --gpus N"
-    local config=configs/accelerate/ddp.yaml
-    [[ $deepspeed == 1 ]] && config=configs/accelerate/deepspeed_zero2.yaml
+    local config=$MBC_ROOT/configs/accelerate/ddp.yaml
+    [[ $deepspeed == 1 ]] && config=$MBC_ROOT/configs/accelerate/deepspeed_zero2.yaml
     if [[ $multinode == 1 ]]; then
       [[ -n "${MASTER_ADDR:-}" && -n "${NUM_MACHINES:-}" && -n "${MACHINE_RANK:-}" ]] ||
         mbc_die "--multinode needs MASTER_ADDR, NUM_MACHINES and MACHINE_RANK in the environment"
-      [[ $deepspeed == 1 ]] || config=configs/accelerate/multinode.yaml
+      [[ $deepspeed == 1 ]] || config=$MBC_ROOT/configs/accelerate/multinode.yaml
       accelerate_args=(--config_file "$config" --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK"
                        --main_process_ip "$MASTER_ADDR" --main_process_port "${MASTER_PORT:-29500}"
                        --num_processes $((gpus * NUM_MACHINES)))
@@ -84,12 +84,11 @@ mbc_launch() {
   local world_size=$gpus
   [[ $multinode == 1 ]] && world_size=$((gpus * NUM_MACHINES))
 
-  # The plan first: rows, GPUs, steps per GPU per epoch, total steps. Also validates every flag.
-  local plan
-  plan=$("$PYTHON" -m diffsynth_mbc.plan --shell --world_size "$world_size" --config "$preset" \
-         "${train_args[@]+"${train_args[@]}"}") || exit 2
-  local OUTPUT_PATH LOG_DIR TOTAL_STEPS
-  eval "$plan"
+  # Where this run writes; validates every flag without reading any data.
+  local paths OUTPUT_PATH LOG_DIR
+  paths=$("$PYTHON" -m diffsynth_mbc.plan --paths-only --world_size "$world_size" --config "$preset" \
+          "${train_args[@]+"${train_args[@]}"}") || exit 2
+  eval "$paths"
   mkdir -p "$OUTPUT_PATH" "$LOG_DIR"
 
   # One training per output folder. The lock is an open file descriptor that every process of the
@@ -103,7 +102,15 @@ mbc_launch() {
   fi
   if [[ -s $pid_file ]]; then
     echo "note: cleared a stale lock of pid $(cat "$pid_file") (that run is no longer alive)" >&2
+    rm -f "$pid_file"
   fi
+  echo $$ > "$pid_file"
+
+  [[ $demo == 1 ]] && "$PYTHON" -m diffsynth_mbc.demo prepare runs/demo
+
+  # The plan: rows, GPUs, steps per GPU per epoch, total steps.
+  "$PYTHON" -m diffsynth_mbc.plan --world_size "$world_size" --config "$preset" \
+    "${train_args[@]+"${train_args[@]}"}" || exit 2
 
   export MBC_RUN_ID=${MBC_RUN_ID:-run-$(date +%Y%m%d-%H%M%S)}
   local log_file=${MBC_LOG_FILE:-$OUTPUT_PATH/train-$MBC_RUN_ID.log}
@@ -119,7 +126,6 @@ mbc_launch() {
     echo "started in the background: pid $pid" >&2
     return 0
   fi
-  echo $$ > "$pid_file"
   set +e
   "${cmd[@]}" 2>&1 | tee -i -a "$log_file"
   local code=${PIPESTATUS[0]}
