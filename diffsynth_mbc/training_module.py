@@ -1,10 +1,57 @@
-"""The LoRA training module: DiffSynth's Wan pipeline units and training loss, TI2V first-frame condition."""
+"""The LoRA training module: DiffSynth's Wan pipeline units and training loss, TI2V first-frame condition.
+
+Two kinds of sample reach ``forward``: clips as DiffSynth's VideoDataset yields them (encoded on every
+step by the pipeline's units) and entries of the latent cache (``{"cached": True, ...}``, see
+``diffsynth_mbc.cache``), for which only the DiT runs; the VAE and text encoder may then be absent.
+"""
 
 from __future__ import annotations
 
 import torch
 from diffsynth.trainers.utils import DiffusionTrainingModule
-from diffsynth.pipelines.wan_video_new import WanVideoPipeline
+from diffsynth.pipelines.wan_video_new import WanVideoPipeline, WanVideoUnit_PromptEmbedder
+
+
+def unit_inputs(pipe: WanVideoPipeline, sample: dict, **scalars) -> tuple[dict, dict, dict]:
+    """The (shared, positive, negative) inputs the pipeline units start from for one clip sample."""
+    video = sample["video"]
+    height, width = video[0].size[1], video[0].size[0]
+    shared = {
+        "input_video": video, "input_image": video[0],  # TI2V: condition on the first frame
+        "height": height, "width": width, "num_frames": len(video),
+        "cfg_scale": 1, "cfg_merge": False, "tiled": False, "rand_device": pipe.device,
+        **scalars,
+    }
+    return shared, {"prompt": sample["prompt"]}, {}
+
+
+def run_units(pipe: WanVideoPipeline, shared: dict, positive: dict, negative: dict, units=None) -> dict:
+    """Run DiffSynth's own units (all of ``pipe.units`` unless a subset is given) without gradients."""
+    with torch.no_grad():
+        for unit in pipe.units if units is None else units:
+            shared, positive, negative = pipe.unit_runner(unit, pipe, shared, positive, negative)
+    return {**shared, **positive}
+
+
+def media_units(pipe: WanVideoPipeline) -> list:
+    """The units that turn a clip into latents: every unit except the prompt encoder."""
+    return [unit for unit in pipe.units if not isinstance(unit, WanVideoUnit_PromptEmbedder)]
+
+
+def prompt_units(pipe: WanVideoPipeline) -> list:
+    return [unit for unit in pipe.units if isinstance(unit, WanVideoUnit_PromptEmbedder)]
+
+
+def pad_context(context: torch.Tensor, text_len: int) -> torch.Tensor:
+    """Zeros after the real tokens up to ``text_len``: what WanPrompter.encode_prompt returns."""
+    if context.dim() == 2:
+        context = context.unsqueeze(0)
+    tokens = context.shape[1]
+    if tokens > text_len:
+        raise ValueError(f"text embedding has {tokens} tokens, more than text_len {text_len}")
+    padded = context.new_zeros((context.shape[0], text_len, context.shape[2]))
+    padded[:, :tokens] = context
+    return padded
 
 
 class WanTI2VLoraModule(DiffusionTrainingModule):
@@ -13,7 +60,9 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
     ``forward(batch)`` takes a list of samples as DiffSynth's VideoDataset yields them
     (``{"video": [PIL frames], "prompt": str, ...}``) and returns the mean loss over the list.
     Each sample runs through the pipeline's own units (shape check, noise, VAE encode, prompt
-    encode, TI2V first-frame fusion) and ``pipe.training_loss``.
+    encode, TI2V first-frame fusion) and ``pipe.training_loss``. A sample with ``"cached": True``
+    (from ``CachedLatentDataset``) skips the encoders: ``inputs_from_cache`` builds the same inputs from
+    the stored latents and text embedding, so ``pipe.vae`` and ``pipe.text_encoder`` may be None.
     """
 
     def __init__(self, pipe: WanVideoPipeline, lora_target_modules: str = "q,k,v,o,ffn.0,ffn.2",
@@ -31,30 +80,54 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         self.max_timestep_boundary = max_timestep_boundary
         self.min_timestep_boundary = min_timestep_boundary
 
-    def pipeline_inputs(self, sample: dict) -> tuple[dict, dict, dict]:
-        video = sample["video"]
-        height, width = video[0].size[1], video[0].size[0]
-        shared = {
-            "input_video": video, "input_image": video[0],  # TI2V: condition on the first frame
-            "height": height, "width": width, "num_frames": len(video),
-            "cfg_scale": 1, "cfg_merge": False, "tiled": False, "rand_device": self.pipe.device,
+    def scalar_inputs(self) -> dict:
+        """Training switches passed to ``training_loss`` on both paths."""
+        return {
             "use_gradient_checkpointing": self.use_gradient_checkpointing,
             "use_gradient_checkpointing_offload": self.use_gradient_checkpointing_offload,
             "vace_scale": 1, "max_timestep_boundary": self.max_timestep_boundary,
             "min_timestep_boundary": self.min_timestep_boundary,
         }
-        return shared, {"prompt": sample["prompt"]}, {}
+
+    def pipeline_inputs(self, sample: dict) -> tuple[dict, dict, dict]:
+        return unit_inputs(self.pipe, sample, **self.scalar_inputs())
 
     def encode(self, sample: dict) -> dict:
         """Run the pipeline units: everything the DiT needs for one sample (latents, noise, context, ...)."""
-        shared, positive, negative = self.pipeline_inputs(sample)
-        with torch.no_grad():
-            for unit in self.pipe.units:
-                shared, positive, negative = self.pipe.unit_runner(unit, self.pipe, shared, positive, negative)
-        return {**shared, **positive}
+        return run_units(self.pipe, *self.pipeline_inputs(sample))
+
+    def inputs_from_cache(self, sample: dict) -> dict:
+        """What ``encode`` returns, built from a cache entry instead of running the VAE and text encoder.
+
+        The same steps as the units, in the same order of random draws: noise of the latent shape from
+        ``pipe.generate_noise`` (NoiseInitializer), then the first-frame latent written into it in place,
+        which also makes it the ``latents`` (InputVideoEmbedder + ImageEmbedderFused).
+        """
+        pipe = self.pipe
+        input_latents = sample["input_latents"].to(device=pipe.device, dtype=pipe.torch_dtype)
+        if input_latents.dim() == 4:
+            input_latents = input_latents.unsqueeze(0)
+        first_frame = sample.get("first_frame_latents")
+        first_frame = input_latents[:, :, :1] if first_frame is None else first_frame.to(
+            device=pipe.device, dtype=pipe.torch_dtype).reshape(input_latents[:, :, :1].shape)
+        latent_frames, latent_height, latent_width = input_latents.shape[2:]
+        factor = getattr(pipe.vae, "upsampling_factor", 16) if pipe.vae is not None else 16
+        shared = {
+            "height": sample.get("height", latent_height * factor), "width": sample.get("width", latent_width * factor),
+            "num_frames": sample.get("num_frames", (latent_frames - 1) * 4 + 1),
+            "cfg_scale": 1, "cfg_merge": False, "tiled": False, "rand_device": pipe.device,
+            **self.scalar_inputs(),
+        }
+        noise = pipe.generate_noise(tuple(input_latents.shape), seed=None, rand_device=pipe.device)
+        shared.update({"noise": noise, "latents": noise, "input_latents": input_latents})
+        if pipe.dit.fuse_vae_embedding_in_latents:
+            noise[:, :, 0:1] = first_frame
+            shared.update({"fuse_vae_embedding_in_latents": True, "first_frame_latents": first_frame})
+        context = sample["context"].to(device=pipe.device, dtype=pipe.torch_dtype)
+        return {**shared, "prompt": sample.get("prompt"), "context": context if context.dim() == 3 else context[None]}
 
     def sample_loss(self, sample: dict) -> torch.Tensor:
-        inputs = self.encode(sample)
+        inputs = self.inputs_from_cache(sample) if sample.get("cached") else self.encode(sample)
         models = {name: getattr(self.pipe, name) for name in self.pipe.in_iteration_models}
         return self.pipe.training_loss(**models, **inputs)
 
