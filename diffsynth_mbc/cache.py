@@ -409,6 +409,7 @@ class ProgressView:
         self.label = f"encoding (rank {rank} of {world_size})"
         self.interval_s = interval_s
         self.started = self.last_line = time.monotonic()
+        self.counted_from = 0
         self.progress = None
         if self.enabled and sys.stderr.isatty():
             from rich.console import Console
@@ -421,12 +422,19 @@ class ProgressView:
             self.task = self.progress.add_task(self.label, total=total, rate="")
             self.progress.start()
 
+    def restart_clock(self) -> None:
+        """Rows/s and ETA from now on: model loading is not encoding."""
+        self.started = time.monotonic()
+        self.counted_from = self.done
+        if self.progress is not None:
+            self.progress.reset(self.task, total=self.total, completed=self.done, rate="")
+
     def advance(self) -> None:
         self.done += 1
         if not self.enabled:
             return
         now = time.monotonic()
-        rate = self.done / max(now - self.started, 1e-9)
+        rate = (self.done - self.counted_from) / max(now - self.started, 1e-9)
         if self.progress is not None:
             self.progress.update(self.task, advance=1, rate=f"{rate:.2f} rows/s")
         elif now - self.last_line >= self.interval_s or self.done == self.total:
@@ -485,10 +493,17 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
 
     work = len(pending_media) + len(pending_text)
     if work:
-        pipe = load_encoders(options, device, torch_dtype, model_files)
-        encoder = Encoder(pipe, cache_dir, torch_dtype)
+        encoder = None
         known_text: set[str] = set()
         view = ProgressView(work, ranks.rank, ranks.world_size, enabled=ranks.rank == 0)
+
+        def get_encoder() -> Encoder:
+            # Loaded on first need: a rank whose remaining rows all fail to decode never loads the models.
+            nonlocal encoder
+            if encoder is None:
+                encoder = Encoder(load_encoders(options, device, torch_dtype, model_files), cache_dir, torch_dtype)
+                view.restart_clock()
+            return encoder
 
         def ensure_text(row: int) -> None:
             text = plan[row]["text"]
@@ -497,7 +512,7 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
             if (cache_dir / text).is_file():
                 stats["text_skipped"] += 1
             else:
-                context = encoder.encode_text(plan[row]["prompt"])
+                context = get_encoder().encode_text(plan[row]["prompt"])
                 stats["bytes_written"] += _save_safetensors(cache_dir / text, {"context": context},
                                                             {"format": FORMAT, "tokens": str(context.shape[0])})
                 stats["text_written"] += 1
@@ -510,9 +525,10 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
                 num_workers=workers, prefetch_factor=2 if workers else None)
             for row, sample, error in loader:
                 if error is None:
+                    get_encoder()  # outside the per-row handler: a model that cannot load stops the job
                     try:
                         ensure_text(row)  # text first: an entry that exists always has its text
-                        tensors, first_frame = encoder.encode_media(sample)
+                        tensors, first_frame = get_encoder().encode_media(sample)
                         stats["bytes_written"] += _save_safetensors(
                             cache_dir / plan[row]["entry"], tensors,
                             {"format": FORMAT, "first_frame": first_frame, "file": plan[row]["file"]})

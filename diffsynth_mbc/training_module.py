@@ -115,7 +115,7 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         shared = {
             "height": sample.get("height", latent_height * factor), "width": sample.get("width", latent_width * factor),
             "num_frames": sample.get("num_frames", (latent_frames - 1) * 4 + 1),
-            "cfg_scale": 1, "cfg_merge": False, "tiled": False, "rand_device": pipe.device,
+            "cfg_scale": 1, "cfg_merge": False, "tiled": False, "rand_device": pipe.device, "vace_context": None,
             **self.scalar_inputs(),
         }
         noise = pipe.generate_noise(tuple(input_latents.shape), seed=None, rand_device=pipe.device)
