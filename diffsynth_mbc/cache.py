@@ -457,7 +457,7 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
     base_path = Path(options.dataset_base_path)
     started = time.monotonic()
     stats = {"rows": 0, "written": 0, "skipped": 0, "failed": 0, "text_written": 0, "text_skipped": 0,
-             "bytes_written": 0}
+             "bytes_written": 0, "model_load_seconds": 0.0}
     done, failed = {}, []
     pending_media, pending_text = [], []
     plan, planned_entries = {}, set()
@@ -501,7 +501,9 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
             # Loaded on first need: a rank whose remaining rows all fail to decode never loads the models.
             nonlocal encoder
             if encoder is None:
+                loading = time.monotonic()
                 encoder = Encoder(load_encoders(options, device, torch_dtype, model_files), cache_dir, torch_dtype)
+                stats["model_load_seconds"] = round(time.monotonic() - loading, 3)
                 view.restart_clock()
             return encoder
 
