@@ -467,18 +467,18 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
         file_name = record.get("video")
         caption = record.get("prompt")
         if not isinstance(caption, str):
-            failed.append({"row": row, "file": str(file_name), "reason": f"metadata row {row + 1}: no caption"})
+            failed.append({"row": row + 1, "file": str(file_name), "reason": f"metadata row {row + 1}: no caption"})
             continue
         try:
             fingerprint = file_fingerprint(base_path / str(file_name))
         except OSError as exc:
-            failed.append({"row": row, "file": str(file_name),
+            failed.append({"row": row + 1, "file": str(file_name),
                            "reason": f"metadata row {row + 1} ({file_name}): cannot read the file: "
                                      f"{exc.strerror or exc}"})
             continue
         entry = entry_relpath(entry_key(fingerprint, settings))
         text = text_relpath(text_key(caption, settings))
-        plan[row] = {"row": row, "file": str(file_name), "prompt": caption,
+        plan[row] = {"row": row + 1, "file": str(file_name), "prompt": caption,
                      "media_type": str(record.get("media_type", "")), "entry": entry, "text": text}
         if (cache_dir / entry).is_file() or entry in planned_entries:
             # Done by an earlier run (or, for a second row of the same file, by this one): not encoded.
@@ -542,7 +542,7 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
                         error = f"metadata row {row + 1} ({plan[row]['file']}): cannot encode: " \
                                 f"{type(exc).__name__}: {exc}"
                 if error is not None:
-                    failed.append({"row": row, "file": plan[row]["file"], "reason": error})
+                    failed.append({"row": row + 1, "file": plan[row]["file"], "reason": error})
                 view.advance()
             for row in pending_text:
                 if (cache_dir / plan[row]["entry"]).is_file():
@@ -550,7 +550,7 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
                     done[row] = plan[row]
                 else:  # a second row of a file that failed above
                     stats["skipped"] -= 1
-                    failed.append({"row": row, "file": plan[row]["file"],
+                    failed.append({"row": row + 1, "file": plan[row]["file"],
                                    "reason": f"metadata row {row + 1} ({plan[row]['file']}): same file as a row "
                                              "that failed"})
                 view.advance()

@@ -4,7 +4,8 @@
 
     {"cached": True, "input_latents": [C, F, H, W], "first_frame_latents": [C, 1, H, W],
      "context": [text_len, dim] (zeros after the real tokens, as the prompt encoder returns it),
-     "prompt": str, "row": int (0-based metadata row), "file": str, "media_type": str,
+     "prompt": str, "row": int (metadata row, 1-based as in MBCVideoDataset's samples and error messages),
+     "file": str, "media_type": str,
      "height": int, "width": int, "num_frames": int}
 
 ``WanTI2VLoraModule`` turns such a sample into the DiT's inputs without the VAE or text encoder.
@@ -49,7 +50,7 @@ class CachedLatentDataset(torch.utils.data.Dataset):
         try:
             return load_file(str(path))
         except FileNotFoundError:
-            raise CacheError(f"metadata row {row['row'] + 1} ({row['file']}): cache file {path} is missing; "
+            raise CacheError(f"metadata row {row['row']} ({row['file']}): cache file {path} is missing; "
                              "rerun `python -m diffsynth_mbc.cache` with the same settings") from None
 
     def __getitem__(self, index: int) -> dict:
@@ -57,7 +58,7 @@ class CachedLatentDataset(torch.utils.data.Dataset):
         tensors = self._load(row["entry"], row)
         latents = tensors["input_latents"]
         if list(latents.shape) != list(row["latent_shape"]):
-            raise CacheError(f"metadata row {row['row'] + 1} ({row['file']}): {row['entry']} holds a latent of "
+            raise CacheError(f"metadata row {row['row']} ({row['file']}): {row['entry']} holds a latent of "
                              f"shape {list(latents.shape)}, the index says {row['latent_shape']} (C, F, H, W)")
         first_frame = tensors.get("first_frame_latents")
         if first_frame is None:
@@ -113,15 +114,18 @@ def check_cache_matches(index: dict, options, cache_dir) -> None:
                                  f"({len(index['failed'])} failed; see its failures.csv)")
 
 
-def open_training_dataset(options):
-    """``CachedLatentDataset`` when ``options.cache`` is set (after checking it matches), else MBCVideoDataset."""
+def open_training_dataset(options, **media_options):
+    """``CachedLatentDataset`` when ``options.cache`` is set (after checking it matches), else MBCVideoDataset.
+
+    ``media_options`` go to MBCVideoDataset only (the cache holds no undecodable rows).
+    """
     cache_dir = getattr(options, "cache", None)
     if not cache_dir:
         from .dataset import MBCVideoDataset
 
         return MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path,
                                num_frames=options.num_frames, height=options.height, width=options.width,
-                               repeat=options.dataset_repeat)
+                               repeat=options.dataset_repeat, **media_options)
     index = read_index(cache_dir)
     check_cache_matches(index, options, cache_dir)
     if getattr(options, "model_id", None) and not getattr(options, "model_dir", None):

@@ -21,7 +21,7 @@ from diffsynth_mbc.dataset import MBCVideoDataset
 from diffsynth_mbc.demo import prepare
 from e2e_helpers import free_port, isolated_env
 
-ROWS, BROKEN_ROW = 6, 2                     # 4 videos + 2 images; video_002 is made unreadable
+ROWS, BROKEN_ROW = 6, 3                     # 4 videos + 2 images; video_002 (metadata row 3) is unreadable
 GOOD_ROWS = ROWS - 1
 
 
@@ -80,9 +80,9 @@ def test_first_run_encodes_every_row_and_lists_the_corrupt_clip(demo, reference)
     with open(cache_dir / "failures.csv", newline="", encoding="utf-8") as handle:
         failures = list(csv.reader(handle))
     assert len(failures) == 2 and failures[1][:2] == [str(BROKEN_ROW), "media/video_002.mp4"]
-    assert failures[1][2].startswith(f"metadata row {BROKEN_ROW + 1} (media/video_002.mp4): cannot decode")
+    assert failures[1][2].startswith(f"metadata row {BROKEN_ROW} (media/video_002.mp4): cannot decode")
     index = json.loads((cache_dir / "cache.json").read_text())
-    assert [row["row"] for row in index["rows"]] == [r for r in range(ROWS) if r != BROKEN_ROW]
+    assert [row["row"] for row in index["rows"]] == [r for r in range(1, ROWS + 1) if r != BROKEN_ROW]
     assert index["failed"] == [{"row": BROKEN_ROW, "file": "media/video_002.mp4"}]
     assert index["settings"]["vae"] == "demo-seed-42" and index["settings"]["text_len"] == 32
     shapes = {row["media_type"]: row["latent_shape"] for row in index["rows"]}
@@ -97,7 +97,7 @@ def test_dataset_pads_the_stored_text_back_with_zeros(demo, reference):
     dataset = CachedLatentDataset(cache_dir, repeat=2)
     assert dataset.rows == GOOD_ROWS and len(dataset) == 2 * GOOD_ROWS
     sample = dataset[GOOD_ROWS]   # repeat wraps around to the first row
-    assert sample["cached"] is True and sample["row"] == 0 and sample["num_frames"] == 9
+    assert sample["cached"] is True and sample["row"] == 1 and sample["num_frames"] == 9
     index = json.loads((cache_dir / "cache.json").read_text())
     tokens = index["rows"][0]["text_tokens"]
     stored = load_file(str(cache_dir / index["rows"][0]["text"]))["context"]
@@ -182,10 +182,11 @@ def test_two_ranks_shard_the_rows_and_rank0_writes_the_whole_index(demo, referen
     shutil.copytree(reference[0], cache_dir)
     (cache_dir / "cache.json").unlink()
     reference_index = json.loads((reference[0] / "cache.json").read_text())
-    # Rank 1 (rows 1, 3, 5) encodes rows 1 and 3 again; rank 0 (rows 0, 2, 4) finds its entries on disk,
-    # tries the unreadable row 2 without loading any model, and waits for rank 1 before writing the index.
+    # Rank r takes the rows at 0-based positions r, r+2, ...: rank 1 has metadata rows 2, 4, 6 and encodes
+    # rows 2 and 4 again; rank 0 (rows 1, 3, 5) finds its entries on disk, tries the unreadable row 3
+    # without loading any model, and waits for rank 1 before writing the index.
     for row in reference_index["rows"]:
-        if row["row"] in (1, 3):
+        if row["row"] in (2, 4):
             (cache_dir / row["entry"]).unlink()
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -201,7 +202,8 @@ def test_two_ranks_shard_the_rows_and_rank0_writes_the_whole_index(demo, referen
     assert (per_rank[1]["written"], per_rank[1]["skipped"], per_rank[1]["failed"]) == (2, 1, 0)
     for rank in (0, 1):
         shard = json.loads((cache_dir / "shards" / f"rank-{rank:05d}-of-00002.json").read_text())
-        assert {row["row"] for row in shard["rows"]} | {f["row"] for f in shard["failed"]} == set(range(rank, ROWS, 2))
+        handled = {row["row"] for row in shard["rows"]} | {f["row"] for f in shard["failed"]}
+        assert handled == set(range(rank + 1, ROWS + 1, 2))
     assert "[rank 1] shard done" in result.stderr
     assert_same_cache(reference[0], cache_dir)
 

@@ -45,7 +45,7 @@ def modules():
 
 def pairs(data):
     media, cached = data
-    return [(media[cached[i]["row"]], cached[i]) for i in range(cached.rows)]
+    return [(media[cached[i]["row"] - 1], cached[i]) for i in range(cached.rows)]  # rows are 1-based
 
 
 def test_cached_inputs_are_the_units_inputs(data, modules):
@@ -87,7 +87,7 @@ def test_three_optimizer_steps_give_the_same_lora(data, modules):
     for step in range(3):
         for module, optimizer, side in ((encoding, optimizers[0], 0), (from_cache, optimizers[1], 1)):
             torch.manual_seed(300 + step)
-            loss = module([sample[side] for sample in batch[step:] + batch[:step]])
+            loss = module([sample[side] for sample in (batch[step:] + batch[:step])[:2]])  # 2 samples a step
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
