@@ -71,15 +71,18 @@ class CachedLatentDataset(torch.utils.data.Dataset):
                 "num_frames": (latents.shape[1] - 1) * 4 + 1}
 
 
-def check_cache_matches(index: dict, options, cache_dir) -> None:
-    """Raise CacheMismatchError listing every way the cache differs from what the options ask for."""
+def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, base_path=None) -> None:
+    """Raise CacheMismatchError listing every way the cache differs from what the options ask for.
+
+    ``metadata_path``/``base_path`` default to the training set's (``--dataset_metadata_path/_base_path``).
+    """
     settings, metadata = index["settings"], index["metadata"]
     problems = []
     sizes = [(key, settings[key], getattr(options, key)) for key in ("height", "width", "num_frames")]
     if any(built != asked for _, built, asked in sizes):
         problems.append("it was built for " + ", ".join(f"{key} {built}" for key, built, _ in sizes)
                         + "; this run asks for " + ", ".join(f"{key} {asked}" for key, _, asked in sizes))
-    metadata_path = Path(options.dataset_metadata_path)
+    metadata_path = Path(metadata_path or options.dataset_metadata_path)
     if not metadata_path.is_file():
         problems.append(f"--dataset_metadata_path {metadata_path} does not exist")
     else:
@@ -88,7 +91,7 @@ def check_cache_matches(index: dict, options, cache_dir) -> None:
             problems.append(f"it was built from {metadata['path']} (sha256 {metadata['sha256'][:12]}, "
                             f"{metadata['rows']} rows); --dataset_metadata_path {metadata_path} differs "
                             f"(sha256 {sha[:12]})")
-    base_path = str(Path(options.dataset_base_path).resolve())
+    base_path = str(Path(base_path or options.dataset_base_path).resolve())
     if base_path != metadata["base_path"]:
         problems.append(f"it was built with --dataset_base_path {metadata['base_path']}; this run has {base_path}")
     if getattr(options, "demo", False):
@@ -136,3 +139,23 @@ def open_training_dataset(options, **media_options):
               f"cache (they could not be decoded; see {Path(cache_dir) / 'failures.csv'}); training on "
               f"{len(index['rows'])} rows", file=sys.stderr)
     return CachedLatentDataset(cache_dir, repeat=options.dataset_repeat, index=index)
+
+
+def open_validation_dataset(options, **media_options):
+    """The validation set: ``CachedLatentDataset(options.val_cache)`` (checked against --val_metadata_path),
+    else MBCVideoDataset over --val_metadata_path, which needs the encoders: refused when training from
+    ``options.cache``, since the VAE and text encoder are then not loaded."""
+    base_path = getattr(options, "val_base_path", None) or options.dataset_base_path
+    val_cache = getattr(options, "val_cache", None)
+    if val_cache:
+        index = read_index(val_cache)
+        check_cache_matches(index, options, val_cache, metadata_path=options.val_metadata_path, base_path=base_path)
+        return CachedLatentDataset(val_cache, index=index)
+    if getattr(options, "cache", None):
+        raise CacheMismatchError(f"--val_metadata_path {options.val_metadata_path} needs the VAE and text encoder, "
+                                 "which are not loaded when training from --cache: build a cache of the validation "
+                                 "metadata with `python -m diffsynth_mbc.cache` and pass it as --val_cache")
+    from .dataset import MBCVideoDataset
+
+    return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
+                           height=options.height, width=options.width, **media_options)

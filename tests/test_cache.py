@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from diffsynth_mbc import cache
-from diffsynth_mbc.cached_dataset import CachedLatentDataset, CacheMismatchError, open_training_dataset
+from diffsynth_mbc.cached_dataset import (CachedLatentDataset, CacheMismatchError, open_training_dataset,
+                                          open_validation_dataset)
 from diffsynth_mbc.dataset import MBCVideoDataset
 from diffsynth_mbc.demo import prepare
 from e2e_helpers import free_port, isolated_env
@@ -236,3 +237,19 @@ def test_training_opens_the_cache_only_when_it_matches(demo, reference, tmp_path
         open_training_dataset(training_options(root, cache_dir, demo=False, model_id="Wan-AI/Wan2.2-TI2V-5B"))
     with pytest.raises(cache.CacheError, match="no finished latent cache"):
         open_training_dataset(training_options(root, tmp_path / "nothing-here"))
+
+
+def test_validation_from_a_cache_or_refused_without_encoders(demo, reference, tmp_path):
+    root, metadata = demo
+    cache_dir = reference[0]
+    options = training_options(root, cache_dir, val_metadata_path=str(metadata), val_base_path=None,
+                               val_cache=str(cache_dir))
+    assert isinstance(open_validation_dataset(options), CachedLatentDataset)
+    other = tmp_path / "metadata_val.csv"
+    other.write_bytes(metadata.read_bytes() + b"media/extra.mp4,one more,video\r\n")
+    options.val_metadata_path = str(other)
+    with pytest.raises(CacheMismatchError, match="metadata_val.csv differs"):
+        open_validation_dataset(options)
+    options.val_cache = None
+    with pytest.raises(CacheMismatchError, match="pass it as --val_cache"):
+        open_validation_dataset(options)
