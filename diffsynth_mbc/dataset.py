@@ -3,11 +3,17 @@
 One file column (``video``) holds videos and images (images load as 1-frame clips). A file that
 cannot be decoded raises MediaDecodeError naming the metadata row and the file, instead of an
 anonymous decoder error (or DiffSynth's silent ``None`` for an unknown extension).
+
+With ``substitute_bad_media`` a bad file is replaced by the next decodable row (deterministically,
+so a resumed run sees the same data) and the sample carries ``skipped``: one record per bad file,
+which the training loop counts and reports.
 """
 
 from __future__ import annotations
 
 from diffsynth.trainers.utils import VideoDataset
+
+MAX_CONSECUTIVE_BAD_ROWS = 20
 
 
 class MediaDecodeError(RuntimeError):
@@ -16,23 +22,41 @@ class MediaDecodeError(RuntimeError):
 
 class MBCVideoDataset(VideoDataset):
     def __init__(self, base_path: str, metadata_path: str, num_frames: int, height: int, width: int,
-                 repeat: int = 1):
+                 repeat: int = 1, substitute_bad_media: bool = False):
         super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
                          height=height, width=width, data_file_keys=("video",), repeat=repeat)
+        self.substitute_bad_media = substitute_bad_media
 
     @property
     def rows(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, index: int) -> dict:
-        row = index % len(self.data)
+    def load_row(self, row: int) -> dict:
         file_name = self.data[row].get("video")
         try:
-            sample = super().__getitem__(index)
+            sample = super().__getitem__(row)
         except Exception as exc:
             raise MediaDecodeError(f"metadata row {row + 1} ({file_name}): cannot decode: "
                                    f"{type(exc).__name__}: {exc}") from exc
         if sample is None:
             raise MediaDecodeError(f"metadata row {row + 1} ({file_name}): not a video or image extension "
                                    "DiffSynth can load")
+        sample["row"] = row + 1
         return sample
+
+    def __getitem__(self, index: int) -> dict:
+        row = index % len(self.data)
+        if not self.substitute_bad_media:
+            return self.load_row(row)
+        skipped = []
+        for attempt in range(MAX_CONSECUTIVE_BAD_ROWS):
+            candidate = (row + attempt) % len(self.data)
+            try:
+                sample = self.load_row(candidate)
+            except MediaDecodeError as exc:
+                skipped.append({"row": candidate + 1, "file": self.data[candidate].get("video"), "reason": str(exc)})
+                continue
+            sample["skipped"] = skipped
+            return sample
+        raise MediaDecodeError(f"{MAX_CONSECUTIVE_BAD_ROWS} consecutive metadata rows from row {row + 1} cannot be "
+                               f"decoded; last: {skipped[-1]['reason']}")

@@ -2,9 +2,17 @@
 
 A Python signal handler only runs when the main thread returns to the interpreter, which a rank
 blocked in an NCCL/gloo all-reduce never does. So SIGINT/SIGTERM are blocked in the main thread and
-received by a small thread with ``sigwait``. It interrupts the main thread (KeyboardInterrupt); if
-the main thread has not finished within ``grace_s`` it calls ``on_stuck`` (which records the stop)
-and exits the process. A second signal exits at once.
+received by a small thread with ``sigwait``:
+
+- while ``graceful`` is off (loading models, preparing), the main thread is interrupted at once
+  (KeyboardInterrupt);
+- while ``graceful`` is on (the training loop), ``requested`` is set; the loop finishes its step,
+  agrees with the other ranks, saves a checkpoint and stops. If that takes longer than
+  ``grace_s``, the main thread is interrupted.
+
+Either way, if the main thread has not finished ``hard_grace_s`` after being interrupted, the
+thread calls ``on_stuck`` (which records the stop) and exits the process. A second signal records
+the stop and exits at once.
 """
 
 from __future__ import annotations
@@ -19,18 +27,19 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopSignals:
-    def __init__(self, on_stuck: Callable[[int], None], grace_s: float = 15.0):
+    def __init__(self, on_stuck: Callable[[int], None], grace_s: float = 300.0, hard_grace_s: float = 15.0):
         self.on_stuck = on_stuck
         self.grace_s = grace_s
+        self.hard_grace_s = hard_grace_s
+        self.graceful = False
         self.received: int | None = None
+        self.requested = threading.Event()
         self._finished = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def install(self) -> "StopSignals":
         """Call from the main thread before other threads start (they inherit the blocked mask)."""
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        self._thread = threading.Thread(target=self._wait, name="stop-signals", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._wait, name="stop-signals", daemon=True).start()
         return self
 
     def finished(self) -> None:
@@ -43,22 +52,23 @@ class StopSignals:
 
     def _wait(self) -> None:
         self.received = signal.sigwait(STOP_SIGNALS)
-        _thread.interrupt_main(signal.SIGINT)
-        second = _SecondSignal()
-        second.start()
-        if self._finished.wait(self.grace_s):
+        self.requested.set()
+        threading.Thread(target=self._second_signal, name="stop-signals-second", daemon=True).start()
+        if self.graceful and self._finished.wait(self.grace_s):
             return
-        self.on_stuck(self.received)
-        os._exit(self.exit_code)
+        _thread.interrupt_main(signal.SIGINT)
+        if self._finished.wait(self.hard_grace_s):
+            return
+        self._give_up(self.received)
 
+    def _second_signal(self) -> None:
+        self._give_up(signal.sigwait(STOP_SIGNALS))
 
-class _SecondSignal(threading.Thread):
-    def __init__(self):
-        super().__init__(name="stop-signals-second", daemon=True)
-
-    def run(self) -> None:
-        received = signal.sigwait(STOP_SIGNALS)
-        os._exit(128 + received)
+    def _give_up(self, received: int) -> None:
+        try:
+            self.on_stuck(received)
+        finally:
+            os._exit(128 + received)
 
 
 def unblock_in_child(*_args) -> None:

@@ -28,6 +28,12 @@ DEFAULTS = {
     # output and logging
     "output_path": "./runs/lora", "log_dir": "./training_logs", "run_id": None, "save_steps": None,
     "status_interval_s": 5.0, "dist_backend": None,
+    # checkpoints, resume, stopping
+    "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
+    "resume": None, "force_resume": False, "stop_grace_s": 300.0,
+    # bad media and validation
+    "max_bad_media_fraction": 0.01,
+    "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
 }
 
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
@@ -83,6 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
     out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
     out.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on GPUs, gloo on CPU")
+    ckpt = parser.add_argument_group("checkpoints, resume and stopping")
+    ckpt.add_argument("--checkpoint_steps", type=int, help="full training state every N optimizer steps")
+    ckpt.add_argument("--checkpoint_minutes", type=float, help="... and/or every M minutes, whichever comes first")
+    ckpt.add_argument("--keep_checkpoints", type=int, help="keep the newest K (default 3) plus any with a KEEP file")
+    ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes)")
+    ckpt.add_argument("--resume", help="'latest' or a checkpoint folder: continue at its exact step and data position")
+    ckpt.add_argument("--force_resume", type=_parse_bool, help="resume even if the configuration differs")
+    ckpt.add_argument("--stop_grace_s", type=float,
+                      help="after Ctrl-C/SIGTERM, how long ranks may take to finish the step and save (default 300)")
+    data_quality = parser.add_argument_group("bad media and validation")
+    data_quality.add_argument("--max_bad_media_fraction", type=float,
+                              help="stop when more than this share of samples (and over 10) fail to decode "
+                                   "(default 0.01); each bad one is replaced by the next row and reported")
+    data_quality.add_argument("--val_metadata_path", help="metadata_val.csv for validation loss")
+    data_quality.add_argument("--val_base_path", help="default: --dataset_base_path")
+    data_quality.add_argument("--val_steps", type=int, help="validation loss every N optimizer steps (and at the end)")
+    data_quality.add_argument("--val_samples", type=int, help="fixed validation subset size (default 16)")
     return parser
 
 
@@ -157,6 +180,17 @@ def validate(options: dict) -> None:
         raise OptionsError("--dataset_metadata_path is required (metadata.csv from `python -m diffsynth_mbc.convert`)")
     if options["dataset_base_path"] is None:
         raise OptionsError("--dataset_base_path is required (the folder metadata paths are relative to)")
+    for key in ("checkpoint_steps", "val_steps"):
+        if options[key] is not None and options[key] < 1:
+            raise OptionsError(f"--{key} must be a positive integer, got {options[key]}")
+    if options["checkpoint_minutes"] is not None and options["checkpoint_minutes"] <= 0:
+        raise OptionsError(f"--checkpoint_minutes must be positive, got {options['checkpoint_minutes']}")
+    if options["keep_checkpoints"] < 1 or options["val_samples"] < 1:
+        raise OptionsError("--keep_checkpoints and --val_samples must be at least 1")
+    if not 0 <= options["max_bad_media_fraction"] <= 1:
+        raise OptionsError(f"--max_bad_media_fraction must be between 0 and 1, got {options['max_bad_media_fraction']}")
+    if options["val_steps"] and not options["val_metadata_path"]:
+        raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
     if not options["lora_target_modules"] or not all(options["lora_target_modules"].split(",")):

@@ -78,6 +78,13 @@ def test_history_has_one_line_per_optimizer_step(demo):
         assert [line["epoch"] for line in history] == [0] * 6 + [1] * 6
 
 
+def test_gradients_are_averaged_across_ranks(demo):
+    """Different samples and noise on each rank, yet one averaged gradient: DDP really wraps the model."""
+    norms = [[line["grad_norm"] for line in read_history(demo["log_dir"], rank)] for rank in (0, 1)]
+    assert all(n is not None and n > 0 for n in norms[0])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+
+
 def test_ranks_draw_different_noise(demo):
     losses = [[line["loss"] for line in read_history(demo["log_dir"], rank)] for rank in (0, 1)]
     assert losses[0] != losses[1]
