@@ -106,7 +106,7 @@ def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-    from .dataset import MBCVideoDataset
+    from .cached_dataset import open_training_dataset
     from .pipeline import build_demo_pipeline, load_pipeline
     from .progress import ProgressLogger
     from .step_plan import StepPlan, lr_factor, steps_from_loader
@@ -142,23 +142,28 @@ def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     torch.manual_seed(options.seed)  # identical model init on every rank
 
-    status.update(phase="loading models" + (" (demo: tiny random TI2V-5B architecture)" if options.demo else ""))
+    # The data first: a latent cache that does not match these options fails before any model loads.
+    status.update(phase="reading metadata" + (f" and the latent cache {options.cache}" if options.cache else ""))
+    dataset = open_training_dataset(options, substitute_bad_media=True)
+    validator = Validator(options, status) if options.val_metadata_path else None
+
+    encoders = not options.cache   # with the cache only the DiT (plus LoRA) is needed
+    status.update(phase="loading models" + (" (demo: tiny random TI2V-5B architecture)" if options.demo else "")
+                  + ("" if encoders else " (DiT only: training from the latent cache)"))
     if options.demo:
         pipe = build_demo_pipeline(device=str(accelerator.device), torch_dtype=torch.float32, seed=options.seed,
                                    tokenizer_dir=os.path.join(options.output_path, ".demo_tokenizer",
-                                                              f"rank{accelerator.process_index}"))
+                                                              f"rank{accelerator.process_index}"),
+                                   load_encoders=encoders)
     else:
-        pipe = load_pipeline(options.model_dir, options.model_id, device=str(accelerator.device), torch_dtype=dtype)
+        pipe = load_pipeline(options.model_dir, options.model_id, device=str(accelerator.device), torch_dtype=dtype,
+                             load_encoders=encoders)
     module = WanTI2VLoraModule(
         pipe, lora_target_modules=options.lora_target_modules, lora_rank=options.lora_rank,
         lora_alpha=options.lora_alpha, use_gradient_checkpointing=options.use_gradient_checkpointing,
         use_gradient_checkpointing_offload=options.use_gradient_checkpointing_offload,
         max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary)
 
-    status.update(phase="reading metadata")
-    dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path, num_frames=options.num_frames,
-                              height=options.height, width=options.width, repeat=options.dataset_repeat,
-                              substitute_bad_media=True)
     plan = StepPlan(rows=dataset.rows, repeat=options.dataset_repeat, world_size=accelerator.num_processes,
                     batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
                     num_epochs=options.num_epochs)
@@ -197,7 +202,7 @@ def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
         "lora_rank": options.lora_rank, "lora_alpha": options.lora_alpha,
         "lora_target_modules": options.lora_target_modules, "metadata_rows": dataset.rows,
         "metadata_sha256": file_sha256(options.dataset_metadata_path), "seed": options.seed,
-        "num_epochs": options.num_epochs})
+        "num_epochs": options.num_epochs, "cache": bool(options.cache)})
     # Different noise and timesteps on every rank (DiffSynth alone draws identical ones everywhere).
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     position = Position()
@@ -207,7 +212,8 @@ def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
         status.update(phase=f"resumed at step {position.step} (history: {kept} lines kept)",
                       samples_seen=position.samples_seen, skipped_samples=position.skipped_samples)
 
-    validator = Validator(options, accelerator, module, status) if options.val_metadata_path else None
+    if validator:
+        validator.attach(accelerator, module)
     logger = ProgressLogger(options.output_path, status, steps_per_epoch=steps_per_epoch,
                             num_epochs=options.num_epochs, samples_per_step=options.batch_size,
                             start_step=position.step)
@@ -466,17 +472,17 @@ class Validator:
     Each rank takes every world_size-th sample of the subset; the RNG of training is left untouched.
     """
 
-    def __init__(self, options, accelerator, module, status: RankStatusWriter):
-        from .dataset import MBCVideoDataset
+    def __init__(self, options, status: RankStatusWriter):
+        from .cached_dataset import open_validation_dataset
 
-        self.accelerator = accelerator
-        self.module = module
         self.status = status
         self.seed = options.seed + 7919
-        self.dataset = MBCVideoDataset(options.val_base_path or options.dataset_base_path, options.val_metadata_path,
-                                       num_frames=options.num_frames, height=options.height, width=options.width,
-                                       substitute_bad_media=True)
+        self.dataset = open_validation_dataset(options, substitute_bad_media=True)
         self.indices = list(range(min(options.val_samples, self.dataset.rows)))
+        self.accelerator = self.module = None
+
+    def attach(self, accelerator, module) -> None:
+        self.accelerator, self.module = accelerator, module
 
     def run(self, step: int) -> float | None:
         import torch

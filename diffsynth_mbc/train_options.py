@@ -34,6 +34,8 @@ DEFAULTS = {
     # bad media and validation
     "max_bad_media_fraction": 0.01,
     "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
+    # latent cache
+    "cache": None, "val_cache": None,
 }
 
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--num_frames", type=int, help="frames per clip, 4k+1 (default 17)")
     data.add_argument("--dataset_repeat", type=int, help="times each row is seen per epoch (default 1)")
     data.add_argument("--dataset_num_workers", type=int, help="data-loader worker processes per GPU (default 2)")
+    data.add_argument("--cache", help="latent cache from `python -m diffsynth_mbc.cache`: train the DiT only "
+                                      "(the VAE and text encoder are never loaded)")
+    data.add_argument("--val_cache", help="latent cache of --val_metadata_path (needed with --cache)")
     model = parser.add_argument_group("model")
     model.add_argument("--model_dir", help="local Wan2.2-TI2V-5B folder (DiT shards, T5, VAE, google/umt5-xxl)")
     model.add_argument("--model_id", help="ModelScope id to download instead (default Wan-AI/Wan2.2-TI2V-5B)")

@@ -7,6 +7,8 @@
 #   --deepspeed   DeepSpeed ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml) instead of DDP
 #   --multinode   several nodes: MASTER_ADDR, MASTER_PORT, NUM_MACHINES, MACHINE_RANK from the environment
 #   --gpus N      processes per node (default: NUM_GPUS, else every GPU nvidia-smi lists)
+#   --cached      encode every clip and caption once first (python -m diffsynth_mbc.cache; resumable,
+#                 finished entries are skipped), then train the DiT from that latent cache
 #   --detach      run in the background (log file only); prints the pid and returns
 # Environment: PYTHON (default: python), MBC_LOG_FILE, NCCL_* (see configs/nccl_pcie.env).
 set -euo pipefail
@@ -32,13 +34,14 @@ mbc_free_port() {
 # mbc_launch PRESET [launcher flags] [train flags]
 mbc_launch() {
   local preset=$1; shift
-  local demo=0 deepspeed=0 multinode=0 detach=0 gpus="" train_args=()
+  local demo=0 deepspeed=0 multinode=0 detach=0 cached=0 gpus="" train_args=()
   while (($#)); do
     case $1 in
       --demo) demo=1 ;;
       --deepspeed) deepspeed=1 ;;
       --multinode) multinode=1 ;;
       --detach) detach=1 ;;
+      --cached) cached=1 ;;
       --gpus) [[ $# -ge 2 ]] || mbc_die "--gpus needs a number"; gpus=$2; shift ;;
       --gpus=*) gpus=${1#--gpus=} ;;
       *) train_args+=("$1") ;;
@@ -114,6 +117,27 @@ mbc_launch() {
 
   export MBC_RUN_ID=${MBC_RUN_ID:-run-$(date +%Y%m%d-%H%M%S)}
   local log_file=${MBC_LOG_FILE:-$OUTPUT_PATH/train-$MBC_RUN_ID.log}
+
+  if [[ $cached == 1 ]]; then
+    if [[ $detach == 1 ]]; then mbc_die "--cached with --detach: build the cache first, then detach the training"; fi
+    local CACHE_DIR VAL_CACHE_DIR CACHE_ARGS=() VAL_CACHE_ARGS=() cache_settings
+    cache_settings=$("$PYTHON" -m diffsynth_mbc.plan --cache-commands --world_size "$world_size" --config "$preset" \
+                     "${train_args[@]+"${train_args[@]}"}") || exit 2
+    eval "$cache_settings"
+    local cache_launch=("${env_prefix[@]+"${env_prefix[@]}"}" "$PYTHON" -m accelerate.commands.launch "${accelerate_args[@]}")
+    echo "latent cache: $CACHE_DIR" | tee -a "$log_file" >&2
+    "${cache_launch[@]}" -m diffsynth_mbc.cache "${CACHE_ARGS[@]}" 2>&1 | tee -i -a "$log_file"
+    [[ ${PIPESTATUS[0]} == 0 ]] || { echo "error: building the latent cache failed (see $log_file)" >&2; exit 1; }
+    train_args+=(--cache "$CACHE_DIR")
+    if [[ -n $VAL_CACHE_DIR ]]; then
+      "${cache_launch[@]}" -m diffsynth_mbc.cache "${VAL_CACHE_ARGS[@]}" 2>&1 | tee -i -a "$log_file"
+      [[ ${PIPESTATUS[0]} == 0 ]] || { echo "error: building the validation cache failed (see $log_file)" >&2; exit 1; }
+      train_args+=(--val_cache "$VAL_CACHE_DIR")
+    fi
+    if [[ $demo == 1 ]]; then   # a fresh rendezvous port for the training
+      accelerate_args=("${accelerate_args[@]:0:${#accelerate_args[@]}-1}" "$(mbc_free_port)")
+    fi
+  fi
   local cmd=("${env_prefix[@]+"${env_prefix[@]}"}" "$PYTHON" -m accelerate.commands.launch "${accelerate_args[@]}"
              -m diffsynth_mbc.train --config "$preset" "${train_args[@]+"${train_args[@]}"}")
   echo "run $MBC_RUN_ID: ${cmd[*]}" | tee -a "$log_file" >&2
