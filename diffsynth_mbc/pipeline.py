@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 from diffsynth.models.wan_video_dit import WanModel
 from diffsynth.models.wan_video_text_encoder import WanTextEncoder
-from diffsynth.models.wan_video_vae import VideoVAE38_, WanVideoVAE38
+import functools
+
+import diffsynth.models.wan_video_vae as wan_video_vae
+from diffsynth.models.wan_video_vae import WanVideoVAE38
 from diffsynth.pipelines.wan_video_new import ModelConfig, WanVideoPipeline
 
 from .model_files import MODELSCOPE_ID, ModelFileError, locate_model_files
@@ -71,6 +73,20 @@ def _write_demo_tokenizer(folder: Path) -> Path:
     return folder
 
 
+def build_tiny_vae() -> WanVideoVAE38:
+    """The Wan2.2 VAE class with narrow encoder and decoder.
+
+    WanVideoVAE38 exposes only the encoder width and always builds a 256-wide decoder (705M
+    parameters, seconds of start-up for every rank); the inner class it calls takes the decoder width.
+    """
+    full_size = wan_video_vae.VideoVAE38_
+    wan_video_vae.VideoVAE38_ = functools.partial(full_size, dec_dim=TINY_VAE_WIDTH)
+    try:
+        return WanVideoVAE38(z_dim=48, dim=TINY_VAE_WIDTH)
+    finally:
+        wan_video_vae.VideoVAE38_ = full_size
+
+
 def build_demo_pipeline(device: str = "cpu", torch_dtype: torch.dtype = torch.float32, seed: int = 0,
                         tokenizer_dir: str | None = None, load_encoders: bool = True) -> WanVideoPipeline:
     """A tiny, randomly initialised pipeline with Wan2.2-TI2V-5B's architecture, from DiffSynth's classes.
@@ -84,9 +100,7 @@ def build_demo_pipeline(device: str = "cpu", torch_dtype: torch.dtype = torch.fl
         pipe = WanVideoPipeline(device=device, torch_dtype=torch_dtype)
         pipe.dit = WanModel(**TINY_DIT)
         if load_encoders:
-            vae = WanVideoVAE38()
-            vae.model = VideoVAE38_(dim=TINY_VAE_WIDTH, z_dim=48, dec_dim=TINY_VAE_WIDTH).eval().requires_grad_(False)
-            pipe.vae = vae
+            pipe.vae = build_tiny_vae()
             pipe.text_encoder = WanTextEncoder(vocab=64, **TINY_TEXT_ENCODER)
             folder = Path(tokenizer_dir) if tokenizer_dir else Path(tempfile.mkdtemp(prefix="mbc-demo-tokenizer-"))
             folder.mkdir(parents=True, exist_ok=True)
