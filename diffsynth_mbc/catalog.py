@@ -20,7 +20,6 @@ import os
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Sequence
 
 REQUIRED_COLUMNS = ("file_path", "caption", "media_type")

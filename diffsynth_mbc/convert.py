@@ -18,7 +18,6 @@ import argparse
 import csv
 import io
 import os
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
