@@ -131,7 +131,10 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         models = {name: getattr(self.pipe, name) for name in self.pipe.in_iteration_models}
         return self.pipe.training_loss(**models, **inputs)
 
-    def forward(self, batch: list[dict]) -> torch.Tensor:
+    def forward(self, batch: list[dict] | dict) -> torch.Tensor:
+        """Mean loss over a list of samples; a single sample dict is what DiffSynth's own loop passes."""
+        if isinstance(batch, dict):
+            batch = [batch]
         losses = [self.sample_loss(sample) for sample in batch]
         return torch.stack(losses).mean()
 
