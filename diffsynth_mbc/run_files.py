@@ -30,7 +30,7 @@ TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED)
 STATUS_FIELDS = (
     "schema_version", "run_id", "rank", "local_rank", "world_size", "hostname", "pid",
     "status", "phase",
-    "epoch", "num_epochs", "step", "total_steps", "steps_per_epoch", "samples_seen",
+    "epoch", "num_epochs", "step",  # epoch counts from 0; step from 1 (the optimizer steps done) "total_steps", "steps_per_epoch", "samples_seen",
     "loss", "loss_avg", "lr", "grad_norm", "step_time_s", "samples_per_s",
     "elapsed_s", "eta_s", "progress",
     "started_at", "updated_at",
@@ -38,7 +38,8 @@ STATUS_FIELDS = (
     "error",  # {"type", "message", "traceback_tail"} when status == "failed", else None
 )
 
-# Fields of each training_gpu{rank}.jsonl line (one per optimizer step). Extra fields may appear.
+# Fields of each training_gpu{rank}.jsonl line (one per optimizer step; epoch from 0). Extra fields may
+# appear, and validation lines carry {"kind": "val", "step", "val_loss", "val_samples", "time"}.
 HISTORY_FIELDS = ("step", "epoch", "loss", "lr", "step_time_s", "time")
 
 _STATUS_NAME = re.compile(r"^training_gpu(\d+)\.json$")
