@@ -12,7 +12,6 @@ training began, or by a second signal.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -89,14 +88,6 @@ class Position:
     recent_skips: list = field(default_factory=list)
 
 
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     status.set_status(run_files.STATUS_LOADING, phase="importing torch and diffsynth")
     import dataclasses
@@ -106,6 +97,7 @@ def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
+    from .cache import file_sha256
     from .cached_dataset import open_training_dataset
     from .pipeline import build_demo_pipeline, load_pipeline
     from .progress import ProgressLogger
