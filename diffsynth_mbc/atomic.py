@@ -37,3 +37,13 @@ def atomic_write_json(path: str | os.PathLike, obj, **dumps_kwargs) -> None:
     dumps_kwargs.setdefault("ensure_ascii", False)
     dumps_kwargs.setdefault("indent", 2)
     atomic_write_text(path, json.dumps(obj, **dumps_kwargs) + "\n")
+
+
+def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict | None = None) -> int:
+    """Serialise tensors as safetensors and write them atomically; returns the bytes written."""
+    from safetensors.torch import save
+
+    data = save({name: tensor.contiguous() for name, tensor in tensors.items()}, metadata=metadata)
+    with atomic_open(path, "wb") as handle:
+        handle.write(data)
+    return len(data)

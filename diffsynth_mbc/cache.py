@@ -42,7 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from .atomic import atomic_open, atomic_write_json, atomic_write_text
+from .atomic import atomic_save_safetensors, atomic_write_json, atomic_write_text
+from .run_status import rank_from_environment
 from .train_options import OptionsError
 
 FORMAT = "diffsynth-mbc-latent-cache"
@@ -211,9 +212,7 @@ class Ranks:
     """Rank and world size from the launcher's environment; a gloo/NCCL group only for the start barrier."""
 
     def __init__(self):
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.rank, self.local_rank, self.world_size = rank_from_environment()
         self._group = False
 
     def start(self, use_cuda: bool) -> None:
@@ -338,15 +337,6 @@ class _PendingClips:
 
 def _first(batch):
     return batch[0]
-
-
-def _save_safetensors(path: Path, tensors: dict, metadata: dict) -> int:
-    from safetensors.torch import save
-
-    data = save({name: tensor.contiguous() for name, tensor in tensors.items()}, metadata=metadata)
-    with atomic_open(path, "wb") as handle:
-        handle.write(data)
-    return len(data)
 
 
 def _header_shapes(path: Path) -> dict:
@@ -515,7 +505,7 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
                 stats["text_skipped"] += 1
             else:
                 context = get_encoder().encode_text(plan[row]["prompt"])
-                stats["bytes_written"] += _save_safetensors(cache_dir / text, {"context": context},
+                stats["bytes_written"] += atomic_save_safetensors(cache_dir / text, {"context": context},
                                                             {"format": FORMAT, "tokens": str(context.shape[0])})
                 stats["text_written"] += 1
             known_text.add(text)
@@ -531,7 +521,7 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
                     try:
                         ensure_text(row)  # text first: an entry that exists always has its text
                         tensors, first_frame = get_encoder().encode_media(sample)
-                        stats["bytes_written"] += _save_safetensors(
+                        stats["bytes_written"] += atomic_save_safetensors(
                             cache_dir / plan[row]["entry"], tensors,
                             {"format": FORMAT, "first_frame": first_frame, "file": plan[row]["file"]})
                         stats["written"] += 1

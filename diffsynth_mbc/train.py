@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import run_files
+from .atomic import atomic_save_safetensors
 from .checkpoints import (CheckpointSchedule, checkpoint_name, fingerprint_differences, prune, publish,
                           resolve_resume, temp_path, truncate_history)
 from .model_files import ModelFileError
@@ -356,17 +357,12 @@ class Checkpoints:
         return {key: value.detach().to("cpu").contiguous() for key, value in lora.items()}
 
     def write_lora(self, target: Path, step: int, tensors: dict) -> None:
-        from safetensors.torch import save_file
-
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_name(f".{target.name}.tmp")
         options = self.options
-        save_file(tensors, str(temporary), metadata={
+        atomic_save_safetensors(target, tensors, metadata={
             "format": "pt", "base_model": "Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""),
             "lora_rank": str(options.lora_rank), "lora_alpha": str(options.lora_alpha or options.lora_rank),
             "lora_target_modules": options.lora_target_modules, "run_id": str(self.status.state["run_id"]),
             "step": str(step)})
-        os.replace(temporary, target)
 
     def save_lora(self, file_name: str, step: int) -> None:
         """Rank 0 writes the LoRA (DiffSynth key layout) as safetensors: temp file, then rename."""
