@@ -98,7 +98,9 @@ class ProgressLogger(ModelLogger):
             samples_per_s=(samples / seconds_per_step) if seconds_per_step else None,
             eta_s=self.rate.eta_seconds(remaining),
             progress=round(100.0 * self.step / self.total_steps, 3) if self.total_steps else 100.0,
-            gpu=gpu_snapshot(), **extra,
+            **extra,
+            # NVML and the allocator are queried only when the file is about to be rewritten.
+            **({"gpu": gpu_snapshot()} if self.status.write_due() else {}),
         )
 
     def on_epoch_end(self, accelerator=None, model=None, epoch_id=None, **kwargs) -> None:

@@ -64,9 +64,12 @@ class RankStatusWriter:
         status_changed = "status" in fields and fields["status"] != self.state["status"]
         phase_changed = "phase" in fields and fields["phase"] != self.state["phase"]
         self.state.update(fields)
-        due = self._last_write is None or self._monotonic() - self._last_write >= self.min_interval_s
-        if status_changed or phase_changed or due:
+        if status_changed or phase_changed or self.write_due():
             self._write()
+
+    def write_due(self) -> bool:
+        """Whether the next update() rewrites the file even without a status change (the throttle)."""
+        return self._last_write is None or self._monotonic() - self._last_write >= self.min_interval_s
 
     def set_status(self, status: str, phase: str | None = None, **fields) -> None:
         if status not in run_files.STATUSES:

@@ -49,6 +49,18 @@ def test_writes_are_throttled_but_status_changes_are_immediate(tmp_path):
     assert read(path)["status"] == "finished"
 
 
+def test_write_due_follows_the_throttle(tmp_path):
+    clock = FakeClock()
+    writer = RankStatusWriter(tmp_path, "run", 0, 0, 1, min_interval_s=5, monotonic=clock, wall_clock=clock)
+    assert not writer.write_due()            # just written at start
+    clock.now += 4.9
+    assert not writer.write_due()
+    clock.now += 0.2
+    assert writer.write_due()
+    writer.update(step=1)
+    assert not writer.write_due()
+
+
 def test_failure_records_message_and_traceback(tmp_path):
     writer = RankStatusWriter(tmp_path, "run", 0, 0, 1)
     try:
