@@ -112,8 +112,9 @@ def timed_steps(module, optimizer, next_sample, warmup: int, runs: int, steps: i
 
 
 def prepare_cpu_data(root: Path, args) -> dict:
-    from diffsynth_mbc import cache, convert
-    from diffsynth_mbc.demo_data import make_demo_catalog
+    from diffsynth_mbc.data.cache import cli as cache
+    from diffsynth_mbc.data import convert
+    from diffsynth_mbc.data.demo_data import make_demo_catalog
 
     catalog = make_demo_catalog(root / "catalog", num_videos=args.rows, num_images=0, width=args.width,
                                 height=args.height, num_frames=args.num_frames, seed=0)
@@ -134,10 +135,10 @@ def prepare_cpu_data(root: Path, args) -> dict:
 def cpu_worker(args) -> dict:
     import torch
 
-    from diffsynth_mbc.cached_dataset import CachedLatentDataset
-    from diffsynth_mbc.dataset import MBCVideoDataset
-    from diffsynth_mbc.pipeline import build_demo_pipeline
-    from diffsynth_mbc.training_module import WanTI2VLoraModule
+    from diffsynth_mbc.data.cache.dataset import CachedLatentDataset
+    from diffsynth_mbc.data.dataset import MBCVideoDataset
+    from diffsynth_mbc.models.pipeline import build_demo_pipeline
+    from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 
     root = Path(args.data)
     cached = args.worker == "cached"
@@ -219,8 +220,8 @@ def run_full_size(args, device: str = "cuda", dtype=None, size: tuple[int, int, 
     from diffsynth.models.wan_video_vae import WanVideoVAE38
     from diffsynth.pipelines.wan_video_new import WanVideoPipeline
 
-    from diffsynth_mbc.pipeline import TI2V_5B_DIT, _write_demo_tokenizer
-    from diffsynth_mbc.training_module import WanTI2VLoraModule
+    from diffsynth_mbc.models.pipeline import TI2V_5B_DIT, _write_demo_tokenizer
+    from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 
     dtype = dtype or torch.bfloat16
     height, width, num_frames = size

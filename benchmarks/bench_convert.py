@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffsynth_mbc.convert import main as convert_main  # noqa: E402
+from diffsynth_mbc.data.convert import main as convert_main  # noqa: E402
 
 CAPTIONS = (
     "뉴스 스튜디오에서 앵커가 말한다, 카메라는 천천히 다가간다.",

@@ -3,7 +3,7 @@
     python benchmarks/bench_monitor.py [--ranks 8] [--steps 100000] [--runs 7] [--append 5]
 
 Writes RANKS x STEPS JSONL lines (plus status files) into a temp dir, then measures, for the
-monitor (diffsynth_mbc.monitor_state.MonitorState) and for a naive reader that parses every
+monitor (diffsynth_mbc.monitor.state.MonitorState) and for a naive reader that parses every
 file again on each refresh (what a hand-written dashboard backend does):
 
 - first load: time of the first refresh;
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffsynth_mbc import run_files  # noqa: E402
 from diffsynth_mbc.atomic import atomic_write_json  # noqa: E402
-from diffsynth_mbc.monitor_state import MonitorState  # noqa: E402
+from diffsynth_mbc.monitor.state import MonitorState  # noqa: E402
 
 
 def line(step: int, rank: int, t0: float) -> str:

@@ -10,6 +10,7 @@ This module imports neither torch nor diffsynth.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -57,3 +58,11 @@ def rank_of_status_file(name: str) -> int | None:
     """Global rank encoded in a status file name, or None for any other file."""
     match = _STATUS_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+def rank_from_environment(environ=os.environ) -> tuple[int, int, int]:
+    """(global rank, local rank, world size) as set by accelerate launch / torchrun, before torch starts."""
+    rank = int(environ.get("RANK", environ.get("PMI_RANK", 0)))
+    local_rank = int(environ.get("LOCAL_RANK", rank))
+    world_size = int(environ.get("WORLD_SIZE", environ.get("PMI_SIZE", 1)))
+    return rank, local_rank, world_size

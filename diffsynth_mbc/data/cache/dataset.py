@@ -1,0 +1,161 @@
+"""Training from the latent cache built by ``python -m diffsynth_mbc.cache``.
+
+``CachedLatentDataset`` reads the cache's index and yields, per metadata row that was cached::
+
+    {"cached": True, "input_latents": [C, F, H, W], "first_frame_latents": [C, 1, H, W],
+     "context": [text_len, dim] (zeros after the real tokens, as the prompt encoder returns it),
+     "prompt": str, "row": int (metadata row, 1-based as in MBCVideoDataset's samples and error messages),
+     "file": str, "media_type": str,
+     "height": int, "width": int, "num_frames": int}
+
+``WanTI2VLoraModule`` turns such a sample into the DiT's inputs without the VAE or text encoder.
+``open_training_dataset(options)`` picks the cache (``options.cache``) or the media files, and refuses a
+cache built for another size, metadata file or set of encoder weights, naming what differs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from diffsynth_mbc.data.cache.cli import CacheError, demo_identity, file_sha256, model_dir_identities, read_index
+from diffsynth_mbc.models.wan_units import pad_context
+
+
+class CacheMismatchError(CacheError):
+    """The cache does not match the training options; the message lists every difference."""
+
+
+class CachedLatentDataset(torch.utils.data.Dataset):
+    def __init__(self, cache_dir: str | Path, repeat: int = 1, index: dict | None = None):
+        self.cache_dir = Path(cache_dir)
+        self.index = read_index(cache_dir) if index is None else index
+        self.settings = self.index["settings"]
+        self.entries = self.index["rows"]
+        self.text_len = int(self.settings["text_len"])
+        self.repeat = repeat
+
+    @property
+    def rows(self) -> int:
+        return len(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries) * self.repeat
+
+    def _load(self, relative: str, row: dict) -> dict:
+        path = self.cache_dir / relative
+        try:
+            return load_file(str(path))
+        except FileNotFoundError:
+            raise CacheError(f"metadata row {row['row']} ({row['file']}): cache file {path} is missing; "
+                             "rerun `python -m diffsynth_mbc.cache` with the same settings") from None
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.entries[index % len(self.entries)]
+        tensors = self._load(row["entry"], row)
+        latents = tensors["input_latents"]
+        if list(latents.shape) != list(row["latent_shape"]):
+            raise CacheError(f"metadata row {row['row']} ({row['file']}): {row['entry']} holds a latent of "
+                             f"shape {list(latents.shape)}, the index says {row['latent_shape']} (C, F, H, W)")
+        first_frame = tensors.get("first_frame_latents")
+        if first_frame is None:
+            first_frame = latents[:, :1]
+        context = pad_context(self._load(row["text"], row)["context"], self.text_len)[0]
+        factor = 16  # Wan2.2 VAE: 16x16 pixels per latent cell, 4 frames per latent frame after the first
+        return {"cached": True, "input_latents": latents, "first_frame_latents": first_frame, "context": context,
+                "prompt": row["prompt"], "row": row["row"], "file": row["file"], "media_type": row["media_type"],
+                "height": latents.shape[2] * factor, "width": latents.shape[3] * factor,
+                "num_frames": (latents.shape[1] - 1) * 4 + 1}
+
+
+def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, base_path=None) -> None:
+    """Raise CacheMismatchError listing every way the cache differs from what the options ask for.
+
+    ``metadata_path``/``base_path`` default to the training set's (``--dataset_metadata_path/_base_path``).
+    """
+    settings, metadata = index["settings"], index["metadata"]
+    problems = []
+    sizes = [(key, settings[key], getattr(options, key)) for key in ("height", "width", "num_frames")]
+    if any(built != asked for _, built, asked in sizes):
+        problems.append("it was built for " + ", ".join(f"{key} {built}" for key, built, _ in sizes)
+                        + "; this run asks for " + ", ".join(f"{key} {asked}" for key, _, asked in sizes))
+    metadata_path = Path(metadata_path or options.dataset_metadata_path)
+    if not metadata_path.is_file():
+        problems.append(f"--dataset_metadata_path {metadata_path} does not exist")
+    else:
+        sha = file_sha256(metadata_path)
+        if sha != metadata["sha256"]:
+            problems.append(f"it was built from {metadata['path']} (sha256 {metadata['sha256'][:12]}, "
+                            f"{metadata['rows']} rows); --dataset_metadata_path {metadata_path} differs "
+                            f"(sha256 {sha[:12]})")
+    base_path = str(Path(base_path or options.dataset_base_path).resolve())
+    if base_path != metadata["base_path"]:
+        problems.append(f"it was built with --dataset_base_path {metadata['base_path']}; this run has {base_path}")
+    if getattr(options, "demo", False):
+        expected = demo_identity(options.seed)
+        if settings["vae"] != expected or settings["text_encoder"] != expected:
+            problems.append(f"it was encoded with {settings['vae']}; this run trains the demo model of "
+                            f"--seed {options.seed} ({expected})")
+    elif getattr(options, "model_dir", None):
+        identities = model_dir_identities(options.model_dir)
+        differing = [name for name in ("vae", "text_encoder") if identities[name] != settings[name]]
+        if differing:
+            problems.append(f"its {' and '.join(differing)} weights are not the files in --model_dir "
+                            f"{options.model_dir} (names, sizes or modification times differ: "
+                            + ", ".join(f"{name} {settings[name][:19]} vs {identities[name][:19]}"
+                                        for name in differing) + ")")
+    elif str(settings["vae"]).startswith("demo-seed-"):
+        problems.append(f"it was encoded by the demo model ({settings['vae']}); this run trains real weights")
+    if problems:
+        raise CacheMismatchError(f"the latent cache {cache_dir} does not match this run: " + "; ".join(problems)
+                                 + ". Rebuild it with `python -m diffsynth_mbc.cache` using these settings.")
+    if not index["rows"]:
+        raise CacheMismatchError(f"the latent cache {cache_dir} has no usable rows "
+                                 f"({len(index['failed'])} failed; see its failures.csv)")
+
+
+def open_training_dataset(options, **media_options):
+    """``CachedLatentDataset`` when ``options.cache`` is set (after checking it matches), else MBCVideoDataset.
+
+    ``media_options`` go to MBCVideoDataset only (the cache holds no undecodable rows).
+    """
+    cache_dir = getattr(options, "cache", None)
+    if not cache_dir:
+        from diffsynth_mbc.data.dataset import MBCVideoDataset
+
+        return MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path,
+                               num_frames=options.num_frames, height=options.height, width=options.width,
+                               repeat=options.dataset_repeat, **media_options)
+    index = read_index(cache_dir)
+    check_cache_matches(index, options, cache_dir)
+    if getattr(options, "model_id", None) and not getattr(options, "model_dir", None):
+        print(f"note: the latent cache {cache_dir} cannot be checked against the weights of --model_id "
+              f"{options.model_id}; it was encoded with VAE {index['settings']['vae'][:19]}", file=sys.stderr)
+    if index["failed"]:
+        print(f"note: {len(index['failed'])} of {index['metadata']['rows']} metadata rows are not in the latent "
+              f"cache (they could not be decoded; see {Path(cache_dir) / 'failures.csv'}); training on "
+              f"{len(index['rows'])} rows", file=sys.stderr)
+    return CachedLatentDataset(cache_dir, repeat=options.dataset_repeat, index=index)
+
+
+def open_validation_dataset(options, **media_options):
+    """The validation set: ``CachedLatentDataset(options.val_cache)`` (checked against --val_metadata_path),
+    else MBCVideoDataset over --val_metadata_path, which needs the encoders: refused when training from
+    ``options.cache``, since the VAE and text encoder are then not loaded."""
+    base_path = getattr(options, "val_base_path", None) or options.dataset_base_path
+    val_cache = getattr(options, "val_cache", None)
+    if val_cache:
+        index = read_index(val_cache)
+        check_cache_matches(index, options, val_cache, metadata_path=options.val_metadata_path, base_path=base_path)
+        return CachedLatentDataset(val_cache, index=index)
+    if getattr(options, "cache", None):
+        raise CacheMismatchError(f"--val_metadata_path {options.val_metadata_path} needs the VAE and text encoder, "
+                                 "which are not loaded when training from --cache: build a cache of the validation "
+                                 "metadata with `python -m diffsynth_mbc.cache` and pass it as --val_cache")
+    from diffsynth_mbc.data.dataset import MBCVideoDataset
+
+    return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
+                           height=options.height, width=options.width, **media_options)

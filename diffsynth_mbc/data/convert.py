@@ -1,0 +1,340 @@
+"""Turn an MBC catalogue into metadata that DiffSynth 1.1.8's VideoDataset reads directly.
+
+    python -m diffsynth_mbc.convert CATALOG.csv --base-path DIR --output OUT_DIR \\
+        [--val-catalog VAL.csv | --val-fraction F] [--subset N] [--seed S] \\
+        [--media all|video|image] [--no-check-files] [--probe] [--workers N] \\
+        [--min-frames N] [--min-width W] [--min-height H]
+
+Writes OUT_DIR/metadata.csv (video,prompt,media_type[,width,height,num_frames,fps]),
+metadata_val.csv (with a validation catalogue or --val-fraction), rejects.csv (every input row
+not written, with its reason) and summary.json. Each file is written to a temp file and renamed.
+Exit status: 0 when at least one row was written, 1 when none was, 2 for usage errors or a
+catalogue that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from diffsynth_mbc.data import catalog as cat
+from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
+from diffsynth_mbc.data.probe import MediaInfo, default_workers, histogram, probe_files
+
+METADATA_NAME = "metadata.csv"
+METADATA_VAL_NAME = "metadata_val.csv"
+REJECTS_NAME = "rejects.csv"
+SUMMARY_NAME = "summary.json"
+OUTPUT_NAMES = (METADATA_NAME, METADATA_VAL_NAME, REJECTS_NAME, SUMMARY_NAME)
+
+METADATA_COLUMNS = ("video", "prompt", "media_type")
+PROBE_COLUMNS = ("width", "height", "num_frames", "fps")
+REJECT_COLUMNS = ("row", "file_path", "reason", "catalog", "line")
+
+
+class UsageError(Exception):
+    """Bad arguments or inputs: exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m diffsynth_mbc.convert",
+        description="Convert an MBC catalogue (file_path,caption,media_type) into DiffSynth metadata.",
+    )
+    parser.add_argument("catalog", help="training catalogue CSV (file_path,caption,media_type)")
+    parser.add_argument("--base-path", required=True,
+                        help="folder the catalogue's file paths are relative to (DiffSynth's dataset_base_path)")
+    parser.add_argument("--output", required=True, help="folder to write metadata.csv, rejects.csv, summary.json into")
+    val = parser.add_mutually_exclusive_group()
+    val.add_argument("--val-catalog", help="validation catalogue CSV, written to metadata_val.csv")
+    val.add_argument("--val-fraction", type=float,
+                     help="split this fraction (0 < F < 1) of the training rows off as validation, per media type")
+    parser.add_argument("--subset", type=int, help="keep N training rows, video/image ratio preserved")
+    parser.add_argument("--seed", type=int, default=0, help="seed for --subset and --val-fraction (default 0)")
+    parser.add_argument("--media", choices=("all", "video", "image"), default="all",
+                        help="keep only this media type (default all)")
+    parser.add_argument("--no-check-files", action="store_true",
+                        help="do not check that media files exist (storage not mounted here)")
+    parser.add_argument("--probe", action="store_true",
+                        help="read each file's size, frame count and fps; reject unreadable files")
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="parallel probes (default min(8, CPU count))")
+    parser.add_argument("--min-frames", type=int, default=17, help="flag videos with fewer frames (default 17)")
+    parser.add_argument("--min-width", type=int, default=1280, help="flag media narrower than this (default 1280)")
+    parser.add_argument("--min-height", type=int, default=704, help="flag media lower than this (default 704)")
+    return parser
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    if args.subset is not None and args.subset < 1:
+        raise UsageError(f"--subset must be at least 1, got {args.subset}")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
+    if args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
+    for name in ("min_frames", "min_width", "min_height"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
+    if not args.no_check_files and not os.path.isdir(args.base_path):
+        raise UsageError(f"--base-path {args.base_path}: not a folder (use --no-check-files if it is not mounted here)")
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise UsageError(f"--output {args.output}: exists and is not a folder")
+    inputs = [args.catalog] + ([args.val_catalog] if args.val_catalog else [])
+    if args.val_catalog and _same_file(args.catalog, args.val_catalog):
+        raise UsageError(f"--val-catalog {args.val_catalog} is the training catalogue itself")
+    for name in OUTPUT_NAMES:
+        output_path = os.path.join(args.output, name)
+        for input_path in inputs:
+            if _same_file(output_path, input_path):
+                raise UsageError(
+                    f"--output {args.output} would overwrite the input catalogue {input_path} ({name}); "
+                    "choose another output folder"
+                )
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Probing
+
+
+@dataclass
+class ProbeOutcome:
+    info: dict[int, MediaInfo]  # id(entry) -> info, for entries that were readable
+    unreadable: list[cat.Reject]
+    short_videos: int
+    small_media: int
+
+
+def _probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: Console) -> ProbeOutcome:
+    items = [(e.resolved_path, e.media_type) for e in entries]
+    if console.is_terminal and items:
+        from rich.progress import Progress
+
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("probing media", total=len(items))
+            results = probe_files(items, args.workers, on_done=lambda _result: progress.advance(task))
+    else:
+        results = probe_files(items, args.workers)
+    info: dict[int, MediaInfo] = {}
+    unreadable: list[cat.Reject] = []
+    short_videos = small_media = 0
+    for entry, result in zip(entries, results):
+        if result.info is None:
+            unreadable.append(cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
+                                         cat.Reason.UNREADABLE_MEDIA, f"{cat.Reason.UNREADABLE_MEDIA} ({result.error})"))
+            continue
+        info[id(entry)] = result.info
+        if entry.media_type == "video" and result.info.num_frames < args.min_frames:
+            short_videos += 1
+        if result.info.width < args.min_width or result.info.height < args.min_height:
+            small_media += 1
+    return ProbeOutcome(info, unreadable, short_videos, small_media)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _csv_text(header, rows) -> str:
+    buffer = io.StringIO()
+    # RFC 4180 line ends: with "\n" Python's writer would leave a lone "\r" in a caption unquoted, and
+    # pandas would split the row there. QUOTE_MINIMAL with doubled quotes is what pandas reads.
+    writer = csv.writer(buffer, lineterminator="\r\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def metadata_text(entries: list[cat.Entry], probed: dict[int, MediaInfo] | None) -> str:
+    if probed is None:
+        return _csv_text(METADATA_COLUMNS, ((e.relative_path, e.source.caption, e.media_type) for e in entries))
+    rows = []
+    for entry in entries:
+        info = probed[id(entry)]
+        fps = "" if info.fps is None else round(info.fps, 3)
+        rows.append((entry.relative_path, entry.source.caption, entry.media_type,
+                     info.width, info.height, info.num_frames, fps))
+    return _csv_text(METADATA_COLUMNS + PROBE_COLUMNS, rows)
+
+
+def rejects_text(rejects: list[cat.Reject]) -> str:
+    order = {"train": 0, "val": 1}
+    ordered = sorted(rejects, key=lambda r: (order.get(r.catalog, 2), r.row))
+    return _csv_text(REJECT_COLUMNS, ((r.row, r.file_path, r.reason, r.catalog, r.line) for r in ordered))
+
+
+def _probe_summary(entries: list[cat.Entry], outcome: ProbeOutcome, args: argparse.Namespace) -> dict:
+    infos = [outcome.info[id(e)] for e in entries]
+    videos = [outcome.info[id(e)] for e in entries if e.media_type == "video"]
+    return {
+        "workers": args.workers,
+        "min_frames": args.min_frames,
+        "min_width": args.min_width,
+        "min_height": args.min_height,
+        "unreadable": len(outcome.unreadable),
+        "flagged_short_videos": outcome.short_videos,
+        "flagged_small_media": outcome.small_media,
+        "width": histogram(i.width for i in infos),
+        "height": histogram(i.height for i in infos),
+        "num_frames": histogram(i.num_frames for i in infos),
+        "video_num_frames": histogram(i.num_frames for i in videos),
+        "fps": histogram(None if i.fps is None else round(i.fps, 3) for i in videos),
+    }
+
+
+def build_summary(args, catalogs: dict[str, cat.Catalog], plan: cat.ConversionPlan, rejects: list[cat.Reject],
+                  probe_summary: dict | None, outputs: list[str]) -> dict:
+    rejects_by_catalog = {name: [r for r in rejects if r.catalog == name] for name in catalogs}
+    return {
+        "input_rows": dict(plan.input_rows),
+        "input_rows_total": sum(plan.input_rows.values()),
+        "blank_lines_skipped": dict(plan.blank_lines),
+        "written_rows": {"train": len(plan.train), "val": len(plan.val)},
+        "rejected_rows": {name: len(items) for name, items in rejects_by_catalog.items()},
+        "rejects_by_reason": {name: cat.count_reasons(items) for name, items in rejects_by_catalog.items()},
+        "media_types": {"train": cat.count_media_types(plan.train), "val": cat.count_media_types(plan.val)},
+        "subset": asdict(plan.subset) if plan.subset else None,
+        "split": {
+            "mode": plan.split_mode,
+            "val_fraction": args.val_fraction,
+            "train": cat.count_media_types(plan.train),
+            "val": cat.count_media_types(plan.val),
+        },
+        "seed": args.seed,
+        "media": args.media,
+        "files_checked": not args.no_check_files,
+        "note": None if not args.no_check_files else "file existence was not checked (--no-check-files)",
+        "inputs": {name: {"path": os.path.abspath(c.path), "sha256": c.sha256, "columns": c.columns}
+                   for name, c in catalogs.items()},
+        "base_path": cat.normalise_base_path(args.base_path),
+        "outputs": outputs,
+        "arguments": vars(args),
+        "probe": probe_summary,
+        "accounting": {
+            name: {"input": plan.input_rows[name],
+                   "written": sum(1 for e in plan.train + plan.val if e.catalog == name),
+                   "rejected": len(rejects_by_catalog[name])}
+            for name in catalogs
+        },
+    }
+
+
+def print_summary_table(console: Console, summary: dict) -> None:
+    table = Table(title="MBC catalogue conversion")
+    table.add_column("catalogue")
+    table.add_column("input rows", justify="right")
+    table.add_column("written (train / val)", justify="right")
+    table.add_column("rejected", justify="right")
+    table.add_column("rejects by reason")
+    for name, accounting in summary["accounting"].items():
+        written = accounting["written"]
+        reasons = "\n".join(f"{reason}: {count}" for reason, count in summary["rejects_by_reason"][name].items())
+        split = ""
+        if name == "train" and summary["split"]["mode"] == "fraction":
+            split = f" ({summary['written_rows']['train']} / {summary['written_rows']['val']})"
+        table.add_row(name, str(accounting["input"]), f"{written}{split}", str(accounting["rejected"]), reasons or "-")
+    console.print(table)
+    for name, counts in summary["media_types"].items():
+        if any(counts.values()):
+            console.print(f"{name}: " + ", ".join(f"{count} {media}" for media, count in counts.items()))
+    subset = summary["subset"]
+    if subset and subset["took_all"]:
+        console.print(f"[yellow]--subset {subset['requested']} is not less than the {subset['available']} "
+                      f"valid rows: took all of them[/yellow]")
+    probe = summary["probe"]
+    if probe:
+        if probe["flagged_short_videos"]:
+            console.print(f"[yellow]warning: {probe['flagged_short_videos']} videos have fewer than "
+                          f"{probe['min_frames']} frames[/yellow]")
+        if probe["flagged_small_media"]:
+            console.print(f"[yellow]warning: {probe['flagged_small_media']} files are smaller than "
+                          f"{probe['min_width']}x{probe['min_height']}[/yellow]")
+    if summary["note"]:
+        console.print(f"[yellow]{summary['note']}[/yellow]")
+    console.print(f"wrote {', '.join(summary['outputs'])}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    _check_arguments(args)
+    catalogs = {"train": cat.read_catalog(args.catalog)}
+    if args.val_catalog:
+        catalogs["val"] = cat.read_catalog(args.val_catalog)
+
+    plan = cat.plan_conversion(
+        catalogs["train"], args.base_path, val_catalog=catalogs.get("val"), val_fraction=args.val_fraction,
+        subset=args.subset, seed=args.seed, media=args.media, check_files=not args.no_check_files,
+    )
+    rejects = list(plan.rejects)
+    probed = probe_summary = None
+    if args.probe:
+        outcome = _probe_entries(plan.train + plan.val, args, console)
+        rejects += outcome.unreadable
+        plan.train = [e for e in plan.train if id(e) in outcome.info]
+        plan.val = [e for e in plan.val if id(e) in outcome.info]
+        probed = outcome.info
+        probe_summary = _probe_summary(plan.train + plan.val, outcome, args)
+
+    for name, catalog in catalogs.items():
+        cat.check_accounting(
+            len(catalog.rows),
+            [e for e in plan.train + plan.val if e.catalog == name],
+            [r for r in rejects if r.catalog == name],
+        )
+
+    output = Path(args.output)
+    outputs = [METADATA_NAME]
+    atomic_write_text(output / METADATA_NAME, metadata_text(plan.train, probed))
+    val_path = output / METADATA_VAL_NAME
+    if plan.split_mode is not None:
+        atomic_write_text(val_path, metadata_text(plan.val, probed))
+        outputs.append(METADATA_VAL_NAME)
+    elif val_path.exists():
+        val_path.unlink()  # left by an earlier run with validation; it does not belong to this one
+        console.print(f"removed stale {val_path}")
+    atomic_write_text(output / REJECTS_NAME, rejects_text(rejects))
+    outputs += [REJECTS_NAME, SUMMARY_NAME]
+    summary = build_summary(args, catalogs, plan, rejects, probe_summary, outputs)
+    atomic_write_json(output / SUMMARY_NAME, summary)
+
+    print_summary_table(console, summary)
+    if not plan.train and not plan.val:
+        console.print("[red]no rows written: see rejects.csv[/red]")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    console = Console(stderr=True)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # argparse already printed the message
+        return int(exit_request.code or 0)
+    try:
+        return run(args, console)
+    except (UsageError, cat.CatalogError) as error:
+        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

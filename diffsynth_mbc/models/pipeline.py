@@ -1,0 +1,115 @@
+"""Building DiffSynth's Wan pipeline: from the real TI2V-5B weights, or tiny and random for the demo."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from diffsynth.models.wan_video_dit import WanModel
+from diffsynth.models.wan_video_text_encoder import WanTextEncoder
+import functools
+
+import diffsynth.models.wan_video_vae as wan_video_vae
+from diffsynth.models.wan_video_vae import WanVideoVAE38
+from diffsynth.pipelines.wan_video_new import ModelConfig, WanVideoPipeline
+
+from diffsynth_mbc.models.model_files import MODELSCOPE_ID, ModelFileError, locate_model_files
+
+# Wan2.2-TI2V-5B's DiT; the tiny demo model keeps every flag and shrinks the widths.
+TI2V_5B_DIT = dict(dim=3072, in_dim=48, ffn_dim=14336, out_dim=48, text_dim=4096, freq_dim=256, eps=1e-6,
+                   patch_size=(1, 2, 2), num_heads=24, num_layers=30, has_image_input=False,
+                   seperated_timestep=True, require_vae_embedding=False, require_clip_embedding=False,
+                   fuse_vae_embedding_in_latents=True)
+# (dim / num_heads) // 3 must be even for the RoPE split: 64 / 2 = 32 -> 10, fine.
+TINY_DIT = dict(TI2V_5B_DIT, dim=64, ffn_dim=128, text_dim=32, freq_dim=32, num_heads=2, num_layers=2)
+TINY_TEXT_ENCODER = dict(dim=32, dim_attn=32, dim_ffn=64, num_heads=2, num_layers=1, num_buckets=8)
+TINY_TEXT_LEN = 32
+TINY_VAE_WIDTH = 16
+
+
+def load_pipeline(model_dir: str | None, model_id: str | None, device: str, torch_dtype: torch.dtype,
+                  load_encoders: bool = True) -> WanVideoPipeline:
+    """The real pipeline from a local release folder (checked first) or a ModelScope id."""
+    if model_dir:
+        files = locate_model_files(model_dir)  # raises ModelFileError before any weight is read
+        paths = [[str(p) for p in files.dit_shards]]
+        if load_encoders:
+            paths += [str(files.text_encoder), str(files.vae)]
+        configs = [ModelConfig(path=p) for p in paths]
+        tokenizer = ModelConfig(path=str(files.tokenizer_dir))
+    else:
+        model_id = model_id or MODELSCOPE_ID
+        patterns = ["diffusion_pytorch_model*.safetensors"]
+        if load_encoders:
+            patterns += ["models_t5_umt5-xxl-enc-bf16.pth", "Wan2.2_VAE.pth"]
+        configs = [ModelConfig(model_id=model_id, origin_file_pattern=p) for p in patterns]
+        tokenizer = ModelConfig(model_id=model_id, origin_file_pattern="google/*")
+    pipe = WanVideoPipeline.from_pretrained(torch_dtype=torch_dtype, device=device, model_configs=configs,
+                                            tokenizer_config=tokenizer)
+    # DiffSynth leaves a model None (with only a printed note) when it does not recognise a file.
+    missing = [name for name in (("dit", "text_encoder", "vae") if load_encoders else ("dit",))
+               if getattr(pipe, name) is None]
+    if missing:
+        source = model_dir or model_id
+        raise ModelFileError(f"DiffSynth did not recognise the {', '.join(missing)} weights in {source}; "
+                             "are these the Wan2.2-TI2V-5B files?")
+    return pipe
+
+
+def _write_demo_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer made in code (pad=0, eos=1, unk=2), saved the way the prompter loads one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("a an the of in on and with news anchor studio city street night day video image clip "
+             "뉴스 영상 사진 앵커 스튜디오 도시 거리 밤 낮").split()
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{word: index + 3 for index, word in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+def build_tiny_vae() -> WanVideoVAE38:
+    """The Wan2.2 VAE class with narrow encoder and decoder.
+
+    WanVideoVAE38 exposes only the encoder width and always builds a 256-wide decoder (705M
+    parameters, seconds of start-up for every rank); the inner class it calls takes the decoder width.
+    """
+    full_size = wan_video_vae.VideoVAE38_
+    wan_video_vae.VideoVAE38_ = functools.partial(full_size, dec_dim=TINY_VAE_WIDTH)
+    try:
+        return WanVideoVAE38(z_dim=48, dim=TINY_VAE_WIDTH)
+    finally:
+        wan_video_vae.VideoVAE38_ = full_size
+
+
+def build_demo_pipeline(device: str = "cpu", torch_dtype: torch.dtype = torch.float32, seed: int = 0,
+                        tokenizer_dir: str | None = None, load_encoders: bool = True) -> WanVideoPipeline:
+    """A tiny, randomly initialised pipeline with Wan2.2-TI2V-5B's architecture, from DiffSynth's classes.
+
+    Same seed, same weights, on every rank. The VAE keeps the Wan2.2 class and latent width (48) with
+    narrow encoder and decoder; the DiT keeps every TI2V flag.
+    """
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        pipe = WanVideoPipeline(device=device, torch_dtype=torch_dtype)
+        pipe.dit = WanModel(**TINY_DIT)
+        if load_encoders:
+            pipe.vae = build_tiny_vae()
+            pipe.text_encoder = WanTextEncoder(vocab=64, **TINY_TEXT_ENCODER)
+            folder = Path(tokenizer_dir) if tokenizer_dir else Path(tempfile.mkdtemp(prefix="mbc-demo-tokenizer-"))
+            folder.mkdir(parents=True, exist_ok=True)
+            if not (folder / "tokenizer.json").exists():
+                _write_demo_tokenizer(folder)
+            pipe.prompter.text_len = TINY_TEXT_LEN
+            pipe.prompter.fetch_models(pipe.text_encoder)
+            pipe.prompter.fetch_tokenizer(str(folder))
+        pipe.height_division_factor = pipe.width_division_factor = 32
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return pipe.to(device=device, dtype=torch_dtype)

@@ -1,0 +1,175 @@
+"""Watch a training run from its per-rank files: a live terminal view, a JSON probe, a dashboard server.
+
+    python -m diffsynth_mbc.monitor [LOG_DIR] [--once] [--json] [--interval S]
+                                    [--stall-after S] [--serve [HOST:]PORT] [--no-view]
+
+LOG_DIR (default ./training_logs) holds ``training_gpu{rank}.json`` (state) and
+``training_gpu{rank}.jsonl`` (one line per optimizer step) written by every rank.
+
+Modes
+    default        live view, refreshed every --interval seconds; Ctrl-C quits (exit 0).
+    --once         draw one frame and exit with the run's exit code.
+    --json         print the aggregate as one JSON object and exit with the run's exit code.
+    --serve ADDR   serve the dashboard and /api/training/{status,metrics} over HTTP (127.0.0.1
+                   unless a host is given; port 0 picks a free one; the URL is printed). The
+                   live view runs beside it when stdout is a terminal, unless --no-view.
+                   Ctrl-C (or SIGTERM) stops both.
+
+Exit codes (--once / --json)
+    0 starting, loading, training, finished, stopped (a stop was asked for, it is no error);
+    1 failed; 3 stalled; 4 no data (no status file); 2 usage error.
+
+Run status, first rule that matches
+    no_data > failed (any rank failed) > stalled (any active rank's updated_at older than the
+    stall threshold) > finished (all present ranks finished) > stopped (none active, one
+    stopped) > training / loading / starting (most advanced active status).
+
+Stall threshold
+    --stall-after S when given, else max(120 s, 10 x the rank's median step time).
+
+Several runs in one directory
+    The run_id with the newest started_at is shown; files of other runs are ignored and
+    named in the notes. Ranks below world_size without a file are listed as missing (they do
+    not change the run status: on several nodes without a shared directory they always are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from diffsynth_mbc.monitor.state import MonitorState, exit_code
+
+DEFAULT_LOG_DIR = "./training_logs"
+
+
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number: {value!r}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    paragraphs = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(
+        prog="python -m diffsynth_mbc.monitor",
+        description=paragraphs[0],
+        epilog="\n\n".join(paragraphs[2:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("log_dir", nargs="?", default=DEFAULT_LOG_DIR, metavar="LOG_DIR",
+                        help=f"directory with training_gpu*.json[l] (default {DEFAULT_LOG_DIR})")
+    parser.add_argument("--once", action="store_true", help="draw one frame and exit with the run's exit code")
+    parser.add_argument("--json", action="store_true", help="print the aggregate as JSON and exit (implies --once)")
+    parser.add_argument("--interval", type=_positive, default=2.0, metavar="S",
+                        help="seconds between refreshes of the live view (default 2)")
+    parser.add_argument("--stall-after", type=_positive, default=None, metavar="S",
+                        help="a rank silent this long while active is STALLED "
+                             "(default: max(120, 10 x its median step time))")
+    parser.add_argument("--serve", metavar="[HOST:]PORT", default=None,
+                        help="serve the dashboard and the JSON API (host 127.0.0.1 unless given; port 0 = any)")
+    parser.add_argument("--no-view", action="store_true", help="with --serve: no live view, serve only")
+    return parser
+
+
+def _console():
+    from rich.console import Console
+
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=150)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_sigterm(signum, frame):
+    raise _Stop()
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    serve_addr = None
+    if args.serve is not None:
+        if args.once or args.json:
+            parser.error("--serve cannot be combined with --once or --json")
+        from diffsynth_mbc.monitor.server import parse_serve
+
+        try:
+            serve_addr = parse_serve(args.serve)
+        except ValueError as exc:
+            parser.error(str(exc))
+    log_dir = Path(args.log_dir)
+    state = MonitorState(log_dir, stall_after=args.stall_after)
+
+    if args.json:
+        snap = state.refresh()
+        sys.stdout.write(json.dumps(snap, indent=2, allow_nan=False) + "\n")
+        sys.stdout.flush()
+        return exit_code(snap["status"])
+    if args.once:
+        from diffsynth_mbc.monitor.view import render
+
+        snap = state.refresh()
+        _console().print(render(snap, log_dir=str(log_dir)))
+        return exit_code(snap["status"])
+
+    server = None
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        if serve_addr is not None:
+            from diffsynth_mbc.monitor.server import MonitorServer
+
+            try:
+                server = MonitorServer(state, *serve_addr).start()
+            except OSError as exc:
+                print(f"cannot serve on {args.serve}: {exc}", file=sys.stderr)
+                return 2
+            print(f"Serving the training dashboard at {server.url} (log dir {log_dir})", flush=True)
+        if server is not None and (args.no_view or not sys.stdout.isatty()):
+            while True:
+                time.sleep(3600)
+        _live(state, log_dir, args.interval, server.url if server else None)
+    except (KeyboardInterrupt, _Stop):
+        pass
+    finally:
+        if server is not None:
+            server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _live(state: MonitorState, log_dir: Path, interval: float, url: str | None) -> None:
+    from rich.live import Live
+
+    from diffsynth_mbc.monitor.view import render
+
+    console = _console()
+    served = f" · dashboard {url}" if url else ""
+    with Live(console=console, auto_refresh=False, transient=False, redirect_stderr=False) as live:
+        while True:
+            tick = time.monotonic()
+            snap = state.refresh()
+            footer = (f"refreshed {time.strftime('%H:%M:%S')} in {snap['refresh_ms']:.0f} ms · every {interval:g}s"
+                      f"{served} · Ctrl-C to quit")
+            live.update(render(snap, log_dir=str(log_dir), footer=footer), refresh=True)
+            time.sleep(max(0.05, interval - (time.monotonic() - tick)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,238 @@
+"""Read-only HTTP server over the monitor's state (stdlib only).
+
+Routes (GET and HEAD; OPTIONS answers CORS preflight; anything else 405):
+
+- ``/``                      the dashboard page (diffsynth_mbc/monitor/web/dashboard.html, self-contained);
+- ``/api/training/status``   the run aggregate (the same object as ``--once --json``);
+- ``/api/training/metrics``  per-step history, keyed by rank: ``rank`` (optional, default every
+  rank of the run with a status file), ``since`` (a step; records with a larger step), ``limit`` (records per
+  rank, 1..10000, default 1000), ``points`` (optional, 2..5000: the bounded down-sampled
+  series instead of raw records).
+
+No route takes a path: nothing but the run files of the log directory is ever read, so
+``..`` in a URL only ever gets a 404. Bad query values get a 400 JSON error naming the
+parameter. Every answer carries ``Access-Control-Allow-Origin: *``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from urllib.parse import parse_qs, urlsplit
+
+from diffsynth_mbc.monitor.state import MonitorState, json_safe
+
+STATUS_PATH = "/api/training/status"
+METRICS_PATH = "/api/training/metrics"
+MAX_LIMIT = 10_000
+DEFAULT_LIMIT = 1000
+MAX_POINTS_PARAM = 5000
+STATUS_MAX_AGE_S = 0.5  # requests within this long of the last refresh share it
+
+
+class QueryError(ValueError):
+    def __init__(self, parameter: str, message: str):
+        super().__init__(message)
+        self.parameter = parameter
+
+
+def parse_serve(value: str) -> tuple[str, int]:
+    """``PORT``, ``:PORT``, ``HOST:PORT`` or ``[V6HOST]:PORT`` -> (host, port); host defaults to 127.0.0.1."""
+    text = value.strip()
+    host = "127.0.0.1"
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or not text[end + 1:].startswith(":"):
+            raise ValueError(f"bad address {value!r}: expected [HOST]:PORT")
+        host, text = text[1:end], text[end + 2:]
+    elif ":" in text:
+        head, _, text = text.rpartition(":")
+        if head:
+            host = head
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"bad port in {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port out of range in {value!r}")
+    return host, port
+
+
+def dashboard_html() -> bytes:
+    return resources.files("diffsynth_mbc.monitor").joinpath("web/dashboard.html").read_bytes()
+
+
+def _one(query: dict, name: str) -> str | None:
+    values = query.get(name)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise QueryError(name, f"parameter '{name}' given more than once")
+    return values[0]
+
+
+def _int_param(query: dict, name: str, lo: int, hi: int | None) -> int | None:
+    raw = _one(query, name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise QueryError(name, f"parameter '{name}' must be a whole number, got {raw[:40]!r}") from None
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise QueryError(name, f"parameter '{name}' must be {bound}, got {value}")
+    return value
+
+
+def _float_param(query: dict, name: str) -> float | None:
+    raw = _one(query, name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise QueryError(name, f"parameter '{name}' must be a number, got {raw[:40]!r}")
+    return int(value) if value.is_integer() else value
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+
+
+def make_handler(state: MonitorState, page: bytes, quiet: bool = True):
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "mbc-monitor"
+
+        def version_string(self):
+            return self.server_version
+
+        def log_message(self, format, *args):  # noqa: A002 - signature of the base class
+            if not quiet:
+                super().log_message(format, *args)
+
+        def _send(self, code: int, body: bytes, content_type: str, extra: dict | None = None) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Access-Control-Allow-Origin", "*")
+            for key, value in (extra or {}).items():
+                self.send_header(key, value)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _json(self, code: int, obj) -> None:
+            try:
+                body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+            except ValueError:  # a non-finite number slipped through: send null instead
+                body = json.dumps(json_safe(obj), allow_nan=False, separators=(",", ":")).encode()
+            self._send(code, body, "application/json; charset=utf-8")
+
+        def _error(self, code: int, message: str, parameter: str | None = None) -> None:
+            obj = {"error": message, "status": code}
+            if parameter is not None:
+                obj["parameter"] = parameter
+            self._json(code, obj)
+
+        def do_OPTIONS(self):  # noqa: N802 - http.server naming
+            self.send_response(HTTPStatus.NO_CONTENT)
+            self.send_header("Access-Control-Allow-Origin", "*")
+            self.send_header("Access-Control-Allow-Methods", "GET, HEAD, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "*")
+            self.send_header("Access-Control-Max-Age", "600")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_HEAD(self):  # noqa: N802
+            self.do_GET()
+
+        def do_GET(self):  # noqa: N802
+            try:
+                parts = urlsplit(self.path)
+                path = parts.path
+                if path != "/" and path.endswith("/"):
+                    path = path.rstrip("/")
+                query = parse_qs(parts.query, keep_blank_values=True)
+                if path in ("/", "/index.html"):
+                    self._send(200, page, "text/html; charset=utf-8", {
+                        "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                                                   "style-src 'unsafe-inline'; connect-src 'self'; img-src data:",
+                    })
+                elif path == STATUS_PATH:
+                    self._json(200, state.snapshot(max_age_s=STATUS_MAX_AGE_S))
+                elif path == METRICS_PATH:
+                    self._metrics(query)
+                else:
+                    self._error(404, f"no such path: {parts.path[:100]}")
+            except QueryError as exc:
+                self._error(400, str(exc), exc.parameter)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            except Exception as exc:  # a bad request must never take the server down
+                try:
+                    self._error(500, f"internal error: {type(exc).__name__}: {exc}")
+                except OSError:
+                    pass
+
+        def _metrics(self, query: dict) -> None:
+            rank = _int_param(query, "rank", 0, None)
+            since = _float_param(query, "since")
+            limit = _int_param(query, "limit", 1, MAX_LIMIT)
+            points = _int_param(query, "points", 2, MAX_POINTS_PARAM)
+            if rank is not None:
+                state.snapshot(max_age_s=STATUS_MAX_AGE_S)
+                if rank not in state.run_ranks():
+                    self._error(404, f"rank {rank} is not a rank of the current run", "rank")
+                    return
+            self._json(200, state.metrics(rank=rank, since=since,
+                                          limit=DEFAULT_LIMIT if limit is None else limit, points=points))
+
+        def _not_allowed(self):
+            self._error(405, f"method {self.command} not allowed (read-only)")
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+
+    return Handler
+
+
+class MonitorServer:
+    """The HTTP server, run in a daemon thread; ``stop`` shuts it down and closes the socket."""
+
+    def __init__(self, state: MonitorState, host: str = "127.0.0.1", port: int = 0, quiet: bool = True):
+        handler = make_handler(state, dashboard_html(), quiet=quiet)
+        server_cls = _Server
+        if ":" in host:
+            server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+        self.httpd = server_cls((host, port), handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}/"
+
+    def start(self) -> "MonitorServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="mbc-monitor-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.httpd.server_close()

@@ -1,0 +1,215 @@
+"""Rich rendering of the monitor's aggregate (the dict built by monitor.state.MonitorState).
+
+The view is fed a snapshot and never reads files itself; styles live in one Theme.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+
+
+@dataclass(frozen=True)
+class Theme:
+    status: dict = field(default_factory=lambda: {
+        "starting": "cyan", "loading": "cyan", "training": "bold green", "finished": "bold blue",
+        "failed": "bold white on red", "stopped": "yellow", "stalled": "bold black on yellow",
+        "no_data": "dim", "missing": "bold magenta", "unknown": "magenta",
+    })
+    label: str = "dim"
+    value: str = "bold"
+    spark: str = "green"
+    error: str = "red"
+    note: str = "yellow"
+    header_border: str = "blue"
+
+
+THEME = Theme()
+
+
+def sparkline(values, width: int = 24) -> str:
+    """Unicode block sparkline of the last ``width`` values (scaled between their min and max)."""
+    values = [v for v in values if v is not None][-width:]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    if hi - lo <= 1e-12 * max(1.0, abs(hi)):
+        return SPARK_CHARS[3] * len(values)
+    top = len(SPARK_CHARS) - 1
+    return "".join(SPARK_CHARS[min(top, int((v - lo) / (hi - lo) * top + 0.5))] for v in values)
+
+
+def fmt_duration(seconds) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(max(0.0, float(seconds))))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h{minutes:02d}m"
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def fmt_num(value, spec: str = ".4g") -> str:
+    if value is None:
+        return "-"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def fmt_clock(ts) -> str:
+    if ts is None:
+        return "-"
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(float(ts)))
+    except (OverflowError, ValueError, OSError):
+        return "-"
+
+
+def _gpu_cells(gpu) -> tuple[str, str]:
+    if not gpu:
+        return "cpu", "-"
+    util = gpu.get("util_pct")
+    used, total = gpu.get("mem_used_mb"), gpu.get("mem_total_mb")
+    util_text = "-" if util is None else f"{util:.0f}%"
+    if used is None:
+        mem_text = "-"
+    elif total:
+        mem_text = f"{used / 1024:.1f}/{total / 1024:.0f} GB"
+    else:
+        mem_text = f"{used / 1024:.1f} GB"
+    return util_text, mem_text
+
+
+def _status_text(rank: dict, theme: Theme) -> Text:
+    status = rank.get("status") or "unknown"
+    if rank.get("stalled"):
+        text = Text("STALLED", style=theme.status["stalled"])
+        text.append(f" {fmt_duration(rank.get('age_s'))} (since {fmt_clock(rank.get('stalled_since'))},"
+                    f" was {status})", style=theme.status["stalled"])
+        return text
+    return Text(status, style=theme.status.get(status, ""))
+
+
+def render_header(snap: dict, log_dir: str | None, theme: Theme) -> RenderableType:
+    status = snap.get("status", "no_data")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(justify="right", style=theme.label)
+    grid.add_column()
+    grid.add_column(justify="right", style=theme.label)
+    grid.add_column()
+    status_text = Text(status.upper(), style=theme.status.get(status, ""))
+    if snap.get("stalled_ranks"):
+        status_text.append(f"  rank(s) {', '.join(map(str, snap['stalled_ranks']))} stalled",
+                           style=theme.status["stalled"])
+    grid.add_row("status", status_text, "run", Text(str(snap.get("run_id") or "-"), style=theme.value))
+    step, total = snap.get("step"), snap.get("total_steps")
+    progress = snap.get("progress")
+    step_text = Text(f"{fmt_num(step, 'd') if isinstance(step, int) else '-'} / "
+                     f"{fmt_num(total, 'd') if isinstance(total, int) else '-'}", style=theme.value)
+    if progress is not None:
+        step_text.append(f"  {progress:.1f}%")
+    world = snap.get("world_size")
+    missing = snap.get("missing_ranks") or []
+    world_text = Text(str(world if world is not None else "-"), style=theme.value)
+    if missing:
+        world_text.append(f"  missing: {', '.join(map(str, missing))}", style=theme.status["missing"])
+    grid.add_row("step", step_text, "ranks", world_text)
+    bar = ProgressBar(total=100.0, completed=progress or 0.0, width=40)
+    rate = snap.get("samples_per_s")
+    grid.add_row("progress", bar, "samples/s", Text(fmt_num(rate, ".3g"), style=theme.value))
+    grid.add_row("elapsed", Text(fmt_duration(snap.get("elapsed_s")), style=theme.value),
+                 "ETA (slowest)", Text(fmt_duration(snap.get("eta_s")), style=theme.value))
+    grid.add_row("loss (mean)", Text(fmt_num(snap.get("loss")), style=theme.value), "", "")
+    title = "diffsynth-mbc monitor" + (f" — {log_dir}" if log_dir else "")
+    return Panel(grid, title=title, title_align="left", border_style=theme.header_border, box=box.ROUNDED)
+
+
+def render_ranks(snap: dict, theme: Theme) -> RenderableType:
+    table = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False)
+    for name, justify in (("rank", "right"), ("host", "left"), ("status", "left"), ("phase", "left"),
+                          ("step", "right"), ("loss", "right"), ("trend", "left"), ("lr", "right"),
+                          ("step time", "right"), ("GPU", "right"), ("GPU mem", "right"), ("updated", "right")):
+        table.add_column(name, justify=justify, no_wrap=name in ("trend", "status", "updated"))
+    rows = {r["rank"]: r for r in snap.get("ranks", [])}
+    for rank in sorted(set(rows) | set(snap.get("missing_ranks") or [])):
+        r = rows.get(rank)
+        if r is None:
+            table.add_row(str(rank), "-", Text("missing", style=theme.status["missing"]), "no status file", *["-"] * 8)
+            continue
+        util, mem = _gpu_cells(r.get("gpu"))
+        step, total = r.get("step"), r.get("total_steps")
+        step_text = f"{step if step is not None else '-'}/{total if total is not None else '-'}"
+        table.add_row(
+            str(rank),
+            str(r.get("hostname") or "-"),
+            _status_text(r, theme),
+            str(r.get("phase") or "-"),
+            step_text,
+            fmt_num(r.get("loss")),
+            Text(sparkline(r.get("loss_trend") or []), style=theme.spark),
+            fmt_num(r.get("lr"), ".3g"),
+            "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.2f}s",
+            util,
+            mem,
+            "-" if r.get("age_s") is None else f"{fmt_duration(r['age_s'])} ago",
+        )
+    return table
+
+
+def render_errors(snap: dict, theme: Theme, tail_lines: int = 10) -> list[RenderableType]:
+    out = []
+    for err in snap.get("errors") or []:
+        body = Text()
+        body.append(f"{err.get('type') or 'Error'}: {err.get('message') or ''}\n", style="bold")
+        tail = (err.get("traceback_tail") or "").rstrip("\n").splitlines()[-tail_lines:]
+        if tail:
+            body.append("\n".join(tail), style=theme.error)
+        host = f" on {err['hostname']}" if err.get("hostname") else ""
+        out.append(Panel(body, title=f"rank {err.get('rank')} failed{host}", title_align="left",
+                         border_style=theme.error))
+    return out
+
+
+def render_notes(snap: dict, theme: Theme, limit: int = 12) -> RenderableType | None:
+    notes = snap.get("notes") or []
+    if not notes:
+        return None
+    text = Text()
+    for note in notes[:limit]:
+        text.append(f"• {note}\n", style=theme.note)
+    if len(notes) > limit:
+        text.append(f"… and {len(notes) - limit} more (see --json)\n", style=theme.note)
+    return text
+
+
+def render(snap: dict, *, log_dir: str | None = None, theme: Theme = THEME, footer: str | None = None,
+           ) -> RenderableType:
+    parts: list[RenderableType] = [render_header(snap, log_dir, theme)]
+    if snap.get("ranks") or snap.get("missing_ranks"):
+        parts.append(render_ranks(snap, theme))
+    else:
+        parts.append(Text("No training files yet: waiting for training_gpu*.json.", style=theme.label))
+    parts.extend(render_errors(snap, theme))
+    notes = render_notes(snap, theme)
+    if notes is not None:
+        parts.append(notes)
+    if footer:
+        parts.append(Text(footer, style=theme.label))
+    return Group(*parts)

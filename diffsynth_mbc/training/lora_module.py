@@ -1,0 +1,104 @@
+"""The LoRA training module: DiffSynth's Wan pipeline units and training loss, TI2V first-frame condition.
+
+Two kinds of sample reach ``forward``: clips as DiffSynth's VideoDataset yields them (encoded on every
+step by the pipeline's units) and entries of the latent cache (``{"cached": True, ...}``, see
+``diffsynth_mbc.data.cache``), for which only the DiT runs; the VAE and text encoder may then be absent.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffsynth.trainers.utils import DiffusionTrainingModule
+from diffsynth.pipelines.wan_video_new import WanVideoPipeline
+
+from diffsynth_mbc.models.wan_units import run_units, unit_inputs
+
+
+class WanTI2VLoraModule(DiffusionTrainingModule):
+    """Wraps a WanVideoPipeline; only the LoRA weights injected into its DiT are trainable.
+
+    ``forward(batch)`` takes a list of samples as DiffSynth's VideoDataset yields them
+    (``{"video": [PIL frames], "prompt": str, ...}``) and returns the mean loss over the list.
+    Each sample runs through the pipeline's own units (shape check, noise, VAE encode, prompt
+    encode, TI2V first-frame fusion) and ``pipe.training_loss``. A sample with ``"cached": True``
+    (from ``CachedLatentDataset``) skips the encoders: ``inputs_from_cache`` builds the same inputs from
+    the stored latents and text embedding, so ``pipe.vae`` and ``pipe.text_encoder`` may be None.
+    """
+
+    def __init__(self, pipe: WanVideoPipeline, lora_target_modules: str = "q,k,v,o,ffn.0,ffn.2",
+                 lora_rank: int = 32, lora_alpha: float | None = None, lora_dtype: torch.dtype = torch.float32,
+                 use_gradient_checkpointing: bool = True, use_gradient_checkpointing_offload: bool = False,
+                 max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0):
+        super().__init__()
+        pipe.scheduler.set_timesteps(1000, training=True)
+        pipe.freeze_except([])
+        pipe.dit = self.add_lora_to_model(pipe.dit, target_modules=lora_target_modules.split(","),
+                                          lora_rank=lora_rank, lora_alpha=lora_alpha, upcast_dtype=lora_dtype)
+        self.pipe = pipe
+        self.use_gradient_checkpointing = use_gradient_checkpointing
+        self.use_gradient_checkpointing_offload = use_gradient_checkpointing_offload
+        self.max_timestep_boundary = max_timestep_boundary
+        self.min_timestep_boundary = min_timestep_boundary
+
+    def scalar_inputs(self) -> dict:
+        """Training switches passed to ``training_loss`` on both paths."""
+        return {
+            "use_gradient_checkpointing": self.use_gradient_checkpointing,
+            "use_gradient_checkpointing_offload": self.use_gradient_checkpointing_offload,
+            "vace_scale": 1, "max_timestep_boundary": self.max_timestep_boundary,
+            "min_timestep_boundary": self.min_timestep_boundary,
+        }
+
+    def pipeline_inputs(self, sample: dict) -> tuple[dict, dict, dict]:
+        return unit_inputs(self.pipe, sample, **self.scalar_inputs())
+
+    def encode(self, sample: dict) -> dict:
+        """Run the pipeline units: everything the DiT needs for one sample (latents, noise, context, ...)."""
+        return run_units(self.pipe, *self.pipeline_inputs(sample))
+
+    def inputs_from_cache(self, sample: dict) -> dict:
+        """What ``encode`` returns, built from a cache entry instead of running the VAE and text encoder.
+
+        The same steps as the units, in the same order of random draws: noise of the latent shape from
+        ``pipe.generate_noise`` (NoiseInitializer), then the first-frame latent written into it in place,
+        which also makes it the ``latents`` (InputVideoEmbedder + ImageEmbedderFused).
+        """
+        pipe = self.pipe
+        input_latents = sample["input_latents"].to(device=pipe.device, dtype=pipe.torch_dtype)
+        if input_latents.dim() == 4:
+            input_latents = input_latents.unsqueeze(0)
+        first_frame = sample.get("first_frame_latents")
+        first_frame = input_latents[:, :, :1] if first_frame is None else first_frame.to(
+            device=pipe.device, dtype=pipe.torch_dtype).reshape(input_latents[:, :, :1].shape)
+        latent_frames, latent_height, latent_width = input_latents.shape[2:]
+        factor = getattr(pipe.vae, "upsampling_factor", 16) if pipe.vae is not None else 16
+        shared = {
+            "height": sample.get("height", latent_height * factor), "width": sample.get("width", latent_width * factor),
+            "num_frames": sample.get("num_frames", (latent_frames - 1) * 4 + 1),
+            "cfg_scale": 1, "cfg_merge": False, "tiled": False, "rand_device": pipe.device, "vace_context": None,
+            **self.scalar_inputs(),
+        }
+        noise = pipe.generate_noise(tuple(input_latents.shape), seed=None, rand_device=pipe.device)
+        shared.update({"noise": noise, "latents": noise, "input_latents": input_latents})
+        if pipe.dit.fuse_vae_embedding_in_latents:
+            noise[:, :, 0:1] = first_frame
+            shared.update({"fuse_vae_embedding_in_latents": True, "first_frame_latents": first_frame})
+        context = sample["context"].to(device=pipe.device, dtype=pipe.torch_dtype)
+        return {**shared, "prompt": sample.get("prompt"), "context": context if context.dim() == 3 else context[None]}
+
+    def sample_loss(self, sample: dict) -> torch.Tensor:
+        inputs = self.inputs_from_cache(sample) if sample.get("cached") else self.encode(sample)
+        models = {name: getattr(self.pipe, name) for name in self.pipe.in_iteration_models}
+        return self.pipe.training_loss(**models, **inputs)
+
+    def forward(self, batch: list[dict] | dict) -> torch.Tensor:
+        """Mean loss over a list of samples; a single sample dict is what DiffSynth's own loop passes."""
+        if isinstance(batch, dict):
+            batch = [batch]
+        losses = [self.sample_loss(sample) for sample in batch]
+        return torch.stack(losses).mean()
+
+    def lora_state_dict(self, state_dict: dict | None = None) -> dict:
+        """Trainable (LoRA) weights with DiffSynth's key layout: ``blocks.0.self_attn.q.lora_A.default.weight``."""
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        return self.export_trainable_state_dict(state_dict, remove_prefix="pipe.dit.")

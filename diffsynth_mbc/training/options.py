@@ -1,0 +1,200 @@
+"""Options of ``python -m diffsynth_mbc.train``: defaults < preset file (--config) < command line. No torch.
+
+Names follow DiffSynth's own training scripts where they overlap, so the users' flags carry over.
+Unknown keys in a preset are rejected with the key and file named.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from diffsynth_mbc.errors import OptionsError
+
+DEFAULTS = {
+    # data (DiffSynth names)
+    "dataset_base_path": None, "dataset_metadata_path": None,
+    "height": 704, "width": 1280, "num_frames": 17, "dataset_repeat": 1, "dataset_num_workers": 2,
+    # model
+    "model_dir": None, "model_id": None, "demo": False,
+    # LoRA (DiffSynth names)
+    "lora_rank": 32, "lora_alpha": None, "lora_target_modules": "q,k,v,o,ffn.0,ffn.2",
+    # optimisation
+    "learning_rate": 1e-4, "weight_decay": 0.01, "num_epochs": 1, "batch_size": 1,
+    "gradient_accumulation_steps": 1, "lr_scheduler": "constant", "warmup_steps": 0,
+    "max_grad_norm": 1.0, "seed": 42,
+    "use_gradient_checkpointing": True, "use_gradient_checkpointing_offload": False,
+    "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0, "find_unused_parameters": False,
+    # output and logging
+    "output_path": "./runs/lora", "log_dir": "./training_logs", "run_id": None, "save_steps": None,
+    "status_interval_s": 5.0, "dist_backend": None,
+    # checkpoints, resume, stopping
+    "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
+    "resume": None, "force_resume": False, "stop_grace_s": 300.0,
+    # bad media and validation
+    "max_bad_media_fraction": 0.01,
+    "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
+    # latent cache
+    "cache": None, "val_cache": None,
+}
+
+_BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
+_CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m diffsynth_mbc.train", argument_default=argparse.SUPPRESS,
+        description="LoRA fine-tuning of Wan2.2-TI2V-5B through DiffSynth. Start it with `accelerate launch`.",
+        epilog="Example: accelerate launch --config_file configs/accelerate/ddp.yaml -m diffsynth_mbc.train "
+               "--config configs/train_test.yaml --learning_rate 5e-5")
+    parser.add_argument("--config", help="YAML preset (see configs/); flags given here override it")
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset_base_path", help="folder the metadata paths are relative to")
+    data.add_argument("--dataset_metadata_path", help="metadata.csv written by `python -m diffsynth_mbc.convert`")
+    data.add_argument("--height", type=int, help="training height (multiple of 32; default 704)")
+    data.add_argument("--width", type=int, help="training width (multiple of 32; default 1280)")
+    data.add_argument("--num_frames", type=int, help="frames per clip, 4k+1 (default 17)")
+    data.add_argument("--dataset_repeat", type=int, help="times each row is seen per epoch (default 1)")
+    data.add_argument("--dataset_num_workers", type=int, help="data-loader worker processes per GPU (default 2)")
+    data.add_argument("--cache", help="latent cache from `python -m diffsynth_mbc.cache`: train the DiT only "
+                                      "(the VAE and text encoder are never loaded)")
+    data.add_argument("--val_cache", help="latent cache of --val_metadata_path (needed with --cache)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model_dir", help="local Wan2.2-TI2V-5B folder (DiT shards, T5, VAE, google/umt5-xxl)")
+    model.add_argument("--model_id", help="ModelScope id to download instead (default Wan-AI/Wan2.2-TI2V-5B)")
+    model.add_argument("--demo", action="store_true", help="tiny random model with the TI2V-5B architecture")
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--lora_rank", type=int, help="default 32")
+    lora.add_argument("--lora_alpha", type=float, help="default: the rank")
+    lora.add_argument("--lora_target_modules", help="default q,k,v,o,ffn.0,ffn.2")
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument("--learning_rate", type=float, help="default 1e-4")
+    optim.add_argument("--weight_decay", type=float, help="default 0.01")
+    optim.add_argument("--num_epochs", type=int, help="default 1")
+    optim.add_argument("--batch_size", type=int, help="samples per GPU per micro-batch (default 1)")
+    optim.add_argument("--gradient_accumulation_steps", type=int, help="default 1")
+    optim.add_argument("--lr_scheduler", choices=_CHOICES["lr_scheduler"], help="default constant")
+    optim.add_argument("--warmup_steps", type=int, help="linear warm-up, optimizer steps (default 0)")
+    optim.add_argument("--max_grad_norm", type=float, help="gradient clipping; 0 disables (default 1.0)")
+    optim.add_argument("--seed", type=int, help="base seed; each rank draws noise from seed + rank (default 42)")
+    optim.add_argument("--use_gradient_checkpointing", type=_parse_bool, help="true/false (default true)")
+    optim.add_argument("--use_gradient_checkpointing_offload", type=_parse_bool, help="true/false")
+    optim.add_argument("--max_timestep_boundary", type=float)
+    optim.add_argument("--min_timestep_boundary", type=float)
+    optim.add_argument("--find_unused_parameters", type=_parse_bool)
+    out = parser.add_argument_group("output and logging")
+    out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
+    out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default ./training_logs)")
+    out.add_argument("--run_id", help="names this run in the logs (default: time-based)")
+    out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
+    out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
+    out.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on GPUs, gloo on CPU")
+    ckpt = parser.add_argument_group("checkpoints, resume and stopping")
+    ckpt.add_argument("--checkpoint_steps", type=int, help="full training state every N optimizer steps")
+    ckpt.add_argument("--checkpoint_minutes", type=float, help="... and/or every M minutes, whichever comes first")
+    ckpt.add_argument("--keep_checkpoints", type=int, help="keep the newest K (default 3) plus any with a KEEP file")
+    ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes)")
+    ckpt.add_argument("--resume", help="'latest' or a checkpoint folder: continue at its exact step and data position")
+    ckpt.add_argument("--force_resume", type=_parse_bool, help="resume even if the configuration differs")
+    ckpt.add_argument("--stop_grace_s", type=float,
+                      help="after Ctrl-C/SIGTERM, how long ranks may take to finish the step and save (default 300)")
+    data_quality = parser.add_argument_group("bad media and validation")
+    data_quality.add_argument("--max_bad_media_fraction", type=float,
+                              help="stop when more than this share of samples (and over 10) fail to decode "
+                                   "(default 0.01); each bad one is replaced by the next row and reported")
+    data_quality.add_argument("--val_metadata_path", help="metadata_val.csv for validation loss")
+    data_quality.add_argument("--val_base_path", help="default: --dataset_base_path")
+    data_quality.add_argument("--val_steps", type=int, help="validation loss every N optimizer steps (and at the end)")
+    data_quality.add_argument("--val_samples", type=int, help="fixed validation subset size (default 16)")
+    return parser
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def load_preset(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise OptionsError(f"--config: file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise OptionsError(f"--config: {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise OptionsError(f"--config: {path} must hold a mapping of option: value")
+    unknown = sorted(set(data) - set(DEFAULTS))
+    if unknown:
+        raise OptionsError(f"--config: unknown key(s) in {path}: {', '.join(unknown)}")
+    types = {action.dest: action.type for action in build_parser()._actions if action.type is not None}
+    for key, value in data.items():
+        if value is not None and key in types and not isinstance(value, bool):
+            try:
+                data[key] = types[key](value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                raise OptionsError(f"--config: {path}: {key}: cannot read {value!r} as "
+                                   f"{getattr(types[key], '__name__', 'a value')}") from None
+    return data
+
+
+def resolve_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse, merge and validate. Raises OptionsError (or SystemExit for argparse usage errors)."""
+    given = vars(build_parser().parse_args(argv))
+    preset = load_preset(given.pop("config")) if "config" in given else {}
+    options = {**DEFAULTS, **preset, **given}
+    for key in _BOOLEAN:
+        if not isinstance(options[key], bool):
+            options[key] = _parse_bool(options[key])
+    validate(options)
+    return argparse.Namespace(**options)
+
+
+def validate(options: dict) -> None:
+    def positive(*keys):
+        for key in keys:
+            if not isinstance(options[key], int) or options[key] < 1:
+                raise OptionsError(f"--{key} must be a positive integer, got {options[key]!r}")
+
+    positive("height", "width", "num_frames", "dataset_repeat", "lora_rank", "num_epochs", "batch_size",
+             "gradient_accumulation_steps")
+    for key in ("height", "width"):
+        if options[key] % 32:
+            raise OptionsError(f"--{key} must be a multiple of 32 (Wan2.2 VAE x DiT patch), got {options[key]}")
+    if options["num_frames"] % 4 != 1:
+        raise OptionsError(f"--num_frames must be 4k+1 (1, 5, 9, 13, 17, ...), got {options['num_frames']}")
+    if options["dataset_num_workers"] < 0 or options["warmup_steps"] < 0:
+        raise OptionsError("--dataset_num_workers and --warmup_steps must not be negative")
+    if options["save_steps"] is not None and options["save_steps"] < 1:
+        raise OptionsError(f"--save_steps must be a positive integer, got {options['save_steps']}")
+    if options["learning_rate"] <= 0:
+        raise OptionsError(f"--learning_rate must be positive, got {options['learning_rate']}")
+    for key, allowed in _CHOICES.items():
+        if options[key] not in allowed:
+            raise OptionsError(f"--{key} must be one of {', '.join(str(a) for a in allowed if a)}, got {options[key]!r}")
+    if not options["dataset_metadata_path"]:
+        raise OptionsError("--dataset_metadata_path is required (metadata.csv from `python -m diffsynth_mbc.convert`)")
+    if options["dataset_base_path"] is None:
+        raise OptionsError("--dataset_base_path is required (the folder metadata paths are relative to)")
+    for key in ("checkpoint_steps", "val_steps"):
+        if options[key] is not None and options[key] < 1:
+            raise OptionsError(f"--{key} must be a positive integer, got {options[key]}")
+    if options["checkpoint_minutes"] is not None and options["checkpoint_minutes"] <= 0:
+        raise OptionsError(f"--checkpoint_minutes must be positive, got {options['checkpoint_minutes']}")
+    if options["keep_checkpoints"] < 1 or options["val_samples"] < 1:
+        raise OptionsError("--keep_checkpoints and --val_samples must be at least 1")
+    if not 0 <= options["max_bad_media_fraction"] <= 1:
+        raise OptionsError(f"--max_bad_media_fraction must be between 0 and 1, got {options['max_bad_media_fraction']}")
+    if options["val_steps"] and not options["val_metadata_path"]:
+        raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
+    if options["demo"] and (options["model_dir"] or options["model_id"]):
+        raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
+    if not options["lora_target_modules"] or not all(options["lora_target_modules"].split(",")):
+        raise OptionsError(f"--lora_target_modules must be a comma-separated list, got {options['lora_target_modules']!r}")

@@ -1,0 +1,90 @@
+"""Print the step plan of a training before it starts: ``python -m diffsynth_mbc.plan --world_size N [train flags]``.
+
+Reads the same preset and flags as ``diffsynth_mbc.training.loop`` and counts the metadata rows the way
+DiffSynth's loader will, and prints the plan on stderr. ``--paths-only`` reads no data and prints
+the output and log folders as shell assignments for the launchers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from diffsynth_mbc.training.step_plan import StepPlan
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.options import resolve_options
+
+
+def count_metadata_rows(path: str) -> int:
+    import pandas as pd
+    return len(pd.read_csv(path))
+
+
+def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str) -> list[str]:
+    arguments = ["--dataset_base_path", base_path, "--dataset_metadata_path", metadata_path,
+                 "--height", str(options.height), "--width", str(options.width),
+                 "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed)]
+    if options.demo:
+        return arguments + ["--demo"]
+    if options.model_dir:
+        return arguments + ["--model_dir", options.model_dir]
+    return arguments + ["--model_id", options.model_id or "Wan-AI/Wan2.2-TI2V-5B"]
+
+
+def print_cache_commands(options) -> None:
+    """Shell assignments for the launchers; the default cache folder sits beside the output folder."""
+    from pathlib import Path
+
+    cache_dir = options.cache or str(Path(options.output_path).parent / "latent_cache")
+    print(f"CACHE_DIR={shlex.quote(cache_dir)}")
+    arguments = cache_arguments(options, options.dataset_metadata_path, options.dataset_base_path, cache_dir)
+    print("CACHE_ARGS=(" + " ".join(shlex.quote(a) for a in arguments) + ")")
+    val_cache_dir, val_arguments = "", []
+    if options.val_metadata_path:
+        val_cache_dir = options.val_cache or str(Path(options.output_path).parent / "latent_cache_val")
+        val_arguments = cache_arguments(options, options.val_metadata_path,
+                                        options.val_base_path or options.dataset_base_path, val_cache_dir)
+    print(f"VAL_CACHE_DIR={shlex.quote(val_cache_dir)}")
+    print("VAL_CACHE_ARGS=(" + " ".join(shlex.quote(a) for a in val_arguments) + ")")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.plan", add_help=True)
+    parser.add_argument("--world_size", type=int, required=True, help="total processes (GPUs) of the run")
+    parser.add_argument("--paths-only", action="store_true",
+                        help="only validate the flags and print OUTPUT_PATH=... LOG_DIR=... (reads no data)")
+    parser.add_argument("--cache-commands", action="store_true",
+                        help="print CACHE_DIR=..., CACHE_ARGS=(...) (and VAL_ CACHE_... for --val_metadata_path): "
+                             "the arguments of `python -m diffsynth_mbc.cache` for the same preset and flags")
+    known, train_argv = parser.parse_known_args(argv)
+    try:
+        options = resolve_options(train_argv)
+        if known.cache_commands:
+            print_cache_commands(options)
+            return 0
+        if known.paths_only:
+            print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
+            print(f"LOG_DIR={shlex.quote(options.log_dir)}")
+            return 0
+        rows = count_metadata_rows(options.dataset_metadata_path)
+        plan = StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=known.world_size,
+                        batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
+                        num_epochs=options.num_epochs)
+    except FileNotFoundError as exc:
+        print(f"error: metadata not found: {exc.filename}", file=sys.stderr)
+        return 2
+    except (OptionsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"step plan: {options.dataset_metadata_path}", file=sys.stderr)
+    print(f"  rows {plan.rows:,} x repeat {plan.repeat} = {plan.samples_per_epoch:,} samples per epoch", file=sys.stderr)
+    print(f"  GPUs {plan.world_size} -> {plan.samples_per_rank_per_epoch:,} samples per GPU per epoch", file=sys.stderr)
+    print(f"  batch {plan.batch_size} x accumulation {plan.gradient_accumulation} -> "
+          f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch", file=sys.stderr)
+    print(f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""The DDP-aware step/ETA callback: a DiffSynth ``ModelLogger`` that also keeps per-rank metrics.
+
+It has ModelLogger's shape (``on_step_end(accelerator, model, save_steps)``, ``on_epoch_end``,
+``on_training_end``) so it can be handed to DiffSynth's own ``launch_training_task``; there it counts
+optimizer steps from ``accelerator.sync_gradients`` (DiffSynth calls it once per micro-batch) and has
+no loss to report. Our loop (``diffsynth_mbc.training.loop``) passes the loss, learning rate and sample count
+as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import time
+
+from diffsynth.trainers.utils import ModelLogger
+
+from diffsynth_mbc import run_files
+from diffsynth_mbc.training.eta import StepRateWindow
+from diffsynth_mbc.training.status_writer import RankStatusWriter
+
+
+def gpu_snapshot() -> dict | None:
+    """Name, utilisation and memory of this process's GPU; None on CPU. Never raises."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        try:
+            util = torch.cuda.utilization(device)
+        except Exception:  # pynvml missing or not permitted
+            util = None
+        return {"name": torch.cuda.get_device_name(device), "util_pct": util,
+                "mem_used_mb": round((total - free) / 2**20), "mem_total_mb": round(total / 2**20),
+                "max_allocated_mb": round(torch.cuda.max_memory_allocated(device) / 2**20)}
+    except Exception:
+        return None
+
+
+class ProgressLogger(ModelLogger):
+    def __init__(self, output_path: str, status: RankStatusWriter, *, steps_per_epoch: int, num_epochs: int,
+                 samples_per_step: int, remove_prefix_in_ckpt: str | None = "pipe.dit.",
+                 start_step: int = 0, rate_window: int = 50, warmup_steps: int = 2,
+                 loss_average_window: int = 50, monotonic=time.monotonic, wall_clock=time.time):
+        super().__init__(output_path, remove_prefix_in_ckpt=remove_prefix_in_ckpt)
+        self.status = status
+        self.steps_per_epoch = steps_per_epoch
+        self.num_epochs = num_epochs
+        self.total_steps = steps_per_epoch * num_epochs
+        self.samples_per_step = samples_per_step
+        self.step = start_step
+        self.epoch = start_step // steps_per_epoch if steps_per_epoch else 0
+        self.rate = StepRateWindow(window=rate_window, warmup_steps=warmup_steps)
+        self._recent_losses: list[float] = []
+        self._loss_average_window = loss_average_window
+        self._monotonic = monotonic
+        self._wall_clock = wall_clock
+        self._last_step_end = monotonic()
+        self.status.update(total_steps=self.total_steps, steps_per_epoch=steps_per_epoch, num_epochs=num_epochs,
+                           step=start_step, epoch=self.epoch, gpu=gpu_snapshot())
+
+    # -- hooks --------------------------------------------------------------------------------
+    def on_train_begin(self, **kwargs) -> None:
+        self._last_step_end = self._monotonic()
+        self.status.set_status(run_files.STATUS_TRAINING, phase="training: first step")
+
+    def on_epoch_begin(self, epoch: int, **kwargs) -> None:
+        self.epoch = epoch
+        self.status.update(epoch=epoch)
+
+    def on_step_end(self, accelerator=None, model=None, save_steps=None, loss=None, lr=None,
+                    samples=None, **kwargs) -> None:
+        super().on_step_end(accelerator, model, save_steps)
+        if accelerator is not None and not getattr(accelerator, "sync_gradients", True):
+            return  # a micro-batch inside gradient accumulation: not an optimizer step
+        now = self._monotonic()
+        step_time = now - self._last_step_end
+        self._last_step_end = now
+        self.step += 1
+        self.rate.record(self.step, now)
+        samples = self.samples_per_step if samples is None else samples
+        if loss is not None:
+            self._recent_losses.append(float(loss))
+            del self._recent_losses[:-self._loss_average_window]
+        seconds_per_step = self.rate.seconds_per_step
+        remaining = self.total_steps - self.step
+        record = {"step": self.step, "epoch": self.epoch, "loss": _maybe_float(loss), "lr": _maybe_float(lr),
+                  "step_time_s": round(step_time, 4), "time": round(self._wall_clock(), 3)}
+        extra = {key: _maybe_float(value) for key, value in kwargs.items() if key in ("grad_norm",)}
+        record.update(extra)
+        self.status.append_history(record)
+        self.status.update(
+            status=run_files.STATUS_TRAINING, phase=f"training epoch {self.epoch + 1}/{self.num_epochs}",
+            step=self.step, epoch=self.epoch, loss=record["loss"], lr=record["lr"],
+            loss_avg=(sum(self._recent_losses) / len(self._recent_losses)) if self._recent_losses else None,
+            samples_seen=(self.status.state.get("samples_seen") or 0) + samples,
+            step_time_s=record["step_time_s"],
+            samples_per_s=(samples / seconds_per_step) if seconds_per_step else None,
+            eta_s=self.rate.eta_seconds(remaining),
+            progress=round(100.0 * self.step / self.total_steps, 3) if self.total_steps else 100.0,
+            **extra,
+            # NVML and the allocator are queried only when the file is about to be rewritten.
+            **({"gpu": gpu_snapshot()} if self.status.write_due() else {}),
+        )
+
+    def on_epoch_end(self, accelerator=None, model=None, epoch_id=None, **kwargs) -> None:
+        # DiffSynth's loop saves an epoch file through the parent; ours saves its own output.
+        if accelerator is not None and model is not None and kwargs.get("save_epoch_file", True):
+            super().on_epoch_end(accelerator, model, epoch_id)
+        self.status.flush()
+
+    def on_training_end(self, accelerator=None, model=None, save_steps=None, **kwargs) -> None:
+        if accelerator is not None and model is not None:
+            super().on_training_end(accelerator, model, save_steps)
+        self.status.set_status(run_files.STATUS_FINISHED, phase="finished", eta_s=0.0,
+                               progress=100.0 if self.step >= self.total_steps else self.status.state["progress"])
+
+
+def _maybe_float(value):
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

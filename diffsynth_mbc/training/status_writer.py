@@ -1,0 +1,104 @@
+"""Per-rank status and history files, written from the first moment of the process. No torch.
+
+``RankStatusWriter`` owns ``training_gpu{rank}.json`` (the current state, replaced atomically, at
+most every ``min_interval_s`` seconds and at once on every status change) and
+``training_gpu{rank}.jsonl`` (one appended, flushed line per optimizer step). The cost of a step is
+constant however long the run: the JSON file is small and rewritten, the history only appended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from diffsynth_mbc import run_files
+from diffsynth_mbc.atomic import atomic_write_json
+
+
+def error_record(exc: BaseException, tail_lines: int = 30) -> dict:
+    lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
+    return {"type": type(exc).__name__, "message": str(exc), "traceback_tail": "\n".join(lines[-tail_lines:])}
+
+
+class RankStatusWriter:
+    def __init__(self, log_dir: str | os.PathLike, run_id: str, rank: int, local_rank: int, world_size: int,
+                 min_interval_s: float = 5.0, wall_clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic, continue_history: bool = False):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.status_file = run_files.status_path(self.log_dir, rank)
+        self.history_file = run_files.history_path(self.log_dir, rank)
+        self.min_interval_s = min_interval_s
+        self._wall_clock = wall_clock
+        self._monotonic = monotonic
+        self._last_write = None
+        self._started_monotonic = monotonic()
+        self._history = None
+        if not continue_history:
+            self._set_aside_previous_history()
+        self.state = {field: None for field in run_files.STATUS_FIELDS}
+        self.state.update(
+            schema_version=run_files.SCHEMA_VERSION, run_id=run_id, rank=rank, local_rank=local_rank,
+            world_size=world_size, hostname=socket.gethostname(), pid=os.getpid(),
+            status=run_files.STATUS_STARTING, phase="starting", step=0, samples_seen=0, progress=0.0,
+            started_at=wall_clock(), elapsed_s=0.0,
+        )
+        self._write()
+
+    # -- the current state ------------------------------------------------------------------
+    def update(self, **fields) -> None:
+        """Merge fields; write now if the status changed or enough time passed since the last write."""
+        status_changed = "status" in fields and fields["status"] != self.state["status"]
+        phase_changed = "phase" in fields and fields["phase"] != self.state["phase"]
+        self.state.update(fields)
+        if status_changed or phase_changed or self.write_due():
+            self._write()
+
+    def write_due(self) -> bool:
+        """Whether the next update() rewrites the file even without a status change (the throttle)."""
+        return self._last_write is None or self._monotonic() - self._last_write >= self.min_interval_s
+
+    def set_status(self, status: str, phase: str | None = None, **fields) -> None:
+        if status not in run_files.STATUSES:
+            raise ValueError(f"unknown status {status!r}")
+        self.update(status=status, phase=phase if phase is not None else status, **fields)
+
+    def fail(self, exc: BaseException) -> None:
+        self.set_status(run_files.STATUS_FAILED, phase=f"failed: {type(exc).__name__}", error=error_record(exc))
+
+    def flush(self) -> None:
+        self._write()
+
+    def _write(self) -> None:
+        self.state["updated_at"] = self._wall_clock()
+        self.state["elapsed_s"] = round(self._monotonic() - self._started_monotonic, 3)
+        atomic_write_json(self.status_file, self.state)
+        self._last_write = self._monotonic()
+
+    # -- the per-step history ---------------------------------------------------------------
+    def append_history(self, record: dict) -> None:
+        if self._history is None:
+            self._history = open(self.history_file, "a", encoding="utf-8")
+        self._history.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._history.flush()
+
+    def _set_aside_previous_history(self) -> None:
+        """A new run starts a new history; the previous one is kept beside it, never overwritten."""
+        if self.history_file.exists() and self.history_file.stat().st_size > 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.history_file.stat().st_mtime))
+            target = self.history_file.with_name(f"{self.history_file.stem}.{stamp}.jsonl.old")
+            suffix = 1
+            while target.exists():
+                target = self.history_file.with_name(f"{self.history_file.stem}.{stamp}-{suffix}.jsonl.old")
+                suffix += 1
+            os.replace(self.history_file, target)
+
+    def close(self) -> None:
+        if self._history is not None:
+            self._history.close()
+            self._history = None

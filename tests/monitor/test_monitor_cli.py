@@ -1,0 +1,156 @@
+"""The monitor command: --once --json exit codes (real subprocesses and in-process), the rich frame, the live view."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import monitor_fixtures as F
+from diffsynth_mbc.monitor import cli as monitor
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args, timeout=60, **kw):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "diffsynth_mbc.monitor", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env, **kw)
+
+
+def live_run(log_dir, now):
+    """A run as a live training writes it: updated just now, by the real clock."""
+    F.make_run(log_dir, world_size=2, steps=30, now=now)
+    return log_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, code, status", [
+    ("training", 0, "training"), ("failed", 1, "failed"), ("stalled", 3, "stalled"), ("empty", 4, "no_data"),
+])
+def test_json_exit_codes_in_a_subprocess(tmp_path, case, code, status):
+    now = time.time()
+    if case != "empty":
+        live_run(tmp_path, now)
+    if case == "failed":
+        F.write_status(tmp_path, 1, status="failed", error=F.failed_error(), now=now)
+    if case == "stalled":
+        F.write_status(tmp_path, 0, step=30, now=now, updated_at=now - 1000)
+    proc = run_cli(tmp_path, "--once", "--json")
+    assert proc.returncode == code, proc.stderr
+    snap = json.loads(proc.stdout)
+    assert snap["status"] == status
+    for key in ("world_size", "step", "total_steps", "progress", "elapsed_s", "eta_s", "samples_per_s", "loss",
+                "ranks", "stalled_ranks", "missing_ranks", "errors", "notes"):
+        assert key in snap
+    if case == "stalled":
+        assert snap["stalled_ranks"] == [0] and snap["ranks"][0]["age_s"] >= 1000
+    if case == "failed":
+        assert snap["errors"][0]["rank"] == 1 and "loss.backward()" in snap["errors"][0]["traceback_tail"]
+    if case == "empty":
+        assert snap["ranks"] == [] and snap["world_size"] is None
+
+
+def test_json_in_process_default_dir_stopped_finished_and_stall_after(workdir, capsys):
+    log_dir = workdir / "training_logs"  # the default LOG_DIR
+    now = time.time()
+    F.make_run(log_dir, world_size=2, steps=1000, status="finished", now=now - 7200)
+    assert monitor.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "finished"
+    F.write_status(log_dir, 1, status="stopped", step=400, now=now)
+    assert monitor.main(["--once", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "stopped"
+    F.make_run(log_dir, world_size=2, steps=10, now=now - 30)
+    assert monitor.main([str(log_dir), "--json"]) == 0
+    capsys.readouterr()
+    assert monitor.main([str(log_dir), "--json", "--stall-after", "5"]) == 3
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["stalled_ranks"] == [0, 1] and snap["ranks"][0]["stall_after_s"] == 5
+
+
+def test_once_renders_a_frame_with_the_key_facts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    now = time.time()
+    F.make_run(tmp_path, world_size=4, steps=40, ranks=[0, 1, 2], now=now)
+    F.write_status(tmp_path, 1, world_size=4, step=40, now=now, updated_at=now - 900)
+    F.write_status(tmp_path, 2, world_size=4, status="failed", step=40, now=now, error=F.failed_error())
+    code = monitor.main([str(tmp_path), "--once"])
+    out = capsys.readouterr().out
+    assert code == 1
+    for text in ("FAILED", "STALLED", "missing", "no status file", "40/1000", "rank 2 failed on node-a",
+                 "RuntimeError: CUDA out of memory", "loss.backward()", "21.5/32 GB", "97%", "rank 3 missing"):
+        assert text in out, text
+    assert any(ch in out for ch in "▁▂▃▄▅▆▇█")  # the loss sparkline
+
+
+def test_once_on_an_empty_directory_says_so(tmp_path, capsys):
+    assert monitor.main([str(tmp_path / "nothing-here"), "--once"]) == 4
+    out = capsys.readouterr().out
+    assert "NO_DATA" in out and "does not exist" in out
+
+
+def test_help_documents_exit_codes_and_rules(capsys):
+    with pytest.raises(SystemExit) as exc:
+        monitor.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("--stall-after", "--serve", "1 failed; 3 stalled; 4 no data", "stopped", "newest started_at",
+                 "max(120 s, 10 x"):
+        assert text in out, text
+
+
+@pytest.mark.parametrize("argv", [["--serve", "1234", "--once"], ["--serve", "1234", "--json"],
+                                  ["--serve", "nope"], ["--interval", "0"], ["--stall-after", "-1"]])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        monitor.main(argv)
+    assert exc.value.code == 2
+
+
+@pytest.mark.slow
+def test_live_view_in_a_terminal_quits_cleanly_on_ctrl_c(tmp_path):
+    live_run(tmp_path, time.time())
+    master, slave = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="160", LINES="50", TERM="xterm-256color")
+    proc = subprocess.Popen([sys.executable, "-m", "diffsynth_mbc.monitor", str(tmp_path), "--interval", "0.2"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    out = b""
+    try:
+        deadline = time.monotonic() + 30
+        frames = 0
+        while time.monotonic() < deadline and frames < 2:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                out += os.read(master, 65536)
+                frames = out.count(b"refreshed ")
+        assert frames >= 2, out[-2000:]
+        assert b"\x1b[?25l" in out  # the live display hid the cursor...
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+        while True:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if not ready:
+                break
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert out.rfind(b"\x1b[?25h") > out.rfind(b"\x1b[?25l")  # ...and showed it again on exit
+        assert b"Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)

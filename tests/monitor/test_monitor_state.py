@@ -1,0 +1,340 @@
+"""Pure monitor logic on crafted run files: aggregation, stalls, missing/failed ranks, robustness, history."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import monitor_fixtures as F
+from diffsynth_mbc.monitor import state as ms
+from diffsynth_mbc.monitor.state import HistoryFile, MonitorState, Series, exit_code
+
+
+class FakeClock:
+    def __init__(self, now: float = F.NOW):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def state_for(log_dir, now=F.NOW, **kw):
+    clock = FakeClock(now)
+    return MonitorState(log_dir, clock=clock, **kw), clock
+
+
+def by_rank(snap):
+    return {r["rank"]: r for r in snap["ranks"]}
+
+
+def test_healthy_run_aggregates_slowest_rank_and_sums_throughput(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=120)
+    F.write_status(tmp_path, 1, step=100, step_time_s=2.5)  # the slower rank
+    snap, = [state_for(tmp_path)[0].refresh()]
+    assert snap["status"] == "training" and exit_code(snap["status"]) == 0
+    assert snap["world_size"] == 2 and snap["missing_ranks"] == [] and snap["stalled_ranks"] == []
+    assert snap["step"] == 100 and snap["total_steps"] == 1000
+    assert snap["progress"] == pytest.approx(10.0)
+    assert snap["eta_s"] == pytest.approx((1000 - 100) * 2.5)  # the slowest rank's ETA
+    assert snap["samples_per_s"] == pytest.approx(1 / 2.0 + 1 / 2.5)
+    assert snap["loss"] == pytest.approx((F.loss_at(120, 0) + F.loss_at(100, 1)) / 2)
+    r0 = by_rank(snap)[0]
+    assert r0["history_lines"] == 120 and r0["median_step_time_s"] == 2.0
+    assert len(r0["loss_trend"]) == ms.TREND_POINTS
+    json.dumps(snap, allow_nan=False)
+
+
+def test_stalled_rank_by_default_threshold_and_since_when(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=50)
+    F.write_status(tmp_path, 1, step=50, updated_at=F.NOW - 100)
+    state, clock = state_for(tmp_path)
+    snap = state.refresh()
+    assert snap["status"] == "training" and not by_rank(snap)[1]["stalled"]  # 100 s < 120 s
+    clock.now += 30  # rank 1 silent for 130 s now
+    snap = state.refresh()
+    r1 = by_rank(snap)[1]
+    assert r1["stalled"] and r1["stalled_since"] == F.NOW - 100 and r1["age_s"] == pytest.approx(130)
+    assert r1["stall_after_s"] == 120
+    assert snap["status"] == "stalled" and snap["stalled_ranks"] == [1] and exit_code("stalled") == 3
+    assert not by_rank(snap)[0]["stalled"]  # rank 0 wrote 30 s ago
+
+
+def test_stall_threshold_grows_with_slow_steps(tmp_path):
+    # median step time 30 s -> threshold 300 s
+    F.write_history(tmp_path, 0, range(1, 40), step_time_s=30.0)
+    F.write_status(tmp_path, 0, world_size=1, step=39, step_time_s=30.0, updated_at=F.NOW - 250)
+    state, clock = state_for(tmp_path)
+    snap = state.refresh()
+    assert by_rank(snap)[0]["stall_after_s"] == 300 and snap["status"] == "training"
+    clock.now += 60
+    assert state.refresh()["status"] == "stalled"
+    # an explicit --stall-after wins
+    strict, _ = state_for(tmp_path, stall_after=10)
+    assert strict.refresh()["status"] == "stalled"
+
+
+def test_loading_and_starting_ranks_stall_too_but_finished_ones_never(tmp_path):
+    F.write_status(tmp_path, 0, world_size=2, status="loading", step=0, updated_at=F.NOW - 600)
+    F.write_status(tmp_path, 1, world_size=2, status="finished", step=1000, updated_at=F.NOW - 6000)
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["stalled_ranks"] == [0] and snap["status"] == "stalled"
+    F.write_status(tmp_path, 0, world_size=2, status="starting", step=0, updated_at=F.NOW - 5)
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["status"] == "starting" and snap["stalled_ranks"] == []
+
+
+def test_missing_rank_is_listed_but_does_not_change_status(tmp_path):
+    F.make_run(tmp_path, world_size=4, steps=20, ranks=[0, 2])
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["missing_ranks"] == [1, 3] and snap["world_size"] == 4
+    assert snap["status"] == "training"
+    assert any("rank 1 missing" in n for n in snap["notes"])
+
+
+def test_failed_rank_with_traceback_wins_over_stalled(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=20)
+    F.write_status(tmp_path, 0, step=20, updated_at=F.NOW - 10_000)  # stalled
+    F.write_status(tmp_path, 1, status="failed", step=20, error=F.failed_error())
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["status"] == "failed" and exit_code(snap["status"]) == 1
+    (err,) = snap["errors"]
+    assert err["rank"] == 1 and err["type"] == "RuntimeError"
+    assert "loss.backward()" in err["traceback_tail"] and "out of memory" in err["message"]
+    assert snap["eta_s"] is None
+
+
+def test_failed_rank_without_error_record_and_list_traceback(tmp_path):
+    F.write_status(tmp_path, 0, world_size=2, status="failed", error=None)
+    F.write_status(tmp_path, 1, world_size=2, status="failed",
+                   error={"type": "X", "message": "m", "traceback_tail": ["line a\n", "line b"]})
+    errors = {e["rank"]: e for e in state_for(tmp_path)[0].refresh()["errors"]}
+    assert "without an error record" in errors[0]["message"]
+    assert errors[1]["traceback_tail"] == "line a\nline b"
+
+
+def test_finished_and_stopped_runs(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=1000, status="finished")
+    snap = state_for(tmp_path, now=F.NOW + 86400)[0].refresh()
+    assert snap["status"] == "finished" and snap["progress"] == 100 and snap["eta_s"] == 0
+    assert snap["stalled_ranks"] == [] and exit_code("finished") == 0
+    F.write_status(tmp_path, 1, status="stopped", step=500)
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["status"] == "stopped" and exit_code("stopped") == 0
+
+
+def test_most_advanced_active_status_wins(tmp_path):
+    F.write_status(tmp_path, 0, world_size=3, status="starting", step=0)
+    F.write_status(tmp_path, 1, world_size=3, status="loading", step=0)
+    assert state_for(tmp_path)[0].refresh()["status"] == "loading"
+    F.write_status(tmp_path, 2, world_size=3, status="training", step=3)
+    assert state_for(tmp_path)[0].refresh()["status"] == "training"
+
+
+def test_empty_and_missing_directory_are_no_data(tmp_path):
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["status"] == "no_data" and exit_code("no_data") == 4 and snap["ranks"] == []
+    snap = state_for(tmp_path / "not-there")[0].refresh()
+    assert snap["status"] == "no_data" and any("does not exist" in n for n in snap["notes"])
+    F.write_raw(tmp_path / "a-file", "x")
+    assert "not a directory" in " ".join(state_for(tmp_path / "a-file")[0].refresh()["notes"])
+
+
+def test_torn_last_line_is_read_once_complete(tmp_path):
+    F.write_history(tmp_path, 0, range(1, 11))
+    path = F.write_status(tmp_path, 0, world_size=1, step=10)
+    line = F.history_line(11)
+    with open(path.with_suffix(".jsonl"), "a") as h:
+        h.write(line[:15])
+    state = state_for(tmp_path)[0]
+    snap = state.refresh()
+    assert snap["ranks"][0]["history_lines"] == 10
+    assert any("incomplete" in n for n in snap["notes"])
+    with open(path.with_suffix(".jsonl"), "a") as h:
+        h.write(line[15:])
+    snap = state.refresh()
+    assert snap["ranks"][0]["history_lines"] == 11 and not any("incomplete" in n for n in snap["notes"])
+    assert state.metrics(rank=0, since=10)["ranks"]["0"]["records"][0]["step"] == 11
+
+
+def test_schema_drift_newer_version_extra_and_missing_fields(tmp_path):
+    obj = F.status(0, world_size=1, schema_version=2, brand_new_field={"a": [1, 2]}, tokens_per_s=123.0)
+    for key in ("grad_norm", "samples_per_s", "gpu", "loss_avg", "eta_s"):
+        del obj[key]
+    F.write_raw(tmp_path / "training_gpu0.json", json.dumps(obj))
+    F.write_history(tmp_path, 0, range(1, 5), kind_of_line="new", extra_metric=[1, 2])
+    state = state_for(tmp_path)[0]
+    for _ in range(3):
+        snap = state.refresh()
+    warnings = [n for n in snap["notes"] if "schema_version 2" in n]
+    assert len(warnings) == 1
+    r0 = snap["ranks"][0]
+    assert r0["brand_new_field"] == {"a": [1, 2]} and r0["tokens_per_s"] == 123.0
+    assert r0["gpu"] is None and r0["grad_norm"] is None and r0["history_lines"] == 4
+    assert snap["status"] == "training" and snap["eta_s"] == pytest.approx((1000 - 100) * 2.0)
+
+
+def test_non_numeric_and_non_finite_fields(tmp_path):
+    obj = F.status(0, world_size=1, loss=float("nan"), progress="55.5", eta_s=float("inf"))
+    obj["gpu"]["util_pct"] = "n/a"
+    obj["step"] = "abc"
+    F.write_raw(tmp_path / "training_gpu0.json", json.dumps(obj))  # writes NaN and Infinity literals
+    snap = state_for(tmp_path)[0].refresh()
+    r0 = snap["ranks"][0]
+    assert r0["loss"] is None and r0["step"] is None and r0["progress"] == 55.5
+    assert r0["gpu"]["util_pct"] is None
+    notes = " ".join(snap["notes"])
+    assert "loss is NaN" in notes and "step is not a whole number" in notes
+    assert "eta_s is not a finite number" in notes
+    json.dumps(snap, allow_nan=False)
+
+
+def test_garbage_files_never_crash(tmp_path, monkeypatch):
+    monkeypatch.setattr(ms, "MAX_LINE_BYTES", 1000)
+    F.write_raw(tmp_path / "training_gpu0.json", b"\x00\xff\xfegarbage{")
+    F.write_raw(tmp_path / "training_gpu1.json", b"")
+    F.write_raw(tmp_path / "training_gpu2.json", b"[1, 2, 3]")
+    F.write_status(tmp_path, 3, world_size=5, status="weird")
+    F.write_status(tmp_path, 4, world_size=5)
+    F.write_raw(tmp_path / "training_gpu4.jsonl",
+                F.history_line(1, 4) + "not json\n[1,2]\n{\"no_step\": 1}\n\n\x00\x01\xff\n" + F.history_line(2, 4)
+                + "z" * 5000 + "\n" + F.history_line(3, 4) + "y" * 3000)
+    for name in ("training_gpuX.json", "training_gpu.json", "notes.txt", ".training_gpu0.json.abc.tmp"):
+        F.write_raw(tmp_path / name, "{}")
+    (tmp_path / "training_gpu7.json.d").mkdir()
+    snap = state_for(tmp_path)[0].refresh()
+    notes = " ".join(snap["notes"])
+    assert "training_gpu0.json is not valid JSON" in notes
+    assert "training_gpu1.json is empty" in notes
+    assert "training_gpu2.json does not hold a JSON object" in notes
+    assert "unknown status 'weird'" in notes
+    assert "training_gpu4.jsonl: skipped 5 unreadable line(s) (last at line 8)" in notes
+    assert "skipped 3000 bytes without line breaks" in notes and "incomplete" not in notes
+    assert snap["missing_ranks"] == [0, 1, 2]
+    r4 = by_rank(snap)[4]
+    assert r4["history_lines"] == 3
+    assert snap["status"] == "training"  # rank 3's unknown status is not active, rank 4 trains
+
+
+def test_status_file_unreadable_after_a_good_read_keeps_the_last_one(tmp_path):
+    F.write_status(tmp_path, 0, world_size=1, step=7)
+    state = state_for(tmp_path)[0]
+    assert state.refresh()["step"] == 7
+    F.write_raw(tmp_path / "training_gpu0.json", '{"step": 8, "stat')  # a writer that does not replace atomically
+    snap = state.refresh()
+    assert snap["step"] == 7 and any("showing its last good read" in n for n in snap["notes"])
+    F.write_status(tmp_path, 0, world_size=1, step=9)
+    snap = state.refresh()
+    assert snap["step"] == 9 and not any("last good read" in n for n in snap["notes"])
+
+
+def test_rank_field_disagreeing_with_file_name_is_flagged(tmp_path):
+    F.write_status(tmp_path, 0, world_size=2)
+    F.write_raw(tmp_path / "training_gpu1.json", json.dumps(F.status(0, world_size=2)))
+    snap = state_for(tmp_path)[0].refresh()
+    assert sorted(by_rank(snap)) == [0, 1]
+    assert any("training_gpu1.json says it is rank 0" in n for n in snap["notes"])
+
+
+def test_newest_run_wins_and_others_are_flagged(tmp_path):
+    F.make_run(tmp_path, world_size=4, steps=10, run_id="old", now=F.NOW - 86400)
+    F.make_run(tmp_path, world_size=2, steps=5, run_id="new")
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["run_id"] == "new" and snap["world_size"] == 2 and sorted(by_rank(snap)) == [0, 1]
+    assert snap["missing_ranks"] == [] and snap["ignored_runs"] == [{"run_id": "old", "ranks": [2, 3]}]
+    assert any("ignored files of run old" in n for n in snap["notes"])
+
+
+def test_rank_beyond_world_size_is_left_out(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=5)
+    F.write_status(tmp_path, 5, world_size=2)
+    snap = state_for(tmp_path)[0].refresh()
+    assert sorted(by_rank(snap)) == [0, 1] and any("outside world_size 2" in n for n in snap["notes"])
+
+
+def test_history_is_read_incrementally_and_reread_after_truncation_or_replacement(tmp_path):
+    path = F.write_history(tmp_path, 0, range(1, 101))
+    hf = HistoryFile(path)
+    assert hf.poll() and hf.records == 100
+    size = hf.offset
+    assert size == path.stat().st_size and not hf.poll()
+    F.write_history(tmp_path, 0, range(101, 104), append=True)
+    assert hf.poll() and hf.records == 103 and hf.rereads == 0
+    # truncated in place (same inode, smaller)
+    F.write_history(tmp_path, 0, range(1, 6))
+    assert hf.poll() and hf.records == 5 and hf.rereads == 1 and hf.last_step == 5
+    # replaced by a new file (new inode), even a larger one
+    tmp = tmp_path / "new.jsonl"
+    tmp.write_text("".join(F.history_line(s) for s in range(1, 201)))
+    os.replace(tmp, path)
+    assert hf.poll() and hf.records == 200 and hf.rereads == 2
+    # removed
+    path.unlink()
+    assert hf.poll() and hf.records == 0
+
+
+def test_metrics_window_matches_a_full_scan(tmp_path):
+    steps = list(range(1, 400)) + list(range(200, 260))  # a restart from a checkpoint repeats steps
+    lines = [F.history_line(s) for s in steps]
+    lines.insert(50, F.history_line(50, kind="val", val_loss=0.42))
+    F.write_raw(tmp_path / "training_gpu0.jsonl", "".join(lines) + "garbage\n")
+    F.write_status(tmp_path, 0, world_size=1)
+    state = state_for(tmp_path, index_every=7)[0]
+    state.refresh()
+    every = [json.loads(x) for x in lines]
+    for since, limit in ((None, 10), (-1, 5000), (0, 3), (150, 20), (250, 1000), (398, 10), (399, 10), (1e9, 3)):
+        got = state.metrics(rank=0, since=since, limit=limit)["ranks"]["0"]
+        want = [r for r in every if since is None or r["step"] > since]
+        assert got["records"] == want[:limit], (since, limit)
+        assert got["truncated"] == (len(want) > limit)
+        if got["records"]:
+            assert got["next_since"] == got["records"][-1]["step"]
+
+
+def test_metrics_downsampled_and_all_ranks(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=300)
+    F.write_history(tmp_path, 1, [100, 200], append=True, kind="val", val_loss=0.3)
+    state = state_for(tmp_path, max_points=100)[0]
+    out = state.metrics(points=40)
+    assert set(out["ranks"]) == {"0", "1"}
+    r1 = out["ranks"]["1"]
+    assert r1["downsampled"] and 20 <= len(r1["loss"]) <= 40 and len(r1["lr"]) <= 40
+    assert sum(p["n"] for p in r1["loss"]) == 300 and r1["loss"][-1]["step"] == 300
+    assert [p["value"] for p in r1["val_loss"]] == [0.3, 0.3] and r1["last_step"] == 300
+    mean = sum(F.loss_at(s, 1) for s in range(1, 301)) / 300
+    assert sum(p["value"] * p["n"] for p in r1["loss"]) / 300 == pytest.approx(mean)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), max_size=700), st.integers(2, 50))
+def test_series_stays_bounded_and_keeps_the_mean(values, max_points):
+    series = Series(max_points)
+    for i, v in enumerate(values):
+        series.add(i, v)
+    assert len(series) <= max(2, max_points // 2 * 2)
+    assert sum(series.n) == len(values) == series.count
+    if values:
+        assert series.x[-1] == len(values) - 1
+        assert min(series.lo) == min(values) and max(series.hi) == max(values)
+        total = sum(m * n for m, n in zip(series.mean, series.n))
+        assert total == pytest.approx(sum(values), rel=1e-6, abs=1e-3)
+        assert len(series.points(max_points=5)) <= 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.floats(-1e3, 1e3, allow_nan=False), max_size=90), max_size=12), st.integers(2, 30))
+def test_series_extend_in_batches_equals_adding_one_by_one(batches, max_points):
+    one, bulk = Series(max_points), Series(max_points)
+    i = 0
+    for batch in batches:
+        xs = list(range(i, i + len(batch)))
+        i += len(batch)
+        for x, y in zip(xs, batch):
+            one.add(x, y)
+        bulk.extend(xs, batch)
+    assert (bulk.x, bulk.lo, bulk.hi, bulk.n, bulk.bucket, bulk.count) == (one.x, one.lo, one.hi, one.n, one.bucket,
+                                                                         one.count)
+    assert bulk.mean == pytest.approx(one.mean, abs=1e-6)

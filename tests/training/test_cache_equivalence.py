@@ -1,0 +1,98 @@
+"""Training from the cache is training from the media: same inputs, same loss, same LoRA after 3 steps (fp32)."""
+
+import pytest
+import torch
+
+from diffsynth_mbc.data.cache import cli as cache
+from diffsynth_mbc.data.cache.dataset import CachedLatentDataset
+from diffsynth_mbc.data.dataset import MBCVideoDataset
+from diffsynth_mbc.data.demo import prepare
+from diffsynth_mbc.models.pipeline import build_demo_pipeline
+from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
+
+SEED = 42
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("equivalence")
+    metadata = prepare(root, num_videos=2, num_images=1)
+    cache_dir = root / "cache"
+    args = ["--demo", "--seed", str(SEED), "--dataset_base_path", str(root / "catalog"), "--dataset_metadata_path",
+            str(metadata), "--height", "64", "--width", "64", "--num_frames", "9", "--cache_dir", str(cache_dir),
+            "--dataset_num_workers", "0", "--dtype", "fp32"]
+    assert cache.main(args) == 0
+    media = MBCVideoDataset(str(root / "catalog"), str(metadata), num_frames=9, height=64, width=64)
+    cached = CachedLatentDataset(cache_dir)
+    assert cached.rows == 3
+    return media, cached
+
+
+def make_module(load_encoders: bool) -> WanTI2VLoraModule:
+    pipe = build_demo_pipeline(device="cpu", torch_dtype=torch.float32, seed=SEED, load_encoders=load_encoders)
+    torch.manual_seed(0)  # the LoRA's own random init
+    return WanTI2VLoraModule(pipe, lora_rank=4)
+
+
+@pytest.fixture(scope="module")
+def modules():
+    encoding = make_module(load_encoders=True)
+    from_cache = make_module(load_encoders=False)  # the DiT only: no VAE, no text encoder
+    assert from_cache.pipe.vae is None and from_cache.pipe.text_encoder is None
+    return encoding, from_cache
+
+
+def pairs(data):
+    media, cached = data
+    return [(media[cached[i]["row"] - 1], cached[i]) for i in range(cached.rows)]  # rows are 1-based
+
+
+def test_cached_inputs_are_the_units_inputs(data, modules):
+    encoding, from_cache = modules
+    for step, (clip, entry) in enumerate(pairs(data)):
+        torch.manual_seed(100 + step)
+        expected = encoding.encode(clip)
+        torch.manual_seed(100 + step)
+        got = from_cache.inputs_from_cache(entry)
+        for name in ("noise", "latents", "input_latents", "first_frame_latents", "context"):
+            torch.testing.assert_close(got[name], expected[name].to(got[name].dtype), **TOLERANCE, msg=name)
+        assert got["latents"] is got["noise"]  # the units hand the noise over as latents, first frame inside
+        for name in ("height", "width", "num_frames", "fuse_vae_embedding_in_latents", "cfg_scale", "cfg_merge",
+                     "tiled", "rand_device", "max_timestep_boundary", "min_timestep_boundary", "vace_scale",
+                     "use_gradient_checkpointing", "prompt"):
+            assert got[name] == expected[name], name
+        assert set(expected) - set(got) == {"input_video", "input_image"}
+
+
+def test_same_seed_same_loss(data, modules):
+    encoding, from_cache = modules
+    for step, (clip, entry) in enumerate(pairs(data)):
+        torch.manual_seed(200 + step)
+        expected = encoding.sample_loss(clip)
+        torch.manual_seed(200 + step)
+        got = from_cache.sample_loss(entry)
+        assert expected.item() > 0
+        torch.testing.assert_close(got, expected, **TOLERANCE)
+
+
+def test_three_optimizer_steps_give_the_same_lora(data, modules):
+    encoding, from_cache = modules
+    initial = {k: v.clone() for k, v in from_cache.lora_state_dict().items()}
+    for key, value in encoding.lora_state_dict().items():
+        assert torch.equal(value, initial[key])
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+                  for m in (encoding, from_cache)]
+    batch = pairs(data)
+    for step in range(3):
+        for module, optimizer, side in ((encoding, optimizers[0], 0), (from_cache, optimizers[1], 1)):
+            torch.manual_seed(300 + step)
+            loss = module([sample[side] for sample in (batch[step:] + batch[:step])[:2]])  # 2 samples a step
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    got, expected = from_cache.lora_state_dict(), encoding.lora_state_dict()
+    assert got.keys() == expected.keys()
+    assert any(not torch.equal(got[key], initial[key]) for key in got)  # the steps changed the LoRA
+    for key in got:
+        torch.testing.assert_close(got[key], expected[key], **TOLERANCE, msg=key)

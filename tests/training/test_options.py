@@ -1,0 +1,77 @@
+import pytest
+
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.options import DEFAULTS, load_preset, resolve_options
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+REQUIRED = ["--dataset_base_path", "data", "--dataset_metadata_path", "data/metadata.csv"]
+
+
+def test_defaults_are_the_users_settings():
+    options = resolve_options(REQUIRED)
+    assert (options.width, options.height, options.num_frames) == (1280, 704, 17)
+    assert options.lora_rank == 32 and options.lora_target_modules == "q,k,v,o,ffn.0,ffn.2"
+    assert options.learning_rate == 1e-4 and options.batch_size == 1
+
+
+def test_command_line_beats_preset(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("dataset_base_path: a\ndataset_metadata_path: b.csv\nlearning_rate: 1.0e-5\nnum_epochs: 3\n")
+    options = resolve_options(["--config", str(preset), "--num_epochs", "7"])
+    assert options.learning_rate == 1e-5 and options.num_epochs == 7
+
+
+def test_preset_values_are_typed_like_flags(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("dataset_base_path: a\ndataset_metadata_path: b.csv\nlearning_rate: 1e-5\n")  # a YAML string
+    assert resolve_options(["--config", str(preset)]).learning_rate == 1e-5
+
+
+def test_unknown_preset_key_is_named_with_its_file(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("dataset_base_path: a\nlearnig_rate: 1\n")
+    with pytest.raises(OptionsError, match="learnig_rate") as error:
+        resolve_options(["--config", str(preset)])
+    assert "p.yaml" in str(error.value)
+
+
+def test_unreadable_preset_value_names_the_key(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("dataset_base_path: a\ndataset_metadata_path: b\nlora_rank: many\n")
+    with pytest.raises(OptionsError, match="lora_rank"):
+        resolve_options(["--config", str(preset)])
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--height", "700"], "--height"),
+    (["--num_frames", "16"], "--num_frames"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps"),
+    (["--learning_rate", "0"], "--learning_rate"),
+    (["--lora_target_modules", "q,,v"], "--lora_target_modules"),
+    (["--demo", "--model_dir", "m"], "--demo"),
+])
+def test_bad_values_name_the_flag(flags, named):
+    with pytest.raises(OptionsError, match=named):
+        resolve_options(REQUIRED + flags)
+
+
+def test_metadata_is_required():
+    with pytest.raises(OptionsError, match="--dataset_metadata_path"):
+        resolve_options(["--dataset_base_path", "x"])
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("train_*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_preset_loads_and_validates(preset):
+    assert set(load_preset(preset)) <= set(DEFAULTS)
+    options = resolve_options(["--config", str(preset)])
+    assert options.height % 32 == 0 and options.num_frames % 4 == 1
+
+
+def test_presets_hold_the_users_settings():
+    for name, rows_note, epochs in (("train_test.yaml", "5000", 1), ("train_full.yaml", "170,180", 5)):
+        options = resolve_options(["--config", str(REPO / "configs" / name)])
+        assert (options.width, options.height, options.num_frames) == (1280, 704, 17)
+        assert options.lora_rank == 32 and options.lora_target_modules == "q,k,v,o,ffn.0,ffn.2"
+        assert options.learning_rate == 1e-4 and options.batch_size == 1 and options.num_epochs == epochs
+        assert rows_note in (REPO / "configs" / name).read_text()

@@ -1,0 +1,192 @@
+"""Never lose a run: SIGKILL then --resume latest equals an uninterrupted run; SIGTERM stops cleanly;
+bad media is survived or stops the run; validation loss is comparable over time. 2 CPU ranks (gloo)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffsynth_mbc.training.checkpoints import complete_checkpoints
+from diffsynth_mbc.data.demo import prepare
+from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, read_status
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    prepare(root, num_videos=6, num_images=5)
+    val = prepare(root / "val", num_videos=2, num_images=2)
+    return root, val
+
+
+def train_flags(data_root, run_dir, **overrides):
+    flags = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": data_root / "catalog",
+             "dataset_metadata_path": data_root / "metadata" / "metadata.csv",
+             "output_path": run_dir / "lora", "log_dir": run_dir / "logs", "checkpoint_steps": 5, **overrides}
+    return [item for key, value in flags.items() for item in (f"--{key}", str(value))]
+
+
+def launch(tmp_path, flags, **popen):
+    return subprocess.Popen(cpu_launch_command(*flags), cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def run(tmp_path, flags, timeout=300):
+    process = launch(tmp_path, flags)
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
+
+
+def train_steps(log_dir, rank):
+    return [line["step"] for line in read_history(log_dir, rank) if line.get("kind") != "val"]
+
+
+def wait_for(condition, process, timeout=180, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}: {process.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def kill_tree(pid):
+    """SIGKILL the launcher and every process under it, as a reboot would (torchrun starts each rank in a
+    session of its own, so killing the launcher's process group would leave the ranks running)."""
+    parent = psutil.Process(pid)
+    for process in parent.children(recursive=True) + [parent]:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def last_logged_step(log_dir):
+    try:
+        return max(train_steps(log_dir, 0))
+    except (FileNotFoundError, ValueError, json.JSONDecodeError):
+        return 0
+
+
+def validation_flags(val_metadata):
+    return {"val_metadata_path": val_metadata, "val_base_path": Path(val_metadata).parents[1] / "catalog",
+            "val_steps": 3, "val_samples": 4}
+
+
+def validation_lines(log_dir, rank):
+    return [line for line in read_history(log_dir, rank) if line.get("kind") == "val"]
+
+
+def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_data):
+    """Also: validation loss uses fixed samples, seeds and timesteps, so both runs log the same values."""
+    data_root, val_metadata = demo_data
+    straight = tmp_path / "straight"
+    code, output = run(tmp_path, train_flags(data_root, straight, **validation_flags(val_metadata)))
+    assert code == 0, output[-3000:]
+
+    killed = tmp_path / "killed"
+    process = launch(tmp_path, train_flags(data_root, killed, **validation_flags(val_metadata)))
+    checkpoints = killed / "lora" / "checkpoints"
+    wait_for(lambda: complete_checkpoints(checkpoints) and last_logged_step(killed / "logs") >= 7, process,
+             what="step 7 after the first checkpoint")
+    rank_pids = [read_status(killed / "logs", rank)["pid"] for rank in (0, 1)]
+    kill_tree(process.pid)
+    process.wait(timeout=30)
+    psutil.wait_procs([psutil.Process(pid) for pid in rank_pids if psutil.pid_exists(pid)], timeout=30)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in rank_pids)
+    resumed_from = complete_checkpoints(checkpoints)[-1][0]
+    logged_before_kill = last_logged_step(killed / "logs")
+    assert logged_before_kill > resumed_from, "the kill must fall between checkpoints for this test to mean anything"
+    assert not (killed / "lora" / "lora.safetensors").exists()
+
+    code, output = run(tmp_path, train_flags(data_root, killed, resume="latest", **validation_flags(val_metadata)))
+    assert code == 0, output[-3000:]
+
+    expected = load_file(str(straight / "lora" / "lora.safetensors"))
+    actual = load_file(str(killed / "lora" / "lora.safetensors"))
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    for rank in (0, 1):
+        assert train_steps(killed / "logs", rank) == list(range(1, 13)), "each step exactly once"
+        state = read_status(killed / "logs", rank)
+        assert state["status"] == "finished" and state["step"] == 12
+        assert state["samples_seen"] == read_status(straight / "logs", rank)["samples_seen"]
+        expected_val, actual_val = validation_lines(straight / "logs", rank), validation_lines(killed / "logs", rank)
+        assert [line["step"] for line in actual_val] == [line["step"] for line in expected_val] == [3, 6, 9, 12]
+        assert all(line["val_samples"] == 4 for line in actual_val)
+        assert [line["val_loss"] for line in actual_val] == pytest.approx([line["val_loss"] for line in expected_val],
+                                                                          rel=1e-5)
+        assert len({line["val_loss"] for line in expected_val}) > 1   # the model changed between evaluations
+        assert state["val_loss"] == actual_val[-1]["val_loss"] and state["val_step"] == 12
+
+
+def test_sigterm_on_one_rank_stops_all_ranks_with_a_resumable_checkpoint(tmp_path, demo_data):
+    data_root, _ = demo_data
+    run_dir = tmp_path / "run"
+    process = launch(tmp_path, train_flags(data_root, run_dir, checkpoint_steps=100))
+    wait_for(lambda: last_logged_step(run_dir / "logs") >= 3, process, what="step 3")
+    os.kill(read_status(run_dir / "logs", 1)["pid"], signal.SIGTERM)   # only rank 1 gets the signal
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode == 0, output[-3000:]
+    states = [read_status(run_dir / "logs", rank) for rank in (0, 1)]
+    assert all(s["status"] == "stopped" for s in states), [(s["status"], s["phase"]) for s in states]
+    stopped_at = states[0]["step"]
+    assert states[1]["step"] == stopped_at and 3 <= stopped_at < 12
+    assert [step for step, _ in complete_checkpoints(run_dir / "lora" / "checkpoints")] == [stopped_at]
+
+    # A different configuration is refused, naming what differs.
+    code, output = run(tmp_path, train_flags(data_root, run_dir, checkpoint_steps=100, lora_rank=8, resume="latest"))
+    assert code != 0   # each rank exits 2; accelerate launch reports any failed rank as 1
+    assert "lora_rank: checkpoint 4, this run 8" in output
+    refused = read_status(run_dir / "logs", 0)
+    assert refused["status"] == "failed" and refused["error"]["type"] == "OptionsError"
+
+    code, output = run(tmp_path, train_flags(data_root, run_dir, checkpoint_steps=100, resume="latest"))
+    assert code == 0, output[-3000:]
+    for rank in (0, 1):
+        assert train_steps(run_dir / "logs", rank) == list(range(1, 13))
+        assert read_status(run_dir / "logs", rank)["status"] == "finished"
+
+
+def test_a_corrupt_clip_is_skipped_counted_and_named(tmp_path, demo_data):
+    data_root, _ = demo_data
+    broken_root = tmp_path / "broken"
+    prepare(broken_root, num_videos=6, num_images=5)
+    (broken_root / "catalog" / "media" / "video_003.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video" * 10)
+    run_dir = tmp_path / "run"
+    code, output = run(tmp_path, train_flags(broken_root, run_dir, checkpoint_steps=100, dataset_repeat=1,
+                                             num_epochs=1))
+    assert code == 0, output[-3000:]
+    states = [read_status(run_dir / "logs", rank) for rank in (0, 1)]
+    assert all(s["status"] == "finished" for s in states)
+    assert sum(s["skipped_samples"] for s in states) == 1
+    reasons = [r for s in states for r in s["skip_reasons"]]
+    assert reasons[0]["file"] == "media/video_003.mp4" and "cannot decode" in reasons[0]["reason"]
+
+
+def test_mostly_corrupt_media_stops_with_a_clear_error(tmp_path):
+    root = tmp_path / "mostly_broken"
+    prepare(root, num_videos=6, num_images=5)
+    for index in range(6):
+        (root / "catalog" / "media" / f"video_{index:03d}.mp4").write_bytes(b"garbage" * 50)
+    for image in (root / "catalog" / "media").glob("image_00[0-2].*"):
+        image.write_bytes(b"not an image")
+    run_dir = tmp_path / "run"
+    code, output = run(tmp_path, train_flags(root, run_dir, checkpoint_steps=100, dataset_repeat=3))
+    assert code == 1
+    states = [read_status(run_dir / "logs", rank) for rank in (0, 1)]
+    failed = [s for s in states if s["status"] == "failed"]
+    assert failed, [(s["status"], s["phase"]) for s in states]
+    assert failed[0]["error"]["type"] == "TooMuchBadMedia"
+    assert "could not be decoded" in failed[0]["error"]["message"]
+    assert not (run_dir / "lora" / "lora.safetensors").exists()

@@ -1,0 +1,91 @@
+import json
+
+from diffsynth_mbc import run_files
+from diffsynth_mbc.run_files import rank_from_environment
+from diffsynth_mbc.training.status_writer import RankStatusWriter
+
+
+class FakeClock:
+    """Only the clock is simulated; files are real."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def read(path):
+    return json.loads(path.read_text())
+
+
+def test_file_exists_from_the_first_instant_with_every_field(tmp_path):
+    writer = RankStatusWriter(tmp_path, "run-1", rank=3, local_rank=1, world_size=4)
+    state = read(run_files.status_path(tmp_path, 3))
+    assert state["status"] == "starting" and state["rank"] == 3 and state["local_rank"] == 1
+    assert set(run_files.STATUS_FIELDS) <= set(state)
+    assert state["schema_version"] == run_files.SCHEMA_VERSION
+    writer.close()
+
+
+def test_ranks_write_distinct_files(tmp_path):
+    for rank in range(2):
+        RankStatusWriter(tmp_path, "run", rank=rank, local_rank=0, world_size=2).close()  # two nodes, local 0
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["training_gpu0.json", "training_gpu1.json"]
+
+
+def test_writes_are_throttled_but_status_changes_are_immediate(tmp_path):
+    clock = FakeClock()
+    writer = RankStatusWriter(tmp_path, "run", 0, 0, 1, min_interval_s=5, monotonic=clock, wall_clock=clock)
+    path = run_files.status_path(tmp_path, 0)
+    writer.set_status("training", phase="training")
+    clock.now += 1
+    writer.update(step=1, loss=0.5)
+    assert read(path)["step"] == 0          # within the interval: not rewritten
+    clock.now += 5
+    writer.update(step=2)
+    assert read(path)["step"] == 2          # interval passed
+    clock.now += 1
+    writer.set_status("finished")
+    assert read(path)["status"] == "finished"
+
+
+def test_write_due_follows_the_throttle(tmp_path):
+    clock = FakeClock()
+    writer = RankStatusWriter(tmp_path, "run", 0, 0, 1, min_interval_s=5, monotonic=clock, wall_clock=clock)
+    assert not writer.write_due()            # just written at start
+    clock.now += 4.9
+    assert not writer.write_due()
+    clock.now += 0.2
+    assert writer.write_due()
+    writer.update(step=1)
+    assert not writer.write_due()
+
+
+def test_failure_records_message_and_traceback(tmp_path):
+    writer = RankStatusWriter(tmp_path, "run", 0, 0, 1)
+    try:
+        raise RuntimeError("VAE encode exploded at row 97000")
+    except RuntimeError as exc:
+        writer.fail(exc)
+    state = read(run_files.status_path(tmp_path, 0))
+    assert state["status"] == "failed"
+    assert state["error"]["message"] == "VAE encode exploded at row 97000"
+    assert "RuntimeError" in state["error"]["traceback_tail"]
+
+
+def test_history_is_appended_one_line_per_record_and_a_new_run_sets_the_old_one_aside(tmp_path):
+    writer = RankStatusWriter(tmp_path, "run-a", 0, 0, 1)
+    for step in (1, 2, 3):
+        writer.append_history({"step": step})
+    writer.close()
+    lines = run_files.history_path(tmp_path, 0).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    RankStatusWriter(tmp_path, "run-b", 0, 0, 1).close()
+    assert not run_files.history_path(tmp_path, 0).exists()
+    assert len(list(tmp_path.glob("training_gpu0.*.jsonl.old"))) == 1
+
+
+def test_rank_comes_from_the_launcher_environment():
+    assert rank_from_environment({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}) == (5, 1, 8)
+    assert rank_from_environment({}) == (0, 0, 1)

@@ -1,0 +1,144 @@
+"""The real path on 2 CPU processes: launcher -> convert -> accelerate (gloo) -> per-rank files -> LoRA."""
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from diffsynth_mbc.training.step_plan import StepPlan
+from e2e_helpers import REPO, isolated_env, read_history, read_status
+
+pytestmark = pytest.mark.slow
+DEMO_ROWS, DEMO_REPEAT, DEMO_ACCUMULATION, DEMO_EPOCHS = 11, 2, 2, 2   # configs/train_demo.yaml
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """One demo run; a stale lock is left beforehand and a second launch is tried while it runs."""
+    work = tmp_path_factory.mktemp("demo")
+    env = isolated_env(work, OMP_NUM_THREADS=1)
+    output = work / "runs" / "demo" / "lora"
+    output.mkdir(parents=True)
+    (output / ".train.pid").write_text("999999\n")          # left by a run that died without cleaning up
+    launcher = ["bash", str(REPO / "launchers" / "train_test.sh"), "--demo"]
+    first = subprocess.Popen(launcher, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_dir = work / "runs" / "demo" / "training_logs"
+    deadline = time.monotonic() + 120
+    while not (log_dir / "training_gpu1.json").exists():
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline, "the demo never started its ranks"
+        time.sleep(0.2)
+    second = subprocess.run(launcher, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    trainers_while_second_tried = _trainer_processes_in(work)
+    first_output, _ = first.communicate(timeout=300)
+    return {"work": work, "log_dir": log_dir, "output": output, "code": first.returncode, "log": first_output,
+            "second": second, "trainers": trainers_while_second_tried}
+
+
+def _trainer_processes_in(work) -> int:
+    """Rank processes of the run under test only: `python -u -m diffsynth_mbc.train ...` (as accelerate starts
+    each rank) whose working folder is this test's own, so trainings elsewhere on the machine never count."""
+    count = 0
+    for process in psutil.process_iter(["cmdline", "cwd"]):
+        cmdline, cwd = process.info["cmdline"] or [], process.info["cwd"]
+        if cwd == str(work) and cmdline[1:4] == ["-u", "-m", "diffsynth_mbc.train"]:
+            count += 1
+    return count
+
+
+def test_demo_finishes(demo):
+    assert demo["code"] == 0, demo["log"][-4000:]
+    for rank in (0, 1):
+        assert read_status(demo["log_dir"], rank)["status"] == "finished"
+
+
+def test_each_rank_writes_its_own_files(demo):
+    states = [read_status(demo["log_dir"], rank) for rank in (0, 1)]
+    assert [s["rank"] for s in states] == [0, 1]
+    assert all(s["world_size"] == 2 for s in states)
+    assert states[0]["pid"] != states[1]["pid"]
+    assert states[0]["run_id"] == states[1]["run_id"]
+    assert sorted(p.name for p in demo["log_dir"].iterdir()) == [
+        "training_gpu0.json", "training_gpu0.jsonl", "training_gpu1.json", "training_gpu1.jsonl"]
+
+
+def test_totals_match_the_formula_with_repeat_odd_rows_and_accumulation(demo):
+    plan = StepPlan(DEMO_ROWS, DEMO_REPEAT, world_size=2, batch_size=1, gradient_accumulation=DEMO_ACCUMULATION,
+                    num_epochs=DEMO_EPOCHS)
+    assert plan.total_steps == 12
+    for rank in (0, 1):
+        state = read_status(demo["log_dir"], rank)
+        assert state["total_steps"] == state["step"] == plan.total_steps
+        assert state["steps_per_epoch"] == plan.steps_per_epoch
+        assert state["samples_seen"] == plan.samples_per_rank_per_epoch * DEMO_EPOCHS
+        assert state["progress"] == 100.0
+    assert f"{plan.steps_per_epoch} optimizer steps per GPU per epoch" in demo["log"]
+    assert f"{plan.total_steps} steps in total" in demo["log"]
+
+
+def test_history_has_one_line_per_optimizer_step(demo):
+    for rank in (0, 1):
+        history = read_history(demo["log_dir"], rank)
+        assert [line["step"] for line in history] == list(range(1, 13))
+        assert all(line["loss"] is not None and line["lr"] > 0 for line in history)
+        assert [line["epoch"] for line in history] == [0] * 6 + [1] * 6
+
+
+def test_gradients_are_averaged_across_ranks(demo):
+    """Different samples and noise on each rank, yet one averaged gradient: DDP really wraps the model."""
+    norms = [[line["grad_norm"] for line in read_history(demo["log_dir"], rank)] for rank in (0, 1)]
+    assert all(n is not None and n > 0 for n in norms[0])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+
+
+def test_ranks_draw_different_noise(demo):
+    losses = [[line["loss"] for line in read_history(demo["log_dir"], rank)] for rank in (0, 1)]
+    assert losses[0] != losses[1]
+
+
+def test_second_launch_is_refused_while_the_first_runs(demo):
+    assert demo["second"].returncode == 75
+    assert "already running" in demo["second"].stderr
+    assert demo["trainers"] <= 2, "more than two training processes were alive at once"
+
+
+def test_stale_lock_is_detected_and_cleared(demo):
+    assert "cleared a stale lock of pid 999999" in demo["log"]
+    assert not (demo["output"] / ".train.pid").exists()
+
+
+def test_lora_loads_with_diffsynth_loader_and_changes_the_dit(demo):
+    from safetensors.torch import load_file
+
+    from diffsynth_mbc.models.pipeline import build_demo_pipeline
+
+    lora_path = demo["output"] / "lora.safetensors"
+    lora = load_file(str(lora_path))
+    assert lora and all(".lora_A.default.weight" in k or ".lora_B.default.weight" in k for k in lora)
+    assert any(k.startswith("blocks.0.self_attn.q.") for k in lora) and any(".ffn.2." in k for k in lora)
+    assert any(lora[k].abs().sum() > 0 for k in lora if "lora_B" in k), "LoRA B is still zero: nothing trained"
+
+    pipe = build_demo_pipeline(seed=42, load_encoders=False)
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 48, 3, 4, 4, generator=generator)
+    context = torch.randn(1, 8, 32, generator=generator)
+    timestep = torch.tensor([500.0])
+    with torch.no_grad():
+        before = pipe.dit(latents, timestep, context)
+        pipe.load_lora(pipe.dit, str(lora_path))     # DiffSynth's own GeneralLoRALoader merges it
+        after = pipe.dit(latents, timestep, context)
+    assert not torch.allclose(before, after)
+
+
+def test_monitor_reads_the_real_run(demo):
+    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.monitor", str(demo["log_dir"]), "--once", "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["status"] == "finished" and summary["world_size"] == 2
+    assert summary["step"] == summary["total_steps"] == 12
+    assert summary["missing_ranks"] == [] and summary["stalled_ranks"] == []
