@@ -100,7 +100,7 @@ def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-    from diffsynth_mbc.data.cache.cli import file_sha256
+    from diffsynth_mbc.data.cache.index import file_sha256
     from diffsynth_mbc.data.cache.dataset import open_training_dataset
     from diffsynth_mbc.models.pipeline import build_demo_pipeline, load_pipeline
     from diffsynth_mbc.training.progress import ProgressLogger

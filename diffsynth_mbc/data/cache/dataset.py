@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from diffsynth_mbc.data.cache.cli import CacheError, demo_identity, file_sha256, model_dir_identities, read_index
+from diffsynth_mbc.data.cache.index import CacheError, demo_identity, file_sha256, model_dir_identities, read_index
 from diffsynth_mbc.models.wan_units import pad_context
 
 

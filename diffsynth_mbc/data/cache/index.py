@@ -1,0 +1,131 @@
+"""The latent cache's format: file layout, keys, fingerprints, the index file. No torch.
+
+Keys say what determines a stored tensor (see ``cli``'s docstring for the layout); an entry whose
+key exists is complete, because every file is written to a temp name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from diffsynth_mbc.errors import OptionsError
+
+FORMAT = "diffsynth-mbc-latent-cache"
+VERSION = 1
+INDEX_FILE = "cache.json"
+SUMMARY_FILE = "summary.json"
+FAILURES_FILE = "failures.csv"
+ENTRIES_DIR = "entries"
+TEXT_DIR = "text"
+SHARDS_DIR = "shards"
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# Wan2.2-TI2V-5B at the team's training size, for the projection in the summary.
+FULL_SIZE = {"height": 704, "width": 1280, "num_frames": 17, "z_dim": 48, "text_dim": 4096, "factor": 16}
+
+
+class CacheError(OptionsError):
+    """A cache that is missing, unfinished or built with other settings; the message says what differs.
+
+    An OptionsError, so the training command reports it like any bad option (exit code 2).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Identities and keys (no torch)
+
+
+def _sha256(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def files_identity(paths) -> str:
+    """sha256 of the files' names, sizes and mtimes (names relative to the folder given, if any)."""
+    items = []
+    for path in paths:
+        path = Path(path)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            stat = file.stat()
+            name = str(file.relative_to(path)) if path.is_dir() else file.name
+            items.append([path.name, name, stat.st_size, stat.st_mtime_ns])
+    return "sha256:" + _sha256(items)
+
+
+def demo_identity(seed: int) -> str:
+    return f"demo-seed-{seed}"
+
+
+def encoder_identities(text_encoder, vae, tokenizer_dir) -> dict:
+    return {"vae": files_identity([vae]), "text_encoder": files_identity([text_encoder, tokenizer_dir])}
+
+
+def model_dir_identities(model_dir) -> dict:
+    from diffsynth_mbc.models.model_files import locate_model_files
+
+    files = locate_model_files(model_dir)
+    return encoder_identities(files.text_encoder, files.vae, files.tokenizer_dir)
+
+
+def file_fingerprint(path) -> dict:
+    """Resolved path, size and mtime of a media file; raises OSError if it cannot be read."""
+    resolved = Path(path).resolve(strict=True)
+    stat = resolved.stat()
+    return {"path": str(resolved), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def entry_key(fingerprint: dict, settings: dict) -> str:
+    return _sha256({"version": VERSION, "file": fingerprint, "height": settings["height"],
+                    "width": settings["width"], "num_frames": settings["num_frames"], "vae": settings["vae"],
+                    "dtype": settings["dtype"]})
+
+
+def text_key(caption: str, settings: dict) -> str:
+    return _sha256({"version": VERSION, "caption": caption, "text_encoder": settings["text_encoder"],
+                    "text_len": settings["text_len"], "dtype": settings["dtype"]})
+
+
+def entry_relpath(key: str) -> str:
+    return f"{ENTRIES_DIR}/{key[:2]}/{key}.safetensors"
+
+
+def text_relpath(key: str) -> str:
+    return f"{TEXT_DIR}/{key[:2]}/{key}.safetensors"
+
+
+def file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_index(cache_dir) -> dict:
+    """The finished cache's index; CacheError (naming the folder) if there is none or it is not one."""
+    path = Path(cache_dir) / INDEX_FILE
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CacheError(f"no finished latent cache in {cache_dir} ({INDEX_FILE} is missing): build it with "
+                         "`python -m diffsynth_mbc.cache ... --cache_dir " f"{cache_dir}` first") from None
+    except (OSError, ValueError) as exc:
+        raise CacheError(f"{path}: not a readable cache index ({exc})") from None
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CacheError(f"{path}: not a {FORMAT} index of version {VERSION} "
+                         f"(format {index.get('format')!r}, version {index.get('version')!r})")
+    return index
+
+
+def projected_bytes_per_sample(height: int, width: int, num_frames: int, text_tokens: float,
+                               text_share: float = 1.0, first_frame_share: float = 0.0, dtype_bytes: int = 2,
+                               z_dim: int = 48, text_dim: int = 4096, factor: int = 16) -> dict:
+    """Bytes one video row costs: latent + its share of a caption's embedding (+ a stored first frame)."""
+    latent_cells = z_dim * ((num_frames - 1) // 4 + 1) * (height // factor) * (width // factor)
+    latent = latent_cells * dtype_bytes
+    first_frame = z_dim * (height // factor) * (width // factor) * dtype_bytes * first_frame_share
+    text = text_tokens * text_dim * dtype_bytes * text_share
+    total = latent + first_frame + text
+    return {"latent_bytes": latent, "first_frame_bytes": round(first_frame), "text_bytes": round(text),
+            "bytes": round(total), "mib": round(total / 2**20, 3)}
