@@ -10,6 +10,20 @@ from pathlib import Path
 from typing import IO, Iterator
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it (os.umask would, for a moment, in every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iterator[IO]:
     """Open a temp file beside ``path``; on clean exit it replaces ``path``, on error it is removed."""
@@ -17,6 +31,9 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iter
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600; give the file the mode a plain open() would, so a dashboard or a
+        # teammate running as another user can read what the run writes.
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, mode, **open_kwargs) as handle:
             yield handle
             handle.flush()

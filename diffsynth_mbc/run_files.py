@@ -31,7 +31,8 @@ TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED)
 STATUS_FIELDS = (
     "schema_version", "run_id", "rank", "local_rank", "world_size", "hostname", "pid",
     "status", "phase",
-    "epoch", "num_epochs", "step",  # epoch counts from 0; step from 1 (the optimizer steps done) "total_steps", "steps_per_epoch", "samples_seen",
+    # epoch counts from 0; step from 1 (the optimizer steps done)
+    "epoch", "num_epochs", "step", "total_steps", "steps_per_epoch", "samples_seen",
     "loss", "loss_avg", "lr", "grad_norm", "step_time_s", "samples_per_s",
     "elapsed_s", "eta_s", "progress",
     "started_at", "updated_at",

@@ -10,13 +10,56 @@
 #   --cached      encode every clip and caption once first (python -m diffsynth_mbc.cache; resumable,
 #                 finished entries are skipped), then train the DiT from that latent cache
 #   --detach      run in the background (log file only); prints the pid and returns
-# Environment: PYTHON (default: python), MBC_LOG_FILE, NCCL_* (see configs/nccl_pcie.env).
+#   --dry-run     validate every flag, print the command that would run, start nothing
+#   --help        this text, then the training's own flags
+# Stop a run: bash launchers/stop.sh OUTPUT_PATH [--grace S]   (checkpoint, `stopped`; SIGKILL after S s)
+# Environment: PYTHON (default: python), MBC_LOG_FILE, MBC_RUN_ID, NCCL_* (see configs/nccl_pcie.env).
 set -euo pipefail
 
 MBC_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python}
 
 mbc_die() { echo "error: $*" >&2; exit 2; }
+
+mbc_usage() {
+  echo "usage: bash $1 [launcher flags] [training flags]"
+  echo
+  sed -n '4,/^set -euo pipefail/p' "$MBC_ROOT/launchers/common.sh" | grep '^#' | sed 's/^# \{0,1\}//'
+  echo
+  echo "Training flags (python -m diffsynth_mbc.train):"
+  "$PYTHON" -m diffsynth_mbc.train --help
+}
+
+# A run id nobody else has: two launches in the same second differ by the random suffix.
+mbc_new_run_id() {
+  echo "run-$(date +%Y%m%d-%H%M%S)-$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')"
+}
+
+# mbc_lock FD FOLDER WHAT: one training per folder (per node of a run). The lock is an open file
+# descriptor that every process of the run inherits, so it is held while any of them lives and is
+# released by the kernel when all exit: a lock left by a crashed run is never taken for a live one.
+mbc_lock() {
+  local fd=$1 folder=$2 what=$3 lock pid_file
+  lock=$folder/$(mbc_lock_name)
+  pid_file=${lock%.lock}.pid
+  eval "exec $fd>>\"\$lock\""
+  if ! flock -n "$fd"; then
+    echo "error: a training is already running on $folder (its $what): run $(sed -n 2p "$pid_file" 2>/dev/null || echo '?')," \
+         "$("$PYTHON" -c 'import sys; from diffsynth_mbc.training.run_control import describe_holders as d; print(d(sys.argv[1]))' "$folder")." \
+         "Not starting another; stop it with: bash launchers/stop.sh $folder" >&2
+    exit 75
+  fi
+  if [[ -s $pid_file ]]; then
+    echo "note: cleared a stale lock of pid $(head -n 1 "$pid_file") (that run is no longer alive)" >&2
+    rm -f "$pid_file"
+  fi
+  printf '%s\n%s\n' "$$" "$MBC_RUN_ID" > "$pid_file"
+}
+
+mbc_lock_name() {
+  local node=${MACHINE_RANK:-0}
+  [[ ${MBC_MULTINODE:-0} == 1 && $node != 0 ]] && echo ".train.node$node.lock" || echo ".train.lock"
+}
 
 mbc_count_gpus() {
   if [[ -n "${NUM_GPUS:-}" ]]; then echo "$NUM_GPUS"; return; fi
@@ -34,7 +77,7 @@ mbc_free_port() {
 # mbc_launch PRESET [launcher flags] [train flags]
 mbc_launch() {
   local preset=$1; shift
-  local demo=0 deepspeed=0 multinode=0 detach=0 cached=0 gpus="" train_args=()
+  local demo=0 deepspeed=0 multinode=0 detach=0 cached=0 dry_run=0 gpus="" train_args=()
   while (($#)); do
     case $1 in
       --demo) demo=1 ;;
@@ -42,8 +85,10 @@ mbc_launch() {
       --multinode) multinode=1 ;;
       --detach) detach=1 ;;
       --cached) cached=1 ;;
+      --dry-run) dry_run=1 ;;
       --gpus) [[ $# -ge 2 ]] || mbc_die "--gpus needs a number"; gpus=$2; shift ;;
       --gpus=*) gpus=${1#--gpus=} ;;
+      -h|--help) mbc_usage "${MBC_LAUNCHER:-launchers/train_test.sh}"; exit 0 ;;
       *) train_args+=("$1") ;;
     esac
     shift
@@ -88,26 +133,27 @@ mbc_launch() {
   [[ $multinode == 1 ]] && world_size=$((gpus * NUM_MACHINES))
 
   # Where this run writes; validates every flag without reading any data.
-  local paths OUTPUT_PATH LOG_DIR
+  local paths OUTPUT_PATH LOG_DIR CHECKPOINT_DIR
   paths=$("$PYTHON" -m diffsynth_mbc.plan --paths-only --world_size "$world_size" --config "$preset" \
           "${train_args[@]+"${train_args[@]}"}") || exit 2
   eval "$paths"
-  mkdir -p "$OUTPUT_PATH" "$LOG_DIR"
+  if [[ $dry_run == 1 ]]; then
+    echo "would run: ${env_prefix[*]+"${env_prefix[*]}"} $PYTHON -m accelerate.commands.launch ${accelerate_args[*]}" \
+         "-m diffsynth_mbc.train --config $preset ${train_args[*]+"${train_args[*]}"}"
+    echo "output: $OUTPUT_PATH   logs: $LOG_DIR   checkpoints: $CHECKPOINT_DIR"
+    return 0
+  fi
+  mkdir -p "$OUTPUT_PATH" "$LOG_DIR" "$CHECKPOINT_DIR"
 
-  # One training per output folder. The lock is an open file descriptor that every process of the
-  # run inherits, so it is held while any of them lives and released by the kernel when all exit:
-  # a lock left by a crashed run is never mistaken for a live one.
-  local lock_file=$OUTPUT_PATH/.train.lock pid_file=$OUTPUT_PATH/.train.pid
-  exec 9>>"$lock_file"
-  if ! flock -n 9; then
-    echo "error: a training is already running on $OUTPUT_PATH (pid $(cat "$pid_file" 2>/dev/null || echo '?')); not starting another" >&2
-    exit 75
-  fi
-  if [[ -s $pid_file ]]; then
-    echo "note: cleared a stale lock of pid $(cat "$pid_file") (that run is no longer alive)" >&2
-    rm -f "$pid_file"
-  fi
-  echo $$ > "$pid_file"
+  # One training per output, log and checkpoint folder (per node): a second run sharing any of them
+  # would replace the first one's monitoring files or prune its checkpoints.
+  export MBC_RUN_ID=${MBC_RUN_ID:-$(mbc_new_run_id)}
+  MBC_MULTINODE=$multinode
+  mbc_lock 9 "$OUTPUT_PATH" "output folder"
+  mbc_lock 8 "$LOG_DIR" "log folder"
+  mbc_lock 7 "$CHECKPOINT_DIR" "checkpoint folder"
+  local pid_file=$OUTPUT_PATH/$(mbc_lock_name)
+  pid_file=${pid_file%.lock}.pid
 
   [[ $demo == 1 ]] && "$PYTHON" -m diffsynth_mbc.demo prepare runs/demo
 
@@ -115,7 +161,6 @@ mbc_launch() {
   "$PYTHON" -m diffsynth_mbc.plan --world_size "$world_size" --config "$preset" \
     "${train_args[@]+"${train_args[@]}"}" || exit 2
 
-  export MBC_RUN_ID=${MBC_RUN_ID:-run-$(date +%Y%m%d-%H%M%S)}
   local log_file=${MBC_LOG_FILE:-$OUTPUT_PATH/train-$MBC_RUN_ID.log}
 
   if [[ $cached == 1 ]]; then
@@ -144,16 +189,19 @@ mbc_launch() {
   echo "log: $log_file   per-GPU status: $LOG_DIR/training_gpu*.json   watch: python -m diffsynth_mbc.monitor $LOG_DIR" >&2
 
   if [[ $detach == 1 ]]; then
-    setsid "${cmd[@]}" >>"$log_file" 2>&1 < /dev/null &
+    # The background job marks ranks that died without a status (SIGKILL) as failed, as below.
+    setsid bash -c '"${@:3}"; code=$?; "$1" -m diffsynth_mbc.stop "$2" --mark-dead-ranks $code; exit $code' \
+      _ "$PYTHON" "$LOG_DIR" "${cmd[@]}" >>"$log_file" 2>&1 < /dev/null &
     local pid=$!
-    echo "$pid" > "$pid_file"
-    echo "started in the background: pid $pid" >&2
+    printf '%s\n%s\n' "$pid" "$MBC_RUN_ID" > "$pid_file"
+    echo "started in the background: pid $pid   stop: bash launchers/stop.sh $OUTPUT_PATH" >&2
     return 0
   fi
   set +e
   "${cmd[@]}" 2>&1 | tee -i -a "$log_file"
   local code=${PIPESTATUS[0]}
+  "$PYTHON" -m diffsynth_mbc.stop "$LOG_DIR" --mark-dead-ranks "$code" 2>&1 | tee -i -a "$log_file"
   set -e
-  rm -f "$pid_file"
+  rm -f "$OUTPUT_PATH"/.train*.pid "$LOG_DIR"/.train*.pid "$CHECKPOINT_DIR"/.train*.pid
   return "$code"
 }

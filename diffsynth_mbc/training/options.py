@@ -28,7 +28,7 @@ DEFAULTS = {
     "use_gradient_checkpointing": True, "use_gradient_checkpointing_offload": False,
     "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0, "find_unused_parameters": False,
     # output and logging
-    "output_path": "./runs/lora", "log_dir": "./training_logs", "run_id": None, "save_steps": None,
+    "output_path": "./runs/lora", "log_dir": None, "run_id": None, "save_steps": None,
     "status_interval_s": 5.0, "dist_backend": None,
     # checkpoints, resume, stopping
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
@@ -46,7 +46,7 @@ _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m diffsynth_mbc.train", argument_default=argparse.SUPPRESS,
+        prog="python -m diffsynth_mbc.train", argument_default=argparse.SUPPRESS, allow_abbrev=False,
         description="LoRA fine-tuning of Wan2.2-TI2V-5B through DiffSynth. Start it with `accelerate launch`.",
         epilog="Example: accelerate launch --config_file configs/accelerate/ddp.yaml -m diffsynth_mbc.train "
                "--config configs/train_test.yaml --learning_rate 5e-5")
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--find_unused_parameters", type=_parse_bool)
     out = parser.add_argument_group("output and logging")
     out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
-    out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default ./training_logs)")
+    out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default OUTPUT_PATH/training_logs, so two runs never share one by default)")
     out.add_argument("--run_id", help="names this run in the logs (default: time-based)")
     out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
     out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
@@ -154,6 +154,11 @@ def resolve_options(argv: list[str] | None = None) -> argparse.Namespace:
         if not isinstance(options[key], bool):
             options[key] = _parse_bool(options[key])
     validate(options)
+    # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other.
+    if not options["log_dir"]:
+        options["log_dir"] = str(Path(options["output_path"]) / "training_logs")
+    if not options["checkpoint_dir"]:
+        options["checkpoint_dir"] = str(Path(options["output_path"]) / "checkpoints")
     return argparse.Namespace(**options)
 
 

@@ -50,10 +50,10 @@ def print_cache_commands(options) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.plan", add_help=True)
+    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.plan", add_help=True, allow_abbrev=False)
     parser.add_argument("--world_size", type=int, required=True, help="total processes (GPUs) of the run")
     parser.add_argument("--paths-only", action="store_true",
-                        help="only validate the flags and print OUTPUT_PATH=... LOG_DIR=... (reads no data)")
+                        help="only validate the flags and print OUTPUT_PATH=... LOG_DIR=... CHECKPOINT_DIR=... (reads no data)")
     parser.add_argument("--cache-commands", action="store_true",
                         help="print CACHE_DIR=..., CACHE_ARGS=(...) (and VAL_ CACHE_... for --val_metadata_path): "
                              "the arguments of `python -m diffsynth_mbc.cache` for the same preset and flags")
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if known.paths_only:
             print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
             print(f"LOG_DIR={shlex.quote(options.log_dir)}")
+            print(f"CHECKPOINT_DIR={shlex.quote(options.checkpoint_dir)}")
             return 0
         rows = count_metadata_rows(options.dataset_metadata_path)
         plan = StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=known.world_size,

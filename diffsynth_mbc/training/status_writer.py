@@ -8,9 +8,12 @@ constant however long the run: the JSON file is small and rewritten, the history
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -25,12 +28,62 @@ def error_record(exc: BaseException, tail_lines: int = 30) -> dict:
     return {"type": type(exc).__name__, "message": str(exc), "traceback_tail": "\n".join(lines[-tail_lines:])}
 
 
+class WriteGuard:
+    """Monitoring never kills training: a failed status or history write is counted, reported on stderr at
+    most once per ``report_every_s``, and retried after a back-off (1 s doubling to 60 s)."""
+
+    def __init__(self, what: str, monotonic: Callable[[], float], report_every_s: float = 60.0, stream=None):
+        self.what = what
+        self.failures = 0
+        self._monotonic = monotonic
+        self._report_every_s = report_every_s
+        self._stream = stream
+        self._retry_at = None
+        self._backoff_s = 1.0
+        self._last_report = None
+        self._unreported = 0
+
+    def due(self) -> bool:
+        return self._retry_at is None or self._monotonic() >= self._retry_at
+
+    def run(self, write: Callable[[], None]) -> bool:
+        """Call ``write``; True if it succeeded. OSError is absorbed (counted, reported, retried later)."""
+        try:
+            write()
+        except OSError as exc:
+            self.failures += 1
+            self._unreported += 1
+            now = self._monotonic()
+            self._retry_at = now + self._backoff_s
+            self._backoff_s = min(self._backoff_s * 2, 60.0)
+            if self._last_report is None or now - self._last_report >= self._report_every_s:
+                print(f"warning: cannot write {self.what} ({self._unreported} failed write(s) since the last "
+                      f"report, {self.failures} in all; last: {type(exc).__name__}: {exc}); training goes on, "
+                      f"retrying", file=self._stream or sys.stderr, flush=True)
+                self._last_report, self._unreported = now, 0
+            return False
+        if self._retry_at is not None:
+            print(f"note: {self.what} written again after {self.failures} failed write(s)",
+                  file=self._stream or sys.stderr, flush=True)
+        self._retry_at, self._backoff_s = None, 1.0
+        return True
+
+
 class RankStatusWriter:
+    MAX_PENDING_HISTORY = 100_000   # history lines kept in memory while the log folder cannot be written
+
     def __init__(self, log_dir: str | os.PathLike, run_id: str, rank: int, local_rank: int, world_size: int,
                  min_interval_s: float = 5.0, wall_clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic, continue_history: bool = False):
+                 monotonic: Callable[[], float] = time.monotonic, continue_history: bool = False,
+                 report_every_s: float = 60.0, stream=None):
         self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._status_guard = WriteGuard(f"rank {rank}'s status file in {self.log_dir}", monotonic, report_every_s,
+                                        stream)
+        self._history_guard = WriteGuard(f"rank {rank}'s history file in {self.log_dir}", monotonic, report_every_s,
+                                         stream)
+        self._pending_history: collections.deque[str] = collections.deque()
+        self.history_lines_lost = 0
+        self._status_guard.run(lambda: self.log_dir.mkdir(parents=True, exist_ok=True))
         self.status_file = run_files.status_path(self.log_dir, rank)
         self.history_file = run_files.history_path(self.log_dir, rank)
         self.min_interval_s = min_interval_s
@@ -40,7 +93,7 @@ class RankStatusWriter:
         self._started_monotonic = monotonic()
         self._history = None
         if not continue_history:
-            self._set_aside_previous_history()
+            self._history_guard.run(self._set_aside_previous_history)
         self.state = {field: None for field in run_files.STATUS_FIELDS}
         self.state.update(
             schema_version=run_files.SCHEMA_VERSION, run_id=run_id, rank=rank, local_rank=local_rank,
@@ -74,18 +127,44 @@ class RankStatusWriter:
     def flush(self) -> None:
         self._write()
 
+    @property
+    def write_failures(self) -> int:
+        return self._status_guard.failures + self._history_guard.failures
+
     def _write(self) -> None:
         self.state["updated_at"] = self._wall_clock()
         self.state["elapsed_s"] = round(self._monotonic() - self._started_monotonic, 3)
-        atomic_write_json(self.status_file, self.state)
         self._last_write = self._monotonic()
+        if self.write_failures:
+            self.state["write_failures"] = self.write_failures
+        is_final = self.state["status"] in run_files.TERMINAL_STATUSES
+        if is_final or self._status_guard.due():
+            self._status_guard.run(lambda: atomic_write_json(self.status_file, self.state))
 
     # -- the per-step history ---------------------------------------------------------------
     def append_history(self, record: dict) -> None:
-        if self._history is None:
-            self._history = open(self.history_file, "a", encoding="utf-8")
-        self._history.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._history.flush()
+        """One line per record, in order. While the folder cannot be written, lines wait in memory (bounded)."""
+        if len(self._pending_history) >= self.MAX_PENDING_HISTORY:
+            self._pending_history.popleft()
+            self.history_lines_lost += 1
+        self._pending_history.append(json.dumps(record, ensure_ascii=False) + "\n")
+        if self._history_guard.due():
+            self._history_guard.run(self._write_pending_history)
+
+    def _write_pending_history(self) -> None:
+        try:
+            if self._history is None:
+                self._history = open(self.history_file, "a", encoding="utf-8")
+            while self._pending_history:
+                self._history.write(self._pending_history[0])
+                self._history.flush()
+                self._pending_history.popleft()
+        except OSError:
+            if self._history is not None:   # reopen next time: the folder may have been replaced
+                with contextlib.suppress(OSError):
+                    self._history.close()
+                self._history = None
+            raise
 
     def _set_aside_previous_history(self) -> None:
         """A new run starts a new history; the previous one is kept beside it, never overwritten."""
@@ -99,6 +178,8 @@ class RankStatusWriter:
             os.replace(self.history_file, target)
 
     def close(self) -> None:
+        if self._pending_history:
+            self._history_guard.run(self._write_pending_history)
         if self._history is not None:
             self._history.close()
             self._history = None

@@ -24,6 +24,8 @@ def test_file_exists_from_the_first_instant_with_every_field(tmp_path):
     state = read(run_files.status_path(tmp_path, 3))
     assert state["status"] == "starting" and state["rank"] == 3 and state["local_rank"] == 1
     assert set(run_files.STATUS_FIELDS) <= set(state)
+    # These three once sat inside a comment of STATUS_FIELDS, so the starting file lacked them.
+    assert {"total_steps", "steps_per_epoch", "samples_seen"} <= set(state)
     assert state["schema_version"] == run_files.SCHEMA_VERSION
     writer.close()
 
@@ -89,3 +91,56 @@ def test_history_is_appended_one_line_per_record_and_a_new_run_sets_the_old_one_
 def test_rank_comes_from_the_launcher_environment():
     assert rank_from_environment({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}) == (5, 1, 8)
     assert rank_from_environment({}) == (0, 0, 1)
+
+
+def test_an_unwritable_log_folder_never_stops_training_and_nothing_is_lost(tmp_path):
+    """The log folder becomes unwritable mid-run (here: replaced by a file, which stops root too): writes fail,
+    are counted and reported once, training goes on, and once it is writable again every line is there."""
+    import io
+    clock, report = FakeClock(), io.StringIO()
+    log_dir = tmp_path / "logs"
+    writer = RankStatusWriter(log_dir, "run", 0, 0, 1, min_interval_s=0, monotonic=clock, wall_clock=clock,
+                              stream=report)
+    writer.set_status("training")
+    writer.append_history({"step": 1})
+    log_dir.rename(tmp_path / "logs-away")
+    log_dir.write_text("not a folder")
+    for step in (2, 3, 4):
+        clock.now += 1
+        writer.update(step=step)                   # must not raise
+        writer.append_history({"step": step})
+    assert writer.write_failures >= 2
+    assert report.getvalue().count("warning: cannot write rank 0's status file") == 1   # once per minute
+    log_dir.unlink()
+    (tmp_path / "logs-away").rename(log_dir)
+    clock.now += 120                                # past the back-off
+    writer.update(step=5)
+    writer.append_history({"step": 5})
+    writer.set_status("finished")
+    writer.close()
+    assert read(run_files.status_path(log_dir, 0))["status"] == "finished"
+    assert read(run_files.status_path(log_dir, 0))["write_failures"] == writer.write_failures
+    steps = [json.loads(line)["step"] for line in run_files.history_path(log_dir, 0).read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_history_lines_wait_in_order_while_the_history_cannot_be_opened(tmp_path):
+    import io
+    clock, report = FakeClock(), io.StringIO()
+    log_dir = tmp_path / "logs"
+    writer = RankStatusWriter(log_dir, "run", 0, 0, 1, min_interval_s=0, monotonic=clock, wall_clock=clock,
+                              stream=report)
+    log_dir.rename(tmp_path / "away")
+    log_dir.write_text("not a folder")
+    for step in (1, 2, 3):
+        clock.now += 0.1
+        writer.append_history({"step": step})
+    assert "warning: cannot write rank 0's history file" in report.getvalue()
+    log_dir.unlink()
+    (tmp_path / "away").rename(log_dir)
+    clock.now += 120
+    writer.append_history({"step": 4})
+    writer.close()
+    steps = [json.loads(line)["step"] for line in run_files.history_path(log_dir, 0).read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert "written again" in report.getvalue()

@@ -62,7 +62,7 @@ def test_each_rank_writes_its_own_files(demo):
     assert all(s["world_size"] == 2 for s in states)
     assert states[0]["pid"] != states[1]["pid"]
     assert states[0]["run_id"] == states[1]["run_id"]
-    assert sorted(p.name for p in demo["log_dir"].iterdir()) == [
+    assert sorted(p.name for p in demo["log_dir"].iterdir() if not p.name.startswith(".train")) == [
         "training_gpu0.json", "training_gpu0.jsonl", "training_gpu1.json", "training_gpu1.jsonl"]
 
 

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Stop the training running on OUTPUT_PATH as Ctrl-C would (every rank checkpoints, writes `stopped`,
+# exits 0), then forcibly after --grace seconds (default 120).
+#   bash launchers/stop.sh runs/test/lora [--grace 300]
+# Exit codes: 0 stopped, 1 had to be killed, 2 usage, 3 nothing was running there.
+set -euo pipefail
+exec "${PYTHON:-python}" -m diffsynth_mbc.stop "$@"

@@ -1,0 +1,46 @@
+"""Files written atomically get the mode a plain open() would give them (umask respected)."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text, current_umask
+
+
+@pytest.fixture
+def umask_022():
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_atomic_files_are_readable_by_others_like_a_plain_open(tmp_path, umask_022):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    atomic_write_text(tmp_path / "status.json", "{}")
+    atomic_write_json(tmp_path / "other.json", {"a": 1})
+    assert mode(tmp_path / "status.json") == mode(plain) == 0o644
+    assert mode(tmp_path / "other.json") == 0o644
+    assert json.loads((tmp_path / "other.json").read_text()) == {"a": 1}
+
+
+def test_a_stricter_umask_is_respected(tmp_path):
+    previous = os.umask(0o077)
+    try:
+        assert current_umask() == 0o077
+        atomic_write_text(tmp_path / "private.txt", "secret")
+    finally:
+        os.umask(previous)
+    assert mode(tmp_path / "private.txt") == 0o600
+
+
+def test_no_temp_file_is_left_when_writing_fails(tmp_path):
+    with pytest.raises(TypeError):
+        atomic_write_json(tmp_path / "bad.json", {"x": object()})
+    assert list(tmp_path.iterdir()) == []

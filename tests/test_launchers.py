@@ -1,0 +1,186 @@
+"""The launchers: help, flag pass-through, one run per folder, unique run ids, stop.sh, dead ranks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from diffsynth_mbc.training import plan
+from diffsynth_mbc.training.options import build_parser
+from diffsynth_mbc.training.run_control import lock_holders
+from e2e_helpers import REPO, isolated_env, read_status
+
+LAUNCHER = str(REPO / "launchers" / "train_test.sh")
+DEMO_PRESET = str(REPO / "configs" / "train_demo.yaml")
+
+
+def launcher(work, *args, timeout=120, **env):
+    return subprocess.run(["bash", LAUNCHER, *args], cwd=work, env=isolated_env(work, **env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_prints_the_launcher_flags_then_the_training_flags(tmp_path):
+    result = launcher(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "command not found" not in result.stderr and "running the built-in demo" not in result.stderr
+    assert text.index("--cached") < text.index("--dry-run") < text.index("usage: python -m diffsynth_mbc.train")
+    assert "--learning_rate" in text and "launchers/stop.sh" in text
+
+
+def a_value_for(action: argparse.Action) -> list[str]:
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [str(list(action.choices)[-1])]
+    if action.type is int:
+        return ["3"]
+    if action.type is float:
+        return ["0.5"]
+    if callable(action.type) and action.type is not str:   # the options' own parsers (booleans, ...)
+        for candidate in ("true", "1", "0.5"):
+            try:
+                action.type(candidate)
+                return [candidate]
+            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                continue
+    return ["some/path"]
+
+
+def training_flags():
+    parser = build_parser()
+    for action in parser._actions:
+        long = [flag for flag in action.option_strings if flag.startswith("--")]
+        if long and long[0] not in ("--help", "--config"):
+            yield long[0], a_value_for(action)
+
+
+@pytest.mark.parametrize("flag,value", list(training_flags()))
+def test_every_training_flag_passes_through_the_plan_step(flag, value, capsys):
+    """The launcher validates flags with `python -m diffsynth_mbc.plan`; no flag may be taken for one of its own
+    (prefix matching once read `--cache DIR` as `--cache-commands`)."""
+    code = plan.main(["--paths-only", "--world_size", "2", "--config", DEMO_PRESET, flag, *value])
+    error = capsys.readouterr().err
+    assert "unrecognized arguments" not in error and "ambiguous option" not in error, error
+    if code != 0:   # a value the options reject on their own terms names the flag, never the plan's parser
+        assert flag.lstrip("-").split("_")[0] in error or "--demo" in error, error
+
+
+def test_training_flags_reach_the_training_command(tmp_path):
+    result = launcher(tmp_path, "--demo", "--dry-run", "--cache", "cache/mbc", "--val_cache", "cache/val",
+                      "--learning_rate", "0.01", "--lora_alpha", "8", "--output_path", "runs/x/lora")
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.splitlines()[0]
+    for part in ("--cache cache/mbc", "--val_cache cache/val", "--learning_rate 0.01", "--lora_alpha 8",
+                 "--output_path runs/x/lora", "-m diffsynth_mbc.train"):
+        assert part in command
+    assert not (tmp_path / "runs").exists()                      # a dry run creates nothing
+
+
+@pytest.mark.parametrize("preset,output", [("train_test.sh", "runs/test/lora"), ("train_full.sh", "runs/full/lora")])
+def test_presets_keep_their_logs_under_their_own_output_folder(tmp_path, preset, output):
+    result = subprocess.run(["bash", str(REPO / "launchers" / preset), "--dry-run", "--gpus", "2"], cwd=tmp_path,
+                            env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"output: {output}   logs: {output}/training_logs   checkpoints: {output}/checkpoints" in result.stdout
+
+
+def hold_lock(folder, run_id):
+    """A stand-in for a live run on ``folder``: a process holding its lock, and the run's pid file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".train.pid").write_text(f"4242\n{run_id}\n")
+    holder = subprocess.Popen(["flock", "-n", str(folder / ".train.lock"), "sleep", "60"])
+    deadline = time.monotonic() + 10
+    while not lock_holders(folder / ".train.lock"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return holder
+
+
+@pytest.mark.parametrize("shared,what", [("log_dir", "log folder"), ("checkpoint_dir", "checkpoint folder")])
+def test_a_second_run_on_a_shared_folder_is_refused_naming_the_running_one(tmp_path, shared, what):
+    folder = tmp_path / "shared"
+    holder = hold_lock(folder, "run-A")
+    try:
+        result = launcher(tmp_path, "--demo", f"--{shared}", str(folder), "--output_path", "runs/b/lora")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 75, result.stderr
+    assert f"already running on {folder} (its {what}): run run-A" in result.stderr
+    assert f"ranks" in result.stderr or f"processes {holder.pid}" in result.stderr
+    assert "launchers/stop.sh" in result.stderr
+    assert (folder / ".train.pid").read_text() == "4242\nrun-A\n"   # the running run's record is untouched
+
+
+def test_run_ids_of_launches_in_the_same_second_differ():
+    script = f'source "{REPO}/launchers/common.sh"; mbc_new_run_id; mbc_new_run_id'
+    ids = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert len(ids) == 2 and ids[0] != ids[1]
+    assert all(i.startswith("run-") and len(i.split("-")) == 4 for i in ids)
+
+
+def wait_until(condition, timeout, what, process=None):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{what}: the launcher exited with {process.returncode}: {process.stdout.read()}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def training_started(log_dir, ranks=(0, 1)):
+    def check():
+        try:
+            return all(read_status(log_dir, r)["status"] == "training" and (read_status(log_dir, r)["step"] or 0) >= 1
+                       for r in ranks)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+    return check
+
+
+@pytest.mark.slow
+def test_stop_sh_stops_a_detached_run_gracefully(tmp_path):
+    env = dict(OMP_NUM_THREADS=1)
+    result = launcher(tmp_path, "--demo", "--detach", "--num_epochs", "50", **env)
+    assert result.returncode == 0, result.stderr
+    log_dir, output = tmp_path / "runs/demo/training_logs", tmp_path / "runs/demo/lora"
+    wait_until(training_started(log_dir), 180, "both ranks training")
+    stop = subprocess.run(["bash", str(REPO / "launchers" / "stop.sh"), str(output), "--grace", "90"], cwd=tmp_path,
+                          env=isolated_env(tmp_path, **env), capture_output=True, text=True, timeout=150)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    for rank in (0, 1):
+        state = read_status(log_dir, rank)
+        assert state["status"] == "stopped", state
+    assert list((output / "checkpoints").glob("step-*")), "a graceful stop writes a checkpoint"
+    assert not lock_holders(output / ".train.lock"), "no process of the run is left"
+    again = subprocess.run(["bash", str(REPO / "launchers" / "stop.sh"), str(output)], cwd=tmp_path,
+                           env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert again.returncode == 3 and "no training is running" in again.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_killed_with_sigkill_is_marked_failed_not_left_training(tmp_path):
+    env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
+    run = subprocess.Popen(["bash", LAUNCHER, "--demo", "--num_epochs", "50"], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_dir = tmp_path / "runs/demo/training_logs"
+    try:
+        wait_until(training_started(log_dir), 180, "both ranks training", run)
+        os.kill(read_status(log_dir, 1)["pid"], signal.SIGKILL)
+        output, _ = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode != 0
+    dead = read_status(log_dir, 1)
+    assert dead["status"] == "failed" and dead["error"]["type"] == "RankDied", dead
+    assert "rank 1" in dead["error"]["message"]
+    assert read_status(log_dir, 0)["status"] not in ("starting", "loading", "training")
