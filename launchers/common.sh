@@ -56,6 +56,27 @@ mbc_lock() {
   printf '%s\n%s\n' "$$" "$MBC_RUN_ID" > "$pid_file"
 }
 
+mbc_wait_for_file() {
+  local file=$1 timeout=$2 what=$3 waited=0
+  until [[ -s $file ]]; do
+    ((waited < timeout)) || mbc_die "waited ${timeout}s for $what ($file)"
+    sleep 1; waited=$((waited + 1))
+  done
+}
+
+# After the cache job, the training needs a rendezvous port of its own: a fresh one on a single
+# node; the next one after MASTER_PORT on several (every node must pick the same).
+mbc_next_rendezvous_port() {
+  local -n args=$1
+  local demo=$2 multinode=$3 i
+  for i in "${!args[@]}"; do
+    [[ ${args[$i]} == --main_process_port ]] || continue
+    if [[ $multinode == 1 ]]; then args[i + 1]=$((${MASTER_PORT:-29500} + 1))
+    elif [[ $demo == 1 ]]; then args[i + 1]=$(mbc_free_port)
+    fi
+  done
+}
+
 mbc_lock_name() {
   local node=${MACHINE_RANK:-0}
   [[ ${MBC_MULTINODE:-0} == 1 && $node != 0 ]] && echo ".train.node$node.lock" || echo ".train.lock"
@@ -105,12 +126,25 @@ mbc_launch() {
   fi
 
   local accelerate_args=() env_prefix=()
+  if [[ $multinode == 1 ]]; then
+    [[ -n "${MASTER_ADDR:-}" && -n "${NUM_MACHINES:-}" && -n "${MACHINE_RANK:-}" ]] ||
+      mbc_die "--multinode needs MASTER_ADDR, NUM_MACHINES and MACHINE_RANK in the environment"
+    [[ $NUM_MACHINES =~ ^[1-9][0-9]*$ && $MACHINE_RANK =~ ^[0-9]+$ && $MACHINE_RANK -lt $NUM_MACHINES ]] ||
+      mbc_die "NUM_MACHINES must be a positive number and MACHINE_RANK one of 0..NUM_MACHINES-1"
+  fi
   if [[ $demo == 1 ]]; then
     preset=$MBC_ROOT/configs/train_demo.yaml
-    gpus=2
     env_prefix=(env ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1)
-    accelerate_args=(--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no
-                     --dynamo_backend no --main_process_port "$(mbc_free_port)")
+    if [[ $multinode == 1 ]]; then   # each node one CPU process (gloo): a real several-node run on one machine
+      gpus=${gpus:-1}
+      accelerate_args=(--multi_gpu --num_processes $((gpus * NUM_MACHINES)) --num_machines "$NUM_MACHINES"
+                       --machine_rank "$MACHINE_RANK" --main_process_ip "$MASTER_ADDR"
+                       --main_process_port "${MASTER_PORT:-29500}" --mixed_precision no --dynamo_backend no)
+    else
+      gpus=2
+      accelerate_args=(--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no
+                       --dynamo_backend no --main_process_port "$(mbc_free_port)")
+    fi
   else
     # shellcheck disable=SC1091
     source "$MBC_ROOT/configs/nccl_pcie.env"
@@ -119,8 +153,6 @@ mbc_launch() {
     local config=$MBC_ROOT/configs/accelerate/ddp.yaml
     [[ $deepspeed == 1 ]] && config=$MBC_ROOT/configs/accelerate/deepspeed_zero2.yaml
     if [[ $multinode == 1 ]]; then
-      [[ -n "${MASTER_ADDR:-}" && -n "${NUM_MACHINES:-}" && -n "${MACHINE_RANK:-}" ]] ||
-        mbc_die "--multinode needs MASTER_ADDR, NUM_MACHINES and MACHINE_RANK in the environment"
       [[ $deepspeed == 1 ]] || config=$MBC_ROOT/configs/accelerate/multinode.yaml
       accelerate_args=(--config_file "$config" --num_machines "$NUM_MACHINES" --machine_rank "$MACHINE_RANK"
                        --main_process_ip "$MASTER_ADDR" --main_process_port "${MASTER_PORT:-29500}"
@@ -155,7 +187,11 @@ mbc_launch() {
   local pid_file=$OUTPUT_PATH/$(mbc_lock_name)
   pid_file=${pid_file%.lock}.pid
 
-  [[ $demo == 1 ]] && "$PYTHON" -m diffsynth_mbc.demo prepare runs/demo
+  if [[ $demo == 1 && ${MACHINE_RANK:-0} != 0 && $multinode == 1 ]]; then
+    mbc_wait_for_file runs/demo/metadata/metadata.csv 300 "node 0 to prepare the demo data"
+  elif [[ $demo == 1 ]]; then
+    "$PYTHON" -m diffsynth_mbc.demo prepare runs/demo
+  fi
 
   # The plan: rows, GPUs, steps per GPU per epoch, total steps.
   "$PYTHON" -m diffsynth_mbc.plan --world_size "$world_size" --config "$preset" \
@@ -179,9 +215,7 @@ mbc_launch() {
       [[ ${PIPESTATUS[0]} == 0 ]] || { echo "error: building the validation cache failed (see $log_file)" >&2; exit 1; }
       train_args+=(--val_cache "$VAL_CACHE_DIR")
     fi
-    if [[ $demo == 1 ]]; then   # a fresh rendezvous port for the training
-      accelerate_args=("${accelerate_args[@]:0:${#accelerate_args[@]}-1}" "$(mbc_free_port)")
-    fi
+    mbc_next_rendezvous_port accelerate_args $demo $multinode
   fi
   local cmd=("${env_prefix[@]+"${env_prefix[@]}"}" "$PYTHON" -m accelerate.commands.launch "${accelerate_args[@]}"
              -m diffsynth_mbc.train --config "$preset" "${train_args[@]+"${train_args[@]}"}")
