@@ -1,0 +1,99 @@
+"""LoRA file layouts: what training holds, and files that DiffSynth and ComfyUI load at the trained strength.
+
+Training holds PEFT's tensors, e.g. ``blocks.0.self_attn.q.lora_A.default.weight`` (or with the
+``pipe.dit.`` prefix inside an accelerate checkpoint), and applies ``(alpha / rank) * B @ A``.
+Neither consumer applies that scale the way training does:
+
+- DiffSynth 1.1.8's ``GeneralLoRALoader`` reads ``lora_A``/``lora_B`` pairs, drops a leading
+  ``diffusion_model.`` and ``.default``-style segments, ignores ``.alpha`` keys and merges ``B @ A``
+  at scale 1;
+- ComfyUI maps ``diffusion_model.<module>`` to the DiT's ``<module>.weight`` and takes
+  ``<x>.lora_B.weight`` / ``<x>.lora_A.weight`` (or ``lora_up``/``lora_down``), scaling by
+  ``<x>.alpha / rank`` only when an ``.alpha`` key exists, else by 1; releases before 2025 do not
+  know the ``.default`` segment and report "lora key not loaded".
+
+So the files we write fold ``alpha / rank`` into ``lora_B`` and carry no ``.alpha`` keys: both loaders
+then apply exactly what training applied. ``comfyui`` layout: ``diffusion_model.<module>.lora_A.weight``;
+``diffsynth`` layout: ``<module>.lora_A.weight``. Both load in DiffSynth. No torch import: tensors are
+only multiplied.
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMATS = ("comfyui", "diffsynth")
+COMFYUI_PREFIX = "diffusion_model."
+_PREFIXES = ("pipe.dit.", "module.pipe.dit.", COMFYUI_PREFIX, "dit.")
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.[A-Za-z_]\w*)?\.weight$")
+_ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
+
+
+class LoraFormatError(ValueError):
+    """A file or tensor set that is not a LoRA we can convert; the message names the key."""
+
+
+def split_lora_key(key: str) -> tuple[str, str]:
+    """(DiT module name, 'A' or 'B') of one LoRA tensor key in any of the layouts above."""
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+            break
+    match = _LORA_KEY.match(key)
+    if not match:
+        raise LoraFormatError(f"not a LoRA weight key: {key!r}")
+    part = match.group("part")
+    return match.group("module"), "A" if part in ("lora_A", "lora_down") else "B"
+
+
+def lora_pairs(tensors: dict) -> tuple[dict[str, dict], dict[str, float]]:
+    """{module: {"A": tensor, "B": tensor}} and any per-module ``.alpha`` values found."""
+    pairs: dict[str, dict] = {}
+    alphas: dict[str, float] = {}
+    for key, tensor in tensors.items():
+        alpha = _ALPHA_KEY.match(key)
+        if alpha:
+            module = alpha.group("module")
+            for prefix in _PREFIXES:
+                module = module.removeprefix(prefix)
+            alphas[module] = float(tensor.item() if hasattr(tensor, "item") else tensor)
+            continue
+        module, part = split_lora_key(key)
+        if part in pairs.setdefault(module, {}):
+            raise LoraFormatError(f"two lora_{part} tensors for module {module!r} (key {key!r})")
+        pairs[module][part] = tensor
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise LoraFormatError(f"module {module!r} has lora_{''.join(pair)} but not both lora_A and lora_B")
+    return pairs, alphas
+
+
+def convert(tensors: dict, target: str, scale: float = 1.0) -> dict:
+    """Tensors in the ``target`` layout, with ``scale`` (alpha / rank, when not yet applied) folded into B.
+
+    Per-module ``.alpha`` keys in the input are folded as well (alpha / that module's rank).
+    """
+    if target not in FORMATS:
+        raise LoraFormatError(f"unknown LoRA format {target!r}; choose one of {', '.join(FORMATS)}")
+    pairs, alphas = lora_pairs(tensors)
+    prefix = COMFYUI_PREFIX if target == "comfyui" else ""
+    out = {}
+    for module in sorted(pairs):
+        down, up = pairs[module]["A"], pairs[module]["B"]
+        factor = scale * (alphas[module] / down.shape[0] if module in alphas else 1.0)
+        out[f"{prefix}{module}.lora_A.weight"] = down.contiguous()
+        out[f"{prefix}{module}.lora_B.weight"] = (up * factor).contiguous() if factor != 1.0 else up.contiguous()
+    return out
+
+
+def training_scale(rank: int, alpha: float | None) -> float:
+    """The scale PEFT applies during training: alpha / rank (alpha defaults to the rank)."""
+    return float(alpha if alpha is not None else rank) / float(rank)
+
+
+def file_metadata(*, rank: int, alpha: float | None, targets: str, base_model: str, step: int | None,
+                  run_id: str | None, layout: str) -> dict:
+    """safetensors metadata (strings only) saying what the file is and that the scale is already folded in."""
+    return {"format": "pt", "lora_layout": layout, "lora_scale_folded": "true", "lora_rank": str(rank),
+            "lora_alpha": str(alpha if alpha is not None else rank), "lora_target_modules": targets,
+            "base_model": base_model, "step": "" if step is None else str(step), "run_id": run_id or ""}

@@ -1,0 +1,135 @@
+"""LoRA files that load at the trained strength in DiffSynth and under ComfyUI's key rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from diffsynth_mbc.models.pipeline import build_demo_pipeline
+from diffsynth_mbc.training.export import ExportError, export
+from diffsynth_mbc.training.lora_format import (LoraFormatError, convert, file_metadata, split_lora_key,
+                                                 training_scale)
+from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
+
+RANK, ALPHA = 4, 12.0          # alpha != rank: trained at scale 3
+
+
+def dit_output(dit):
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 48, 2, 4, 4, generator=generator)
+    context = torch.randn(1, 8, 32, generator=generator)
+    with torch.no_grad():
+        return dit(x, timestep=torch.tensor([500.0]), context=context)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The tiny TI2V DiT with a LoRA as training holds it (non-zero B, so the LoRA changes the output)."""
+    module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False), lora_rank=RANK, lora_alpha=ALPHA,
+                               use_gradient_checkpointing=False)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in module.pipe.dit.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    tensors = {k: v.detach().clone() for k, v in module.lora_state_dict().items()}
+    return {"output": dit_output(module.pipe.dit), "tensors": tensors}
+
+
+def base_dit():
+    return build_demo_pipeline(load_encoders=False).dit
+
+
+def test_the_lora_changes_the_output(trained):
+    assert not torch.allclose(trained["output"], dit_output(base_dit()), atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["comfyui", "diffsynth"])
+def test_diffsynth_loads_the_file_at_the_trained_strength(tmp_path, trained, layout):
+    path = tmp_path / "lora.safetensors"
+    save_file(convert(trained["tensors"], layout, scale=training_scale(RANK, ALPHA)), str(path))
+    pipe = build_demo_pipeline(load_encoders=False)
+    pipe.load_lora(pipe.dit, str(path))
+    torch.testing.assert_close(dit_output(pipe.dit), trained["output"], rtol=1e-4, atol=1e-5)
+
+
+def comfyui_merge(dit, lora: dict) -> set:
+    """ComfyUI's rules as its loader states them (comfy/lora.py, comfy/weight_adapter/lora.py): every model
+    weight ``diffusion_model.<m>.weight`` is addressed as ``diffusion_model.<m>``; a LoRA for x is
+    ``x.lora_up.weight``/``x.lora_down.weight`` or ``x.lora_B.weight``/``x.lora_A.weight``; the patch is
+    ``(alpha / rank) * up @ down`` when ``x.alpha`` exists (rank = down.shape[0]), else ``up @ down``.
+    Returns the file keys it did not load (ComfyUI's "lora key not loaded")."""
+    weights = dict(dit.named_parameters())
+    key_map = {f"diffusion_model.{name[:-len('.weight')]}": name for name in weights if name.endswith(".weight")}
+    loaded = set()
+    for x, target in key_map.items():
+        for up_name, down_name in ((f"{x}.lora_up.weight", f"{x}.lora_down.weight"),
+                                   (f"{x}.lora_B.weight", f"{x}.lora_A.weight")):
+            if up_name in lora:
+                up, down = lora[up_name], lora[down_name]
+                scale = lora[f"{x}.alpha"].item() / down.shape[0] if f"{x}.alpha" in lora else 1.0
+                with torch.no_grad():
+                    weights[target] += scale * (up @ down)
+                loaded |= {up_name, down_name} | ({f"{x}.alpha"} if f"{x}.alpha" in lora else set())
+                break
+    return set(lora) - loaded
+
+
+def test_comfyui_rules_load_every_key_at_the_trained_strength(trained):
+    lora = convert(trained["tensors"], "comfyui", scale=training_scale(RANK, ALPHA))
+    assert all(key.startswith("diffusion_model.blocks.") and ".default" not in key for key in lora)
+    dit = base_dit()
+    assert comfyui_merge(dit, lora) == set()
+    torch.testing.assert_close(dit_output(dit), trained["output"], rtol=1e-4, atol=1e-5)
+
+
+def test_the_old_layout_is_what_comfyui_misses(trained):
+    """Why the layout changed: keys as DiffSynth exports them are not addressed by ComfyUI's generic map."""
+    assert comfyui_merge(base_dit(), trained["tensors"]) == set(trained["tensors"])
+
+
+def test_export_converts_an_old_file_and_never_touches_it(tmp_path, trained):
+    old = tmp_path / "old.safetensors"
+    save_file(trained["tensors"], str(old), metadata={"lora_rank": str(RANK), "lora_alpha": str(ALPHA),
+                                                      "lora_target_modules": "q,k,v,o,ffn.0,ffn.2", "step": "12"})
+    before = old.read_bytes()
+    result = export(old, "comfyui", tmp_path / "comfy.safetensors")
+    assert old.read_bytes() == before and result["scale_folded"] == ALPHA / RANK
+    dit = base_dit()
+    assert comfyui_merge(dit, load_file(str(tmp_path / "comfy.safetensors"))) == set()
+    torch.testing.assert_close(dit_output(dit), trained["output"], rtol=1e-4, atol=1e-5)
+    # An already folded file converts between layouts without scaling twice.
+    again = export(tmp_path / "comfy.safetensors", "diffsynth", tmp_path / "ds.safetensors")
+    assert again["scale_folded"] == 1.0
+    pipe = build_demo_pipeline(load_encoders=False)
+    pipe.load_lora(pipe.dit, str(tmp_path / "ds.safetensors"))
+    torch.testing.assert_close(dit_output(pipe.dit), trained["output"], rtol=1e-4, atol=1e-5)
+
+
+def test_export_refuses_what_it_cannot_make_right(tmp_path, trained):
+    bare = tmp_path / "bare.safetensors"
+    save_file(trained["tensors"], str(bare))
+    with pytest.raises(ExportError, match="rank"):
+        export(bare, "comfyui", tmp_path / "out.safetensors")
+    with pytest.raises(ExportError, match="overwrite the input"):
+        export(bare, "comfyui", bare)
+    with pytest.raises(ExportError, match="no such LoRA file"):
+        export(tmp_path / "missing", "comfyui", tmp_path / "out.safetensors")
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00" * 64)
+    with pytest.raises(ExportError, match="garbage.safetensors"):
+        export(garbage, "comfyui", tmp_path / "out.safetensors")
+
+
+def test_key_rules():
+    assert split_lora_key("blocks.0.self_attn.q.lora_A.default.weight") == ("blocks.0.self_attn.q", "A")
+    assert split_lora_key("pipe.dit.blocks.1.ffn.0.lora_B.default.weight") == ("blocks.1.ffn.0", "B")
+    assert split_lora_key("diffusion_model.blocks.1.ffn.2.lora_up.weight") == ("blocks.1.ffn.2", "B")
+    with pytest.raises(LoraFormatError, match="not a LoRA weight key"):
+        split_lora_key("blocks.0.self_attn.q.weight")
+    with pytest.raises(LoraFormatError, match="not both"):
+        convert({"blocks.0.q.lora_A.weight": torch.zeros(2, 3)}, "comfyui")
+    meta = file_metadata(rank=4, alpha=None, targets="q", base_model="m", step=3, run_id="r", layout="comfyui")
+    assert meta["lora_alpha"] == "4" and meta["lora_scale_folded"] == "true"
+    assert all(isinstance(v, str) for v in meta.values())
