@@ -44,7 +44,8 @@ import threading
 import time
 from pathlib import Path
 
-from diffsynth_mbc.monitor.state import MonitorState, exit_code
+from diffsynth_mbc.monitor.state import MonitorState
+from diffsynth_mbc.monitor.status import exit_code
 
 DEFAULT_LOG_DIR = "./training_logs"
 

@@ -25,7 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
-from diffsynth_mbc.monitor.state import MonitorState, json_safe
+from diffsynth_mbc.monitor.state import MonitorState
+from diffsynth_mbc.monitor.status import json_safe
 
 STATUS_PATH = "/api/training/status"
 METRICS_PATH = "/api/training/metrics"
@@ -109,102 +110,111 @@ class _Server(ThreadingHTTPServer):
     block_on_close = False
 
 
-def make_handler(state: MonitorState, page: bytes, quiet: bool = True):
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "mbc-monitor"
+class MonitorRequestHandler(BaseHTTPRequestHandler):
+    """One request: the page or a JSON route. ``state``, ``page`` and ``quiet`` are set by ``make_handler``."""
 
-        def version_string(self):
-            return self.server_version
+    state: MonitorState
+    page: bytes
+    quiet = True
+    server_version = "mbc-monitor"
 
-        def log_message(self, format, *args):  # noqa: A002 - signature of the base class
-            if not quiet:
-                super().log_message(format, *args)
+    def version_string(self):
+        return self.server_version
 
-        def _send(self, code: int, body: bytes, content_type: str, extra: dict | None = None) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Access-Control-Allow-Origin", "*")
-            for key, value in (extra or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
+    def log_message(self, format, *args):  # noqa: A002 - signature of the base class
+        if not self.quiet:
+            super().log_message(format, *args)
 
-        def _json(self, code: int, obj) -> None:
+    def _send(self, code: int, body: bytes, content_type: str, extra: dict | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Access-Control-Allow-Origin", "*")
+        for key, value in (extra or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, code: int, obj) -> None:
+        try:
+            body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+        except ValueError:  # a non-finite number slipped through: send null instead
+            body = json.dumps(json_safe(obj), allow_nan=False, separators=(",", ":")).encode()
+        self._send(code, body, "application/json; charset=utf-8")
+
+    def _error(self, code: int, message: str, parameter: str | None = None) -> None:
+        obj = {"error": message, "status": code}
+        if parameter is not None:
+            obj["parameter"] = parameter
+        self._json(code, obj)
+
+    def do_OPTIONS(self):  # noqa: N802 - http.server naming
+        self.send_response(HTTPStatus.NO_CONTENT)
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Access-Control-Allow-Methods", "GET, HEAD, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "*")
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_HEAD(self):  # noqa: N802
+        self.do_GET()
+
+    def do_GET(self):  # noqa: N802
+        try:
+            parts = urlsplit(self.path)
+            path = parts.path
+            if path != "/" and path.endswith("/"):
+                path = path.rstrip("/")
+            self._route(path, parse_qs(parts.query, keep_blank_values=True), parts.path)
+        except QueryError as exc:
+            self._error(400, str(exc), exc.parameter)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as exc:  # a bad request must never take the server down
             try:
-                body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
-            except ValueError:  # a non-finite number slipped through: send null instead
-                body = json.dumps(json_safe(obj), allow_nan=False, separators=(",", ":")).encode()
-            self._send(code, body, "application/json; charset=utf-8")
-
-        def _error(self, code: int, message: str, parameter: str | None = None) -> None:
-            obj = {"error": message, "status": code}
-            if parameter is not None:
-                obj["parameter"] = parameter
-            self._json(code, obj)
-
-        def do_OPTIONS(self):  # noqa: N802 - http.server naming
-            self.send_response(HTTPStatus.NO_CONTENT)
-            self.send_header("Access-Control-Allow-Origin", "*")
-            self.send_header("Access-Control-Allow-Methods", "GET, HEAD, OPTIONS")
-            self.send_header("Access-Control-Allow-Headers", "*")
-            self.send_header("Access-Control-Max-Age", "600")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def do_HEAD(self):  # noqa: N802
-            self.do_GET()
-
-        def do_GET(self):  # noqa: N802
-            try:
-                parts = urlsplit(self.path)
-                path = parts.path
-                if path != "/" and path.endswith("/"):
-                    path = path.rstrip("/")
-                query = parse_qs(parts.query, keep_blank_values=True)
-                if path in ("/", "/index.html"):
-                    self._send(200, page, "text/html; charset=utf-8", {
-                        "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
-                                                   "style-src 'unsafe-inline'; connect-src 'self'; img-src data:",
-                    })
-                elif path == STATUS_PATH:
-                    self._json(200, state.snapshot(max_age_s=STATUS_MAX_AGE_S))
-                elif path == METRICS_PATH:
-                    self._metrics(query)
-                else:
-                    self._error(404, f"no such path: {parts.path[:100]}")
-            except QueryError as exc:
-                self._error(400, str(exc), exc.parameter)
-            except (BrokenPipeError, ConnectionResetError):
+                self._error(500, f"internal error: {type(exc).__name__}: {exc}")
+            except OSError:
                 pass
-            except Exception as exc:  # a bad request must never take the server down
-                try:
-                    self._error(500, f"internal error: {type(exc).__name__}: {exc}")
-                except OSError:
-                    pass
 
-        def _metrics(self, query: dict) -> None:
-            rank = _int_param(query, "rank", 0, None)
-            since = _float_param(query, "since")
-            limit = _int_param(query, "limit", 1, MAX_LIMIT)
-            points = _int_param(query, "points", 2, MAX_POINTS_PARAM)
-            if rank is not None:
-                state.snapshot(max_age_s=STATUS_MAX_AGE_S)
-                if rank not in state.run_ranks():
-                    self._error(404, f"rank {rank} is not a rank of the current run", "rank")
-                    return
-            self._json(200, state.metrics(rank=rank, since=since,
-                                          limit=DEFAULT_LIMIT if limit is None else limit, points=points))
+    def _route(self, path: str, query: dict, raw_path: str) -> None:
+        if path in ("/", "/index.html"):
+            self._send(200, self.page, "text/html; charset=utf-8", {
+                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                                           "style-src 'unsafe-inline'; connect-src 'self'; img-src data:",
+            })
+        elif path == STATUS_PATH:
+            self._json(200, self.state.snapshot(max_age_s=STATUS_MAX_AGE_S))
+        elif path == METRICS_PATH:
+            self._metrics(query)
+        else:
+            self._error(404, f"no such path: {raw_path[:100]}")
 
-        def _not_allowed(self):
-            self._error(405, f"method {self.command} not allowed (read-only)")
+    def _metrics(self, query: dict) -> None:
+        rank = _int_param(query, "rank", 0, None)
+        since = _float_param(query, "since")
+        limit = _int_param(query, "limit", 1, MAX_LIMIT)
+        points = _int_param(query, "points", 2, MAX_POINTS_PARAM)
+        if rank is not None:
+            self.state.snapshot(max_age_s=STATUS_MAX_AGE_S)
+            if rank not in self.state.run_ranks():
+                self._error(404, f"rank {rank} is not a rank of the current run", "rank")
+                return
+        self._json(200, self.state.metrics(rank=rank, since=since,
+                                      limit=DEFAULT_LIMIT if limit is None else limit, points=points))
 
-        do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+    def _not_allowed(self):
+        self._error(405, f"method {self.command} not allowed (read-only)")
 
-    return Handler
+    do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+
+
+def make_handler(state: MonitorState, page: bytes, quiet: bool = True) -> type[MonitorRequestHandler]:
+    """A handler class bound to one monitor state and page (http.server makes one instance per request)."""
+    return type("BoundMonitorRequestHandler", (MonitorRequestHandler,), {"state": state, "page": page, "quiet": quiet})
 
 
 class MonitorServer:

@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 import pytest
 
 import monitor_fixtures as F
-from test_monitor_server import start_server, stop_server
+from test_server import start_server, stop_server
 
 CHROMIUM = "/usr/bin/chromium"
 

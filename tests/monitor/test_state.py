@@ -10,8 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monitor_fixtures as F
-from diffsynth_mbc.monitor import state as ms
-from diffsynth_mbc.monitor.state import HistoryFile, MonitorState, Series, exit_code
+from diffsynth_mbc.monitor import history, series
+from diffsynth_mbc.monitor.history import HistoryFile
+from diffsynth_mbc.monitor.series import Series
+from diffsynth_mbc.monitor.state import MonitorState
+from diffsynth_mbc.monitor.status import exit_code
 
 
 class FakeClock:
@@ -44,7 +47,7 @@ def test_healthy_run_aggregates_slowest_rank_and_sums_throughput(tmp_path):
     assert snap["loss"] == pytest.approx((F.loss_at(120, 0) + F.loss_at(100, 1)) / 2)
     r0 = by_rank(snap)[0]
     assert r0["history_lines"] == 120 and r0["median_step_time_s"] == 2.0
-    assert len(r0["loss_trend"]) == ms.TREND_POINTS
+    assert len(r0["loss_trend"]) == series.TREND_POINTS
     json.dumps(snap, allow_nan=False)
 
 
@@ -193,7 +196,7 @@ def test_non_numeric_and_non_finite_fields(tmp_path):
 
 
 def test_garbage_files_never_crash(tmp_path, monkeypatch):
-    monkeypatch.setattr(ms, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(history, "MAX_LINE_BYTES", 1000)
     F.write_raw(tmp_path / "training_gpu0.json", b"\x00\xff\xfegarbage{")
     F.write_raw(tmp_path / "training_gpu1.json", b"")
     F.write_raw(tmp_path / "training_gpu2.json", b"[1, 2, 3]")

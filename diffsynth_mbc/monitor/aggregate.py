@@ -1,0 +1,116 @@
+"""Deriving one run from its ranks: which run a folder shows, its world size, status and aggregates.
+
+Pure logic over the per-rank views built by ``state.MonitorState``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from diffsynth_mbc import run_files
+from diffsynth_mbc.monitor.status import StatusFile
+
+
+def pick_run(good: dict[int, StatusFile]) -> tuple[str | None, dict[int, StatusFile], list[StatusFile]]:
+    if not good:
+        return None, {}, []
+    groups: dict[Any, list[StatusFile]] = {}
+    for sf in good.values():
+        groups.setdefault(sf.data.get("run_id"), []).append(sf)
+
+    def recency(files: list[StatusFile]) -> tuple:
+        def best(key):
+            values = [f.data.get(key) for f in files if f.data.get(key) is not None]
+            return max(values) if values else -math.inf
+        return best("started_at"), best("updated_at"), max((f.mtime or 0.0) for f in files)
+
+    run_id = max(groups, key=lambda k: recency(groups[k]))
+    chosen = {sf.rank: sf for sf in groups[run_id]}
+    ignored = [sf for k, files in groups.items() if k != run_id for sf in files]
+    return run_id, chosen, sorted(ignored, key=lambda s: s.rank)
+
+
+def world_size_of(chosen: dict[int, StatusFile]) -> int | None:
+    if not chosen:
+        return None
+    declared = [sf.data["world_size"] for sf in chosen.values() if (sf.data.get("world_size") or 0) > 0]
+    if declared:
+        return max(set(declared), key=lambda v: (declared.count(v), v))
+    return max(chosen) + 1
+
+
+def run_status(ranks: list[dict]) -> str:
+    if not ranks:
+        return "no_data"
+    statuses = [r.get("status") for r in ranks]
+    if "failed" in statuses:
+        return "failed"
+    if any(r["stalled"] for r in ranks):
+        return "stalled"
+    if all(s == "finished" for s in statuses):
+        return "finished"
+    active = [s for s in statuses if s in run_files.ACTIVE_STATUSES]
+    if not active:
+        return "stopped" if "stopped" in statuses else ("finished" if "finished" in statuses else "starting")
+    for candidate in ("training", "loading", "starting"):
+        if candidate in active:
+            return candidate
+    return "starting"
+
+
+def values_of(ranks: Iterable[dict], key: str) -> list[float]:
+    return [r[key] for r in ranks if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+
+def aggregate(ranks: list[dict], status: str, now: float) -> dict:
+    if not ranks:
+        return {"step": None, "total_steps": None, "progress": None, "elapsed_s": None, "eta_s": None,
+                "samples_per_s": None, "loss": None, "started_at": None, "updated_at": None}
+    steps = values_of(ranks, "step")
+    totals = values_of(ranks, "total_steps")
+    total = max(totals) if totals else None
+    progresses = []
+    for r in ranks:
+        p = r.get("progress")
+        if p is None and r.get("step") is not None and r.get("total_steps"):
+            p = 100.0 * r["step"] / r["total_steps"]
+        if p is not None:
+            progresses.append(min(100.0, max(0.0, p)))
+    progress = 100.0 if status == "finished" else (min(progresses) if progresses else None)
+    active = [r for r in ranks if r.get("status") in run_files.ACTIVE_STATUSES]
+    etas = []
+    for r in active:
+        eta = r.get("eta_s")
+        if eta is None and r.get("total_steps") is not None and r.get("step") is not None \
+                and r.get("median_step_time_s"):
+            eta = max(0, r["total_steps"] - r["step"]) * r["median_step_time_s"]
+        if eta is not None:
+            etas.append(max(0.0, eta))
+    if status == "finished":
+        eta_s = 0.0
+    elif status in ("failed", "stopped"):
+        eta_s = None
+    else:
+        eta_s = max(etas) if etas else None
+    started = values_of(ranks, "started_at")
+    if active and started:
+        elapsed = max(0.0, now - min(started))
+    else:
+        elapsed_values = values_of(ranks, "elapsed_s")
+        elapsed = max(elapsed_values) if elapsed_values else None
+    rates = [r["samples_per_s"] for r in ranks
+             if r.get("status") == "training" and isinstance(r.get("samples_per_s"), float)]
+    losses = values_of(ranks, "loss")
+    updated = values_of(ranks, "updated_at")
+    return {
+        "step": int(min(steps)) if steps else None,
+        "total_steps": int(total) if total is not None else None,
+        "progress": None if progress is None else round(progress, 3),
+        "elapsed_s": None if elapsed is None else round(elapsed, 3),
+        "eta_s": None if eta_s is None else round(eta_s, 3),
+        "samples_per_s": round(sum(rates), 6) if rates else None,
+        "loss": sum(losses) / len(losses) if losses else None,
+        "started_at": min(started) if started else None,
+        "updated_at": max(updated) if updated else None,
+    }

@@ -1,0 +1,270 @@
+"""Reading a rank's JSONL history incrementally: only new bytes, bounded memory, a byte-offset index.
+
+Feeds ``Series`` for drawing and serves raw records after a step (``read_history_window``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import statistics
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from diffsynth_mbc.monitor.series import MAX_POINTS, Series
+from diffsynth_mbc.monitor.status import json_safe, to_float
+
+INDEX_EVERY = 512  # JSONL lines between two entries of the byte-offset index
+READ_CHUNK = 4 << 20
+MAX_LINE_BYTES = 1 << 20  # a "line" longer than this without a newline is garbage, skipped
+RECENT_STEP_TIMES = 101
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _fast_float(value: Any) -> float | None:
+    """to_float with a fast path for the JSON numbers that nearly every line holds."""
+    kind = type(value)
+    if kind is float:
+        return value if value - value == 0.0 else None  # NaN and inf give NaN
+    return to_float(value)
+
+
+def _record_step(record: dict) -> float | None:
+    step = to_float(record.get("step"))
+    return int(step) if step is not None and step.is_integer() else step
+
+
+class _Batch:
+    """Values parsed from one read, fed to the series in bulk."""
+
+    __slots__ = ("loss_x", "loss_y", "lr_x", "lr_y", "step_times")
+
+    def __init__(self):
+        self.loss_x: list = []
+        self.loss_y: list = []
+        self.lr_x: list = []
+        self.lr_y: list = []
+        self.step_times: list = []
+
+
+class HistoryFile:
+    """One rank's ``training_gpu{rank}.jsonl``, read incrementally.
+
+    Remembers the file's identity (device, inode) and how many bytes were consumed; each
+    ``poll`` reads only what was appended. A file that shrank or whose inode changed is read
+    again from the start. A last line without its newline is left for the next poll (torn
+    line). Keeps bounded down-sampled series, the recent step times and a sparse index of
+    byte offsets (one per ``INDEX_EVERY`` lines, with the largest step seen before it) so that
+    a window of raw records can be read without scanning the whole file.
+    """
+
+    def __init__(self, path: str | Path, max_points: int = MAX_POINTS, index_every: int = INDEX_EVERY):
+        self.path = Path(path)
+        self.max_points = max_points
+        self.index_every = max(1, int(index_every))
+        self.rereads = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ident: tuple[int, int] | None = None
+        self.offset = 0  # bytes consumed, always at a line boundary
+        self.lines = 0
+        self.records = 0
+        self.bad_lines = 0
+        self.last_bad_line: int | None = None
+        self.torn = False
+        self.skipped_bytes = 0
+        self.index_keys: list[float] = []  # largest step before the entry (non-decreasing)
+        self.index_offsets: list[int] = []
+        self._prefix_max = -math.inf
+        self.loss = Series(self.max_points)
+        self.lr = Series(self.max_points)
+        self.val_loss = Series(self.max_points)
+        self.step_times: deque[float] = deque(maxlen=RECENT_STEP_TIMES)
+        self.last_step: float | None = None
+        self.last_time: float | None = None
+
+    def median_step_time(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    def poll(self) -> bool:
+        """Read what was appended since the last poll. True when something new was read."""
+        try:
+            handle = open(self.path, "rb")
+        except FileNotFoundError:
+            if self.ident is not None:
+                self.rereads += 1
+                self._reset()
+                return True
+            return False
+        except OSError:
+            return False
+        with handle:
+            st = os.fstat(handle.fileno())
+            ident = (st.st_dev, st.st_ino)
+            if self.ident is not None and (ident != self.ident or st.st_size < self.offset):
+                self.rereads += 1
+                self._reset()
+            self.ident = ident
+            if st.st_size == self.offset:
+                return False
+            handle.seek(self.offset)
+            carry = b""
+            changed = False
+            while True:
+                chunk = handle.read(READ_CHUNK)
+                if not chunk:
+                    break
+                buf = carry + chunk if carry else chunk
+                cut = buf.rfind(b"\n")
+                if cut >= 0:
+                    self._consume(buf, cut + 1)
+                    changed = True
+                carry = buf[cut + 1:]
+                if len(carry) > MAX_LINE_BYTES:  # garbage without line breaks: skip it
+                    self.offset += len(carry)
+                    self.skipped_bytes += len(carry)
+                    carry = b""
+                    changed = True
+            self.torn = bool(carry.strip())
+        return changed
+
+    def _consume(self, buf: bytes, end: int) -> None:
+        offset = self.offset
+        pos = 0
+        decode = _DECODER.decode
+        every = self.index_every
+        find = buf.index
+        batch = _Batch()
+        while pos < end:
+            nl = find(b"\n", pos, end)
+            if self.lines % every == 0:
+                self.index_keys.append(self._prefix_max)
+                self.index_offsets.append(offset + pos)
+            self.lines += 1
+            line = buf[pos:nl]
+            pos = nl + 1
+            try:
+                record = decode(line.decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                if line.strip():
+                    self._bad()
+                continue
+            if type(record) is not dict:
+                self._bad()
+                continue
+            self._add(record, batch)
+        self.offset = offset + end
+        self.loss.extend(batch.loss_x, batch.loss_y)
+        self.lr.extend(batch.lr_x, batch.lr_y)
+        self.step_times.extend(batch.step_times[-RECENT_STEP_TIMES:])
+
+    def _bad(self) -> None:
+        self.bad_lines += 1
+        self.last_bad_line = self.lines
+
+    def _add(self, record: dict, batch: "_Batch") -> None:
+        get = record.get
+        step = _fast_float(get("step"))
+        if step is None:
+            self._bad()
+            return
+        if step.is_integer():
+            step = int(step)
+        self.records += 1
+        if step > self._prefix_max:
+            self._prefix_max = step
+        when = _fast_float(get("time"))
+        if when is not None:
+            self.last_time = when
+        kind = get("kind")
+        val = get("val_loss")
+        if val is not None:
+            val = _fast_float(val)
+        if kind is not None and str(kind).lower() in ("val", "validation", "eval"):
+            if val is None:
+                val = _fast_float(get("loss"))
+            if val is not None:
+                self.val_loss.add(step, val)
+            return
+        if val is not None:
+            self.val_loss.add(step, val)
+        self.last_step = step
+        loss = _fast_float(get("loss"))
+        if loss is not None:
+            batch.loss_x.append(step)
+            batch.loss_y.append(loss)
+        lr = _fast_float(get("lr"))
+        if lr is not None:
+            batch.lr_x.append(step)
+            batch.lr_y.append(lr)
+        step_time = _fast_float(get("step_time_s"))
+        if step_time is not None and step_time >= 0:
+            batch.step_times.append(step_time)
+
+    def seek_point(self, since: float | None) -> tuple[tuple[int, int] | None, int, int]:
+        """(file identity, byte offset to start reading from, bytes known to be complete)."""
+        if since is None or not self.index_keys:
+            return self.ident, 0, self.offset
+        i = bisect.bisect_right(self.index_keys, since) - 1
+        return self.ident, (self.index_offsets[i] if i >= 0 else 0), self.offset
+
+    def notes(self) -> list[str]:
+        name = self.path.name
+        out = []
+        if self.bad_lines:
+            out.append(f"{name}: skipped {self.bad_lines} unreadable line(s) (last at line {self.last_bad_line})")
+        if self.torn:
+            out.append(f"{name}: last line incomplete, waiting for the rest")
+        if self.skipped_bytes:
+            out.append(f"{name}: skipped {self.skipped_bytes} bytes without line breaks")
+        if self.rereads:
+            out.append(f"{name}: file was replaced or truncated {self.rereads} time(s); read again from the start")
+        return out
+
+
+def read_history_window(path: Path, ident: tuple[int, int] | None, start: int, since: float | None,
+                        limit: int) -> tuple[list[dict], bool]:
+    """Raw JSONL records with step > since, in file order, from byte ``start``; at most ``limit``.
+
+    Returns (records, truncated). Falls back to the start of the file when the file is no
+    longer the one the offset was taken from.
+    """
+    records: list[dict] = []
+    try:
+        handle = open(path, "rb")
+    except OSError:
+        return records, False
+    with handle:
+        st = os.fstat(handle.fileno())
+        if ident is None or (st.st_dev, st.st_ino) != ident or start > st.st_size:
+            start = 0
+        if start > 0:
+            handle.seek(start - 1)
+            if handle.read(1) != b"\n":
+                start = 0
+        handle.seek(start)
+        for line in handle:
+            if not line.endswith(b"\n"):
+                break  # torn last line
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            step = _record_step(record)
+            if step is None or (since is not None and step <= since):
+                continue
+            if len(records) >= limit:
+                return records, True
+            records.append(json_safe(record))
+    return records, False
+

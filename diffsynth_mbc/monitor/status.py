@@ -1,0 +1,180 @@
+"""Reading one rank's status file: field types, bounds and notes, and the run statuses and exit codes.
+
+Pure logic; imports neither rich, torch nor diffsynth.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from diffsynth_mbc import run_files
+
+STALL_MIN_S = 120.0
+STALL_STEP_FACTOR = 10.0
+
+RUN_STATUSES = ("starting", "loading", "training", "stalled", "finished", "failed", "stopped", "no_data")
+EXIT_CODES = {
+    "starting": 0, "loading": 0, "training": 0, "finished": 0, "stopped": 0,
+    "failed": 1, "stalled": 3, "no_data": 4,
+}
+
+_INT_FIELDS = ("schema_version", "rank", "local_rank", "world_size", "pid", "epoch", "num_epochs", "step",
+               "total_steps", "steps_per_epoch", "samples_seen")
+_FLOAT_FIELDS = ("loss", "loss_avg", "lr", "grad_norm", "step_time_s", "samples_per_s", "elapsed_s", "eta_s",
+                 "progress", "started_at", "updated_at")
+_STR_FIELDS = ("run_id", "hostname", "status", "phase")
+_COMPUTED = ("stalled", "age_s", "stall_after_s", "stalled_since", "median_step_time_s", "loss_trend",
+             "history_lines", "file")
+
+
+def exit_code(status: str) -> int:
+    return EXIT_CODES.get(status, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Value cleaning
+
+
+def to_float(value: Any) -> float | None:
+    """A finite float from a number or a numeric string; None for anything else (NaN and inf included)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        try:
+            result = float(value)
+        except OverflowError:
+            return None
+    elif isinstance(value, str):
+        try:
+            result = float(value.strip())
+        except ValueError:
+            return None
+    else:
+        return None
+    return result if math.isfinite(result) else None
+
+
+def to_int(value: Any) -> int | None:
+    result = to_float(value)
+    if result is None or result != int(result):
+        return None
+    return int(result)
+
+
+def json_safe(value: Any, depth: int = 0) -> Any:
+    """A copy that ``json.dumps(allow_nan=False)`` accepts: NaN/inf become None, odd types become strings."""
+    if depth > 20:
+        return None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, depth + 1) for v in value]
+    return str(value)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
+    """Typed copy of one status file's object, and the notes about what had to be fixed.
+
+    Known fields get their types (numbers from numeric strings; None where not a number);
+    unknown fields are kept as they are (made JSON-safe).
+    """
+    notes: list[str] = []
+    name = f"training_gpu{file_rank}.json"
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in ("gpu", "error"):
+            continue
+        if key in _COMPUTED:
+            continue
+        out[str(key)] = json_safe(value)
+    for key in _INT_FIELDS:
+        value = raw.get(key)
+        out[key] = to_int(value)
+        if value is not None and out[key] is None:
+            as_float = to_float(value)
+            if as_float is not None and key not in ("rank", "world_size", "schema_version"):
+                out[key] = int(as_float)
+            else:
+                notes.append(f"{name}: {key} is not a whole number ({_describe(value)})")
+    for key in _FLOAT_FIELDS:
+        value = raw.get(key)
+        out[key] = to_float(value)
+        if value is not None and out[key] is None:
+            if isinstance(value, float) and math.isnan(value):
+                notes.append(f"{name}: {key} is NaN")
+            else:
+                notes.append(f"{name}: {key} is not a finite number ({_describe(value)})")
+    for key in _STR_FIELDS:
+        value = raw.get(key)
+        out[key] = None if value is None else str(value)
+    status = out.get("status")
+    if status is not None:
+        status = status.strip().lower()
+    if status not in run_files.STATUSES:
+        notes.append(f"{name}: unknown status {_describe(raw.get('status'))}")
+        status = "unknown"
+    out["status"] = status
+    out["gpu"] = _normalize_gpu(raw.get("gpu"), name, notes)
+    out["error"] = _normalize_error(raw.get("error"))
+    if out["rank"] is not None and out["rank"] != file_rank:
+        notes.append(f"{name} says it is rank {out['rank']}; shown as rank {file_rank} (from the file name)")
+    out["rank"] = file_rank
+    ordered = {key: out[key] for key in run_files.STATUS_FIELDS if key in out}
+    ordered.update((key, value) for key, value in out.items() if key not in ordered)
+    return ordered, notes
+
+
+def _normalize_gpu(value: Any, name: str, notes: list[str]) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        notes.append(f"{name}: gpu is not an object ({_describe(value)})")
+        return None
+    return {
+        "name": None if value.get("name") is None else str(value.get("name")),
+        "util_pct": to_float(value.get("util_pct")),
+        "mem_used_mb": to_float(value.get("mem_used_mb")),
+        "mem_total_mb": to_float(value.get("mem_total_mb")),
+    }
+
+
+def _normalize_error(value: Any) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return {"type": None, "message": str(value), "traceback_tail": None}
+    tail = value.get("traceback_tail")
+    if isinstance(tail, (list, tuple)):
+        tail = "\n".join(str(line).rstrip("\n") for line in tail)
+    elif tail is not None:
+        tail = str(tail)
+    return {
+        "type": None if value.get("type") is None else str(value.get("type")),
+        "message": None if value.get("message") is None else str(value.get("message")),
+        "traceback_tail": tail,
+    }
+
+
+class StatusFile:
+    __slots__ = ("rank", "path", "data", "notes", "mtime", "error", "size", "mtime_ns")
+
+    def __init__(self, rank: int, path: Path):
+        self.rank = rank
+        self.path = path
+        self.data: dict | None = None
+        self.notes: list[str] = []
+        self.mtime: float | None = None
+        self.mtime_ns: tuple[int, int] | None = None  # (inode, mtime_ns) of the last read
+        self.size: int | None = None
+        self.error: str | None = None
