@@ -115,7 +115,7 @@ def test_a_second_run_on_a_shared_folder_is_refused_naming_the_running_one(tmp_p
         holder.wait()
     assert result.returncode == 75, result.stderr
     assert f"already running on {folder} (its {what}): run run-A" in result.stderr
-    assert f"ranks" in result.stderr or f"processes {holder.pid}" in result.stderr
+    assert "ranks" in result.stderr or f"processes {holder.pid}" in result.stderr
     assert "launchers/stop.sh" in result.stderr
     assert (folder / ".train.pid").read_text() == "4242\nrun-A\n"   # the running run's record is untouched
 

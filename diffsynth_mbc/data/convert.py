@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from diffsynth_mbc.data import catalog as cat
+from diffsynth_mbc.data import selection
 from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
 from diffsynth_mbc.data.probe import MediaInfo, default_workers, histogram, probe_files
 
@@ -198,7 +199,7 @@ def _probe_summary(entries: list[cat.Entry], outcome: ProbeOutcome, args: argpar
     }
 
 
-def build_summary(args, catalogs: dict[str, cat.Catalog], plan: cat.ConversionPlan, rejects: list[cat.Reject],
+def build_summary(args, catalogs: dict[str, cat.Catalog], plan: selection.ConversionPlan, rejects: list[cat.Reject],
                   probe_summary: dict | None, outputs: list[str]) -> dict:
     rejects_by_catalog = {name: [r for r in rejects if r.catalog == name] for name in catalogs}
     return {
@@ -207,14 +208,14 @@ def build_summary(args, catalogs: dict[str, cat.Catalog], plan: cat.ConversionPl
         "blank_lines_skipped": dict(plan.blank_lines),
         "written_rows": {"train": len(plan.train), "val": len(plan.val)},
         "rejected_rows": {name: len(items) for name, items in rejects_by_catalog.items()},
-        "rejects_by_reason": {name: cat.count_reasons(items) for name, items in rejects_by_catalog.items()},
-        "media_types": {"train": cat.count_media_types(plan.train), "val": cat.count_media_types(plan.val)},
+        "rejects_by_reason": {name: selection.count_reasons(items) for name, items in rejects_by_catalog.items()},
+        "media_types": {"train": selection.count_media_types(plan.train), "val": selection.count_media_types(plan.val)},
         "subset": asdict(plan.subset) if plan.subset else None,
         "split": {
             "mode": plan.split_mode,
             "val_fraction": args.val_fraction,
-            "train": cat.count_media_types(plan.train),
-            "val": cat.count_media_types(plan.val),
+            "train": selection.count_media_types(plan.train),
+            "val": selection.count_media_types(plan.val),
         },
         "seed": args.seed,
         "media": args.media,
@@ -279,7 +280,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.val_catalog:
         catalogs["val"] = cat.read_catalog(args.val_catalog)
 
-    plan = cat.plan_conversion(
+    plan = selection.plan_conversion(
         catalogs["train"], args.base_path, val_catalog=catalogs.get("val"), val_fraction=args.val_fraction,
         subset=args.subset, seed=args.seed, media=args.media, check_files=not args.no_check_files,
     )
@@ -294,7 +295,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         probe_summary = _probe_summary(plan.train + plan.val, outcome, args)
 
     for name, catalog in catalogs.items():
-        cat.check_accounting(
+        selection.check_accounting(
             len(catalog.rows),
             [e for e in plan.train + plan.val if e.catalog == name],
             [r for r in rejects if r.catalog == name],

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from catalog_helpers import catalog_text
 from diffsynth_mbc.data import catalog as cat
+from diffsynth_mbc.data import selection
 from diffsynth_mbc.data.convert import metadata_text
 
 MESSY = (
@@ -204,18 +205,18 @@ def entries(videos: int, images: int) -> list[cat.Entry]:
 
 
 def test_stratified_counts_sum_and_ratio():
-    assert cat.stratified_counts({"video": 80_000, "image": 90_180}, 5000) == {"video": 2350, "image": 2650}
-    assert sum(cat.stratified_counts({"video": 3, "image": 4}, 5).values()) == 5
-    assert cat.stratified_counts({"video": 3, "image": 4}, 100) == {"video": 3, "image": 4}
+    assert selection.stratified_counts({"video": 80_000, "image": 90_180}, 5000) == {"video": 2350, "image": 2650}
+    assert sum(selection.stratified_counts({"video": 3, "image": 4}, 5).values()) == 5
+    assert selection.stratified_counts({"video": 3, "image": 4}, 100) == {"video": 3, "image": 4}
 
 
 def test_subset_is_stratified_deterministic_and_seeded():
     pool = entries(470, 530)
-    picked, rest = cat.stratified_subset(pool, 100, seed=1)
-    assert cat.count_media_types(picked) == {"video": 47, "image": 53}
+    picked, rest = selection.stratified_subset(pool, 100, seed=1)
+    assert selection.count_media_types(picked) == {"video": 47, "image": 53}
     assert len(rest) == 900 and not {e.row for e in picked} & {e.row for e in rest}
-    again, _ = cat.stratified_subset(pool, 100, seed=1)
-    other, _ = cat.stratified_subset(pool, 100, seed=2)
+    again, _ = selection.stratified_subset(pool, 100, seed=1)
+    other, _ = selection.stratified_subset(pool, 100, seed=2)
     assert [e.row for e in again] == [e.row for e in picked]
     assert [e.row for e in other] != [e.row for e in picked]
     assert [e.row for e in picked] == sorted(e.row for e in picked)  # catalogue order kept
@@ -223,16 +224,16 @@ def test_subset_is_stratified_deterministic_and_seeded():
 
 def test_subset_larger_than_pool_takes_all():
     pool = entries(2, 3)
-    picked, rest = cat.stratified_subset(pool, 10, seed=0)
+    picked, rest = selection.stratified_subset(pool, 10, seed=0)
     assert len(picked) == 5 and rest == []
 
 
 def test_split_is_stratified_disjoint_and_deterministic():
     pool = entries(40, 60)
-    train, val = cat.stratified_split(pool, 0.1, seed=3)
-    assert cat.count_media_types(val) == {"video": 4, "image": 6}
+    train, val = selection.stratified_split(pool, 0.1, seed=3)
+    assert selection.count_media_types(val) == {"video": 4, "image": 6}
     assert len(train) + len(val) == 100 and not {e.row for e in train} & {e.row for e in val}
-    assert [e.row for e in cat.stratified_split(pool, 0.1, seed=3)[1]] == [e.row for e in val]
+    assert [e.row for e in selection.stratified_split(pool, 0.1, seed=3)[1]] == [e.row for e in val]
 
 
 def test_plan_accounts_for_every_row(tmp_path):
@@ -243,16 +244,16 @@ def test_plan_accounts_for_every_row(tmp_path):
     val_rows = [("v0.mp4", "also in train", "video"), ("i5.png", "val image", "image"), ("bad.avi", "", "video")]
     train = parse(catalog_text(train_rows))
     val = parse(catalog_text(val_rows))
-    plan = cat.plan_conversion(train, str(tmp_path), val_catalog=val, subset=3, seed=0, media="video")
+    plan = selection.plan_conversion(train, str(tmp_path), val_catalog=val, subset=3, seed=0, media="video")
     for name, catalog in (("train", train), ("val", val)):
-        cat.check_accounting(len(catalog.rows), [e for e in plan.train + plan.val if e.catalog == name],
+        selection.check_accounting(len(catalog.rows), [e for e in plan.train + plan.val if e.catalog == name],
                              [r for r in plan.rejects if r.catalog == name])
     assert len(plan.train) == 3 and all(e.media_type == "video" for e in plan.train)
     assert [e.source.file_path for e in plan.val] == ["v0.mp4"]  # the val image is not selected
-    train_reasons = cat.count_reasons(r for r in plan.rejects if r.catalog == "train")
+    train_reasons = selection.count_reasons(r for r in plan.rejects if r.catalog == "train")
     assert train_reasons == {"duplicate of validation row": 2, "missing file": 1, "not in subset": 2,
                              "not selected": 5}
-    assert cat.count_reasons(r for r in plan.rejects if r.catalog == "val") == {"empty caption": 1,
+    assert selection.count_reasons(r for r in plan.rejects if r.catalog == "val") == {"empty caption": 1,
                                                                                  "not selected": 1}
     assert plan.subset.available == 5 and plan.subset.taken == 3 and not plan.subset.took_all
 
@@ -260,7 +261,7 @@ def test_plan_accounts_for_every_row(tmp_path):
 def test_check_accounting_catches_a_lost_row():
     pool = entries(2, 1)
     with pytest.raises(AssertionError, match="row accounting broken"):
-        cat.check_accounting(4, pool, [])
+        selection.check_accounting(4, pool, [])
 
 
 # --- property-based: no generated catalogue crashes the converter or loses a row ----------------
@@ -316,8 +317,8 @@ def test_generated_catalogs_never_lose_a_row(rows, line_end, bom, blank_every, e
     non_blank = [r for r in rows if "".join(r).strip() or extra_column]
     assert len(catalog.rows) == len(non_blank)
 
-    plan = cat.plan_conversion(catalog, _MEDIA_ROOT, subset=5, seed=0)
-    cat.check_accounting(len(catalog.rows), plan.train + plan.val, plan.rejects)
+    plan = selection.plan_conversion(catalog, _MEDIA_ROOT, subset=5, seed=0)
+    selection.check_accounting(len(catalog.rows), plan.train + plan.val, plan.rejects)
 
     # What DiffSynth reads back (pandas defaults) is exactly what was accepted.
     event(f"rows written: {min(len(plan.train), 3)}")
