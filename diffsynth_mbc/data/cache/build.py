@@ -1,0 +1,312 @@
+"""Building the cache over ranks: each rank encodes its shard of rows, then rank 0 merges the shards
+into the index and the summary."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from diffsynth_mbc.atomic import atomic_save_safetensors, atomic_write_json, atomic_write_text
+from diffsynth_mbc.run_files import rank_from_environment
+
+from diffsynth_mbc.data.cache.index import (FAILURES_FILE, FORMAT, INDEX_FILE, SHARDS_DIR, SUMMARY_FILE,
+                                            VERSION, entry_key,
+                                            entry_relpath, file_fingerprint, projected_bytes_per_sample,
+                                            text_key, text_relpath, FULL_SIZE, ENTRIES_DIR, TEXT_DIR)
+from diffsynth_mbc.data.cache.encoder import Encoder, first_item, header_shapes, PendingClips, load_encoders
+from diffsynth_mbc.data.cache.progress import ProgressView
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+class Ranks:
+    """Rank and world size from the launcher's environment; a gloo/NCCL group only for the start barrier."""
+
+    def __init__(self):
+        self.rank, self.local_rank, self.world_size = rank_from_environment()
+        self._group = False
+
+    def start(self, use_cuda: bool) -> None:
+        if self.world_size > 1:
+            import datetime
+
+            import torch
+            import torch.distributed as dist
+
+            if use_cuda:
+                torch.cuda.set_device(self.local_rank)
+            timeout = datetime.timedelta(seconds=int(os.environ.get("NCCL_TIMEOUT", "1800")))
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
+            self._group = True
+
+    def barrier(self) -> None:
+        if self._group:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self._group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._group = False
+
+
+def shard_path(cache_dir: Path, rank: int, world_size: int) -> Path:
+    return cache_dir / SHARDS_DIR / f"rank-{rank:05d}-of-{world_size:05d}.json"
+
+
+
+
+class ShardJob:
+    """One rank's share of the cache: rows r, r+W, ...; what is already cached is skipped."""
+
+    def __init__(self, options, ranks: Ranks, settings: dict, dataset, device: str, torch_dtype, model_files):
+        self.options, self.ranks, self.settings, self.dataset = options, ranks, settings, dataset
+        self.device, self.torch_dtype, self.model_files = device, torch_dtype, model_files
+        self.cache_dir = Path(options.cache_dir)
+        self.stats = {"rows": 0, "written": 0, "skipped": 0, "failed": 0, "text_written": 0, "text_skipped": 0,
+                      "bytes_written": 0, "model_load_seconds": 0.0}
+        self.done, self.failed, self.plan = {}, [], {}
+        self.pending_media, self.pending_text = [], []
+        self.known_text: set[str] = set()
+        self._encoder = None
+        self.view = None
+
+    # -- which rows need work -------------------------------------------------------------------
+    def plan_rows(self) -> None:
+        base_path = Path(self.options.dataset_base_path)
+        planned_entries = set()
+        for row in range(self.ranks.rank, len(self.dataset.data), self.ranks.world_size):
+            self.stats["rows"] += 1
+            record = self.dataset.data[row]
+            file_name, caption = record.get("video"), record.get("prompt")
+            if not isinstance(caption, str):
+                self.fail(row, str(file_name), f"metadata row {row + 1}: no caption")
+                continue
+            try:
+                fingerprint = file_fingerprint(base_path / str(file_name))
+            except OSError as exc:
+                self.fail(row, str(file_name), f"metadata row {row + 1} ({file_name}): cannot read the file: "
+                                               f"{exc.strerror or exc}")
+                continue
+            entry = entry_relpath(entry_key(fingerprint, self.settings))
+            text = text_relpath(text_key(caption, self.settings))
+            self.plan[row] = {"row": row + 1, "file": str(file_name), "prompt": caption,
+                              "media_type": str(record.get("media_type", "")), "entry": entry, "text": text}
+            if (self.cache_dir / entry).is_file() or entry in planned_entries:
+                # Done by an earlier run (or, for a second row of the same file, by this one): not encoded.
+                self.stats["skipped"] += 1
+                if (self.cache_dir / entry).is_file() and (self.cache_dir / text).is_file():
+                    self.done[row] = self.plan[row]
+                else:
+                    self.pending_text.append(row)
+            else:
+                planned_entries.add(entry)
+                self.pending_media.append(row)
+
+    @property
+    def work(self) -> int:
+        return len(self.pending_media) + len(self.pending_text)
+
+    def fail(self, row: int, file_name: str, reason: str) -> None:
+        self.failed.append({"row": row + 1, "file": file_name, "reason": reason})
+
+    # -- encoding -------------------------------------------------------------------------------
+    def encoder(self) -> Encoder:
+        """Loaded on first need: a rank whose remaining rows all fail to decode never loads the models."""
+        if self._encoder is None:
+            loading = time.monotonic()
+            pipe = load_encoders(self.options, self.device, self.torch_dtype, self.model_files)
+            self._encoder = Encoder(pipe, self.cache_dir, self.torch_dtype)
+            self.stats["model_load_seconds"] = round(time.monotonic() - loading, 3)
+            self.view.restart_clock()
+        return self._encoder
+
+    def ensure_text(self, row: int) -> None:
+        text = self.plan[row]["text"]
+        if text in self.known_text:
+            return
+        if (self.cache_dir / text).is_file():
+            self.stats["text_skipped"] += 1
+        else:
+            context = self.encoder().encode_text(self.plan[row]["prompt"])
+            self.stats["bytes_written"] += atomic_save_safetensors(self.cache_dir / text, {"context": context},
+                                                                   {"format": FORMAT, "tokens": str(context.shape[0])})
+            self.stats["text_written"] += 1
+        self.known_text.add(text)
+
+    def encode_one(self, row: int, sample) -> str | None:
+        """Text first (an entry that exists always has its text), then the clip; the error, if any."""
+        import torch
+
+        try:
+            self.ensure_text(row)
+            tensors, first_frame = self.encoder().encode_media(sample)
+            self.stats["bytes_written"] += atomic_save_safetensors(
+                self.cache_dir / self.plan[row]["entry"], tensors,
+                {"format": FORMAT, "first_frame": first_frame, "file": self.plan[row]["file"]})
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - listed; one bad clip must not stop the job
+            return f"metadata row {row + 1} ({self.plan[row]['file']}): cannot encode: {type(exc).__name__}: {exc}"
+        self.stats["written"] += 1
+        self.done[row] = self.plan[row]
+        return None
+
+    def encode_clips(self) -> None:
+        import torch
+
+        workers = self.options.dataset_num_workers if len(self.pending_media) > 1 else 0
+        loader = torch.utils.data.DataLoader(
+            PendingClips(self.dataset, self.pending_media), batch_size=1, shuffle=False, collate_fn=first_item,
+            num_workers=workers, prefetch_factor=2 if workers else None)
+        for row, sample, error in loader:
+            if error is None:
+                self.encoder()  # outside the per-row handler: a model that cannot load stops the job
+                error = self.encode_one(row, sample)
+            if error is not None:
+                self.fail(row, self.plan[row]["file"], error)
+            self.view.advance()
+
+    def encode_texts_of_cached_clips(self) -> None:
+        for row in self.pending_text:
+            if (self.cache_dir / self.plan[row]["entry"]).is_file():
+                self.ensure_text(row)
+                self.done[row] = self.plan[row]
+            else:  # a second row of a file that failed above
+                self.stats["skipped"] -= 1
+                self.fail(row, self.plan[row]["file"],
+                          f"metadata row {row + 1} ({self.plan[row]['file']}): same file as a row that failed")
+            self.view.advance()
+
+    # -- the shard record -----------------------------------------------------------------------
+    def record(self, seconds: float) -> dict:
+        self.stats["failed"] = len(self.failed)
+        self.stats["seconds"] = round(seconds, 3)
+        for row in self.done.values():
+            shapes = header_shapes(self.cache_dir / row["entry"])
+            row["latent_shape"] = shapes["input_latents"]
+            row["first_frame"] = "stored" if "first_frame_latents" in shapes else "derived"
+            row["text_tokens"] = header_shapes(self.cache_dir / row["text"])["context"][0]
+        return {"rank": self.ranks.rank, "world_size": self.ranks.world_size,
+                "rows": [self.done[row] for row in sorted(self.done)],
+                "failed": sorted(self.failed, key=lambda item: item["row"]), "stats": self.stats}
+
+
+def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, torch_dtype, model_files) -> dict:
+    """Encode this rank's rows; returns its shard record (rows done, failures, counts)."""
+    started = time.monotonic()
+    job = ShardJob(options, ranks, settings, dataset, device, torch_dtype, model_files)
+    job.plan_rows()
+    if job.work:
+        job.view = ProgressView(job.work, ranks.rank, ranks.world_size, enabled=ranks.rank == 0)
+        try:
+            job.encode_clips()
+            job.encode_texts_of_cached_clips()
+        finally:
+            job.view.close()
+    return job.record(time.monotonic() - started)
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging (rank 0)
+
+
+def wait_for_shards(cache_dir: Path, world_size: int, poll_s: float = 0.5, report_s: float = 60.0) -> list[dict]:
+    paths = [shard_path(cache_dir, rank, world_size) for rank in range(world_size)]
+    started = last = time.monotonic()
+    while True:
+        missing = [rank for rank, path in enumerate(paths) if not path.is_file()]
+        if not missing:
+            return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
+        now = time.monotonic()
+        if now - last >= report_s:
+            last = now
+            print(f"rank 0: waiting {now - started:.0f} s for rank(s) {', '.join(map(str, missing))} to finish "
+                  "their shard", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
+
+
+def _failures_csv(failed: list[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\r\n")
+    writer.writerow(["row", "file", "reason"])
+    for item in failed:
+        writer.writerow([item["row"], item["file"], item["reason"]])
+    return buffer.getvalue()
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*.safetensors")) if folder.is_dir() else 0
+
+
+def _remove_stale_temps(cache_dir: Path) -> int:
+    removed = 0
+    for folder in (cache_dir / ENTRIES_DIR, cache_dir / TEXT_DIR):
+        if folder.is_dir():
+            for path in folder.rglob(".*.tmp"):
+                path.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+def merge(options, settings: dict, metadata: dict, shards: list[dict], seconds: float) -> dict:
+    """Write failures.csv, cache.json and summary.json (each atomically); return the summary."""
+    cache_dir = Path(options.cache_dir)
+    rows = sorted((row for shard in shards for row in shard["rows"]), key=lambda row: row["row"])
+    failed = sorted((item for shard in shards for item in shard["failed"]), key=lambda item: item["row"])
+    atomic_write_text(cache_dir / FAILURES_FILE, _failures_csv(failed))
+    index = {"format": FORMAT, "version": VERSION, "settings": settings, "metadata": metadata,
+             "rows": rows, "failed": [{"row": item["row"], "file": item["file"]} for item in failed]}
+    atomic_write_json(cache_dir / INDEX_FILE, index, indent=None, separators=(",", ":"))
+
+    entries = {row["entry"] for row in rows}
+    texts = {row["text"] for row in rows}
+    entry_bytes = sum((cache_dir / path).stat().st_size for path in entries)
+    text_bytes = sum((cache_dir / path).stat().st_size for path in texts)
+    used = entry_bytes + text_bytes
+    totals = {key: sum(shard["stats"][key] for shard in shards)
+              for key in ("rows", "written", "skipped", "failed", "text_written", "text_skipped", "bytes_written")}
+    mean_tokens = sum(row["text_tokens"] for row in rows) / len(rows) if rows else 0.0
+    text_share = len(texts) / len(rows) if rows else 1.0
+    stored_first = sum(row["first_frame"] == "stored" for row in rows) / len(rows) if rows else 0.0
+    summary = {
+        **totals, "rows_in_metadata": metadata["rows"], "rows_cached": len(rows), "entries": len(entries),
+        "captions": len(texts), "bytes": used, "entry_bytes": entry_bytes, "text_bytes": text_bytes,
+        "bytes_per_sample": round(used / len(rows)) if rows else 0,
+        "mean_text_tokens": round(mean_tokens, 2), "first_frame_stored_share": stored_first,
+        "bytes_in_cache_dir": _folder_bytes(cache_dir / ENTRIES_DIR) + _folder_bytes(cache_dir / TEXT_DIR),
+        "projected_1280x704x17_bf16": projected_bytes_per_sample(
+            FULL_SIZE["height"], FULL_SIZE["width"], FULL_SIZE["num_frames"], mean_tokens, text_share,
+            stored_first, dtype_bytes=2, z_dim=FULL_SIZE["z_dim"], text_dim=FULL_SIZE["text_dim"]),
+        "settings": {key: settings[key] for key in ("height", "width", "num_frames", "dtype")},
+        "world_size": len(shards), "seconds": round(seconds, 3),
+        "per_rank": [{"rank": shard["rank"], **shard["stats"]} for shard in shards],
+        "index": str(cache_dir / INDEX_FILE), "failures": str(cache_dir / FAILURES_FILE),
+    }
+    atomic_write_json(cache_dir / SUMMARY_FILE, summary)
+    _remove_stale_temps(cache_dir)
+    return summary
+
+
+def describe(summary: dict) -> str:
+    mib = summary["bytes"] / 2**20
+    projected = summary["projected_1280x704x17_bf16"]
+    return (f"latent cache: {summary['rows_cached']}/{summary['rows_in_metadata']} rows cached "
+            f"({summary['written']} entries written, {summary['skipped']} skipped as already done, "
+            f"{summary['failed']} failed; captions: {summary['text_written']} written, "
+            f"{summary['text_skipped']} reused), {mib:.2f} MiB used, "
+            f"{summary['bytes_per_sample'] / 2**20:.3f} MiB/sample at {summary['settings']['height']}x"
+            f"{summary['settings']['width']}x{summary['settings']['num_frames']} {summary['settings']['dtype']}; "
+            f"projected at 1280x704x17 bf16: {projected['mib']:.2f} MiB/sample; {summary['seconds']:.1f} s"
+            + (f"; failures listed in {summary['failures']}" if summary["failed"] else ""))
+
+
