@@ -1,4 +1,6 @@
-"""Checkpoint folders: naming, which one is ``latest``, pruning, and whether a checkpoint fits this run. No torch.
+"""Checkpoints, in one home: folder naming, ``latest``, pruning, fingerprint checks (pure, no torch), and
+``Checkpoints``, which saves and resumes the whole training state through accelerate (torch imported
+inside its methods, so the rest of this module imports without torch).
 
 A checkpoint is ``CHECKPOINTS/step-00001234/`` holding the LoRA (``lora.safetensors``, loadable by
 DiffSynth), accelerate's saved state (optimizer, LR scheduler, RNG state of every rank) and
@@ -17,7 +19,11 @@ import shutil
 import time
 from pathlib import Path
 
-from diffsynth_mbc.atomic import atomic_write_text
+from dataclasses import dataclass, field
+
+from diffsynth_mbc.atomic import atomic_save_safetensors, atomic_write_text
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.status_writer import RankStatusWriter
 
 MANIFEST = "checkpoint.json"
 KEEP_MARKER = "KEEP"
@@ -149,3 +155,147 @@ def truncate_history(path: str | Path, last_step: int) -> int:
                 kept.append(json.dumps(record, ensure_ascii=False) + "\n")
     atomic_write_text(path, "".join(kept))
     return len(kept)
+
+
+@dataclass
+class Position:
+    """Where the run is; saved in every checkpoint."""
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0   # batches of ``epoch`` already consumed (a multiple of the accumulation)
+    samples_seen: int = 0       # this rank's, including replaced bad files
+    skipped_samples: int = 0    # this rank's bad files
+    recent_skips: list = field(default_factory=list)
+
+
+class Checkpoints:
+    """Saving and loading the full training state through accelerate, with only the LoRA weights.
+
+    accelerate's ``save_state`` would write the whole 5B DiT; a pre-hook keeps only the trainable
+    (LoRA) tensors for DDP, and DeepSpeed is asked to exclude frozen parameters.
+    """
+
+    def __init__(self, accelerator, module, scheduler, options, status: RankStatusWriter, fingerprint: dict):
+        from accelerate.utils import DistributedType
+
+        self.accelerator = accelerator
+        self.module = module
+        self.options = options
+        self.status = status
+        self.fingerprint = fingerprint
+        self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
+        self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        self.last_step = None
+        unwrapped = accelerator.unwrap_model(module)
+        trainable = {name for name, parameter in unwrapped.named_parameters() if parameter.requires_grad}
+
+        def keep_only_trainable(models, weights, output_dir):
+            for index, state in enumerate(weights):
+                weights[index] = {key: value for key, value in state.items()
+                                  if key in trainable or key.removeprefix("module.") in trainable}
+
+        accelerator.register_save_state_pre_hook(keep_only_trainable)
+        accelerator.register_for_checkpointing(scheduler)
+
+    # -- LoRA files -----------------------------------------------------------------------------
+    def lora_tensors(self) -> dict:
+        state_dict = self.accelerator.get_state_dict(self.module)
+        lora = self.accelerator.unwrap_model(self.module).lora_state_dict(state_dict) if state_dict else {}
+        return {key: value.detach().to("cpu").contiguous() for key, value in lora.items()}
+
+    def write_lora(self, target: Path, step: int, tensors: dict) -> None:
+        options = self.options
+        atomic_save_safetensors(target, tensors, metadata={
+            "format": "pt", "base_model": "Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""),
+            "lora_rank": str(options.lora_rank), "lora_alpha": str(options.lora_alpha or options.lora_rank),
+            "lora_target_modules": options.lora_target_modules, "run_id": str(self.status.state["run_id"]),
+            "step": str(step)})
+
+    def save_lora(self, file_name: str, step: int) -> None:
+        """Rank 0 writes the LoRA (DiffSynth key layout) as safetensors: temp file, then rename."""
+        self.status.update(phase=f"saving {file_name}")
+        self.accelerator.wait_for_everyone()
+        tensors = self.lora_tensors()
+        if self.accelerator.is_main_process:
+            self.write_lora(Path(self.options.output_path) / file_name, step, tensors)
+        self.accelerator.wait_for_everyone()
+
+    # -- full training state --------------------------------------------------------------------
+    def save(self, position: Position) -> Path:
+        accelerator = self.accelerator
+        name = checkpoint_name(position.step)
+        self.status.update(phase=f"saving checkpoint {name}")
+        # Named by run and step, so no rank ever deletes a folder another rank is writing into;
+        # folders left by killed saves are removed by prune() after the next successful one.
+        temporary = temp_path(self.root, position.step, self.status.state["run_id"])
+        temporary.mkdir(parents=True, exist_ok=True)
+        accelerator.wait_for_everyone()
+        extra = {"exclude_frozen_parameters": True} if self.deepspeed else {}
+        accelerator.save_state(str(temporary), **extra)
+        tensors = self.lora_tensors()
+        accelerator.wait_for_everyone()
+        final = self.root / name
+        if accelerator.is_main_process:
+            self.write_lora(temporary / "lora.safetensors", position.step, tensors)
+            publish(temporary, {
+                "step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch,
+                "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
+                "run_id": self.status.state["run_id"], "created_at": time.time(), "fingerprint": self.fingerprint,
+                "per_rank": self.gather_positions(position)})
+            prune(self.root, self.options.keep_checkpoints)
+        else:
+            self.gather_positions(position)
+        accelerator.wait_for_everyone()
+        self.last_step = position.step
+        self.status.update(phase=f"saved checkpoint {name}", last_checkpoint=str(final),
+                           last_checkpoint_step=position.step)
+        return final
+
+    def verify_lora(self, path: Path) -> None:
+        """strict=False loads nothing silently if names drift: check every LoRA tensor arrived."""
+        import torch
+        from safetensors.torch import load_file
+
+        expected = load_file(str(path))
+        loaded = self.lora_tensors()
+        wrong = sorted(key for key in expected if key not in loaded or not torch.equal(
+            loaded[key].to(expected[key].dtype), expected[key]))
+        if wrong or not expected:
+            raise RuntimeError(f"resuming from {path.parent}: {len(wrong)} of {len(expected)} LoRA tensors were not "
+                               f"restored (first: {wrong[:1]})")
+
+    def gather_positions(self, position: Position) -> list:
+        """Every rank's own counters (collective: all ranks call it)."""
+        import torch.distributed as dist
+
+        mine = {"samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
+                "recent_skips": position.recent_skips}
+        if self.accelerator.num_processes == 1:
+            return [mine]
+        everyone = [None] * self.accelerator.num_processes
+        # accelerate's gather_object returns its input unchanged on CPU ranks; this works on gloo and NCCL.
+        dist.all_gather_object(everyone, mine)
+        return everyone
+
+    def load(self, resume: str) -> Position:
+        try:
+            folder = resolve_resume(resume, self.root)
+        except ValueError as exc:
+            raise OptionsError(str(exc)) from None
+        manifest = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
+        differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
+        if differences and not self.options.force_resume:
+            raise OptionsError(f"checkpoint {folder} was made with a different configuration:\n  "
+                               + "\n  ".join(differences) + "\npass --force_resume true to resume anyway "
+                               "(the data position will not be exact)")
+        self.status.update(phase=f"loading checkpoint {folder.name}")
+        if self.deepspeed:
+            self.accelerator.load_state(str(folder), load_module_strict=False)
+        else:
+            self.accelerator.load_state(str(folder), strict=False)
+        self.verify_lora(folder / "lora.safetensors")
+        rank_state = (manifest.get("per_rank") or [{}] * self.accelerator.num_processes)
+        mine = rank_state[self.accelerator.process_index] if len(rank_state) > self.accelerator.process_index else {}
+        return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],
+                        samples_seen=mine.get("samples_seen", 0), skipped_samples=mine.get("skipped_samples", 0),
+                        recent_skips=mine.get("recent_skips", []))

@@ -1,0 +1,69 @@
+"""LoRA fine-tuning of Wan2.2-TI2V-5B through DiffSynth's own pipeline, loss and LoRA injection.
+
+Started by ``accelerate launch`` (DDP, DeepSpeed ZeRO-2 and several nodes come from accelerate's
+config), e.g. ``bash launchers/train_test.sh``. Every rank writes ``LOG_DIR/training_gpu{rank}.json``
+from its first instant (status ``starting``), then ``loading``, ``training`` and finally
+``finished``, ``failed`` (with the error) or ``stopped``.
+
+Exit codes: 0 finished, or stopped cleanly by Ctrl-C/SIGTERM (the step finished and a checkpoint
+was saved); 1 failed; 2 bad options, model files or checkpoint; 130/143 stopped by a signal before
+training began, or by a second signal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+from diffsynth_mbc import run_files
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.models.model_files import ModelFileError
+from diffsynth_mbc.run_files import rank_from_environment
+from diffsynth_mbc.training.options import resolve_options
+from diffsynth_mbc.training.status_writer import RankStatusWriter
+from diffsynth_mbc.training.stop_signals import StopSignals
+
+
+def default_run_id() -> str:
+    """Same on every rank of one launch: the launcher exports MBC_RUN_ID; else derived from the rendezvous."""
+    if os.environ.get("MBC_RUN_ID"):
+        return os.environ["MBC_RUN_ID"]
+    return f"run-{os.environ.get('MASTER_PORT', '0')}-{time.strftime('%Y%m%d-%H%M')}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank, local_rank, world_size = rank_from_environment()
+    try:
+        options = resolve_options(argv)
+    except OptionsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    status = RankStatusWriter(options.log_dir, options.run_id or default_run_id(), rank, local_rank, world_size,
+                              min_interval_s=options.status_interval_s, continue_history=bool(options.resume))
+    signals = StopSignals(grace_s=options.stop_grace_s, on_stuck=lambda sig: status.set_status(
+        run_files.STATUS_STOPPED, phase=f"stopped by signal {sig} while in: {status.state['phase']}"))
+    signals.install()
+    try:
+        from diffsynth_mbc.training.loop import train
+
+        train(options, status, signals)
+        return 0
+    except KeyboardInterrupt:
+        status.set_status(run_files.STATUS_STOPPED, phase=f"stopped by signal {signals.received or 'SIGINT'} "
+                                                          f"during: {status.state['phase']}")
+        print(f"[rank {rank}] stopped", file=sys.stderr)
+        return signals.exit_code
+    except (ModelFileError, OptionsError) as exc:
+        status.fail(exc)
+        print(f"[rank {rank}] error: {exc}", file=sys.stderr)
+        return 2
+    except BaseException as exc:  # noqa: BLE001 - recorded, then reported as failure
+        status.fail(exc)
+        traceback.print_exc()
+        print(f"[rank {rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signals.finished()
+        status.close()
