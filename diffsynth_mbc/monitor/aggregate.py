@@ -9,7 +9,7 @@ import math
 from typing import Any, Iterable
 
 from diffsynth_mbc import run_files
-from diffsynth_mbc.monitor.status import StatusFile
+from diffsynth_mbc.monitor.status import MAX_RANKS, StatusFile
 
 
 def pick_run(good: dict[int, StatusFile]) -> tuple[str | None, dict[int, StatusFile], list[StatusFile]]:
@@ -37,7 +37,7 @@ def world_size_of(chosen: dict[int, StatusFile]) -> int | None:
     declared = [sf.data["world_size"] for sf in chosen.values() if (sf.data.get("world_size") or 0) > 0]
     if declared:
         return max(set(declared), key=lambda v: (declared.count(v), v))
-    return max(chosen) + 1
+    return min(max(chosen) + 1, MAX_RANKS)
 
 
 def run_status(ranks: list[dict]) -> str:

@@ -63,6 +63,7 @@ def _positive(value: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     paragraphs = __doc__.split("\n\n")
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m diffsynth_mbc.monitor",
         description=paragraphs[0],
         epilog="\n\n".join(paragraphs[2:]),
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve", metavar="[HOST:]PORT", default=None,
                         help="serve the dashboard and the JSON API (host 127.0.0.1 unless given; port 0 = any)")
     parser.add_argument("--no-view", action="store_true", help="with --serve: no live view, serve only")
+    parser.add_argument("--cors", metavar="ORIGIN", default=None,
+                        help="with --serve: let web pages of ORIGIN (e.g. http://localhost:3000) read the API; "
+                             "by default no other page can")
     return parser
 
 
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
             from diffsynth_mbc.monitor.server import MonitorServer
 
             try:
-                server = MonitorServer(state, *serve_addr).start()
+                server = MonitorServer(state, *serve_addr, cors_origin=args.cors).start()
             except OSError as exc:
                 print(f"cannot serve on {args.serve}: {exc}", file=sys.stderr)
                 return 2

@@ -9,6 +9,7 @@ import bisect
 import json
 import math
 import os
+import stat
 import statistics
 from collections import deque
 from pathlib import Path
@@ -95,7 +96,7 @@ class HistoryFile:
     def poll(self) -> bool:
         """Read what was appended since the last poll. True when something new was read."""
         try:
-            handle = open(self.path, "rb")
+            handle = open_regular(self.path)
         except FileNotFoundError:
             if self.ident is not None:
                 self.rereads += 1
@@ -149,9 +150,12 @@ class HistoryFile:
             self.lines += 1
             line = buf[pos:nl]
             pos = nl + 1
+            if len(line) > MAX_LINE_BYTES:   # a record over the cap is bad data, never decoded
+                self._bad()
+                continue
             try:
                 record = decode(line.decode("utf-8"))
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):   # RecursionError: absurdly deep nesting
                 if line.strip():
                     self._bad()
                 continue
@@ -237,7 +241,7 @@ def read_history_window(path: Path, ident: tuple[int, int] | None, start: int, s
     """
     records: list[dict] = []
     try:
-        handle = open(path, "rb")
+        handle = open_regular(path)
     except OSError:
         return records, False
     with handle:
@@ -249,14 +253,19 @@ def read_history_window(path: Path, ident: tuple[int, int] | None, start: int, s
             if handle.read(1) != b"\n":
                 start = 0
         handle.seek(start)
-        for line in handle:
+        while True:
+            line = handle.readline(MAX_LINE_BYTES + 1)   # never more than the cap in memory
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                if not _skip_rest_of_line(handle):   # an oversized record: skip to its end, then go on
+                    break
+                continue
             if not line.endswith(b"\n"):
-                break  # torn last line
+                break  # torn last line, or the end
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if not isinstance(record, dict):
                 continue
@@ -268,3 +277,25 @@ def read_history_window(path: Path, ident: tuple[int, int] | None, start: int, s
             records.append(json_safe(record))
     return records, False
 
+
+def _skip_rest_of_line(handle) -> bool:
+    """Read past the next newline in chunks; False if the file ends first (an unterminated tail)."""
+    while True:
+        chunk = handle.readline(READ_CHUNK)
+        if not chunk:
+            return False
+        if chunk.endswith(b"\n"):
+            return True
+
+
+def open_regular(path):
+    """Open a file for reading only if it is a regular file, without ever blocking (a FIFO named like a run
+    file would hang a plain open until someone writes to it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

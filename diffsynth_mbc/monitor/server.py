@@ -11,7 +11,9 @@ Routes (GET and HEAD; OPTIONS answers CORS preflight; anything else 405):
 
 No route takes a path: nothing but the run files of the log directory is ever read, so
 ``..`` in a URL only ever gets a 404. Bad query values get a 400 JSON error naming the
-parameter. Every answer carries ``Access-Control-Allow-Origin: *``.
+parameter. No answer carries ``Access-Control-Allow-Origin`` unless ``--cors ORIGIN`` names the one
+origin (another local web page) allowed to read the run's data. Requests are served by a bounded
+thread pool with a per-connection timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import socket
 import threading
 from http import HTTPStatus
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
@@ -33,7 +36,9 @@ METRICS_PATH = "/api/training/metrics"
 MAX_LIMIT = 10_000
 DEFAULT_LIMIT = 1000
 MAX_POINTS_PARAM = 5000
-STATUS_MAX_AGE_S = 0.5  # requests within this long of the last refresh share it
+STATUS_MAX_AGE_S = 0.5
+WORKERS = 32                # threads serving requests; more clients wait in the listen backlog
+CONNECTION_TIMEOUT_S = 5.0  # requests within this long of the last refresh share it
 
 
 class QueryError(ValueError):
@@ -105,9 +110,25 @@ def _float_param(query: dict, name: str) -> float | None:
 
 
 class _Server(ThreadingHTTPServer):
+    """Requests are served by a bounded pool of threads; the listen backlog absorbs bursts, and a connection
+    that sends nothing (half-open) is dropped after the handler's timeout instead of holding a thread."""
     daemon_threads = True
     allow_reuse_address = True
     block_on_close = False
+    request_queue_size = 128
+
+    def server_activate(self):
+        super().server_activate()
+        self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mbc-monitor-request")
+
+    def process_request(self, request, client_address):
+        self._pool.submit(self.process_request_thread, request, client_address)
+
+    def server_close(self):
+        super().server_close()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class MonitorRequestHandler(BaseHTTPRequestHandler):
@@ -116,6 +137,8 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
     state: MonitorState
     page: bytes
     quiet = True
+    cors_origin: str | None = None   # Access-Control-Allow-Origin only when --cors names an origin
+    timeout = CONNECTION_TIMEOUT_S   # a client that sends nothing is dropped after this long
     server_version = "mbc-monitor"
 
     def version_string(self):
@@ -131,7 +154,9 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Access-Control-Allow-Origin", "*")
+        if self.cors_origin:
+            self.send_header("Access-Control-Allow-Origin", self.cors_origin)
+            self.send_header("Vary", "Origin")
         for key, value in (extra or {}).items():
             self.send_header(key, value)
         self.end_headers()
@@ -153,7 +178,8 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
 
     def do_OPTIONS(self):  # noqa: N802 - http.server naming
         self.send_response(HTTPStatus.NO_CONTENT)
-        self.send_header("Access-Control-Allow-Origin", "*")
+        if self.cors_origin:
+            self.send_header("Access-Control-Allow-Origin", self.cors_origin)
         self.send_header("Access-Control-Allow-Methods", "GET, HEAD, OPTIONS")
         self.send_header("Access-Control-Allow-Headers", "*")
         self.send_header("Access-Control-Max-Age", "600")
@@ -212,16 +238,19 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
 
 
-def make_handler(state: MonitorState, page: bytes, quiet: bool = True) -> type[MonitorRequestHandler]:
+def make_handler(state: MonitorState, page: bytes, quiet: bool = True,
+                 cors_origin: str | None = None) -> type[MonitorRequestHandler]:
     """A handler class bound to one monitor state and page (http.server makes one instance per request)."""
-    return type("BoundMonitorRequestHandler", (MonitorRequestHandler,), {"state": state, "page": page, "quiet": quiet})
+    return type("BoundMonitorRequestHandler", (MonitorRequestHandler,),
+                {"state": state, "page": page, "quiet": quiet, "cors_origin": cors_origin})
 
 
 class MonitorServer:
     """The HTTP server, run in a daemon thread; ``stop`` shuts it down and closes the socket."""
 
-    def __init__(self, state: MonitorState, host: str = "127.0.0.1", port: int = 0, quiet: bool = True):
-        handler = make_handler(state, dashboard_html(), quiet=quiet)
+    def __init__(self, state: MonitorState, host: str = "127.0.0.1", port: int = 0, quiet: bool = True,
+                 cors_origin: str | None = None):
+        handler = make_handler(state, dashboard_html(), quiet=quiet, cors_origin=cors_origin)
         server_cls = _Server
         if ":" in host:
             server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})

@@ -57,14 +57,18 @@ from diffsynth_mbc.monitor.aggregate import (
     run_status,
     world_size_of,
 )
-from diffsynth_mbc.monitor.history import INDEX_EVERY, HistoryFile, read_history_window
+from diffsynth_mbc.monitor.history import INDEX_EVERY, HistoryFile, open_regular, read_history_window
 from diffsynth_mbc.monitor.series import MAX_POINTS, TREND_POINTS
 from diffsynth_mbc.monitor.status import (
     STALL_MIN_S,
+    MAX_RANKS,
     STALL_STEP_FACTOR,
     StatusFile,
     normalize_status,
 )
+
+
+MISSING_NOTES_SHOWN = 16
 
 
 class MonitorState:
@@ -110,6 +114,15 @@ class MonitorState:
             rank = run_files.rank_of_status_file(entry.name)
             if rank is None:
                 continue
+            if rank > MAX_RANKS:
+                self._warn(f"{entry.name}: rank {rank} is outside 0..{MAX_RANKS}; ignored")
+                continue
+            try:
+                if not entry.is_file():   # a FIFO, device or folder named like a status file
+                    self._warn(f"{entry.name} is not a regular file; ignored")
+                    continue
+            except OSError:
+                continue
             seen.add(rank)
             sf = self._status.get(rank)
             if sf is None:
@@ -122,7 +135,7 @@ class MonitorState:
 
     def _read_status(self, sf: StatusFile) -> None:
         try:
-            with open(sf.path, "rb") as handle:
+            with open_regular(sf.path) as handle:
                 st = os.fstat(handle.fileno())
                 if sf.data is not None and sf.error is None and sf.mtime_ns == (st.st_ino, st.st_mtime_ns) \
                         and st.st_size == sf.size:
@@ -143,6 +156,8 @@ class MonitorState:
                 obj = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as exc:
                 problem = f"{name} is not valid JSON ({str(exc)[:80]})"
+            except RecursionError:
+                problem = f"{name} is nested too deeply to be a status file"
             else:
                 if not isinstance(obj, dict):
                     problem = f"{name} does not hold a JSON object"
@@ -267,10 +282,12 @@ class MonitorState:
             ranks_out.append(self._rank_view(sf, hf, now))
         present = {r["rank"] for r in ranks_out}
         missing = sorted(set(range(world_size or 0)) - present)
-        for rank in missing:
+        for rank in missing[:MISSING_NOTES_SHOWN]:
             sf = self._status.get(rank)
             why = "its status file is unreadable" if sf is not None and sf.data is None else "no status file yet"
             notes.append(f"rank {rank} missing: {why}")
+        if len(missing) > MISSING_NOTES_SHOWN:
+            notes.append(f"... and {len(missing) - MISSING_NOTES_SHOWN} more ranks missing")
         ignored_runs: dict[str, list[int]] = {}
         for sf in ignored:
             key = str(sf.data.get("run_id"))

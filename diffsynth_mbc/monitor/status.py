@@ -6,12 +6,15 @@ Pure logic; imports neither rich, torch nor diffsynth.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from diffsynth_mbc import run_files
 
 STALL_MIN_S = 120.0
+# Ranks and world sizes above this are bad data (a typo or a hostile file), never a set of that size.
+MAX_RANKS = 65_536
 STALL_STEP_FACTOR = 10.0
 
 RUN_STATUSES = ("starting", "loading", "training", "stalled", "finished", "failed", "stopped", "no_data")
@@ -63,11 +66,22 @@ def to_int(value: Any) -> int | None:
     return int(result)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` without control characters (escape sequences, OSC titles, NUL...), newlines and tabs kept:
+    whatever a file says is shown, never interpreted by the terminal."""
+    return _CONTROL.sub("", text) if _CONTROL.search(text) else text
+
+
 def json_safe(value: Any, depth: int = 0) -> Any:
     """A copy that ``json.dumps(allow_nan=False)`` accepts: NaN/inf become None, odd types become strings."""
     if depth > 20:
         return None
-    if value is None or isinstance(value, (bool, int, str)):
+    if isinstance(value, str):
+        return printable(value)
+    if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
@@ -97,7 +111,7 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
             continue
         if key in _COMPUTED:
             continue
-        out[str(key)] = json_safe(value)
+        out[printable(str(key))] = json_safe(value)
     for key in _INT_FIELDS:
         value = raw.get(key)
         out[key] = to_int(value)
@@ -107,6 +121,10 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
                 out[key] = int(as_float)
             else:
                 notes.append(f"{name}: {key} is not a whole number ({_describe(value)})")
+    for key in ("world_size", "rank", "local_rank"):
+        if out.get(key) is not None and not 0 <= out[key] <= MAX_RANKS:
+            notes.append(f"{name}: {key} {out[key]} is outside 0..{MAX_RANKS}; ignored")
+            out[key] = None
     for key in _FLOAT_FIELDS:
         value = raw.get(key)
         out[key] = to_float(value)
@@ -117,7 +135,7 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
                 notes.append(f"{name}: {key} is not a finite number ({_describe(value)})")
     for key in _STR_FIELDS:
         value = raw.get(key)
-        out[key] = None if value is None else str(value)
+        out[key] = None if value is None else printable(str(value))
     status = out.get("status")
     if status is not None:
         status = status.strip().lower()
@@ -142,7 +160,7 @@ def _normalize_gpu(value: Any, name: str, notes: list[str]) -> dict | None:
         notes.append(f"{name}: gpu is not an object ({_describe(value)})")
         return None
     return {
-        "name": None if value.get("name") is None else str(value.get("name")),
+        "name": None if value.get("name") is None else printable(str(value.get("name"))),
         "util_pct": to_float(value.get("util_pct")),
         "mem_used_mb": to_float(value.get("mem_used_mb")),
         "mem_total_mb": to_float(value.get("mem_total_mb")),
@@ -153,15 +171,16 @@ def _normalize_error(value: Any) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        return {"type": None, "message": str(value), "traceback_tail": None}
+        return {"type": None, "message": printable(str(value)), "traceback_tail": None}
     tail = value.get("traceback_tail")
     if isinstance(tail, (list, tuple)):
         tail = "\n".join(str(line).rstrip("\n") for line in tail)
     elif tail is not None:
         tail = str(tail)
+    tail = None if tail is None else printable(tail)
     return {
-        "type": None if value.get("type") is None else str(value.get("type")),
-        "message": None if value.get("message") is None else str(value.get("message")),
+        "type": None if value.get("type") is None else printable(str(value.get("type"))),
+        "message": None if value.get("message") is None else printable(str(value.get("message"))),
         "traceback_tail": tail,
     }
 

@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 
 from rich import box
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
+
+from diffsynth_mbc.monitor.status import printable
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 
@@ -137,7 +140,7 @@ def render_header(snap: dict, log_dir: str | None, theme: Theme) -> RenderableTy
     grid.add_row("elapsed", Text(fmt_duration(snap.get("elapsed_s")), style=theme.value),
                  "ETA (slowest)", Text(fmt_duration(snap.get("eta_s")), style=theme.value))
     grid.add_row("loss (mean)", Text(fmt_num(snap.get("loss")), style=theme.value), "", "")
-    title = "diffsynth-mbc monitor" + (f" — {log_dir}" if log_dir else "")
+    title = escape(printable("diffsynth-mbc monitor" + (f" — {log_dir}" if log_dir else "")))
     return Panel(grid, title=title, title_align="left", border_style=theme.header_border, box=box.ROUNDED)
 
 
@@ -158,9 +161,9 @@ def render_ranks(snap: dict, theme: Theme) -> RenderableType:
         step_text = f"{step if step is not None else '-'}/{total if total is not None else '-'}"
         table.add_row(
             str(rank),
-            str(r.get("hostname") or "-"),
+            Text(printable(str(r.get("hostname") or "-"))),   # Text: what a file says is never markup
             _status_text(r, theme),
-            str(r.get("phase") or "-"),
+            Text(printable(str(r.get("phase") or "-"))),
             step_text,
             fmt_num(r.get("loss")),
             Text(sparkline(r.get("loss_trend") or []), style=theme.spark),
@@ -182,7 +185,7 @@ def render_errors(snap: dict, theme: Theme, tail_lines: int = 10) -> list[Render
         if tail:
             body.append("\n".join(tail), style=theme.error)
         host = f" on {err['hostname']}" if err.get("hostname") else ""
-        out.append(Panel(body, title=f"rank {err.get('rank')} failed{host}", title_align="left",
+        out.append(Panel(body, title=escape(printable(f"rank {err.get('rank')} failed{host}")), title_align="left",
                          border_style=theme.error))
     return out
 
@@ -193,7 +196,7 @@ def render_notes(snap: dict, theme: Theme, limit: int = 12) -> RenderableType | 
         return None
     text = Text()
     for note in notes[:limit]:
-        text.append(f"• {note}\n", style=theme.note)
+        text.append(f"• {printable(str(note))}\n", style=theme.note)
     if len(notes) > limit:
         text.append(f"… and {len(notes) - limit} more (see --json)\n", style=theme.note)
     return text

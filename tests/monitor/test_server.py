@@ -84,9 +84,10 @@ def served(tmp_path_factory):
         stop_server(srv)
 
 
-def test_status_is_the_aggregate_with_cors(served):
+def test_status_is_the_aggregate_and_no_other_page_may_read_it(served):
     status, headers, snap = served.json("/api/training/status")
-    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
+    # Once every answer said Access-Control-Allow-Origin: *, so any web page in a local browser could read it.
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
     assert headers["Content-Type"].startswith("application/json")
     assert snap["status"] == "stalled" and snap["stalled_ranks"] == [1] and snap["missing_ranks"] == [2]
     assert snap["world_size"] == 3 and snap["step"] == 300 and len(snap["ranks"]) == 2
@@ -131,7 +132,7 @@ def test_new_lines_appear_without_restart(served):
 def test_bad_query_values_get_400_naming_the_parameter(served, query, parameter):
     status, headers, body = served.json("/api/training/metrics?" + query)
     assert status == 400 and body["parameter"] == parameter and parameter in body["error"]
-    assert headers["Access-Control-Allow-Origin"] == "*"
+    assert "Access-Control-Allow-Origin" not in headers
 
 
 def test_rank_not_in_run_is_404(served):
@@ -156,7 +157,7 @@ def test_read_only_methods(served):
     status, _, body = served.get("/api/training/status", method="POST")
     assert status == 405 and b"read-only" in body
     status, headers, _ = served.get("/api/training/metrics", method="OPTIONS")
-    assert status == 204 and headers["Access-Control-Allow-Origin"] == "*"
+    assert status == 204 and "Access-Control-Allow-Origin" not in headers
     status, headers, body = served.get("/api/training/status", method="HEAD")
     assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
 
@@ -188,6 +189,19 @@ def test_sigterm_stops_the_server_cleanly(tmp_path):
         assert "Traceback" not in srv.proc.stderr.read()
     finally:
         stop_server(srv)
+
+
+def test_cors_only_for_the_origin_named(tmp_path):
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    served = start_server(log_dir, "--no-view", "--cors", "http://localhost:3000")
+    try:
+        status, headers, _ = served.get("/api/training/status")
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+        status, headers, _ = served.get("/api/training/status", method="OPTIONS")
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    finally:
+        stop_server(served)
 
 
 def test_serve_address_parsing():
