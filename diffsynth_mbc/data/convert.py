@@ -47,6 +47,7 @@ class UsageError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m diffsynth_mbc.convert",
         description="Convert an MBC catalogue (file_path,caption,media_type) into DiffSynth metadata.",
     )

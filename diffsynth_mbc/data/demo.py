@@ -26,7 +26,7 @@ def prepare(root: str | Path, num_videos: int = 6, num_images: int = 5, seed: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.demo")
+    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.demo", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="write the demo catalogue and its DiffSynth metadata")
     prep.add_argument("root", help="folder for catalog/ and metadata/ (e.g. runs/demo)")

@@ -16,16 +16,23 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
-from pathlib import Path
-
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_save_safetensors, atomic_write_text
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.checkpoint_integrity import (
+    MANIFEST,
+    damage,
+    inventory,
+    missing_rank_files,
+)
+from diffsynth_mbc.training.distributed import broadcast_from_main
+from diffsynth_mbc.training.lora_format import convert, file_metadata, training_scale
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 
-MANIFEST = "checkpoint.json"
 KEEP_MARKER = "KEEP"
 _COMPLETE_NAME = re.compile(r"^step-(\d{8})$")
 TEMP_PREFIX = ".tmp-"
@@ -71,16 +78,33 @@ def find_latest(root: str | Path) -> Path | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
-def resolve_resume(resume: str, root: str | Path) -> Path:
-    """``latest`` or a path -> a complete checkpoint folder; ValueError saying why not."""
+def resolve_resume(resume: str, root: str | Path, world_size: int | None = None, report=None) -> Path:
+    """``latest`` or a path -> an intact checkpoint folder; ValueError saying why not.
+
+    ``latest`` falls back from a damaged checkpoint (a file truncated or altered since it was saved, a
+    rank's state missing) to the newest intact one, telling ``report`` which file was damaged; an
+    explicit path that is damaged is refused, naming the file. A resume is exact or does not happen.
+    """
     if resume == "latest":
-        latest = find_latest(root)
-        if latest is None:
+        checkpoints = complete_checkpoints(root)
+        if not checkpoints:
             raise ValueError(f"--resume latest: no complete checkpoint in {root}")
-        return latest
+        for _step, folder in reversed(checkpoints):
+            problem = damage(folder, read_manifest(folder), world_size)
+            if problem is None:
+                return folder
+            if report:
+                report(f"skipping damaged checkpoint {folder.name}: {problem}")
+        raise ValueError(f"--resume latest: every checkpoint in {root} is damaged (newest first: "
+                         f"{damage(checkpoints[-1][1], read_manifest(checkpoints[-1][1]), world_size)})")
     folder = Path(resume)
-    if read_manifest(folder) is None:
+    manifest = read_manifest(folder)
+    if manifest is None:
         raise ValueError(f"--resume {resume}: not a complete checkpoint (no readable {MANIFEST})")
+    problem = damage(folder, manifest, world_size)
+    if problem:
+        raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}. Resume from another "
+                         "checkpoint (--resume latest picks the newest intact one)")
     return folder
 
 
@@ -199,20 +223,30 @@ class Checkpoints:
 
     # -- LoRA files -----------------------------------------------------------------------------
     def lora_tensors(self) -> dict:
-        state_dict = self.accelerator.get_state_dict(self.module)
-        lora = self.accelerator.unwrap_model(self.module).lora_state_dict(state_dict) if state_dict else {}
+        """The trainable (LoRA) tensors in DiffSynth's training layout, taken from the parameters themselves.
+
+        Never ``accelerator.get_state_dict``: that gathers the whole 5B model to the CPU on every rank. DDP and
+        ZeRO-2 keep every parameter whole on every rank (ZeRO-2 shards only gradients and optimizer state).
+        """
+        model = self.accelerator.unwrap_model(self.module)
+        trainable = {name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
+        lora = model.lora_state_dict(trainable)
         return {key: value.detach().to("cpu").contiguous() for key, value in lora.items()}
+
+    def file_tensors(self, tensors: dict) -> dict:
+        """What a LoRA file holds: ``--lora_format`` layout, alpha/rank folded in (see lora_format)."""
+        options = self.options
+        return convert(tensors, options.lora_format, scale=training_scale(options.lora_rank, options.lora_alpha))
 
     def write_lora(self, target: Path, step: int, tensors: dict) -> None:
         options = self.options
-        atomic_save_safetensors(target, tensors, metadata={
-            "format": "pt", "base_model": "Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""),
-            "lora_rank": str(options.lora_rank), "lora_alpha": str(options.lora_alpha or options.lora_rank),
-            "lora_target_modules": options.lora_target_modules, "run_id": str(self.status.state["run_id"]),
-            "step": str(step)})
+        atomic_save_safetensors(target, self.file_tensors(tensors), metadata=file_metadata(
+            rank=options.lora_rank, alpha=options.lora_alpha, targets=options.lora_target_modules,
+            base_model="Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""), step=step,
+            run_id=str(self.status.state["run_id"]), layout=options.lora_format))
 
     def save_lora(self, file_name: str, step: int) -> None:
-        """Rank 0 writes the LoRA (DiffSynth key layout) as safetensors: temp file, then rename."""
+        """Rank 0 writes the LoRA (``--lora_format``, loadable by DiffSynth and ComfyUI): temp file, then rename."""
         self.status.update(phase=f"saving {file_name}")
         self.accelerator.wait_for_everyone()
         tensors = self.lora_tensors()
@@ -235,16 +269,26 @@ class Checkpoints:
         tensors = self.lora_tensors()
         accelerator.wait_for_everyone()
         final = self.root / name
+        per_rank = self.gather_positions(position)
+        problem = None
         if accelerator.is_main_process:
             self.write_lora(temporary / "lora.safetensors", position.step, tensors)
-            publish(temporary, {
-                "step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch,
-                "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
-                "run_id": self.status.state["run_id"], "created_at": time.time(), "fingerprint": self.fingerprint,
-                "per_rank": self.gather_positions(position)})
-            prune(self.root, self.options.keep_checkpoints)
-        else:
-            self.gather_positions(position)
+            files = inventory(temporary)
+            missing = missing_rank_files(files, accelerator.num_processes)
+            if missing:   # published only when every rank's state is in it
+                problem = (f"checkpoint {name} is incomplete: {temporary / missing[0]} was not written (that rank "
+                           f"saved elsewhere?); {self.root} must be one folder shared by every node. Not published.")
+            else:
+                publish(temporary, {
+                    "step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch,
+                    "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
+                    "run_id": self.status.state["run_id"], "created_at": time.time(),
+                    "fingerprint": self.fingerprint, "per_rank": per_rank,
+                    "world_size": accelerator.num_processes, "files": files})
+                prune(self.root, self.options.keep_checkpoints)
+        problem = broadcast_from_main(accelerator, problem)
+        if problem:
+            raise RuntimeError(problem)
         accelerator.wait_for_everyone()
         self.last_step = position.step
         self.status.update(phase=f"saved checkpoint {name}", last_checkpoint=str(final),
@@ -257,7 +301,7 @@ class Checkpoints:
         from safetensors.torch import load_file
 
         expected = load_file(str(path))
-        loaded = self.lora_tensors()
+        loaded = self.file_tensors(self.lora_tensors())
         wrong = sorted(key for key in expected if key not in loaded or not torch.equal(
             loaded[key].to(expected[key].dtype), expected[key]))
         if wrong or not expected:
@@ -279,7 +323,9 @@ class Checkpoints:
 
     def load(self, resume: str) -> Position:
         try:
-            folder = resolve_resume(resume, self.root)
+            folder = resolve_resume(resume, self.root, self.accelerator.num_processes,
+                                    report=lambda message: print(f"[rank {self.accelerator.process_index}] "
+                                                                 f"{message}", file=sys.stderr))
         except ValueError as exc:
             raise OptionsError(str(exc)) from None
         manifest = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))

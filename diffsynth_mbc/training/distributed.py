@@ -17,3 +17,14 @@ def all_reduce_sum(accelerator, tensor):
         import torch.distributed as dist
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def broadcast_from_main(accelerator, value):
+    """Rank 0's value on every rank (any picklable object)."""
+    if accelerator.num_processes == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position, truncate_history
-from diffsynth_mbc.training.distributed import agree
+from diffsynth_mbc.training.distributed import agree, broadcast_from_main
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.stop_signals import StopSignals, unblock_in_child
 from diffsynth_mbc.training.validation import Validator
@@ -129,6 +129,10 @@ def start_accelerator(options, status: RankStatusWriter):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=options.seed))
     if accelerator.num_processes != status.state["world_size"]:
         status.update(world_size=accelerator.num_processes)
+    # One run id for the whole run, rank 0's: nodes launched seconds or minutes apart each proposed their own.
+    run_id = broadcast_from_main(accelerator, status.state["run_id"])
+    if run_id != status.state["run_id"]:
+        status.update(run_id=run_id, phase=f"joined run {run_id}")
     if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
         raise OptionsError(f"{accelerator.num_processes} processes were launched but accelerate set up no distributed "
                            "training, so gradients would never be averaged; check the accelerate config "

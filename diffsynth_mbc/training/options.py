@@ -20,7 +20,7 @@ DEFAULTS = {
     # model
     "model_dir": None, "model_id": None, "demo": False,
     # LoRA (DiffSynth names)
-    "lora_rank": 32, "lora_alpha": None, "lora_target_modules": "q,k,v,o,ffn.0,ffn.2",
+    "lora_rank": 32, "lora_alpha": None, "lora_format": "comfyui", "lora_target_modules": "q,k,v,o,ffn.0,ffn.2",
     # optimisation
     "learning_rate": 1e-4, "weight_decay": 0.01, "num_epochs": 1, "batch_size": 1,
     "gradient_accumulation_steps": 1, "lr_scheduler": "constant", "warmup_steps": 0,
@@ -41,7 +41,8 @@ DEFAULTS = {
 }
 
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
-_CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo")}
+_CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
+            "lora_format": ("comfyui", "diffsynth")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     lora = parser.add_argument_group("LoRA")
     lora.add_argument("--lora_rank", type=int, help="default 32")
     lora.add_argument("--lora_alpha", type=float, help="default: the rank")
+    lora.add_argument("--lora_format", help="layout of the LoRA files: comfyui (diffusion_model.<module>.lora_A/B; "
+                                            "default) or diffsynth (<module>.lora_A/B); both load in DiffSynth, "
+                                            "alpha/rank is folded in")
     lora.add_argument("--lora_target_modules", help="default q,k,v,o,ffn.0,ffn.2")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--learning_rate", type=float, help="default 1e-4")

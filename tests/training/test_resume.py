@@ -190,3 +190,30 @@ def test_mostly_corrupt_media_stops_with_a_clear_error(tmp_path):
     assert failed[0]["error"]["type"] == "TooMuchBadMedia"
     assert "could not be decoded" in failed[0]["error"]["message"]
     assert not (run_dir / "lora" / "lora.safetensors").exists()
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes_exactly(tmp_path, demo_data):
+    """Truncating rank 1's RNG state in the newest checkpoint once resumed 'successfully' with rank 1's noise
+    silently different; now --resume latest names the file, falls back, and the result is exact."""
+    data_root, _ = demo_data
+    run_dir = tmp_path / "run"
+    code, output = run(tmp_path, train_flags(data_root, run_dir))
+    assert code == 0, output[-3000:]
+    checkpoints = run_dir / "lora" / "checkpoints"
+    (newest_step, newest), (previous_step, _) = complete_checkpoints(checkpoints)[-1], complete_checkpoints(checkpoints)[-2]
+    assert (newest_step, previous_step) == (12, 10)
+    expected = load_file(str(run_dir / "lora" / "lora.safetensors"))
+    damaged = newest / "random_states_1.pkl"
+    damaged.write_bytes(damaged.read_bytes()[:20])
+
+    code, output = run(tmp_path, train_flags(data_root, run_dir, resume=str(newest)))
+    assert code == 2 and f"{damaged}: 20 bytes" in output and "damaged" in output   # explicit: refused, named
+
+    code, output = run(tmp_path, train_flags(data_root, run_dir, resume="latest"))
+    assert code == 0, output[-3000:]
+    assert f"skipping damaged checkpoint step-00000012: {damaged}" in output
+    actual = load_file(str(run_dir / "lora" / "lora.safetensors"))
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    for rank in (0, 1):
+        assert train_steps(run_dir / "logs", rank) == list(range(1, 13)), "each step exactly once"

@@ -48,6 +48,7 @@ from diffsynth_mbc.data.cache.encoder import resolve_model_id_files
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m diffsynth_mbc.cache",
         description="Encode every metadata row once (VAE latents + text embeddings) for training the DiT "
                     "from the cache. Start it with `accelerate launch` to shard the rows over GPUs and nodes.")
