@@ -17,6 +17,7 @@ import csv
 import hashlib
 import io
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -46,6 +47,7 @@ class Reason:
     EXTENSION_CONTRADICTS = "extension contradicts media_type"
     EMPTY_CAPTION = "empty caption"
     CAPTION_NOT_TEXT = "caption does not read back as text in pandas"
+    CAPTION_CONTROL = "caption contains control characters"
     DUPLICATE = "duplicate of an earlier row"
     DUPLICATE_OF_VALIDATION = "duplicate of validation row"
     MISSING_FILE = "missing file"
@@ -243,6 +245,8 @@ def caption_reads_as_non_text(caption: str) -> str | None:
 
 
 _NUMBER_STARTS = frozenset("0123456789+-.iInN")
+# NUL and the other C0/C1 controls; tab and line breaks are ordinary caption text.
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def existing_files(paths: Iterable[str]) -> set[str]:
@@ -316,6 +320,10 @@ def validate_rows(
             continue
         if not row.caption.strip():
             result.reject(row, Reason.EMPTY_CAPTION)
+            continue
+        control = _CONTROL_CHARACTER.search(row.caption)
+        if control:
+            result.reject(row, Reason.CAPTION_CONTROL, f"{control.group()!r} at position {control.start()}")
             continue
         caption_problem = caption_reads_as_non_text(row.caption)
         if caption_problem:

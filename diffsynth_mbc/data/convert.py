@@ -15,6 +15,7 @@ catalogue that cannot be read.
 from __future__ import annotations
 
 import argparse
+import json
 import csv
 import io
 import os
@@ -27,7 +28,7 @@ from rich.table import Table
 
 from diffsynth_mbc.data import catalog as cat
 from diffsynth_mbc.data import selection
-from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
+from diffsynth_mbc.data.output_set import OutputError, publish_output_set
 from diffsynth_mbc.data.probe import MediaInfo, default_workers, histogram, probe_files
 
 METADATA_NAME = "metadata.csv"
@@ -302,26 +303,31 @@ def run(args: argparse.Namespace, console: Console) -> int:
             [r for r in rejects if r.catalog == name],
         )
 
-    output = Path(args.output)
-    outputs = [METADATA_NAME]
-    atomic_write_text(output / METADATA_NAME, metadata_text(plan.train, probed))
-    val_path = output / METADATA_VAL_NAME
+    _refuse_an_empty_split(plan, args)
+    files = {METADATA_NAME: metadata_text(plan.train, probed)}
     if plan.split_mode is not None:
-        atomic_write_text(val_path, metadata_text(plan.val, probed))
-        outputs.append(METADATA_VAL_NAME)
-    elif val_path.exists():
-        val_path.unlink()  # left by an earlier run with validation; it does not belong to this one
-        console.print(f"removed stale {val_path}")
-    atomic_write_text(output / REJECTS_NAME, rejects_text(rejects))
-    outputs += [REJECTS_NAME, SUMMARY_NAME]
-    summary = build_summary(args, catalogs, plan, rejects, probe_summary, outputs)
-    atomic_write_json(output / SUMMARY_NAME, summary)
+        files[METADATA_VAL_NAME] = metadata_text(plan.val, probed)
+    files[REJECTS_NAME] = rejects_text(rejects)
+    summary = build_summary(args, catalogs, plan, rejects, probe_summary, list(files) + [SUMMARY_NAME])
+    files[SUMMARY_NAME] = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
+    # metadata_val.csv of an earlier run with validation does not belong to this one.
+    removed = publish_output_set(Path(args.output), files, stale=[METADATA_VAL_NAME])
+    for name in removed:
+        console.print(f"removed stale {Path(args.output) / name}")
 
     print_summary_table(console, summary)
     if not plan.train and not plan.val:
         console.print("[red]no rows written: see rejects.csv[/red]")
         return 1
     return 0
+
+
+def _refuse_an_empty_split(plan, args) -> None:
+    if plan.split_mode is None or not (plan.train or plan.val) or (plan.train and plan.val):
+        return
+    given = f"--val-fraction {args.val_fraction}" if plan.split_mode == "fraction" else f"--val-catalog {args.val_catalog}"
+    raise UsageError(f"{given} leaves {len(plan.train)} training and {len(plan.val)} validation rows; an empty "
+                     "split is refused (nothing was written). Use a smaller --val-fraction or more rows.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_request.code or 0)
     try:
         return run(args, console)
-    except (UsageError, cat.CatalogError) as error:
+    except (UsageError, cat.CatalogError, OutputError) as error:
         console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         return 2
 

@@ -339,3 +339,45 @@ def test_diffsynth_video_dataset_loads_the_written_metadata(demo, tmp_path, diff
     # extra columns ride along untouched; the loader only opens the keys in data_file_keys
     assert video_item["media_type"] == "video" and video_item["num_frames"] == 9 and video_item["width"] == 64
     assert pd.isna(image_item["fps"])
+
+
+def test_captions_with_nul_or_control_characters_are_rejected_with_a_reason(tmp_path):
+    for name in ("a.mp4", "b.mp4", "c.mp4"):
+        (tmp_path / name).write_bytes(b"x")
+    catalog = write_catalog(tmp_path / "c.csv", [("a.mp4", "\x00", "video"), ("b.mp4", "fine\x00tail", "video"),
+                                                 ("c.mp4", "two\nlines\tand a tab", "video")])
+    out = tmp_path / "out"
+    assert convert(catalog, "--base-path", tmp_path, "--output", out) == 0
+    rejects = read_csv_records(out / "rejects.csv")
+    assert [r["row"] for r in rejects] == ["1", "2"]
+    assert all("caption contains control characters" in r["reason"] and "\\x00" in r["reason"] for r in rejects)
+    assert list(pd.read_csv(out / "metadata.csv")["video"]) == ["c.mp4"]
+    assert_every_row_accounted(out)
+
+
+def test_an_empty_split_is_refused_and_nothing_is_written(tmp_path, capsys):
+    for name in ("a.mp4", "b.mp4"):
+        (tmp_path / name).write_bytes(b"x")
+    catalog = write_catalog(tmp_path / "c.csv", [("a.mp4", "one", "video"), ("b.mp4", "two", "video")])
+    out = tmp_path / "out"
+    assert convert(catalog, "--base-path", tmp_path, "--output", out, "--val-fraction", "0.99") == 2
+    assert "leaves 0 training and 2 validation rows" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_an_output_that_cannot_be_written_is_exit_2_naming_it_and_publishes_nothing(demo, tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a folder")
+    assert convert(demo / "catalog.csv", "--base-path", demo, "--output", tmp_path / "afile" / "sub") == 2
+    assert str(tmp_path / "afile" / "sub") in capsys.readouterr().err.replace("\n", "")
+
+    out = tmp_path / "out"
+    assert convert(demo / "catalog.csv", "--base-path", demo, "--output", out, "--subset", "4") == 0
+    before = {name: (out / name).read_bytes() for name in ("metadata.csv", "rejects.csv", "summary.json")}
+    (out / "rejects.csv").unlink()
+    (out / "rejects.csv").mkdir()                 # rejects.csv cannot be written in this run
+    before.pop("rejects.csv")
+    assert convert(demo / "catalog.csv", "--base-path", demo, "--output", out) == 2
+    assert f"cannot write {out / 'rejects.csv'}" in capsys.readouterr().err.replace("\n", "")
+    # metadata.csv once was already replaced by the new run while summary.json described the old one.
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in out.iterdir()) == ["metadata.csv", "rejects.csv", "summary.json"]
