@@ -32,7 +32,7 @@ DEFAULTS = {
     "status_interval_s": 5.0, "dist_backend": None,
     # checkpoints, resume, stopping
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
-    "resume": None, "force_resume": False, "stop_grace_s": 300.0,
+    "resume": None, "force_resume": False, "stop_grace_s": 300.0, "allow_stale_cache": False,
     # bad media and validation
     "max_bad_media_fraction": 0.01,
     "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset_num_workers", type=int, help="data-loader worker processes per GPU (default 2)")
     data.add_argument("--cache", help="latent cache from `python -m diffsynth_mbc.cache`: train the DiT only "
                                       "(the VAE and text encoder are never loaded)")
+    data.add_argument("--allow_stale_cache", type=_parse_bool,
+                      help="train from --cache even if media files changed since it was built (default false: "
+                           "refused, naming the files)")
     data.add_argument("--val_cache", help="latent cache of --val_metadata_path (needed with --cache)")
     model = parser.add_argument_group("model")
     model.add_argument("--model_dir", help="local Wan2.2-TI2V-5B folder (DiT shards, T5, VAE, google/umt5-xxl)")

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffsynth_mbc.data.cache import cli as cache
+from diffsynth_mbc.data.cache.index import CacheError
 from diffsynth_mbc.data.cache.dataset import (CachedLatentDataset, CacheMismatchError, open_training_dataset,
                                           open_validation_dataset)
 from diffsynth_mbc.data.dataset import MBCVideoDataset
@@ -253,3 +254,34 @@ def test_validation_from_a_cache_or_refused_without_encoders(demo, reference, tm
     options.val_cache = None
     with pytest.raises(CacheMismatchError, match="pass it as --val_cache"):
         open_validation_dataset(options)
+
+
+def test_a_truncated_entry_is_named_when_read_and_encoded_again_on_rerun(demo, reference, tmp_path):
+    """It once failed with a SafetensorError naming no file, and a rerun took it as done."""
+    root, _ = demo
+    cache_dir = tmp_path / "cache"
+    shutil.copytree(reference[0], cache_dir)
+    damaged = entry_files(cache_dir)[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    dataset = CachedLatentDataset(cache_dir)
+    row = next(i for i, r in enumerate(dataset.entries) if (cache_dir / r["entry"]) == damaged)
+    with pytest.raises(CacheError, match=f"{damaged}.*bytes, the index says"):
+        dataset[row]
+    summary = run_in_process(root, cache_dir)
+    assert summary["rows_cached"] == GOOD_ROWS
+    assert_same_cache(reference[0], cache_dir)          # repaired: the same tensors as never damaged
+    CachedLatentDataset(cache_dir)[row]
+
+
+def test_training_refuses_a_cache_whose_media_changed_unless_allowed(demo, reference, tmp_path):
+    root, _ = demo
+    cache_dir = reference[0]
+    media = root / "catalog" / json.loads((cache_dir / "cache.json").read_text())["rows"][0]["file"]
+    before = media.stat()
+    os.utime(media, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))    # re-exported: a newer file
+    try:
+        with pytest.raises(CacheMismatchError, match=f"1 media file.*{media.name}: modified.*--allow_stale_cache"):
+            open_training_dataset(training_options(root, cache_dir))
+        assert open_training_dataset(training_options(root, cache_dir, allow_stale_cache=True)).rows == GOOD_ROWS
+    finally:
+        os.utime(media, ns=(before.st_atime_ns, before.st_mtime_ns))

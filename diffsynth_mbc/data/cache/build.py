@@ -11,15 +11,38 @@ import sys
 import time
 from pathlib import Path
 
-from diffsynth_mbc.atomic import atomic_save_safetensors, atomic_write_json, atomic_write_text
-from diffsynth_mbc.run_files import rank_from_environment
-
-from diffsynth_mbc.data.cache.index import (FAILURES_FILE, FORMAT, INDEX_FILE, SHARDS_DIR, SUMMARY_FILE,
-                                            VERSION, entry_key,
-                                            entry_relpath, file_fingerprint, projected_bytes_per_sample,
-                                            text_key, text_relpath, FULL_SIZE, ENTRIES_DIR, TEXT_DIR)
-from diffsynth_mbc.data.cache.encoder import Encoder, first_item, header_shapes, PendingClips, load_encoders
+from diffsynth_mbc.atomic import (
+    atomic_save_safetensors,
+    atomic_write_json,
+    atomic_write_text,
+)
+from diffsynth_mbc.data.cache.encoder import (
+    Encoder,
+    PendingClips,
+    first_item,
+    header_shapes,
+    load_encoders,
+)
+from diffsynth_mbc.data.cache.index import (
+    ENTRIES_DIR,
+    FAILURES_FILE,
+    FORMAT,
+    FULL_SIZE,
+    INDEX_FILE,
+    SHARDS_DIR,
+    SUMMARY_FILE,
+    TEXT_DIR,
+    VERSION,
+    entry_key,
+    entry_relpath,
+    file_fingerprint,
+    projected_bytes_per_sample,
+    safetensors_is_whole,
+    text_key,
+    text_relpath,
+)
 from diffsynth_mbc.data.cache.progress import ProgressView
+from diffsynth_mbc.run_files import rank_from_environment
 
 # ---------------------------------------------------------------------------------------------
 # Processes
@@ -100,7 +123,10 @@ class ShardJob:
             entry = entry_relpath(entry_key(fingerprint, self.settings))
             text = text_relpath(text_key(caption, self.settings))
             self.plan[row] = {"row": row + 1, "file": str(file_name), "prompt": caption,
-                              "media_type": str(record.get("media_type", "")), "entry": entry, "text": text}
+                              "media_type": str(record.get("media_type", "")), "entry": entry, "text": text,
+                              "size": fingerprint["size"], "mtime_ns": fingerprint["mtime_ns"]}
+            self.remove_if_damaged(entry)
+            self.remove_if_damaged(text)
             if (self.cache_dir / entry).is_file() or entry in planned_entries:
                 # Done by an earlier run (or, for a second row of the same file, by this one): not encoded.
                 self.stats["skipped"] += 1
@@ -111,6 +137,14 @@ class ShardJob:
             else:
                 planned_entries.add(entry)
                 self.pending_media.append(row)
+
+    def remove_if_damaged(self, relative: str) -> None:
+        """A truncated file (a killed copy, a full disk) is removed so that this run encodes it again."""
+        path = self.cache_dir / relative
+        if path.is_file() and not safetensors_is_whole(path):
+            path.unlink()
+            self.stats["repaired"] = self.stats.get("repaired", 0) + 1
+            print(f"[rank {self.ranks.rank}] {path} was damaged (truncated); encoding it again", file=sys.stderr)
 
     @property
     def work(self) -> int:
@@ -196,6 +230,8 @@ class ShardJob:
             row["latent_shape"] = shapes["input_latents"]
             row["first_frame"] = "stored" if "first_frame_latents" in shapes else "derived"
             row["text_tokens"] = header_shapes(self.cache_dir / row["text"])["context"][0]
+            row["entry_bytes"] = (self.cache_dir / row["entry"]).stat().st_size
+            row["text_bytes"] = (self.cache_dir / row["text"]).stat().st_size
         return {"rank": self.ranks.rank, "world_size": self.ranks.world_size,
                 "rows": [self.done[row] for row in sorted(self.done)],
                 "failed": sorted(self.failed, key=lambda item: item["row"]), "stats": self.stats}

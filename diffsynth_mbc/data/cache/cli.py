@@ -37,10 +37,22 @@ import time
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json
-
-from diffsynth_mbc.data.cache.index import (DTYPES, CacheError, demo_identity, encoder_identities, file_sha256)
-from diffsynth_mbc.data.cache.build import Ranks, describe, encode_shard, merge, shard_path, wait_for_shards
+from diffsynth_mbc.data.cache.build import (
+    Ranks,
+    describe,
+    encode_shard,
+    merge,
+    shard_path,
+    wait_for_shards,
+)
 from diffsynth_mbc.data.cache.encoder import resolve_model_id_files
+from diffsynth_mbc.data.cache.index import (
+    DTYPES,
+    CacheError,
+    demo_identity,
+    encoder_identities,
+    file_sha256,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Options

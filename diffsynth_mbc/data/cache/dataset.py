@@ -21,7 +21,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from diffsynth_mbc.data.cache.index import CacheError, demo_identity, file_sha256, model_dir_identities, read_index
+from diffsynth_mbc.data.cache.index import (
+    CacheError,
+    demo_identity,
+    file_sha256,
+    model_dir_identities,
+    read_index,
+    stale_rows,
+)
 from diffsynth_mbc.models.wan_units import pad_context
 
 
@@ -45,17 +52,25 @@ class CachedLatentDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.entries) * self.repeat
 
-    def _load(self, relative: str, row: dict) -> dict:
+    def _load(self, relative: str, row: dict, size_key: str) -> dict:
         path = self.cache_dir / relative
+        rerun = "rerun `python -m diffsynth_mbc.cache` with the same settings: it encodes damaged entries again"
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise CacheError(f"metadata row {row['row']} ({row['file']}): cache file {path} is missing; {rerun}") from None
+        if size_key in row and size != row[size_key]:
+            raise CacheError(f"metadata row {row['row']} ({row['file']}): cache file {path} has {size} bytes, the "
+                             f"index says {row[size_key]} (truncated or replaced); {rerun}")
         try:
             return load_file(str(path))
-        except FileNotFoundError:
-            raise CacheError(f"metadata row {row['row']} ({row['file']}): cache file {path} is missing; "
-                             "rerun `python -m diffsynth_mbc.cache` with the same settings") from None
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types, naming no file
+            raise CacheError(f"metadata row {row['row']} ({row['file']}): cache file {path} cannot be read "
+                             f"({type(exc).__name__}: {exc}); {rerun}") from None
 
     def __getitem__(self, index: int) -> dict:
         row = self.entries[index % len(self.entries)]
-        tensors = self._load(row["entry"], row)
+        tensors = self._load(row["entry"], row, "entry_bytes")
         latents = tensors["input_latents"]
         if list(latents.shape) != list(row["latent_shape"]):
             raise CacheError(f"metadata row {row['row']} ({row['file']}): {row['entry']} holds a latent of "
@@ -63,7 +78,7 @@ class CachedLatentDataset(torch.utils.data.Dataset):
         first_frame = tensors.get("first_frame_latents")
         if first_frame is None:
             first_frame = latents[:, :1]
-        context = pad_context(self._load(row["text"], row)["context"], self.text_len)[0]
+        context = pad_context(self._load(row["text"], row, "text_bytes")["context"], self.text_len)[0]
         factor = 16  # Wan2.2 VAE: 16x16 pixels per latent cell, 4 frames per latent frame after the first
         return {"cached": True, "input_latents": latents, "first_frame_latents": first_frame, "context": context,
                 "prompt": row["prompt"], "row": row["row"], "file": row["file"], "media_type": row["media_type"],
@@ -112,6 +127,13 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
     if problems:
         raise CacheMismatchError(f"the latent cache {cache_dir} does not match this run: " + "; ".join(problems)
                                  + ". Rebuild it with `python -m diffsynth_mbc.cache` using these settings.")
+    if not getattr(options, "allow_stale_cache", False):
+        described, count = stale_rows(index["rows"], base_path)
+        if count:
+            raise CacheMismatchError(f"{count} media file(s) changed since the latent cache {cache_dir} was built, so "
+                                     f"their latents are stale: {'; '.join(described)}. Rerun `python -m "
+                                     "diffsynth_mbc.cache` (it encodes changed files again) or pass "
+                                     "--allow_stale_cache true to train on the old latents")
     if not index["rows"]:
         raise CacheMismatchError(f"the latent cache {cache_dir} has no usable rows "
                                  f"({len(index['failed'])} failed; see its failures.csv)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError
@@ -129,3 +130,43 @@ def projected_bytes_per_sample(height: int, width: int, num_frames: int, text_to
     total = latent + first_frame + text
     return {"latent_bytes": latent, "first_frame_bytes": round(first_frame), "text_bytes": round(text),
             "bytes": round(total), "mib": round(total / 2**20, 3)}
+
+
+def safetensors_is_whole(path) -> bool:
+    """Whether a safetensors file is complete: its header parses and the file is exactly as long as the header
+    says (a killed copy or a full disk leaves it shorter). Reads only the header."""
+    try:
+        with open(path, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            if not 2 <= header_len <= 100 << 20:
+                return False
+            header = json.loads(handle.read(header_len))
+            end = max((spec["data_offsets"][1] for name, spec in header.items() if name != "__metadata__"),
+                      default=0)
+            return os.fstat(handle.fileno()).st_size == 8 + header_len + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+def stale_rows(rows: list[dict], base_path, limit: int = 5) -> tuple[list[str], int]:
+    """Rows whose media changed since they were encoded (size or modification time differ, or gone).
+
+    A stat per row, no reading. Returns (descriptions of the first ``limit``, how many in all); rows from
+    caches built before fingerprints were recorded are not checked.
+    """
+    described, count = [], 0
+    for row in rows:
+        if "size" not in row or "mtime_ns" not in row:
+            continue
+        path = Path(base_path) / row["file"]
+        try:
+            stat = path.stat()
+            changed = (stat.st_size, stat.st_mtime_ns) != (row["size"], row["mtime_ns"])
+            what = f"size {row['size']} -> {stat.st_size}" if stat.st_size != row["size"] else "modified"
+        except OSError:
+            changed, what = True, "missing"
+        if changed:
+            count += 1
+            if len(described) < limit:
+                described.append(f"metadata row {row['row']} ({row['file']}: {what})")
+    return described, count

@@ -6,8 +6,6 @@ import sys
 import time
 
 
-
-
 class ProgressView:
     """Rank 0's bar (rich, with ETA) in a terminal; otherwise a line every ``interval_s``."""
 
@@ -20,8 +18,14 @@ class ProgressView:
         self.progress = None
         if self.enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
