@@ -1,10 +1,12 @@
 """Watch a training run from its per-rank files: a live terminal view, a JSON probe, a dashboard server.
 
-    python -m diffsynth_mbc.monitor [LOG_DIR] [--once] [--json] [--interval S]
-                                    [--stall-after S] [--serve [HOST:]PORT] [--no-view]
+    python -m diffsynth_mbc.monitor [LOG_DIR|URL ...] [--once] [--json] [--interval S]
+                                    [--stall-after S] [--serve [HOST:]PORT] [--no-view] [--cors ORIGIN]
 
 LOG_DIR (default ./training_logs) holds ``training_gpu{rank}.json`` (state) and
-``training_gpu{rank}.jsonl`` (one line per optimizer step) written by every rank.
+``training_gpu{rank}.jsonl`` (one line per optimizer step) written by every rank. Several
+sources (folders, and other monitors' --serve URLs, e.g. one per node when log folders are
+node-local) are shown as one run with every rank.
 
 Modes
     default        live view, refreshed every --interval seconds; Ctrl-C quits (exit 0).
@@ -42,8 +44,8 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
+from diffsynth_mbc.monitor.sources import split_sources
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.status import exit_code
 
@@ -69,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="\n\n".join(paragraphs[2:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("log_dir", nargs="?", default=DEFAULT_LOG_DIR, metavar="LOG_DIR",
-                        help=f"directory with training_gpu*.json[l] (default {DEFAULT_LOG_DIR})")
+    parser.add_argument("sources", nargs="*", default=[DEFAULT_LOG_DIR], metavar="LOG_DIR_OR_URL",
+                        help=f"folders with training_gpu*.json[l] (default {DEFAULT_LOG_DIR}) and/or other monitors' "
+                             "--serve URLs (http://HOST:PORT), e.g. one per node when log folders are node-local: "
+                             "shown as one run")
     parser.add_argument("--once", action="store_true", help="draw one frame and exit with the run's exit code")
     parser.add_argument("--json", action="store_true", help="print the aggregate as JSON and exit (implies --once)")
     parser.add_argument("--interval", type=_positive, default=2.0, metavar="S",
@@ -116,8 +120,9 @@ def main(argv=None) -> int:
             serve_addr = parse_serve(args.serve)
         except ValueError as exc:
             parser.error(str(exc))
-    log_dir = Path(args.log_dir)
-    state = MonitorState(log_dir, stall_after=args.stall_after)
+    folders, remotes = split_sources(args.sources)
+    log_dir = " + ".join([str(f) for f in folders] + [str(r) for r in remotes])
+    state = MonitorState(folders, remotes=remotes, stall_after=args.stall_after)
 
     if args.json:
         snap = state.refresh()
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _live(state: MonitorState, log_dir: Path, interval: float, url: str | None) -> None:
+def _live(state: MonitorState, log_dir: str, interval: float, url: str | None) -> None:
     from rich.live import Live
 
     from diffsynth_mbc.monitor.view import render

@@ -20,8 +20,8 @@ Stalled rank
 
 Missing rank
     A rank below ``world_size`` with no readable status file. It is listed in
-    ``missing_ranks`` but does not change the run status: with a log directory that is not
-    shared between nodes, the other nodes' ranks are always missing here.
+    ``missing_ranks`` but does not change the run status. With log folders that are not
+    shared between nodes, give every node's folder (or its monitor's URL) as a source.
 
 Run status, first rule that matches
     ``no_data`` (no status file of any run) > ``failed`` (any rank failed) > ``stalled`` (any
@@ -79,10 +79,12 @@ class MonitorState:
     live view and from HTTP handler threads.
     """
 
-    def __init__(self, log_dir: str | Path, *, stall_after: float | None = None,
+    def __init__(self, log_dir: str | Path | list, *, stall_after: float | None = None,
                  clock: Callable[[], float] = time.time, max_points: int = MAX_POINTS,
-                 index_every: int = INDEX_EVERY):
-        self.log_dir = Path(log_dir)
+                 index_every: int = INDEX_EVERY, remotes: list | None = None):
+        self.log_dirs = [Path(d) for d in log_dir] if isinstance(log_dir, (list, tuple)) else [Path(log_dir)]
+        self.log_dir = self.log_dirs[0] if self.log_dirs else None
+        self.remotes = list(remotes or [])
         self.stall_after = stall_after
         self.clock = clock
         self.max_points = max_points
@@ -98,21 +100,37 @@ class MonitorState:
     # -- reading -------------------------------------------------------------------------------
 
     def _scan(self) -> str | None:
-        """Re-read the status files that changed; returns a problem with the directory, if any."""
+        """Re-read the status files that changed (every source); returns the problems with sources, if any."""
+        seen: dict[int, StatusFile] = {}
+        problems = [problem for folder in self.log_dirs if (problem := self._scan_folder(folder, seen))]
+        for remote in self.remotes:
+            try:
+                views = remote.fetch_ranks()
+            except OSError as exc:
+                problems.append(str(exc))
+                continue
+            for view in views:
+                rank = view["rank"]
+                if 0 <= rank <= MAX_RANKS and rank not in seen:
+                    sf = StatusFile(rank, Path(f"{remote}#rank{rank}"))
+                    sf.data, sf.notes = normalize_status(view, rank)
+                    sf.remote = True
+                    seen[rank] = sf
+        self._status = seen
+        return "; ".join(problems) or None
+
+    def _scan_folder(self, folder: Path, seen: dict[int, StatusFile]) -> str | None:
         try:
-            entries = list(os.scandir(self.log_dir))
+            entries = list(os.scandir(folder))
         except FileNotFoundError:
-            self._status.clear()
-            return f"log directory {self.log_dir} does not exist (yet)"
+            return f"log directory {folder} does not exist (yet)"
         except NotADirectoryError:
-            self._status.clear()
-            return f"{self.log_dir} is not a directory"
+            return f"{folder} is not a directory"
         except OSError as exc:
-            return f"cannot list {self.log_dir}: {exc}"
-        seen: set[int] = set()
+            return f"cannot list {folder}: {exc}"
         for entry in entries:
             rank = run_files.rank_of_status_file(entry.name)
-            if rank is None:
+            if rank is None or rank in seen:
                 continue
             if rank > MAX_RANKS:
                 self._warn(f"{entry.name}: rank {rank} is outside 0..{MAX_RANKS}; ignored")
@@ -123,14 +141,11 @@ class MonitorState:
                     continue
             except OSError:
                 continue
-            seen.add(rank)
             sf = self._status.get(rank)
-            if sf is None:
-                sf = self._status[rank] = StatusFile(rank, Path(entry.path))
+            if sf is None or sf.path != Path(entry.path):
+                sf = StatusFile(rank, Path(entry.path))
             self._read_status(sf)
-        for rank in list(self._status):
-            if rank not in seen:
-                del self._status[rank]
+            seen[rank] = sf
         return None
 
     def _read_status(self, sf: StatusFile) -> None:
@@ -179,11 +194,19 @@ class MonitorState:
     def _warn(self, message: str) -> None:
         self._warned.setdefault(message, None)
 
+    def _history_path(self, rank: int) -> Path:
+        """The history beside the rank's status file; a remote rank's history is not read here."""
+        sf = self._status.get(rank)
+        if sf is not None and sf.remote:
+            return sf.path / "no-local-history"   # never exists
+        folder = sf.path.parent if sf is not None else self.log_dir
+        return run_files.history_path(folder, rank)
+
     def _history_for(self, rank: int) -> HistoryFile:
+        path = self._history_path(rank)
         hf = self._history.get(rank)
-        if hf is None:
-            hf = self._history[rank] = HistoryFile(run_files.history_path(self.log_dir, rank),
-                                                   max_points=self.max_points, index_every=self.index_every)
+        if hf is None or hf.path != path:
+            hf = self._history[rank] = HistoryFile(path, max_points=self.max_points, index_every=self.index_every)
         return hf
 
     # -- public --------------------------------------------------------------------------------
@@ -249,8 +272,7 @@ class MonitorState:
                 out["ranks"][str(r)] = plan[r]
                 continue
             ident, start, _ = plan[r]
-            records, truncated = read_history_window(run_files.history_path(self.log_dir, r), ident, start,
-                                                     since, limit)
+            records, truncated = read_history_window(self._history_path(r), ident, start, since, limit)
             last = records[-1].get("step") if records else since
             out["ranks"][str(r)] = {"records": records, "truncated": truncated, "next_since": last}
         return out

@@ -186,7 +186,7 @@ def _normalize_error(value: Any) -> dict | None:
 
 
 class StatusFile:
-    __slots__ = ("rank", "path", "data", "notes", "mtime", "error", "size", "mtime_ns")
+    __slots__ = ("rank", "path", "data", "notes", "mtime", "error", "size", "mtime_ns", "remote")
 
     def __init__(self, rank: int, path: Path):
         self.rank = rank
@@ -197,3 +197,4 @@ class StatusFile:
         self.mtime_ns: tuple[int, int] | None = None  # (inode, mtime_ns) of the last read
         self.size: int | None = None
         self.error: str | None = None
+        self.remote = False  # read from another monitor's URL, not from a file

@@ -1,0 +1,57 @@
+"""Where a run's rank files come from: log folders on this machine, and other monitors' ``--serve`` URLs.
+
+With node-local log folders each node sees only its own ranks; ``python -m diffsynth_mbc.monitor``
+then takes several sources and shows one run with every rank. A URL source is another monitor's
+``/api/training/status``, read with a short timeout; one that does not answer is named in the notes
+and its ranks count as missing. Only the addresses the user names are ever contacted.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+FETCH_TIMEOUT_S = 2.0
+MAX_ANSWER_BYTES = 32 << 20
+
+
+def split_sources(values: list[str]) -> tuple[list[Path], list["RemoteSource"]]:
+    """Folders and ``http://HOST:PORT`` monitor URLs, in the order given."""
+    folders, remotes = [], []
+    for value in values:
+        if value.startswith(("http://", "https://")):
+            remotes.append(RemoteSource(value))
+        else:
+            folders.append(Path(value))
+    return folders, remotes
+
+
+class RemoteSource:
+    def __init__(self, url: str, timeout_s: float = FETCH_TIMEOUT_S):
+        self.base = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def __str__(self) -> str:
+        return self.base
+
+    def fetch_ranks(self) -> list[dict]:
+        """The rank views another monitor shows; raises OSError (naming the source) when it does not answer."""
+        url = f"{self.base}/api/training/status"
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+                body = response.read(MAX_ANSWER_BYTES + 1)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise OSError(f"source {self.base} did not answer ({reason})") from None
+        if len(body) > MAX_ANSWER_BYTES:
+            raise OSError(f"source {self.base} answered more than {MAX_ANSWER_BYTES >> 20} MiB; ignored")
+        try:
+            snapshot = json.loads(body)
+        except (ValueError, RecursionError):
+            raise OSError(f"source {self.base} did not answer with the monitor's JSON") from None
+        ranks = snapshot.get("ranks") if isinstance(snapshot, dict) else None
+        if not isinstance(ranks, list):
+            raise OSError(f"source {self.base} did not answer with the monitor's JSON (no ranks)")
+        return [view for view in ranks if isinstance(view, dict) and isinstance(view.get("rank"), int)]
