@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not check that media files exist (storage not mounted here)")
     parser.add_argument("--probe", action="store_true",
                         help="read each file's size, frame count and fps; reject unreadable files")
+    parser.add_argument("--decoder", choices=("fast", "diffsynth"), default="fast",
+                        help="with --probe: fast reads the frame count from the container (PyAV); diffsynth "
+                             "counts by decoding the whole clip, as DiffSynth's reader does")
     parser.add_argument("--workers", type=int, default=default_workers(),
                         help="parallel probes (default min(8, CPU count))")
     parser.add_argument("--min-frames", type=int, default=17, help="flag videos with fewer frames (default 17)")
@@ -131,9 +134,10 @@ def _probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: 
 
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("probing media", total=len(items))
-            results = probe_files(items, args.workers, on_done=lambda _result: progress.advance(task))
+            results = probe_files(items, args.workers, on_done=lambda _result: progress.advance(task),
+                                  decoder=args.decoder)
     else:
-        results = probe_files(items, args.workers)
+        results = probe_files(items, args.workers, decoder=args.decoder)
     info: dict[int, MediaInfo] = {}
     unreadable: list[cat.Reject] = []
     short_videos = small_media = 0

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from diffsynth.trainers.utils import VideoDataset
 
+from diffsynth_mbc.data.clip_reader import DECODERS, IrregularTiming, read_leading_frames
+
 MAX_CONSECUTIVE_BAD_ROWS = 20
 
 
@@ -22,10 +24,25 @@ class MediaDecodeError(RuntimeError):
 
 class MBCVideoDataset(VideoDataset):
     def __init__(self, base_path: str, metadata_path: str, num_frames: int, height: int, width: int,
-                 repeat: int = 1, substitute_bad_media: bool = False):
+                 repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast"):
         super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
                          height=height, width=width, data_file_keys=("video",), repeat=repeat)
+        if decoder not in DECODERS:
+            raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
         self.substitute_bad_media = substitute_bad_media
+        self.decoder = decoder
+
+    def load_video(self, file_path):
+        """``fast``: only the frames that train, decoded in-process (clip_reader); the same frames, resized
+        and cropped by DiffSynth's own ``crop_and_resize``. ``diffsynth``: DiffSynth's reader. GIFs: DiffSynth's."""
+        if self.decoder == "diffsynth" or file_path.lower().endswith(".gif"):
+            return super().load_video(file_path)
+        try:
+            frames = read_leading_frames(file_path, self.num_frames, self.time_division_factor,
+                                         self.time_division_remainder)
+        except IrregularTiming:   # variable frame rate: DiffSynth's reader, whose frames are constant-rate
+            return super().load_video(file_path)
+        return [self.crop_and_resize(frame, *self.get_height_width(frame)) for frame in frames]
 
     @property
     def rows(self) -> int:

@@ -61,10 +61,23 @@ def probe_image(path: str) -> MediaInfo:
     return MediaInfo(int(width), int(height), 1, None)
 
 
-def probe_file(path: str, media_type: str) -> ProbeResult:
+def probe_video_fast(path: str) -> MediaInfo:
+    """Size, count and fps from the container (PyAV), one frame decoded; no whole-clip decode."""
+    from diffsynth_mbc.data.clip_reader import probe_clip
+
+    width, height, num_frames, fps = probe_clip(path)
+    if num_frames < 1:
+        raise ValueError("video has no frames")
+    return MediaInfo(width, height, num_frames, fps)
+
+
+def probe_file(path: str, media_type: str, decoder: str = "fast") -> ProbeResult:
     """Probe one file; never raises for a bad file, the message goes into ``error``."""
     try:
-        info = probe_video(path) if media_type == "video" else probe_image(path)
+        if media_type == "video":
+            info = probe_video_fast(path) if decoder == "fast" else probe_video(path)
+        else:
+            info = probe_image(path)
     except Exception as error:  # any decoder failure makes the file unreadable, with its message
         message = " ".join(str(error).split()) or type(error).__name__
         return ProbeResult(path, None, f"{type(error).__name__}: {message[:500]}")
@@ -75,6 +88,7 @@ def probe_files(
     items: Sequence[tuple[str, str]],
     workers: int | None = None,
     on_done: Callable[[ProbeResult], None] | None = None,
+    decoder: str = "fast",
 ) -> list[ProbeResult]:
     """Probe (path, media_type) pairs with a thread pool; results come back in input order.
 
@@ -84,7 +98,7 @@ def probe_files(
     workers = max(1, workers or default_workers())
     results: list[ProbeResult] = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for result in pool.map(lambda item: probe_file(*item), items):
+        for result in pool.map(lambda item: probe_file(*item, decoder=decoder), items):
             results.append(result)
             if on_done is not None:
                 on_done(result)

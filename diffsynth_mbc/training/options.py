@@ -32,7 +32,7 @@ DEFAULTS = {
     "status_interval_s": 5.0, "dist_backend": None,
     # checkpoints, resume, stopping
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
-    "resume": None, "force_resume": False, "stop_grace_s": 300.0, "allow_stale_cache": False,
+    "resume": None, "force_resume": False, "stop_grace_s": 300.0, "allow_stale_cache": False, "decoder": "fast",
     # bad media and validation
     "max_bad_media_fraction": 0.01,
     "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
@@ -42,7 +42,7 @@ DEFAULTS = {
 
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
-            "lora_format": ("comfyui", "diffsynth")}
+            "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset_num_workers", type=int, help="data-loader worker processes per GPU (default 2)")
     data.add_argument("--cache", help="latent cache from `python -m diffsynth_mbc.cache`: train the DiT only "
                                       "(the VAE and text encoder are never loaded)")
+    data.add_argument("--decoder", help="fast: decode only the frames that train, in-process (PyAV; default); "
+                                        "diffsynth: DiffSynth's own reader (decodes whole clips to count frames)")
     data.add_argument("--allow_stale_cache", type=_parse_bool,
                       help="train from --cache even if media files changed since it was built (default false: "
                            "refused, naming the files)")

@@ -24,7 +24,8 @@ def count_metadata_rows(path: str) -> int:
 def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str) -> list[str]:
     arguments = ["--dataset_base_path", base_path, "--dataset_metadata_path", metadata_path,
                  "--height", str(options.height), "--width", str(options.width),
-                 "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed)]
+                 "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed),
+                 "--decoder", options.decoder]
     if options.demo:
         return arguments + ["--demo"]
     if options.model_dir:

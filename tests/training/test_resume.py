@@ -207,7 +207,9 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes_exact
     damaged.write_bytes(damaged.read_bytes()[:20])
 
     code, output = run(tmp_path, train_flags(data_root, run_dir, resume=str(newest)))
-    assert code == 2 and f"{damaged}: 20 bytes" in output and "damaged" in output   # explicit: refused, named
+    refused = read_status(run_dir / "logs", 1)                 # explicit: refused, the file named
+    assert code != 0 and refused["status"] == "failed" and refused["error"]["type"] == "OptionsError"
+    assert f"{damaged}: 20 bytes" in refused["error"]["message"] and "damaged" in refused["error"]["message"]
 
     code, output = run(tmp_path, train_flags(data_root, run_dir, resume="latest"))
     assert code == 0, output[-3000:]

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json
+from diffsynth_mbc.data.clip_reader import DECODERS
 from diffsynth_mbc.data.cache.build import (
     Ranks,
     describe,
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--demo only: the demo model's seed; must equal the training --seed (default 42)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="stored precision (default bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--dataset_num_workers", type=int, default=2, help="decoding worker processes per rank")
+    parser.add_argument("--decoder", choices=DECODERS, default="fast",
+                        help="fast: only the frames that train, in-process (PyAV; default); diffsynth: DiffSynth's reader")
     return parser
 
 
@@ -163,7 +166,7 @@ def run(options, ranks: Ranks) -> int:
     settings = {"height": options.height, "width": options.width, "num_frames": options.num_frames,
                 "dtype": DTYPES[dtype_name], **identities, "text_len": text_len, "z_dim": 48}
 
-    dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path,
+    dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path, decoder=options.decoder,
                               num_frames=options.num_frames, height=options.height, width=options.width)
     metadata = {"path": str(Path(options.dataset_metadata_path).resolve()),
                 "sha256": file_sha256(options.dataset_metadata_path),

@@ -149,6 +149,7 @@ def open_training_dataset(options, **media_options):
         from diffsynth_mbc.data.dataset import MBCVideoDataset
 
         return MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path,
+                               decoder=getattr(options, "decoder", "fast"),
                                num_frames=options.num_frames, height=options.height, width=options.width,
                                repeat=options.dataset_repeat, **media_options)
     index = read_index(cache_dir)
@@ -180,4 +181,5 @@ def open_validation_dataset(options, **media_options):
     from diffsynth_mbc.data.dataset import MBCVideoDataset
 
     return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
+                           decoder=getattr(options, "decoder", "fast"),
                            height=options.height, width=options.width, **media_options)

@@ -1,0 +1,130 @@
+"""Decode only the frames training uses: the first ``num_frames`` of a clip, in-process, with PyAV.
+
+DiffSynth 1.1.8's ``VideoDataset.load_video`` first calls ``reader.count_frames()``, which has ffmpeg
+decode the whole clip just to learn its length, then pipes full RGB frames out of an ffmpeg
+subprocess. Here the length comes from the container (``stream.frames``), decoding stops after the
+last frame that trains, and frames never leave the process.
+
+Same frames as DiffSynth: the same count rule (the first ``num_frames``; a shorter clip is cut to
+4k+1 frames, ``VideoDataset.get_num_frames``), frame i is the i-th decoded frame, RGB as PIL images
+(the caller resizes and crops with DiffSynth's own ``crop_and_resize``). The container's count is
+trusted only where it cannot change the result: a clip it calls short is counted by decoding it
+(short clips are cheap), and a clip that ends early falls back to the frames it really has.
+Pixel values differ from imageio's only by colour-conversion rounding (measured in the README).
+
+PyAV (BSD; its wheels bundle FFmpeg's libraries) installs with pip everywhere the project does and
+needs no system FFmpeg; torchcodec would tie us to one torch release per version.
+"""
+
+from __future__ import annotations
+
+DECODERS = ("fast", "diffsynth")
+
+
+class ClipReadError(ValueError):
+    """The clip cannot be decoded; the message says why (the dataset adds the row and the file)."""
+
+
+class IrregularTiming(Exception):
+    """Frames are not evenly spaced at the stream's frame rate (variable frame rate): DiffSynth's reader gets
+    constant-rate frames from ffmpeg (repeating or dropping some), so the caller uses that reader instead."""
+
+
+def frames_to_use(available: int, wanted: int, division: int = 4, remainder: int = 1) -> int:
+    """How many leading frames DiffSynth's VideoDataset takes from a clip of ``available`` frames."""
+    count = wanted
+    if available < wanted:
+        count = available
+        while count > 1 and count % division != remainder:
+            count -= 1
+    return count
+
+
+def _open(path: str):
+    import av
+
+    try:
+        container = av.open(str(path))
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise ClipReadError(f"cannot open: {exc}") from None
+    if not container.streams.video:
+        container.close()
+        raise ClipReadError("no video stream")
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    return container, stream
+
+
+def _decode(container, stream, limit: int | None, times: list | None = None) -> list:
+    """The first ``limit`` decoded frames (all of them when None), as RGB PIL images; their times (s) go to
+    ``times``."""
+    import av
+
+    images = []
+    try:
+        for frame in container.decode(stream):
+            images.append(frame.to_image())
+            if times is not None:
+                times.append(None if frame.pts is None else float(frame.pts * stream.time_base))
+            if limit is not None and len(images) >= limit:
+                break
+    except av.FFmpegError as exc:
+        if not images:
+            raise ClipReadError(f"cannot decode: {exc}") from None
+        # A damaged tail: what decoded before it is the clip, as ffmpeg's own reader would see it.
+    return images
+
+
+def read_leading_frames(path: str, num_frames: int, division: int = 4, remainder: int = 1) -> list:
+    """The frames DiffSynth would train on from the clip at ``path`` (RGB PIL images, not yet resized)."""
+    container, stream = _open(path)
+    times: list = []
+    try:
+        listed = stream.frames or 0
+        if listed >= num_frames:
+            images = _decode(container, stream, num_frames, times)
+        else:   # no count, or a short clip: decode it all (short) to know how many frames it has
+            images = _decode(container, stream, None, times)
+        rate = stream.guessed_rate or stream.average_rate
+        start = stream.start_time * stream.time_base if stream.start_time is not None else None
+    finally:
+        container.close()
+    if not images:
+        raise ClipReadError("no decodable video frame")
+    used = frames_to_use(len(images), num_frames, division, remainder)
+    if not evenly_spaced(times[:used], float(rate) if rate else None, None if start is None else float(start)):
+        raise IrregularTiming(f"{path}: frames are not evenly spaced at {rate} fps")
+    return images[:used]
+
+
+def evenly_spaced(times: list, fps: float | None, start: float | None, tolerance: float = 0.25) -> bool:
+    """Whether frame times are start, start + 1/fps, start + 2/fps, ...: then ffmpeg's constant-rate output
+    (what DiffSynth's reader gets) is exactly the decoded frames."""
+    if not times:
+        return True
+    if not fps or any(t is None for t in times):
+        return False   # timing unknown: not provably the same frames
+    step = 1.0 / fps
+    origin = times[0] if start is None else start
+    return all(abs(t - (origin + i * step)) <= tolerance * step for i, t in enumerate(times))
+
+
+def probe_clip(path: str) -> tuple[int, int, int, float | None]:
+    """(width, height, frame count, fps) from the container, decoding one frame to prove it is readable.
+
+    The count is the container's; where it has none, the packets are counted (no decoding).
+    """
+    container, stream = _open(path)
+    try:
+        first = _decode(container, stream, 1)
+        if not first:
+            raise ClipReadError("no decodable video frame")
+        count = stream.frames or 0
+        if count <= 0:
+            container.seek(0)
+            count = sum(1 for packet in container.demux(stream) if packet.size)
+        rate = stream.average_rate or stream.guessed_rate
+        width, height = first[0].size
+        return width, height, int(count), float(rate) if rate else None
+    finally:
+        container.close()
