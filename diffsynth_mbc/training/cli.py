@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     status = RankStatusWriter(options.log_dir, options.run_id or default_run_id(), rank, local_rank, world_size,
+                              keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))
     signals = StopSignals(grace_s=options.stop_grace_s, on_stuck=lambda sig: status.set_status(
         run_files.STATUS_STOPPED, phase=f"stopped by signal {sig} while in: {status.state['phase']}"))

@@ -32,6 +32,7 @@ DEFAULTS = {
     "status_interval_s": 5.0, "dist_backend": None,
     # checkpoints, resume, stopping
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
+    "keep_old_histories": 3,
     "resume": None, "force_resume": False, "stop_grace_s": 300.0, "allow_stale_cache": False, "decoder": "fast",
     # bad media and validation
     "max_bad_media_fraction": 0.01,
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--find_unused_parameters", type=_parse_bool)
     out = parser.add_argument_group("output and logging")
     out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
-    out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default OUTPUT_PATH/training_logs, so two runs never share one by default)")
+    out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default OUTPUT_PATH/training_logs, "
+                                       "so two runs never share one by default)")
     out.add_argument("--run_id", help="names this run in the logs (default: time-based)")
     out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
     out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
@@ -105,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--checkpoint_steps", type=int, help="full training state every N optimizer steps")
     ckpt.add_argument("--checkpoint_minutes", type=float, help="... and/or every M minutes, whichever comes first")
     ckpt.add_argument("--keep_checkpoints", type=int, help="keep the newest K (default 3) plus any with a KEEP file")
+    out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
+                                                            "*.jsonl.old; keep the newest N of them (default 3)")
     ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes)")
     ckpt.add_argument("--resume", help="'latest' or a checkpoint folder: continue at its exact step and data position")
     ckpt.add_argument("--force_resume", type=_parse_bool, help="resume even if the configuration differs")
@@ -202,6 +206,8 @@ def validate(options: dict) -> None:
             raise OptionsError(f"--{key} must be a positive integer, got {options[key]}")
     if options["checkpoint_minutes"] is not None and options["checkpoint_minutes"] <= 0:
         raise OptionsError(f"--checkpoint_minutes must be positive, got {options['checkpoint_minutes']}")
+    if options["keep_old_histories"] < 0:
+        raise OptionsError(f"--keep_old_histories must not be negative, got {options['keep_old_histories']}")
     if options["keep_checkpoints"] < 1 or options["val_samples"] < 1:
         raise OptionsError("--keep_checkpoints and --val_samples must be at least 1")
     if not 0 <= options["max_bad_media_fraction"] <= 1:

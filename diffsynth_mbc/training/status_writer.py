@@ -75,7 +75,7 @@ class RankStatusWriter:
     def __init__(self, log_dir: str | os.PathLike, run_id: str, rank: int, local_rank: int, world_size: int,
                  min_interval_s: float = 5.0, wall_clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic, continue_history: bool = False,
-                 report_every_s: float = 60.0, stream=None):
+                 report_every_s: float = 60.0, stream=None, keep_old_histories: int = 3):
         self.log_dir = Path(log_dir)
         self._status_guard = WriteGuard(f"rank {rank}'s status file in {self.log_dir}", monotonic, report_every_s,
                                         stream)
@@ -92,6 +92,7 @@ class RankStatusWriter:
         self._last_write = None
         self._started_monotonic = monotonic()
         self._history = None
+        self.keep_old_histories = keep_old_histories
         if not continue_history:
             self._history_guard.run(self._set_aside_previous_history)
         self.state = {field: None for field in run_files.STATUS_FIELDS}
@@ -176,6 +177,14 @@ class RankStatusWriter:
                 target = self.history_file.with_name(f"{self.history_file.stem}.{stamp}-{suffix}.jsonl.old")
                 suffix += 1
             os.replace(self.history_file, target)
+        self._prune_old_histories()
+
+    def _prune_old_histories(self) -> None:
+        """Only the newest ``keep_old_histories`` set-aside histories of this rank stay (they once piled up)."""
+        old = sorted(self.history_file.parent.glob(f"{self.history_file.stem}.*.jsonl.old"),
+                     key=lambda path: path.stat().st_mtime_ns)
+        for path in old[:max(0, len(old) - self.keep_old_histories)]:
+            path.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._pending_history:

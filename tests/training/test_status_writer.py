@@ -144,3 +144,16 @@ def test_history_lines_wait_in_order_while_the_history_cannot_be_opened(tmp_path
     steps = [json.loads(line)["step"] for line in run_files.history_path(log_dir, 0).read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert "written again" in report.getvalue()
+
+
+def test_set_aside_histories_do_not_pile_up(tmp_path):
+    """Each new run sets the previous history aside; 10 files after 5 runs of 2 ranks once piled up."""
+    for run in range(6):
+        writer = RankStatusWriter(tmp_path, f"run-{run}", 0, 0, 1, keep_old_histories=3)
+        writer.append_history({"step": 1, "run": run})
+        writer.close()
+        old = sorted(tmp_path.glob("training_gpu0.*.jsonl.old"), key=lambda p: p.stat().st_mtime_ns)
+        assert len(old) == min(run, 3)
+    kept_runs = [json.loads(p.read_text())["run"] for p in old]
+    assert kept_runs == [2, 3, 4]                  # the newest three previous runs
+    assert json.loads(run_files.history_path(tmp_path, 0).read_text())["run"] == 5
