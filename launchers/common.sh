@@ -18,6 +18,9 @@ set -euo pipefail
 
 MBC_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python}
+# Known third-party deprecation notices, printed by every process of every run (torch's pynvml and
+# torch.jit.script FutureWarnings); only these, by category and module. Anything already set wins.
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning:torch.cuda,ignore::FutureWarning:torch.jit._script}
 
 mbc_die() { echo "error: $*" >&2; exit 2; }
 
@@ -134,7 +137,7 @@ mbc_launch() {
   fi
   if [[ $demo == 1 ]]; then
     preset=$MBC_ROOT/configs/train_demo.yaml
-    env_prefix=(env ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1)
+    env_prefix=(env ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu)
     if [[ $multinode == 1 ]]; then   # each node one CPU process (gloo): a real several-node run on one machine
       gpus=${gpus:-1}
       accelerate_args=(--multi_gpu --num_processes $((gpus * NUM_MACHINES)) --num_machines "$NUM_MACHINES"

@@ -11,6 +11,10 @@ which the training loop counts and reports.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+
 from diffsynth.trainers.utils import VideoDataset
 
 from diffsynth_mbc.data.clip_reader import DECODERS, IrregularTiming, read_leading_frames
@@ -22,11 +26,25 @@ class MediaDecodeError(RuntimeError):
     pass
 
 
+_NOTICES_SHOWN: set[str] = set()
+
+
+def _print_once(text: str) -> None:
+    """DiffSynth's notices, once per process and only on the first rank."""
+    for line in text.splitlines():
+        if line and line not in _NOTICES_SHOWN and os.environ.get("RANK", "0") == "0":
+            print(line)
+        _NOTICES_SHOWN.add(line)
+
+
 class MBCVideoDataset(VideoDataset):
     def __init__(self, base_path: str, metadata_path: str, num_frames: int, height: int, width: int,
                  repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast"):
-        super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
-                         height=height, width=width, data_file_keys=("video",), repeat=repeat)
+        notices = io.StringIO()
+        with contextlib.redirect_stdout(notices):   # DiffSynth prints a notice per dataset and rank
+            super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
+                             height=height, width=width, data_file_keys=("video",), repeat=repeat)
+        _print_once(notices.getvalue())
         if decoder not in DECODERS:
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
         self.substitute_bad_media = substitute_bad_media

@@ -233,11 +233,13 @@ def resume(run: Run) -> None:
 
 def start_progress(run: Run) -> None:
     from diffsynth_mbc.training.progress import ProgressLogger
+    from diffsynth_mbc.training.terminal_progress import TerminalProgress
 
     options, position = run.options, run.position
+    printer = TerminalProgress(enabled=run.accelerator.is_main_process, print_every_s=options.print_every_s)
     run.logger = ProgressLogger(options.output_path, run.status, steps_per_epoch=run.steps_per_epoch,
                                 num_epochs=options.num_epochs, samples_per_step=options.batch_size,
-                                start_step=position.step)
+                                start_step=position.step, printer=printer)
     run.status.update(plan=run.plan.as_dict(), skipped_samples=position.skipped_samples,
                       skip_reasons=position.recent_skips, lr_scheduler=options.lr_scheduler,
                       max_grad_norm=options.max_grad_norm)
@@ -328,6 +330,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         position.epoch, position.batches_in_epoch = epoch + 1, 0
     if run.validator and options.val_steps and position.step % options.val_steps == 0:
         run.validator.run(position.step)
+        run.logger.on_validation()
     if stop_any:
         run.checkpoints.save(position)
         status.set_status(run_files.STATUS_STOPPED, phase=f"stopped at step {position.step} after a "
@@ -349,6 +352,7 @@ def finish(run: Run) -> None:
     options, position = run.options, run.position
     if run.validator and (not options.val_steps or position.step % options.val_steps):
         run.validator.run(position.step)
+        run.logger.on_validation()
     run.checkpoints.save_lora("lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:
         run.checkpoints.save(position)
@@ -357,4 +361,5 @@ def finish(run: Run) -> None:
 
 
 def cleanup(run: Run) -> None:
+    run.logger.print_summary()   # once: after finish() it was printed already; after a stop, here
     run.accelerator.end_training()

@@ -32,7 +32,7 @@ DEFAULTS = {
     "status_interval_s": 5.0, "dist_backend": None,
     # checkpoints, resume, stopping
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
-    "keep_old_histories": 3,
+    "keep_old_histories": 3, "print_every_s": 30.0,
     "resume": None, "force_resume": False, "stop_grace_s": 300.0, "allow_stale_cache": False, "decoder": "fast",
     # bad media and validation
     "max_bad_media_fraction": 0.01,
@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--checkpoint_steps", type=int, help="full training state every N optimizer steps")
     ckpt.add_argument("--checkpoint_minutes", type=float, help="... and/or every M minutes, whichever comes first")
     ckpt.add_argument("--keep_checkpoints", type=int, help="keep the newest K (default 3) plus any with a KEEP file")
+    out.add_argument("--print_every_s", type=float, help="without a terminal, rank 0 prints a progress line this "
+                                                         "often and at every epoch end (default 30)")
     out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
                                                             "*.jsonl.old; keep the newest N of them (default 3)")
     ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes)")
@@ -206,6 +208,8 @@ def validate(options: dict) -> None:
             raise OptionsError(f"--{key} must be a positive integer, got {options[key]}")
     if options["checkpoint_minutes"] is not None and options["checkpoint_minutes"] <= 0:
         raise OptionsError(f"--checkpoint_minutes must be positive, got {options['checkpoint_minutes']}")
+    if options["print_every_s"] <= 0:
+        raise OptionsError(f"--print_every_s must be positive, got {options['print_every_s']}")
     if options["keep_old_histories"] < 0:
         raise OptionsError(f"--keep_old_histories must not be negative, got {options['keep_old_histories']}")
     if options["keep_checkpoints"] < 1 or options["val_samples"] < 1:

@@ -16,6 +16,7 @@ from diffsynth.trainers.utils import ModelLogger
 from diffsynth_mbc import run_files
 from diffsynth_mbc.training.eta import StepRateWindow
 from diffsynth_mbc.training.status_writer import RankStatusWriter
+from diffsynth_mbc.training.terminal_progress import TerminalProgress, progress_line
 
 
 def gpu_snapshot() -> dict | None:
@@ -41,9 +42,13 @@ class ProgressLogger(ModelLogger):
     def __init__(self, output_path: str, status: RankStatusWriter, *, steps_per_epoch: int, num_epochs: int,
                  samples_per_step: int, remove_prefix_in_ckpt: str | None = "pipe.dit.",
                  start_step: int = 0, rate_window: int = 50, warmup_steps: int = 2,
-                 loss_average_window: int = 50, monotonic=time.monotonic, wall_clock=time.time):
+                 loss_average_window: int = 50, monotonic=time.monotonic, wall_clock=time.time,
+                 printer: TerminalProgress | None = None):
         super().__init__(output_path, remove_prefix_in_ckpt=remove_prefix_in_ckpt)
         self.status = status
+        self.printer = printer or TerminalProgress(enabled=False)
+        self._printed_val_step = None
+        self._summary_printed = False
         self.steps_per_epoch = steps_per_epoch
         self.num_epochs = num_epochs
         self.total_steps = steps_per_epoch * num_epochs
@@ -102,18 +107,35 @@ class ProgressLogger(ModelLogger):
             # NVML and the allocator are queried only when the file is about to be rewritten.
             **({"gpu": gpu_snapshot()} if self.status.write_due() else {}),
         )
+        self.printer.step(self.status.state)
+
+    def on_validation(self) -> None:
+        state = self.status.state
+        if state.get("val_step") is not None and state.get("val_step") != self._printed_val_step:
+            self._printed_val_step = state["val_step"]
+            self.printer.step(state)
+            self.printer.event(f"validation at step {state['val_step']}: val_loss {state['val_loss']:.4f}")
+
+    def print_summary(self) -> None:
+        """The run's summary on rank 0's terminal, once (finished or stopped)."""
+        if not self._summary_printed:
+            self._summary_printed = True
+            self.printer.finish(self.status.state, output_path=str(self.output_path),
+                                log_dir=str(self.status.log_dir))
 
     def on_epoch_end(self, accelerator=None, model=None, epoch_id=None, **kwargs) -> None:
         # DiffSynth's loop saves an epoch file through the parent; ours saves its own output.
         if accelerator is not None and model is not None and kwargs.get("save_epoch_file", True):
             super().on_epoch_end(accelerator, model, epoch_id)
         self.status.flush()
+        self.printer.event(f"epoch {self.epoch + 1}/{self.num_epochs} done | {progress_line(self.status.state)}")
 
     def on_training_end(self, accelerator=None, model=None, save_steps=None, **kwargs) -> None:
         if accelerator is not None and model is not None:
             super().on_training_end(accelerator, model, save_steps)
         self.status.set_status(run_files.STATUS_FINISHED, phase="finished", eta_s=0.0,
                                progress=100.0 if self.step >= self.total_steps else self.status.state["progress"])
+        self.print_summary()
 
 
 def _maybe_float(value):

@@ -106,6 +106,23 @@ def test_second_launch_is_refused_while_the_first_runs(demo):
     assert demo["trainers"] <= 2, "more than two training processes were alive at once"
 
 
+def test_the_launcher_terminal_shows_progress_and_a_summary(demo):
+    """Without a terminal, rank 0 prints progress lines (step/total, ETA) while it trains and a summary."""
+    import re
+
+    progress = [line for line in demo["log"].splitlines() if re.match(r"^(epoch \d/2 done \| )?step \d+/12 ", line)]
+    assert progress and all("ETA" in line and "loss" in line for line in progress)
+    assert any(line.startswith("epoch 2/2 done | step 12/12 (100.0%)") for line in progress)
+    assert "finished: 12/12 steps in" in demo["log"]
+    assert "watch or inspect: python -m diffsynth_mbc.monitor runs/demo/training_logs" in demo["log"]
+
+
+def test_known_third_party_noise_is_filtered(demo):
+    for noise in ("pynvml package is deprecated", "torch.jit.script` is deprecated", "Setting accelerator to CPU"):
+        assert noise not in demo["log"]
+    assert demo["log"].count("Height and width are fixed") <= 1   # DiffSynth's notice: once, rank 0 only
+
+
 def test_stale_lock_is_detected_and_cleared(demo):
     assert "cleared a stale lock of pid 999999" in demo["log"]
     assert not (demo["output"] / ".train.pid").exists()

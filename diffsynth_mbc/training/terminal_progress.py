@@ -1,0 +1,102 @@
+"""What rank 0 prints while it trains, so the launcher's terminal and log file never look frozen.
+
+Without a terminal (a log file, ``--detach``, CI): one plain line every ``print_every_s`` seconds and
+at every epoch end, then one summary when the run ends. In a terminal: a rich progress bar instead of
+the periodic lines. The lines are made from the status file's fields (pure formatting, no torch).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def clock(seconds) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def _number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def progress_line(state: dict) -> str:
+    """``step 6/12 (50.0%) | epoch 1/2 | loss 0.1234 (avg 0.1300) | lr 1.00e-04 | 0.52 s/step | ...``"""
+    step, total = state.get("step") or 0, state.get("total_steps") or 0
+    percent = 100.0 * step / total if total else 0.0
+    epoch, epochs = (state.get("epoch") or 0) + 1, state.get("num_epochs") or 1
+    parts = [f"step {step}/{total} ({percent:.1f}%)", f"epoch {min(epoch, epochs)}/{epochs}",
+             f"loss {_number(state.get('loss'), '.4f')} (avg {_number(state.get('loss_avg'), '.4f')})",
+             f"lr {_number(state.get('lr'), '.2e')}", f"{_number(state.get('step_time_s'), '.2f')} s/step",
+             f"{_number(state.get('samples_per_s'), '.2f')} samples/s", f"elapsed {clock(state.get('elapsed_s'))}",
+             f"ETA {clock(state.get('eta_s'))}"]
+    return " | ".join(parts)
+
+
+def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss: float | None) -> list[str]:
+    lines = [f"{state.get('status')}: {state.get('step')}/{state.get('total_steps')} steps in "
+             f"{clock(state.get('elapsed_s'))} (run {state.get('run_id')})"]
+    if state.get("val_loss") is not None:
+        lines.append(f"  validation loss: last {state['val_loss']:.4f} at step {state.get('val_step')}, "
+                     f"best {best_val_loss:.4f}")
+    lines.append(f"  LoRA: {output_path}/lora.safetensors")
+    if state.get("last_checkpoint"):
+        lines.append(f"  last checkpoint: {state['last_checkpoint']}")
+    lines.append(f"  watch or inspect: python -m diffsynth_mbc.monitor {log_dir}")
+    return lines
+
+
+class TerminalProgress:
+    """Rank 0's progress output; every other rank stays quiet (``enabled`` False)."""
+
+    def __init__(self, enabled: bool, print_every_s: float = 30.0, stream=None, monotonic=time.monotonic):
+        self.enabled = enabled
+        self.print_every_s = print_every_s
+        self.stream = stream or sys.stderr
+        self._monotonic = monotonic
+        self._last_line = monotonic()
+        self.best_val_loss = None
+        self._bar = None
+        if enabled and self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[line]}"), console=Console(file=self.stream))
+            self._task = self._bar.add_task("training", total=None, line="")
+            self._bar.start()
+
+    def step(self, state: dict) -> None:
+        if not self.enabled:
+            return
+        if state.get("val_loss") is not None:
+            self.best_val_loss = min(self.best_val_loss or state["val_loss"], state["val_loss"])
+        if self._bar is not None:
+            self._bar.update(self._task, total=state.get("total_steps"), completed=state.get("step") or 0,
+                             line=progress_line(state).split(" | ", 2)[-1])
+        elif self._monotonic() - self._last_line >= self.print_every_s:
+            self._print(progress_line(state))
+
+    def event(self, text: str) -> None:
+        """A line above the bar (or in the log): an epoch end, a validation, a checkpoint."""
+        if self.enabled:
+            self._print(text)
+
+    def finish(self, state: dict, *, output_path: str, log_dir: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        for line in summary_lines(state, output_path=output_path, log_dir=log_dir, best_val_loss=self.best_val_loss):
+            self._print(line)
+
+    def _print(self, text: str) -> None:
+        self._last_line = self._monotonic()
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)

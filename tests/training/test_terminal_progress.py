@@ -1,0 +1,47 @@
+"""Rank 0's terminal output: periodic progress lines without a terminal, epoch and validation events, a summary."""
+
+import io
+
+from diffsynth_mbc.training.terminal_progress import TerminalProgress, clock, progress_line, summary_lines
+
+STATE = {"step": 6, "total_steps": 12, "epoch": 0, "num_epochs": 2, "loss": 0.1234, "loss_avg": 0.13, "lr": 1e-4,
+         "step_time_s": 0.52, "samples_per_s": 3.8, "elapsed_s": 3725, "eta_s": 61, "status": "training",
+         "run_id": "run-x"}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_progress_line_has_every_field_whole():
+    line = progress_line(STATE)
+    assert line == ("step 6/12 (50.0%) | epoch 1/2 | loss 0.1234 (avg 0.1300) | lr 1.00e-04 | 0.52 s/step | "
+                    "3.80 samples/s | elapsed 1:02:05 | ETA 0:01:01")
+    assert progress_line({"step": 0, "total_steps": 0}).startswith("step 0/0 (0.0%)")
+    assert clock(None) == "-" and clock(59.6) == "0:01:00"
+
+
+def test_lines_every_interval_not_every_step_and_only_on_rank_0():
+    stream, now = io.StringIO(), Clock()
+    printer = TerminalProgress(enabled=True, print_every_s=30, stream=stream, monotonic=now)
+    for step in range(1, 101):
+        now.now += 1.0
+        printer.step({**STATE, "step": step})
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" ")[1] for line in lines] == ["30/12", "60/12", "90/12"]
+    quiet = io.StringIO()
+    TerminalProgress(enabled=False, stream=quiet).step(STATE)
+    assert quiet.getvalue() == ""
+
+
+def test_the_summary_says_where_everything_is():
+    state = {**STATE, "status": "finished", "step": 12, "val_loss": 0.2, "val_step": 12,
+             "last_checkpoint": "runs/x/lora/checkpoints/step-00000012"}
+    lines = summary_lines(state, output_path="runs/x/lora", log_dir="runs/x/lora/training_logs", best_val_loss=0.15)
+    assert lines[0] == "finished: 12/12 steps in 1:02:05 (run run-x)"
+    assert "best 0.1500" in lines[1] and "runs/x/lora/lora.safetensors" in lines[2]
+    assert lines[-1] == "  watch or inspect: python -m diffsynth_mbc.monitor runs/x/lora/training_logs"
