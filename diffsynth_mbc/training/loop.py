@@ -124,15 +124,19 @@ def start_accelerator(options, status: RankStatusWriter):
         timeout = datetime.timedelta(seconds=int(os.environ.get("NCCL_TIMEOUT", "1800")))
         backend = options.dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
+    tracking = {} if options.report_to == "none" else {
+        "log_with": options.report_to, "project_dir": os.path.join(options.output_path, "tracking")}
     accelerator = Accelerator(
         gradient_accumulation_steps=options.gradient_accumulation_steps, kwargs_handlers=handlers,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=options.seed))
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=options.seed), **tracking)
     if accelerator.num_processes != status.state["world_size"]:
         status.update(world_size=accelerator.num_processes)
     # One run id for the whole run, rank 0's: nodes launched seconds or minutes apart each proposed their own.
     run_id = broadcast_from_main(accelerator, status.state["run_id"])
     if run_id != status.state["run_id"]:
         status.update(run_id=run_id, phase=f"joined run {run_id}")
+    if options.report_to != "none":
+        accelerator.init_trackers(run_id)   # the run id is the tracker's run name (rank 0 only, inside)
     if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
         raise OptionsError(f"{accelerator.num_processes} processes were launched but accelerate set up no distributed "
                            "training, so gradients would never be averaged; check the accelerate config "
@@ -330,7 +334,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         position.epoch, position.batches_in_epoch = epoch + 1, 0
     if run.validator and options.val_steps and position.step % options.val_steps == 0:
         run.validator.run(position.step)
-        run.logger.on_validation()
+        run.logger.on_validation(accelerator)
     if stop_any:
         run.checkpoints.save(position)
         status.set_status(run_files.STATUS_STOPPED, phase=f"stopped at step {position.step} after a "
@@ -352,7 +356,7 @@ def finish(run: Run) -> None:
     options, position = run.options, run.position
     if run.validator and (not options.val_steps or position.step % options.val_steps):
         run.validator.run(position.step)
-        run.logger.on_validation()
+        run.logger.on_validation(run.accelerator)
     run.checkpoints.save_lora("lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:
         run.checkpoints.save(position)

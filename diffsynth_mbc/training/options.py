@@ -32,7 +32,7 @@ DEFAULTS = {
     "status_interval_s": 5.0, "dist_backend": None,
     # checkpoints, resume, stopping
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
-    "keep_old_histories": 3, "print_every_s": 30.0,
+    "keep_old_histories": 3, "print_every_s": 30.0, "report_to": "none",
     "resume": None, "force_resume": False, "stop_grace_s": 300.0, "allow_stale_cache": False, "decoder": "fast",
     # bad media and validation
     "max_bad_media_fraction": 0.01,
@@ -43,7 +43,8 @@ DEFAULTS = {
 
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
-            "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth")}
+            "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
+            "report_to": ("none", "tensorboard", "wandb")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--checkpoint_steps", type=int, help="full training state every N optimizer steps")
     ckpt.add_argument("--checkpoint_minutes", type=float, help="... and/or every M minutes, whichever comes first")
     ckpt.add_argument("--keep_checkpoints", type=int, help="keep the newest K (default 3) plus any with a KEEP file")
+    out.add_argument("--report_to", help="none (default), tensorboard (pip install -e '.[tensorboard]'; event "
+                                          "files in OUTPUT_PATH/tracking/RUN_ID) or wandb, through accelerate's "
+                                          "trackers: the JSONL's scalars every optimizer step, from rank 0")
     out.add_argument("--print_every_s", type=float, help="without a terminal, rank 0 prints a progress line this "
                                                          "often and at every epoch end (default 30)")
     out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "

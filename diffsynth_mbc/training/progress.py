@@ -108,11 +108,17 @@ class ProgressLogger(ModelLogger):
             **({"gpu": gpu_snapshot()} if self.status.write_due() else {}),
         )
         self.printer.step(self.status.state)
+        if accelerator is not None and getattr(accelerator, "trackers", None):
+            scalars = {key: record.get(key) for key in ("loss", "lr", "grad_norm", "step_time_s")}
+            scalars["samples_per_s"] = self.status.state.get("samples_per_s")
+            accelerator.log({k: v for k, v in scalars.items() if v is not None}, step=self.step)
 
-    def on_validation(self) -> None:
+    def on_validation(self, accelerator=None) -> None:
         state = self.status.state
         if state.get("val_step") is not None and state.get("val_step") != self._printed_val_step:
             self._printed_val_step = state["val_step"]
+            if accelerator is not None and getattr(accelerator, "trackers", None):
+                accelerator.log({"val_loss": state["val_loss"]}, step=state["val_step"])
             self.printer.step(state)
             self.printer.event(f"validation at step {state['val_step']}: val_loss {state['val_loss']:.4f}")
 

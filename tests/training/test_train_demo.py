@@ -24,7 +24,7 @@ def demo(tmp_path_factory):
     output = work / "runs" / "demo" / "lora"
     output.mkdir(parents=True)
     (output / ".train.pid").write_text("999999\n")          # left by a run that died without cleaning up
-    launcher = ["bash", str(REPO / "launchers" / "train_test.sh"), "--demo"]
+    launcher = ["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--report_to", "tensorboard"]
     first = subprocess.Popen(launcher, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log_dir = work / "runs" / "demo" / "training_logs"
     deadline = time.monotonic() + 120
@@ -115,6 +115,23 @@ def test_the_launcher_terminal_shows_progress_and_a_summary(demo):
     assert any(line.startswith("epoch 2/2 done | step 12/12 (100.0%)") for line in progress)
     assert "finished: 12/12 steps in" in demo["log"]
     assert "watch or inspect: python -m diffsynth_mbc.monitor runs/demo/training_logs" in demo["log"]
+
+
+def test_tensorboard_scalars_equal_the_history(demo):
+    """--report_to tensorboard: rank 0's scalars, read back with TensorBoard's own reader, are the JSONL's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_id = read_status(demo["log_dir"], 0)["run_id"]
+    events = EventAccumulator(str(demo["output"] / "tracking" / run_id))
+    events.Reload()
+    history = read_history(demo["log_dir"], 0)
+    for key in ("loss", "lr", "grad_norm", "step_time_s"):
+        logged = {e.step: e.value for e in events.Scalars(key)}
+        assert sorted(logged) == [line["step"] for line in history]
+        assert [logged[line["step"]] for line in history] == pytest.approx([line[key] for line in history],
+                                                                           rel=1e-6, abs=1e-12)
+    rated = [e.step for e in events.Scalars("samples_per_s")]   # from the first step after the rate's warm-up
+    assert rated and rated == [line["step"] for line in history][-len(rated):]
 
 
 def test_known_third_party_noise_is_filtered(demo):
