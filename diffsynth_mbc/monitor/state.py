@@ -69,6 +69,7 @@ from diffsynth_mbc.monitor.status import (
 
 
 MISSING_NOTES_SHOWN = 16
+EVENTS_SHOWN = 8
 
 
 class MonitorState:
@@ -93,6 +94,8 @@ class MonitorState:
         self._status: dict[int, StatusFile] = {}
         self._history: dict[int, HistoryFile] = {}
         self._warned: dict[str, None] = {}  # warn-once notes, in order
+        self._runs_seen: dict[int, str | None] = {}   # rank -> the run id its files last belonged to
+        self._events: dict[str, None] = {}   # normal events worth a line, in order (a new run, ...)
         self._snapshot: dict | None = None
         self._refreshed_mono: float | None = None
         self.last_refresh_s: float | None = None
@@ -193,6 +196,14 @@ class MonitorState:
 
     def _warn(self, message: str) -> None:
         self._warned.setdefault(message, None)
+
+    def _note_new_run(self, rank: int, run_id: str | None, hf: HistoryFile) -> None:
+        """A new run replacing the previous one's history is normal: an event, not a warning about the file."""
+        previous = self._runs_seen.get(rank)
+        if previous is not None and run_id != previous:
+            hf.rereads = 0
+            self._events.setdefault(f"new run {run_id} replaced {previous}", None)
+        self._runs_seen[rank] = run_id
 
     def _history_path(self, rank: int) -> Path:
         """The history beside the rank's status file; a remote rank's history is not read here."""
@@ -300,6 +311,7 @@ class MonitorState:
             notes.extend(sf.notes)
             hf = self._history_for(rank)
             hf.poll()
+            self._note_new_run(rank, sf.data.get("run_id"), hf)
             notes.extend(hf.notes())
             ranks_out.append(self._rank_view(sf, hf, now))
         present = {r["rank"] for r in ranks_out}
@@ -338,6 +350,7 @@ class MonitorState:
             "errors": errors,
             "ignored_runs": [{"run_id": k, "ranks": sorted(v)} for k, v in sorted(ignored_runs.items())],
             "notes": list(dict.fromkeys(notes)),
+            "events": list(self._events)[-EVENTS_SHOWN:],
             "now": now,
             "schema_version": run_files.SCHEMA_VERSION,
         }

@@ -192,9 +192,12 @@ def render_errors(snap: dict, theme: Theme, tail_lines: int = 10) -> list[Render
 
 def render_notes(snap: dict, theme: Theme, limit: int = 12) -> RenderableType | None:
     notes = snap.get("notes") or []
-    if not notes:
+    events = snap.get("events") or []
+    if not notes and not events:
         return None
     text = Text()
+    for event in events[-3:]:
+        text.append(f"· {printable(str(event))}\n", style=theme.label)
     for note in notes[:limit]:
         text.append(f"• {printable(str(note))}\n", style=theme.note)
     if len(notes) > limit:

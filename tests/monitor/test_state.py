@@ -341,3 +341,15 @@ def test_series_extend_in_batches_equals_adding_one_by_one(batches, max_points):
     assert (bulk.x, bulk.lo, bulk.hi, bulk.n, bulk.bucket, bulk.count) == (one.x, one.lo, one.hi, one.n, one.bucket,
                                                                          one.count)
     assert bulk.mean == pytest.approx(one.mean, abs=1e-6)
+
+
+def test_a_new_run_replacing_the_history_is_an_event_not_a_warning(tmp_path):
+    F.make_run(tmp_path, world_size=1, ranks=[0], steps=5, run_id="run-1")
+    state = MonitorState(tmp_path, clock=lambda: F.NOW)
+    state.refresh()
+    (tmp_path / "training_gpu0.jsonl").rename(tmp_path / "training_gpu0.old.jsonl.old")
+    F.make_run(tmp_path, world_size=1, ranks=[0], steps=3, run_id="run-2")
+    snap = state.refresh()
+    assert "new run run-2 replaced run-1" in snap["events"]
+    assert not any("replaced or truncated" in note for note in snap["notes"])
+    assert snap["ranks"][0]["history_lines"] == 3
