@@ -133,7 +133,8 @@ def main(argv=None) -> int:
         from diffsynth_mbc.monitor.view import render
 
         snap = state.refresh()
-        _console().print(render(snap, log_dir=str(log_dir)))
+        console = _console()
+        console.print(render(snap, log_dir=str(log_dir), width=console.width))
         return exit_code(snap["status"])
 
     server = None
@@ -177,7 +178,7 @@ def _live(state: MonitorState, log_dir: str, interval: float, url: str | None) -
             snap = state.refresh()
             footer = (f"refreshed {time.strftime('%H:%M:%S')} in {snap['refresh_ms']:.0f} ms · every {interval:g}s"
                       f"{served} · Ctrl-C to quit")
-            live.update(render(snap, log_dir=str(log_dir), footer=footer), refresh=True)
+            live.update(render(snap, log_dir=str(log_dir), footer=footer, width=live.console.width), refresh=True)
             time.sleep(max(0.05, interval - (time.monotonic() - tick)))
 
 

@@ -205,11 +205,57 @@ def render_notes(snap: dict, theme: Theme, limit: int = 12) -> RenderableType | 
     return text
 
 
+COMPACT_BELOW = 110   # columns: below this, one short line per rank and a two-column header
+
+
+def render_compact_header(snap: dict, theme: Theme) -> RenderableType:
+    status = snap.get("status", "no_data")
+    step, total, progress = snap.get("step"), snap.get("total_steps"), snap.get("progress")
+    line = Text()
+    line.append(status.upper(), style=theme.status.get(status, ""))
+    line.append(f"  step {step if step is not None else '-'}/{total if total is not None else '-'}", style=theme.value)
+    if progress is not None:
+        line.append(f" ({progress:.1f}%)", style=theme.value)
+    line.append(f"  ETA {fmt_duration(snap.get('eta_s'))}", style=theme.value)
+    line.append(f"  loss {fmt_num(snap.get('loss'))}", style=theme.value)
+    second = Text(f"elapsed {fmt_duration(snap.get('elapsed_s'))}  ranks {snap.get('world_size') or '-'}"
+                  f"  samples/s {fmt_num(snap.get('samples_per_s'), '.3g')}", style=theme.label)
+    if snap.get("missing_ranks"):
+        second.append(f"  missing: {', '.join(map(str, snap['missing_ranks']))}", style=theme.status["missing"])
+    second.append(Text(f"  run {printable(str(snap.get('run_id') or '-'))}", style=theme.label))
+    return Group(line, second)
+
+
+def render_compact_ranks(snap: dict, theme: Theme) -> RenderableType:
+    """One line per rank, the numbers first and whole; the phase last, cut with an ellipsis."""
+    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, padding=(0, 1))
+    for name in ("rank", "status", "step", "loss", "s/step", "updated"):
+        table.add_column(name, justify="left" if name == "status" else "right", no_wrap=True)
+    table.add_column("phase", ratio=1, no_wrap=True, overflow="ellipsis", min_width=6)
+    rows = {r["rank"]: r for r in snap.get("ranks", [])}
+    for rank in sorted(set(rows) | set(snap.get("missing_ranks") or [])):
+        r = rows.get(rank)
+        if r is None:
+            table.add_row(str(rank), Text("missing", style=theme.status["missing"]), "-", "-", "-", "-",
+                          "no status file")
+            continue
+        status = "STALLED" if r.get("stalled") else (r.get("status") or "unknown")
+        table.add_row(str(rank), Text(status, style=theme.status.get(status.lower(), "")),
+                      f"{r.get('step') if r.get('step') is not None else '-'}/{r.get('total_steps') or '-'}",
+                      fmt_num(r.get("loss")),
+                      "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.2f}",
+                      "-" if r.get("age_s") is None else fmt_duration(r["age_s"]),
+                      Text(printable(str(r.get("phase") or "-"))))
+    return table
+
+
 def render(snap: dict, *, log_dir: str | None = None, theme: Theme = THEME, footer: str | None = None,
-           ) -> RenderableType:
-    parts: list[RenderableType] = [render_header(snap, log_dir, theme)]
+           width: int | None = None) -> RenderableType:
+    compact = width is not None and width < COMPACT_BELOW
+    parts: list[RenderableType] = [render_compact_header(snap, theme) if compact
+                                   else render_header(snap, log_dir, theme)]
     if snap.get("ranks") or snap.get("missing_ranks"):
-        parts.append(render_ranks(snap, theme))
+        parts.append(render_compact_ranks(snap, theme) if compact else render_ranks(snap, theme))
     else:
         parts.append(Text("No training files yet: waiting for training_gpu*.json.", style=theme.label))
     parts.extend(render_errors(snap, theme))
