@@ -1,8 +1,8 @@
 """What rank 0 prints while it trains, so the launcher's terminal and log file never look frozen.
 
-Without a terminal (a log file, ``--detach``, CI): one plain line every ``print_every_s`` seconds and
-at every epoch end, then one summary when the run ends. In a terminal: a rich progress bar instead of
-the periodic lines. The lines are made from the status file's fields (pure formatting, no torch).
+Without a terminal (the launchers, which also write the log file; ``--detach``; CI): one plain line every
+``print_every_s`` seconds and at every epoch end, then one summary when the run ends. When rank 0's
+stderr is a terminal (``accelerate launch`` by hand): a rich progress bar instead of the periodic lines. The lines are made from the status file's fields (pure formatting, no torch).
 """
 
 from __future__ import annotations
