@@ -104,10 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
     out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
     out.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on GPUs, gloo on CPU")
-    ckpt = parser.add_argument_group("checkpoints, resume and stopping")
-    ckpt.add_argument("--checkpoint_steps", type=int, help="full training state every N optimizer steps")
-    ckpt.add_argument("--checkpoint_minutes", type=float, help="... and/or every M minutes, whichever comes first")
-    ckpt.add_argument("--keep_checkpoints", type=int, help="keep the newest K (default 3) plus any with a KEEP file")
     out.add_argument("--report_to", help="none (default), tensorboard (pip install -e '.[tensorboard]'; event "
                                           "files in OUTPUT_PATH/tracking/RUN_ID) or wandb, through accelerate's "
                                           "trackers: the JSONL's scalars every optimizer step, from rank 0")
@@ -115,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "often and at every epoch end (default 30)")
     out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
                                                             "*.jsonl.old; keep the newest N of them (default 3)")
+    _add_checkpoint_and_quality_arguments(parser)
+    return parser
+
+
+def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> None:
+    ckpt = parser.add_argument_group("checkpoints, resume and stopping")
+    ckpt.add_argument("--checkpoint_steps", type=int, help="full training state every N optimizer steps")
+    ckpt.add_argument("--checkpoint_minutes", type=float, help="... and/or every M minutes, whichever comes first")
+    ckpt.add_argument("--keep_checkpoints", type=int, help="keep the newest K (default 3) plus any with a KEEP file")
     ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes)")
     ckpt.add_argument("--resume", help="'latest' or a checkpoint folder: continue at its exact step and data position")
     ckpt.add_argument("--force_resume", type=_parse_bool, help="resume even if the configuration differs")
@@ -128,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     data_quality.add_argument("--val_base_path", help="default: --dataset_base_path")
     data_quality.add_argument("--val_steps", type=int, help="validation loss every N optimizer steps (and at the end)")
     data_quality.add_argument("--val_samples", type=int, help="fixed validation subset size (default 16)")
-    return parser
 
 
 def _parse_bool(text: str) -> bool:
