@@ -8,12 +8,12 @@ the checkpoint damaged, and the resume falls back to an older intact one or refu
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
+from diffsynth_mbc.data.cache.index import file_sha256
+
 MANIFEST = "checkpoint.json"
-CHUNK = 4 << 20
 
 
 def rank_state_files(world_size: int) -> list[str]:
@@ -22,11 +22,7 @@ def rank_state_files(world_size: int) -> list[str]:
 
 
 def file_digest(path: Path) -> dict:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(CHUNK), b""):
-            digest.update(chunk)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def inventory(folder: str | os.PathLike) -> dict[str, dict]:
