@@ -234,6 +234,13 @@ mbc_launch() {
     echo "started in the background: pid $pid   stop: bash launchers/stop.sh $OUTPUT_PATH" >&2
     return 0
   fi
+  local terminal
+  if [[ -t 1 ]] && { terminal=$(tty <&3); } 3>&1; then
+    # Everything below goes through tee, so rank 0 draws its live bar on this terminal directly (by its
+    # name: the ranks run in a session of their own, without /dev/tty) and appends its plain progress
+    # lines to the log file instead.
+    export MBC_PROGRESS_TTY=$terminal MBC_PROGRESS_LOG=$log_file
+  fi
   set +e
   "${cmd[@]}" 2>&1 | tee -i -a "$log_file"
   local code=${PIPESTATUS[0]}

@@ -59,6 +59,30 @@ def run_status(ranks: list[dict]) -> str:
     return "starting"
 
 
+SLOW_RANK_FACTOR = 1.25  # a rank whose typical step takes this much longer than the ranks' median is slow
+
+
+def slow_ranks(ranks: list[dict], factor: float = SLOW_RANK_FACTOR) -> list[int]:
+    """Ranks whose median step time exceeds ``factor`` x the median over the other ranks.
+
+    DDP ranks wait for each other, so a persistently slower rank (a throttled GPU, a slow disk
+    behind its data loader) shows as its own longer step times; with one rank nothing is slow.
+    """
+    medians = {r["rank"]: r["median_step_time_s"] for r in ranks
+               if isinstance(r.get("median_step_time_s"), (int, float)) and r["median_step_time_s"] > 0}
+    slow = []
+    for rank, value in medians.items():
+        others = sorted(v for r, v in medians.items() if r != rank)
+        if others and value > factor * _median(others):
+            slow.append(rank)
+    return sorted(slow)
+
+
+def _median(ordered: list[float]) -> float:
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def values_of(ranks: Iterable[dict], key: str) -> list[float]:
     return [r[key] for r in ranks if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
 

@@ -22,6 +22,8 @@ INDEX_EVERY = 512  # JSONL lines between two entries of the byte-offset index
 READ_CHUNK = 4 << 20
 MAX_LINE_BYTES = 1 << 20  # a "line" longer than this without a newline is garbage, skipped
 RECENT_STEP_TIMES = 101
+MAX_EPOCH_MARKS = 1000  # epoch boundaries remembered for the charts
+DRAWN_SERIES = ("loss", "lr", "grad_norm", "step_time_s", "samples_per_s")  # per training record
 
 
 _DECODER = json.JSONDecoder()
@@ -43,14 +45,16 @@ def _record_step(record: dict) -> float | None:
 class _Batch:
     """Values parsed from one read, fed to the series in bulk."""
 
-    __slots__ = ("loss_x", "loss_y", "lr_x", "lr_y", "step_times")
+    __slots__ = ("xs", "ys", "step_times")
 
     def __init__(self):
-        self.loss_x: list = []
-        self.loss_y: list = []
-        self.lr_x: list = []
-        self.lr_y: list = []
+        self.xs: dict[str, list] = {name: [] for name in DRAWN_SERIES}
+        self.ys: dict[str, list] = {name: [] for name in DRAWN_SERIES}
         self.step_times: list = []
+
+    def add(self, name: str, x, y) -> None:
+        self.xs[name].append(x)
+        self.ys[name].append(y)
 
 
 class HistoryFile:
@@ -83,9 +87,12 @@ class HistoryFile:
         self.index_keys: list[float] = []  # largest step before the entry (non-decreasing)
         self.index_offsets: list[int] = []
         self._prefix_max = -math.inf
-        self.loss = Series(self.max_points)
-        self.lr = Series(self.max_points)
+        self.series = {name: Series(self.max_points) for name in DRAWN_SERIES}
+        self.loss = self.series["loss"]
+        self.lr = self.series["lr"]
         self.val_loss = Series(self.max_points)
+        self.epoch_marks: list[tuple[float, int]] = []  # (first step seen of an epoch, epoch)
+        self._last_epoch: int | None = None
         self.step_times: deque[float] = deque(maxlen=RECENT_STEP_TIMES)
         self.last_step: float | None = None
         self.last_time: float | None = None
@@ -164,8 +171,8 @@ class HistoryFile:
                 continue
             self._add(record, batch)
         self.offset = offset + end
-        self.loss.extend(batch.loss_x, batch.loss_y)
-        self.lr.extend(batch.lr_x, batch.lr_y)
+        for name, series in self.series.items():
+            series.extend(batch.xs[name], batch.ys[name])
         self.step_times.extend(batch.step_times[-RECENT_STEP_TIMES:])
 
     def _bad(self) -> None:
@@ -199,17 +206,26 @@ class HistoryFile:
         if val is not None:
             self.val_loss.add(step, val)
         self.last_step = step
-        loss = _fast_float(get("loss"))
-        if loss is not None:
-            batch.loss_x.append(step)
-            batch.loss_y.append(loss)
-        lr = _fast_float(get("lr"))
-        if lr is not None:
-            batch.lr_x.append(step)
-            batch.lr_y.append(lr)
+        for name in ("loss", "lr", "grad_norm"):
+            value = _fast_float(get(name))
+            if value is not None:
+                batch.add(name, step, value)
         step_time = _fast_float(get("step_time_s"))
         if step_time is not None and step_time >= 0:
             batch.step_times.append(step_time)
+            batch.add("step_time_s", step, step_time)
+            samples = _fast_float(get("samples"))
+            if samples is not None and step_time > 0:
+                batch.add("samples_per_s", step, samples / step_time)
+        epoch = get("epoch")
+        if type(epoch) is int and epoch != self._last_epoch:
+            self._mark_epoch(step, epoch)
+
+    def _mark_epoch(self, step: float, epoch: int) -> None:
+        """Remember where an epoch starts (the first record seen with a new epoch number)."""
+        if self._last_epoch is not None and len(self.epoch_marks) < MAX_EPOCH_MARKS:
+            self.epoch_marks.append((step, epoch))
+        self._last_epoch = epoch
 
     def seek_point(self, since: float | None) -> tuple[tuple[int, int] | None, int, int]:
         """(file identity, byte offset to start reading from, bytes known to be complete)."""

@@ -69,8 +69,26 @@ def parse_serve(value: str) -> tuple[str, int]:
     return host, port
 
 
+PAGE_PARTS = {  # marker in dashboard.html -> the file inlined there when the page is served
+    b"/*UPLOT_CSS*/": "web/vendor/uPlot.min.css",
+    b"/*UPLOT_JS*/": "web/vendor/uPlot.iife.min.js",
+    b"/*DASHBOARD_JS*/": "web/dashboard.js",
+}
+
+
 def dashboard_html() -> bytes:
-    return resources.files("diffsynth_mbc.monitor").joinpath("web/dashboard.html").read_bytes()
+    """The dashboard as one self-contained page: uPlot (vendored, MIT) and the page's script inlined,
+    so it works offline and the browser never asks anything but this server."""
+    web = resources.files("diffsynth_mbc.monitor")
+    page = web.joinpath("web/dashboard.html").read_bytes()
+    for marker, name in PAGE_PARTS.items():
+        part = web.joinpath(name).read_bytes()
+        if b"</script" in part.lower() or b"</style" in part.lower():
+            raise ValueError(f"{name} cannot be inlined: it contains a closing script or style tag")
+        if page.count(marker) != 1:
+            raise ValueError(f"dashboard.html must hold {marker.decode()} exactly once")
+        page = page.replace(marker, part)
+    return page
 
 
 def _one(query: dict, name: str) -> str | None:

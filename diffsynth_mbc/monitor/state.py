@@ -55,6 +55,7 @@ from diffsynth_mbc.monitor.aggregate import (
     aggregate,
     pick_run,
     run_status,
+    slow_ranks,
     world_size_of,
 )
 from diffsynth_mbc.monitor.history import INDEX_EVERY, HistoryFile, open_regular, read_history_window
@@ -254,8 +255,8 @@ class MonitorState:
 
         Raw JSONL records with step > since (at most ``limit`` per rank; ``truncated`` says
         more exist and ``next_since`` is where to continue), or with ``points`` the bounded
-        down-sampled series (loss, lr, val_loss: bucket mean, min, max) with at most that many
-        points per series.
+        down-sampled series (loss, lr, grad_norm, step_time_s, samples_per_s, val_loss: bucket
+        mean, min, max) with at most that many points per series, and where each epoch began.
         """
         with self._lock:
             snap = self.snapshot(max_age_s=0.5)
@@ -269,9 +270,10 @@ class MonitorState:
                         "downsampled": True,
                         "bucket": hf.loss.bucket,
                         "lines": hf.lines,
-                        "loss": hf.loss.points(since, points),
-                        "lr": hf.lr.points(since, points),
+                        **{name: series.points(since, points) for name, series in hf.series.items()},
                         "val_loss": hf.val_loss.points(since, points),
+                        "epochs": [{"step": step, "epoch": epoch} for step, epoch in hf.epoch_marks
+                                   if since is None or step > since],
                         "last_step": hf.last_step,
                     }
                 else:
@@ -346,6 +348,7 @@ class MonitorState:
             **agg,
             "ranks": ranks_out,
             "stalled_ranks": [r["rank"] for r in ranks_out if r["stalled"]],
+            "slow_ranks": slow_ranks(ranks_out),
             "missing_ranks": missing,
             "errors": errors,
             "ignored_runs": [{"run_id": k, "ranks": sorted(v)} for k, v in sorted(ignored_runs.items())],

@@ -237,10 +237,13 @@ def resume(run: Run) -> None:
 
 def start_progress(run: Run) -> None:
     from diffsynth_mbc.training.progress import ProgressLogger
-    from diffsynth_mbc.training.terminal_progress import TerminalProgress
+    from diffsynth_mbc.training.terminal_progress import TerminalProgress, launcher_streams
 
     options, position = run.options, run.position
-    printer = TerminalProgress(enabled=run.accelerator.is_main_process, print_every_s=options.print_every_s)
+    main = run.accelerator.is_main_process
+    line_stream, bar_stream = launcher_streams(os.environ) if main else (None, None)
+    printer = TerminalProgress(enabled=main, print_every_s=options.print_every_s, stream=line_stream,
+                               bar_stream=bar_stream)
     run.logger = ProgressLogger(options.output_path, run.status, steps_per_epoch=run.steps_per_epoch,
                                 num_epochs=options.num_epochs, samples_per_step=options.batch_size,
                                 start_step=position.step, printer=printer)

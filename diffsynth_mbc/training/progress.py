@@ -90,7 +90,7 @@ class ProgressLogger(ModelLogger):
         seconds_per_step = self.rate.seconds_per_step
         remaining = self.total_steps - self.step
         record = {"step": self.step, "epoch": self.epoch, "loss": _maybe_float(loss), "lr": _maybe_float(lr),
-                  "step_time_s": round(step_time, 4), "time": round(self._wall_clock(), 3)}
+                  "step_time_s": round(step_time, 4), "samples": samples, "time": round(self._wall_clock(), 3)}
         extra = {key: _maybe_float(value) for key, value in kwargs.items() if key in ("grad_norm",)}
         record.update(extra)
         self.status.append_history(record)

@@ -2,7 +2,9 @@
 
 Without a terminal (the launchers, which also write the log file; ``--detach``; CI): one plain line every
 ``print_every_s`` seconds and at every epoch end, then one summary when the run ends. When rank 0's
-stderr is a terminal (``accelerate launch`` by hand): a rich progress bar instead of the periodic lines. The lines are made from the status file's fields (pure formatting, no torch).
+stderr is a terminal (``accelerate launch`` by hand), or the launcher says its own output is one
+(``launcher_streams``): a rich progress bar there, with events as lines above it. The lines are made
+from the status file's fields (pure formatting, no torch).
 """
 
 from __future__ import annotations
@@ -50,9 +52,15 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
 
 
 class TerminalProgress:
-    """Rank 0's progress output; every other rank stays quiet (``enabled`` False)."""
+    """Rank 0's progress output; every other rank stays quiet (``enabled`` False).
 
-    def __init__(self, enabled: bool, print_every_s: float = 30.0, stream=None, monotonic=time.monotonic):
+    ``stream`` gets the plain lines (stderr, or the launcher's log file); ``bar_stream``, when given, is
+    a terminal for the live bar (the launcher's, whose own output goes through ``tee``). Without
+    ``bar_stream`` the bar is drawn on ``stream`` when that is a terminal, and replaces the lines there.
+    """
+
+    def __init__(self, enabled: bool, print_every_s: float = 30.0, stream=None, monotonic=time.monotonic,
+                 bar_stream=None):
         self.enabled = enabled
         self.print_every_s = print_every_s
         self.stream = stream or sys.stderr
@@ -60,12 +68,15 @@ class TerminalProgress:
         self._last_line = monotonic()
         self.best_val_loss = None
         self._bar = None
-        if enabled and self.stream.isatty():
+        if enabled and bar_stream is None and self.stream.isatty():
+            bar_stream = self.stream
+        self._lines_beside_bar = bar_stream is not None and bar_stream is not self.stream
+        if enabled and bar_stream is not None:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[line]}"), console=Console(file=self.stream))
+                                 TextColumn("{task.fields[line]}"), console=Console(file=bar_stream))
             self._task = self._bar.add_task("training", total=None, line="")
             self._bar.start()
 
@@ -77,8 +88,9 @@ class TerminalProgress:
         if self._bar is not None:
             self._bar.update(self._task, total=state.get("total_steps"), completed=state.get("step") or 0,
                              line=progress_line(state).split(" | ", 2)[-1])
-        elif self._monotonic() - self._last_line >= self.print_every_s:
-            self._print(progress_line(state))
+        if (self._bar is None or self._lines_beside_bar) and self._monotonic() - self._last_line >= self.print_every_s:
+            self._last_line = self._monotonic()
+            self._write_line(progress_line(state))
 
     def event(self, text: str) -> None:
         """A line above the bar (or in the log): an epoch end, a validation, a checkpoint."""
@@ -90,13 +102,46 @@ class TerminalProgress:
             return
         if self._bar is not None:
             self._bar.stop()
-            self._bar = None
         for line in summary_lines(state, output_path=output_path, log_dir=log_dir, best_val_loss=self.best_val_loss):
             self._print(line)
+        self._bar = None
 
     def _print(self, text: str) -> None:
         self._last_line = self._monotonic()
         if self._bar is not None:
             self._bar.console.print(text, markup=False, highlight=False)
-        else:
+            if not self._lines_beside_bar:
+                return
+        self._write_line(text)
+
+    def _write_line(self, text: str) -> None:
+        try:
             print(text, file=self.stream, flush=True)
+        except (OSError, ValueError):  # a full disk or closed log never stops training
+            pass
+
+
+def launcher_streams(environ) -> tuple[object | None, object | None]:
+    """(line stream, bar stream) asked for by a launcher running in a terminal, else (None, None).
+
+    The launcher tees every rank's output into its log file, so rank 0's stderr is a pipe. When the
+    launcher's own output is a terminal it sets ``MBC_PROGRESS_TTY`` (that terminal) and
+    ``MBC_PROGRESS_LOG`` (its log file): the live bar goes to the terminal and the plain lines to the
+    log, so the terminal shows the bar and the log never looks frozen.
+    """
+    tty_path, log_path = environ.get("MBC_PROGRESS_TTY"), environ.get("MBC_PROGRESS_LOG")
+    if not tty_path or not log_path:
+        return None, None
+    try:
+        bar = open(tty_path, "w", buffering=1, encoding="utf-8")
+    except OSError:
+        return None, None
+    if not bar.isatty():
+        bar.close()
+        return None, None
+    try:
+        lines = open(log_path, "a", buffering=1, encoding="utf-8")
+    except OSError:
+        bar.close()
+        return None, None
+    return lines, bar

@@ -1,15 +1,16 @@
-"""The dashboard page in a real headless Chromium: it polls the API and draws every rank's charts.
+"""The dashboard page in a real headless Chromium driven by Selenium: charts, tooltips, zoom, polling.
 
-Needs Debian's chromium (``apt-get install -y chromium``); skipped when /usr/bin/chromium is absent.
+Needs Debian's ``chromium`` and ``chromium-driver`` (and the ``selenium`` package of the dev extra);
+skipped when they are absent, except where CI sets MBC_REQUIRE_BROWSER=1 and a missing browser fails.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import subprocess
 import time
-from html.parser import HTMLParser
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -17,91 +18,192 @@ import monitor_fixtures as F
 from test_server import start_server, stop_server
 
 CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+RANK_COLOURS = {0: (0x4c, 0xc3, 0x8a), 1: (0x5a, 0xa2, 0xff)}  # the page's palette for ranks 0 and 1
+STEPS = 300
+EPOCH_STEPS = 150
 
+try:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+except ImportError:  # pragma: no cover - the dev extra installs it
+    webdriver = None
+
+_have_browser = webdriver is not None and os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)
 pytestmark = [
     pytest.mark.slow,
-    # CI installs chromium and sets MBC_REQUIRE_BROWSER=1, so there a missing browser fails instead of skipping.
-    pytest.mark.skipif(shutil.which(CHROMIUM) is None and not os.environ.get("MBC_REQUIRE_BROWSER"),
-                       reason=f"{CHROMIUM} not installed (apt-get install chromium)"),
+    pytest.mark.skipif(not _have_browser and not os.environ.get("MBC_REQUIRE_BROWSER"),
+                       reason="needs chromium, chromium-driver and selenium (apt-get install chromium chromium-driver)"),
 ]
 
 
-class ChartParser(HTMLParser):
-    """Collects body data attributes, each chart's polylines and the text of the ranks table."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = {}
-        self.lines = {}  # (chart id, series) -> (data-points, [(x, y), ...])
-        self.chart = None
-        self.in_ranks = False
-        self.ranks_text = []
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "body":
-            self.body = attrs
-        elif tag == "svg":
-            self.chart = attrs.get("data-chart")
-        elif tag == "polyline":
-            pairs = [tuple(map(float, p.split(","))) for p in attrs.get("points", "").split()]
-            self.lines[(self.chart, attrs.get("data-series"))] = (int(attrs["data-points"]), pairs)
-        elif tag == "tbody" and attrs.get("id") == "ranks-body":
-            self.in_ranks = True
-
-    def handle_endtag(self, tag):
-        if tag == "tbody":
-            self.in_ranks = False
-
-    def handle_data(self, data):
-        if self.in_ranks:
-            self.ranks_text.append(data)
-
-
-def chromium(*args, profile, timeout=90):
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def test_dashboard_draws_loss_and_lr_for_every_rank(tmp_path):
-    log_dir = tmp_path / "training_logs"
+def write_run(log_dir):
+    """Two ranks, 300 steps over two epochs, validation every 100 steps; rank 1 steps 1.5x slower."""
     now = time.time()
-    F.make_run(log_dir, world_size=3, steps=300, ranks=[0], now=now)
-    F.write_history(log_dir, 0, [100, 200, 300], append=True, kind="val", val_loss=0.31)
-    F.write_history(log_dir, 1, range(1, 5001))  # long history: the page gets it down-sampled
-    F.write_status(log_dir, 1, world_size=3, step=5000, total_steps=20000, now=now, updated_at=now - 3600)
+    for rank, step_time in ((0, 2.0), (1, 3.0)):
+        lines = [F.history_line(s, rank, step_time_s=step_time, epoch=(s - 1) // EPOCH_STEPS,
+                                grad_norm=grad_norm_at(s, rank), samples=2) for s in range(1, STEPS + 1)]
+        lines += [json.dumps({"step": s, "kind": "val", "val_loss": 0.3 - s / 10_000}) + "\n" for s in (100, 200, 300)]
+        F.write_raw(log_dir / f"training_gpu{rank}.jsonl", "".join(lines))
+        F.write_status(log_dir, rank, world_size=2, step=STEPS, total_steps=1000, step_time_s=step_time, now=now)
+
+
+def grad_norm_at(step, rank):
+    return round(0.5 + 0.4 * rank + 0.1 * (step % 7) / 7, 6)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    opts = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--window-size=1400,1800", "--force-device-scale-factor=1"):
+        opts.add_argument(arg)
+    opts.binary_location = CHROMIUM
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def page(browser, tmp_path):
+    """The dashboard of a fresh 2-rank run, loaded and drawn once."""
+    log_dir = tmp_path / "training_logs"
+    log_dir.mkdir()
+    write_run(log_dir)
     srv = start_server(log_dir)
+    browser.get_log("performance")  # forget what earlier tests asked for
     try:
-        proc = chromium("--virtual-time-budget=8000", "--dump-dom", srv.url, profile=tmp_path / "profile")
+        browser.get(srv.url)
+        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        yield browser, srv
     finally:
+        browser.get("about:blank")
         stop_server(srv)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    page = ChartParser()
-    page.feed(proc.stdout)
-    assert page.body.get("data-ready") == "1" and page.body.get("data-ranks-drawn") == "2", page.body
 
-    for (chart, series), (count, pairs) in page.lines.items():
-        assert count == len(pairs), (chart, series)
-        for x, y in pairs:  # inside the 600 x 170 view box
-            assert 0 <= x <= 600 and 0 <= y <= 170, (chart, series, x, y)
-    assert page.lines[("loss-0", "loss")][0] == 300
-    assert page.lines[("lr-0", "lr")][0] == 300
-    assert page.lines[("loss-0", "val_loss")][0] == 3
-    n_loss1 = page.lines[("loss-1", "loss")][0]
-    assert 500 <= n_loss1 <= 1000  # 5,000 steps down-sampled to at most 1,000 points
-    assert page.lines[("lr-1", "lr")][0] == n_loss1
-    # the curve spans the plot: first point at the left edge, last at the right edge
-    xs = [x for x, _ in page.lines[("loss-0", "loss")][1]]
-    assert min(xs) == pytest.approx(58, abs=0.1) and max(xs) == pytest.approx(590, abs=0.1)
-    # loss falls over training: the last point is drawn lower (larger y) than the first
-    ys = [y for _, y in page.lines[("loss-0", "loss")][1]]
-    assert ys[-1] > ys[0]
-    # the lr chart draws the lr: warm-up from the bottom of the plot, then flat at the top (y = 10)
-    lr_ys = [y for _, y in page.lines[("lr-0", "lr")][1]]
-    assert lr_ys[0] == pytest.approx(148, abs=0.1) and set(lr_ys[60:]) == {10.0}
 
-    table = " ".join(page.ranks_text)
-    assert "stalled" in table and "missing" in table and "training" in table
-    assert "5000 / 20000" in table and "300 / 1000" in table
+def wait_for(driver, condition, timeout=30):
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition)
+
+
+def chart(driver, chart_id):
+    box = driver.find_element(By.CSS_SELECTOR, f'.chartbox[data-chart="{chart_id}"]')
+    return {
+        "box": box,
+        "series": box.get_attribute("data-series").split("|"),
+        "points": [int(n) for n in box.get_attribute("data-points").split(",")],
+        "epoch_marks": int(box.get_attribute("data-epoch-marks")),
+        "x": (float(box.get_attribute("data-x-min")), float(box.get_attribute("data-x-max"))),
+    }
+
+
+def pixels_of_colour(driver, chart_id, rgb, tolerance=12):
+    """How many canvas pixels of a chart have (about) this colour: proof the line was really drawn."""
+    return driver.execute_script("""
+        const [id, rgb, tol] = arguments;
+        const canvas = document.querySelector('.chartbox[data-chart="' + id + '"] canvas');
+        const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+        let n = 0;
+        for (let i = 0; i < data.length; i += 4) {
+          if (Math.abs(data[i] - rgb[0]) <= tol && Math.abs(data[i + 1] - rgb[1]) <= tol
+              && Math.abs(data[i + 2] - rgb[2]) <= tol && data[i + 3] > 200) n++;
+        }
+        return n;""", chart_id, list(rgb), tolerance)
+
+
+def test_every_metric_is_one_chart_with_both_ranks_drawn(page):
+    driver, _ = page
+    expected = {
+        "loss": (["rank 0 raw", "rank 0", "rank 1 raw", "rank 1"], [STEPS] * 4),
+        "val_loss": (["rank 0", "rank 1"], [3, 3]),
+        "lr": (["lr"], [STEPS]),  # once, not per rank
+        "grad_norm": (["rank 0", "rank 1"], [STEPS, STEPS]),
+        "step_time": (["rank 0", "rank 1 · slow"], [STEPS, STEPS]),  # rank 1 is the slow one, and says so
+        "samples_per_s": (["rank 0", "rank 1"], [STEPS, STEPS]),
+    }
+    for chart_id, (series, points) in expected.items():
+        c = chart(driver, chart_id)
+        assert (c["series"], c["points"]) == (series, points), chart_id
+        assert c["epoch_marks"] == 1, chart_id  # the second epoch starts at step 151
+        assert c["x"] == (1.0, 300.0) or chart_id == "val_loss", (chart_id, c["x"])
+    for chart_id in ("grad_norm", "step_time", "samples_per_s"):
+        for rank, rgb in RANK_COLOURS.items():
+            assert pixels_of_colour(driver, chart_id, rgb) > 50, (chart_id, rank)
+    table = driver.find_element(By.ID, "ranks-body").text
+    assert "300 / 1000" in table and "slow" in table
+    errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == []  # no script errors
+
+
+def test_hovering_shows_every_ranks_exact_values_at_that_step(page):
+    driver, _ = page
+    for chart_id, check in (("grad_norm", lambda step, values: values == {
+                                f"rank {r}": pytest.approx(grad_norm_at(step, r), abs=1e-9) for r in (0, 1)}),
+                            ("loss", lambda step, values: values["rank 0 raw"] == pytest.approx(F.loss_at(step, 0))
+                             and values["rank 1 raw"] == pytest.approx(F.loss_at(step, 1))),
+                            ("samples_per_s", lambda step, values: values == {"rank 0": 1.0,
+                                                                             "rank 1": pytest.approx(2 / 3)})):
+        over = chart(driver, chart_id)["box"].find_element(By.CSS_SELECTOR, ".u-over")
+        ActionChains(driver).move_to_element_with_offset(over, -over.size["width"] * 3 // 10, 5).perform()  # from the centre
+        tip = chart(driver, chart_id)["box"].find_element(By.CSS_SELECTOR, ".tip")
+        wait_for(driver, lambda d: tip.is_displayed())
+        step = int(tip.get_attribute("data-step"))
+        assert 40 <= step <= 90, step  # a fifth of the way along 1..300
+        values = json.loads(tip.get_attribute("data-values"))
+        assert check(step, values), (chart_id, step, values)
+        assert f"step {step}" in tip.text
+
+
+def test_dragging_zooms_the_x_range_and_double_click_resets_it(page):
+    driver, _ = page
+    over = chart(driver, "loss")["box"].find_element(By.CSS_SELECTOR, ".u-over")
+    width = over.size["width"]
+    start = -width // 2 + width // 4   # offsets are from the centre of the element
+    ActionChains(driver).move_to_element_with_offset(over, start, 0).click_and_hold() \
+        .move_by_offset(width // 4, 0).release().perform()
+    lo, hi = chart(driver, "loss")["x"]
+    assert 60 <= lo < hi <= 160 and hi - lo < 100, (lo, hi)
+    time.sleep(2.5)  # a poll comes and goes: the zoom stays
+    assert chart(driver, "loss")["x"] == (lo, hi)
+    ActionChains(driver).double_click(over).perform()
+    wait_for(driver, lambda d: chart(d, "loss")["x"] == (1.0, 300.0))
+
+
+def test_legend_hides_a_rank_and_loss_switches_to_log_scale(page):
+    driver, _ = page
+    box = chart(driver, "grad_norm")["box"]
+    before = pixels_of_colour(driver, "grad_norm", RANK_COLOURS[1])
+    entry = [e for e in box.find_elements(By.CSS_SELECTOR, ".u-legend .u-series") if "rank 1" in e.text][0]
+    entry.find_element(By.CSS_SELECTOR, "th").click()
+    wait_for(driver, lambda d: "u-off" in entry.get_attribute("class"))
+    assert before > 50 and pixels_of_colour(driver, "grad_norm", RANK_COLOURS[1]) < before / 10
+
+    loss = chart(driver, "loss")["box"]
+    assert loss.get_attribute("data-scale") == "linear"
+    loss.find_element(By.CSS_SELECTOR, 'input[data-control="log"]').click()
+    wait_for(driver, lambda d: chart(d, "loss")["box"].get_attribute("data-scale") == "log")
+    assert chart(driver, "loss")["points"] == [STEPS] * 4
+
+
+def test_the_page_polls_only_new_points_and_asks_nothing_outside_the_server(page):
+    driver, srv = page
+    with open(srv.log_dir / "training_gpu0.jsonl", "a", encoding="utf-8") as handle:
+        handle.write("".join(F.history_line(s, 0, epoch=1, grad_norm=0.5, samples=2) for s in range(301, 321)))
+    wait_for(driver, lambda d: chart(d, "grad_norm")["points"] == [320, STEPS])
+    assert chart(driver, "grad_norm")["x"] == (1.0, 320.0)
+
+    requests = [json.loads(entry["message"])["message"] for entry in driver.get_log("performance")]
+    urls = [m["params"]["request"]["url"] for m in requests if m["method"] == "Network.requestWillBeSent"]
+    origin = srv.url.rstrip("/")
+    assert urls and all(u.startswith(origin) for u in urls), [u for u in urls if not u.startswith(origin)]
+    metrics = [parse_qs(urlsplit(u).query) for u in urls if "/api/training/metrics" in u]
+    full_loads = [q for q in metrics if "points" in q]
+    assert sorted(q["rank"][0] for q in full_loads) == ["0", "1"]  # the history once per rank...
+    later = [q for q in metrics if "points" not in q]
+    assert later and all("since" in q for q in later)  # ...then only what is newer
+    assert any(q["rank"] == ["0"] and float(q["since"][0]) >= 300 for q in later)

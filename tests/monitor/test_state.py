@@ -353,3 +353,35 @@ def test_a_new_run_replacing_the_history_is_an_event_not_a_warning(tmp_path):
     assert "new run run-2 replaced run-1" in snap["events"]
     assert not any("replaced or truncated" in note for note in snap["notes"])
     assert snap["ranks"][0]["history_lines"] == 3
+
+
+def test_downsampled_metrics_hold_grad_norm_step_time_throughput_and_epoch_starts(tmp_path):
+    F.write_history(tmp_path, 0, range(1, 101), step_time_s=0.5, samples=4, grad_norm=1.5)
+    F.write_history(tmp_path, 0, range(101, 201), append=True, step_time_s=0.25, samples=4, grad_norm=0.5, epoch=1)
+    F.write_status(tmp_path, 0, world_size=1, step=200)
+    out = state_for(tmp_path)[0].metrics(points=1000)["ranks"]["0"]
+    assert [p["value"] for p in out["grad_norm"]] == [1.5] * 100 + [0.5] * 100
+    assert [p["value"] for p in out["step_time_s"]] == [0.5] * 100 + [0.25] * 100
+    assert [p["value"] for p in out["samples_per_s"]] == [8.0] * 100 + [16.0] * 100
+    assert out["epochs"] == [{"step": 101, "epoch": 1}]  # epoch 0 beginning is not a boundary
+    assert state_for(tmp_path)[0].metrics(points=1000, since=150)["ranks"]["0"]["epochs"] == []
+
+
+@pytest.mark.parametrize("medians, slow", [
+    ([2.0, 2.0], []),
+    ([2.0, 3.0], [1]),                 # 1.5x the other rank
+    ([2.0, 2.4], []),                  # within 25 %
+    ([2.0, 2.1, 1.9, 2.0, 9.0], [4]),  # one straggler among five
+    ([2.0], []),                       # alone: nothing to compare with
+    ([2.0, None, 3.0], [2]),           # a rank without step times yet is left out
+])
+def test_a_rank_persistently_slower_than_the_others_is_slow(medians, slow):
+    from diffsynth_mbc.monitor.aggregate import slow_ranks
+    ranks = [{"rank": i, "median_step_time_s": m} for i, m in enumerate(medians)]
+    assert slow_ranks(ranks) == slow
+
+
+def test_the_snapshot_names_the_slow_rank(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=50)
+    F.write_history(tmp_path, 1, range(1, 51), step_time_s=3.0)
+    assert state_for(tmp_path)[0].refresh()["slow_ranks"] == [1]

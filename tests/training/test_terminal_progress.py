@@ -45,3 +45,27 @@ def test_the_summary_says_where_everything_is():
     assert lines[0] == "finished: 12/12 steps in 1:02:05 (run run-x)"
     assert "best 0.1500" in lines[1] and "runs/x/lora/lora.safetensors" in lines[2]
     assert lines[-1] == "  watch or inspect: python -m diffsynth_mbc.monitor runs/x/lora/training_logs"
+
+
+def test_with_a_bar_on_the_launchers_terminal_the_lines_still_reach_the_log():
+    log, terminal, now = io.StringIO(), io.StringIO(), Clock()
+    printer = TerminalProgress(enabled=True, print_every_s=30, stream=log, monotonic=now, bar_stream=terminal)
+    for step in range(1, 61):
+        now.now += 1.0
+        printer.step({**STATE, "step": step})
+    printer.event("validation at step 60: val_loss 0.2000")
+    printer.finish({**STATE, "step": 60, "status": "finished"}, output_path="out", log_dir="logs")
+    lines = log.getvalue().splitlines()
+    assert [line.split(" ")[1] for line in lines[:2]] == ["30/12", "60/12"]
+    assert lines[2] == "validation at step 60: val_loss 0.2000" and lines[3].startswith("finished: 60/12 steps")
+    shown = terminal.getvalue()  # the bar's console: the event and the summary too, never the periodic lines
+    assert "validation at step 60" in shown and "finished: 60/12 steps" in shown and "step 30/12" not in shown
+
+
+def test_launcher_streams_only_when_asked_for_and_the_terminal_is_real(tmp_path):
+    from diffsynth_mbc.training.terminal_progress import launcher_streams
+    log = tmp_path / "train.log"
+    assert launcher_streams({}) == (None, None)
+    assert launcher_streams({"MBC_PROGRESS_TTY": str(tmp_path / "not-a-tty"), "MBC_PROGRESS_LOG": str(log)}) \
+        == (None, None)  # a regular file is not a terminal: plain lines on stderr as before
+    assert launcher_streams({"MBC_PROGRESS_TTY": "/nonexistent/tty", "MBC_PROGRESS_LOG": str(log)}) == (None, None)

@@ -1,0 +1,492 @@
+// The training dashboard: polls the monitor's JSON API and draws every metric with uPlot, all ranks
+// overlaid. Served inlined into dashboard.html (with uPlot), so the page needs nothing from outside.
+"use strict";
+(function () {
+  const STATUS_URL = "api/training/status";
+  const METRICS_URL = "api/training/metrics";
+  const POLL_MS = 2000;
+  const MAX_POINTS = 2000;   // per rank and series kept in the page
+  const FIRST_POINTS = 1000; // down-sampled points asked for on the first load
+  const PAGE = 2000;         // raw records per rank per incremental poll
+  const FIELDS = ["loss", "val_loss", "lr", "grad_norm", "step_time_s", "samples_per_s"];
+  const PALETTE = ["#4cc38a", "#5aa2ff", "#f2c94c", "#ff6b6b", "#d67bff", "#56d4e0", "#ff9f43", "#a3e635"];
+  const CHARTS = [
+    {id: "loss", title: "Training loss", field: "loss", smoothing: true, logToggle: true},
+    {id: "val_loss", title: "Validation loss", field: "val_loss", points: true},
+    {id: "lr", title: "Learning rate", field: "lr", once: true},
+    {id: "grad_norm", title: "Gradient norm", field: "grad_norm"},
+    {id: "step_time", title: "Step time (s)", field: "step_time_s", highlightSlow: true},
+    {id: "samples_per_s", title: "Samples / s", field: "samples_per_s"},
+  ];
+
+  const history = {};  // rank -> {fields: {name: {x: [], y: []}}, epochs: Map(step -> epoch), since, loaded}
+  const charts = {};   // chart id -> {spec, plot, signature, zoomed, box, tip}
+  const options = {smoothing: 0.6, logLoss: false};
+  let runId = null;
+  let status = null;
+  let draws = 0;
+
+  const $ = (id) => document.getElementById(id);
+  function el(tag, attrs, text) {
+    const node = document.createElement(tag);
+    for (const k in (attrs || {})) node.setAttribute(k, attrs[k]);
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    return node;
+  }
+  const num = (v) => typeof v === "number" && isFinite(v);
+  function fmt(v, digits) {
+    if (!num(v)) return "-";
+    const a = Math.abs(v);
+    if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(2);
+    return Number(v.toPrecision(digits || 4)).toString();
+  }
+  function dur(s) {
+    if (!num(s)) return "-";
+    s = Math.max(0, Math.round(s));
+    const d = Math.floor(s / 86400), h = Math.floor(s % 86400 / 3600), m = Math.floor(s % 3600 / 60), x = s % 60;
+    const p = (n) => String(n).padStart(2, "0");
+    if (d) return d + "d" + p(h) + "h" + p(m) + "m";
+    if (h) return h + "h" + p(m) + "m" + p(x) + "s";
+    if (m) return m + "m" + p(x) + "s";
+    return x + "s";
+  }
+  function clock(ts) { return num(ts) ? new Date(ts * 1000).toLocaleTimeString() : "-"; }
+  function badge(state, text) { return el("span", {"class": "badge s-" + state}, text || state.replace("_", " ")); }
+  function rankColor(rank) {
+    return rank < PALETTE.length ? PALETTE[rank] : "hsl(" + Math.round(rank * 137.508 % 360) + ", 70%, 62%)";
+  }
+  function fade(color, alpha) {
+    if (color[0] !== "#") return color.replace("hsl(", "hsla(").replace(")", ", " + alpha + ")");
+    const n = parseInt(color.slice(1), 16);
+    return "rgba(" + (n >> 16) + ", " + (n >> 8 & 255) + ", " + (n & 255) + ", " + alpha + ")";
+  }
+
+  async function getJSON(url) {
+    const resp = await fetch(url, {cache: "no-store"});
+    const body = await resp.json();
+    if (!resp.ok) throw new Error((body && body.error) || ("HTTP " + resp.status));
+    return body;
+  }
+
+  // ---- status -------------------------------------------------------------------------------
+  function renderSummary(s) {
+    const b = $("run-status");
+    b.className = "badge s-" + s.status;
+    b.textContent = s.status.replace("_", " ");
+    $("run-id").textContent = s.run_id ? "run " + s.run_id : "";
+    $("sum-step").textContent = (num(s.step) ? s.step : "-") + " / " + (num(s.total_steps) ? s.total_steps : "-");
+    $("sum-progress").textContent = num(s.progress) ? s.progress.toFixed(1) + " %" : "-";
+    $("sum-bar").style.width = (num(s.progress) ? Math.min(100, s.progress) : 0) + "%";
+    $("sum-elapsed").textContent = dur(s.elapsed_s);
+    $("sum-eta").textContent = dur(s.eta_s);
+    $("sum-rate").textContent = fmt(s.samples_per_s, 3);
+    $("sum-loss").textContent = fmt(s.loss, 4);
+    let ranksText = s.world_size === null || s.world_size === undefined ? "-" : String(s.world_size);
+    if (s.missing_ranks && s.missing_ranks.length) ranksText += " (missing " + s.missing_ranks.join(", ") + ")";
+    if (s.stalled_ranks && s.stalled_ranks.length) ranksText += " (stalled " + s.stalled_ranks.join(", ") + ")";
+    if (s.slow_ranks && s.slow_ranks.length) ranksText += " (slow " + s.slow_ranks.join(", ") + ")";
+    $("sum-ranks").textContent = ranksText;
+  }
+
+  function rankRow(rank, r, slow) {
+    const tr = el("tr", {"data-rank": rank});
+    if (!r) {
+      tr.appendChild(el("td", null, rank)); tr.appendChild(el("td", {"class": "l"}, "-"));
+      const td = el("td", {"class": "l"}); td.appendChild(badge("missing")); tr.appendChild(td);
+      tr.appendChild(el("td", {"class": "l muted", colspan: 9}, "no status file from this rank"));
+      return tr;
+    }
+    if (r.stalled) tr.className = "stalled"; else if (r.status === "failed") tr.className = "failed";
+    else if (slow) tr.className = "slow";
+    const st = el("td", {"class": "l"});
+    if (r.stalled) {
+      st.appendChild(badge("stalled"));
+      st.appendChild(el("span", {"class": "muted"}, " " + dur(r.age_s) + " (since " + clock(r.stalled_since) + ", was " + r.status + ")"));
+    } else {
+      st.appendChild(badge(r.status || "unknown"));
+      if (slow) st.appendChild(el("span", {"class": "muted"}, " slow"));
+    }
+    const gpu = r.gpu || null;
+    const mem = gpu && num(gpu.mem_used_mb)
+      ? (gpu.mem_used_mb / 1024).toFixed(1) + (num(gpu.mem_total_mb) ? " / " + (gpu.mem_total_mb / 1024).toFixed(0) : "") + " GB"
+      : "-";
+    // epoch is 0-based in the run files; people count from 1
+    const epoch = num(r.epoch) ? ((r.epoch + 1) + (num(r.num_epochs) ? " / " + r.num_epochs : "")) : "-";
+    const cells = [
+      [null, rank], ["l", r.hostname || "-"], null, ["l", r.phase || "-"], [null, epoch],
+      [null, (num(r.step) ? r.step : "-") + " / " + (num(r.total_steps) ? r.total_steps : "-")],
+      [null, fmt(r.loss, 4)], [null, fmt(r.lr, 3)], [null, num(r.step_time_s) ? r.step_time_s.toFixed(2) + " s" : "-"],
+      [null, gpu ? (num(gpu.util_pct) ? Math.round(gpu.util_pct) + " %" : "-") : "cpu"], [null, mem],
+      [null, num(r.age_s) ? dur(r.age_s) + " ago" : "-"],
+    ];
+    for (const c of cells) {
+      if (c === null) { tr.appendChild(st); continue; }
+      tr.appendChild(el("td", c[0] ? {"class": c[0]} : null, c[1]));
+    }
+    return tr;
+  }
+
+  function renderStatus(s) {
+    renderSummary(s);
+    const body = $("ranks-body");
+    body.replaceChildren();
+    const rows = {};
+    for (const r of s.ranks || []) rows[r.rank] = r;
+    const all = Object.keys(rows).map(Number).concat(s.missing_ranks || []).sort((a, b) => a - b);
+    if (!all.length) {
+      const tr = el("tr"); tr.appendChild(el("td", {"class": "l muted", colspan: 12},
+        s.status === "no_data" ? "No training files yet: waiting for training_gpu*.json…" : "-"));
+      body.appendChild(tr);
+    }
+    const slow = new Set(s.slow_ranks || []);
+    for (const rank of all) body.appendChild(rankRow(rank, rows[rank], slow.has(rank)));
+
+    const errors = $("errors");
+    errors.replaceChildren();
+    for (const e of s.errors || []) {
+      errors.appendChild(el("h2", null, "Rank " + e.rank + " failed" + (e.hostname ? " on " + e.hostname : "") +
+        ": " + (e.type || "Error") + ": " + (e.message || "")));
+      if (e.traceback_tail) errors.appendChild(el("pre", null, e.traceback_tail));
+    }
+    for (const [box, list, items] of [["notes-box", "notes", s.notes], ["events-box", "events", s.events]]) {
+      $(list).replaceChildren(...(items || []).map((n) => el("li", null, n)));
+      $(box).hidden = !(items && items.length);
+    }
+  }
+
+  // ---- history ------------------------------------------------------------------------------
+  function emptyRank() {
+    const fields = {};
+    for (const f of FIELDS) fields[f] = {x: [], y: []};
+    return {fields: fields, epochs: new Map(), since: null, loaded: false};
+  }
+
+  function push(line, x, y) {
+    // A resumed run repeats steps it had logged before its last checkpoint: the newer values win.
+    while (line.x.length && line.x[line.x.length - 1] >= x) { line.x.pop(); line.y.pop(); }
+    line.x.push(x); line.y.push(y);
+  }
+
+  function bound(line) {
+    // Merge neighbours in pairs (mean) until the series fits; the newest point is kept as is.
+    while (line.x.length > MAX_POINTS) {
+      const xs = [], ys = [], n = line.x.length;
+      for (let i = 0; i + 1 < n - 1; i += 2) { xs.push(line.x[i + 1]); ys.push((line.y[i] + line.y[i + 1]) / 2); }
+      xs.push(line.x[n - 1]); ys.push(line.y[n - 1]);
+      line.x = xs; line.y = ys;
+    }
+  }
+
+  async function loadFull(rank) {
+    const data = await getJSON(METRICS_URL + "?rank=" + rank + "&points=" + FIRST_POINTS);
+    const d = data.ranks[String(rank)];
+    const h = history[rank] = emptyRank();
+    for (const f of FIELDS) {
+      for (const p of d[f] || []) if (num(p.step) && num(p.value)) push(h.fields[f], p.step, p.value);
+    }
+    for (const e of d.epochs || []) h.epochs.set(e.step, e.epoch);
+    h.since = num(d.last_step) ? d.last_step : null;
+    h.loaded = true;
+  }
+
+  function addRecord(h, rec) {
+    const kind = String(rec.kind || "").toLowerCase();
+    if (kind === "val" || kind === "validation" || kind === "eval") {
+      const v = num(rec.val_loss) ? rec.val_loss : rec.loss;
+      if (num(v)) push(h.fields.val_loss, rec.step, v);
+      return;
+    }
+    if (num(rec.val_loss)) push(h.fields.val_loss, rec.step, rec.val_loss);
+    for (const f of ["loss", "lr", "grad_norm", "step_time_s"]) if (num(rec[f])) push(h.fields[f], rec.step, rec[f]);
+    if (num(rec.samples) && num(rec.step_time_s) && rec.step_time_s > 0) {
+      push(h.fields.samples_per_s, rec.step, rec.samples / rec.step_time_s);
+    }
+    if (Number.isInteger(rec.epoch)) {
+      if (num(h.lastEpoch) && rec.epoch !== h.lastEpoch) h.epochs.set(rec.step, rec.epoch);
+      h.lastEpoch = rec.epoch;
+    }
+    h.since = rec.step;
+  }
+
+  async function loadNew(rank) {
+    const h = history[rank];
+    let url = METRICS_URL + "?rank=" + rank + "&limit=" + PAGE;
+    if (h.since !== null) url += "&since=" + h.since;
+    const data = await getJSON(url);
+    const d = data.ranks[String(rank)];
+    if (d.truncated) { await loadFull(rank); return; }  // far behind: take the down-sampled view
+    for (const rec of d.records) if (num(rec.step)) addRecord(h, rec);
+    for (const f of FIELDS) bound(h.fields[f]);
+  }
+
+  // ---- charts -------------------------------------------------------------------------------
+  function ema(ys, weight) {
+    // TensorBoard's debiased exponential moving average: the first points are not pulled towards 0.
+    const out = new Array(ys.length);
+    let last = 0, n = 0;
+    for (let i = 0; i < ys.length; i++) {
+      const y = ys[i];
+      if (!num(y)) { out[i] = null; continue; }
+      last = last * weight + (1 - weight) * y;
+      n++;
+      out[i] = weight > 0 ? last / (1 - Math.pow(weight, n)) : y;
+    }
+    return out;
+  }
+
+  function tickText(u, splits) {
+    return splits.map((v) => (v === null ? "" : Math.abs(v) >= 1e5 || (v !== 0 && Math.abs(v) < 1e-3)
+      ? v.toExponential(1) : String(Number(v.toPrecision(6)))));
+  }
+
+  function lineSpecs(spec, ranks, slowSet) {
+    // One line per rank (lr: once); the loss adds a faint raw line under each smoothed one.
+    const lines = [];
+    for (const rank of spec.once ? ranks.slice(0, 1) : ranks) {
+      const color = rankColor(rank);
+      const tag = spec.highlightSlow && slowSet.has(rank) ? " · " + slowSet.get(rank) : "";
+      const label = spec.once ? "lr" : "rank " + rank + tag;
+      if (spec.smoothing && options.smoothing > 0) {
+        lines.push({rank: rank, raw: true, label: label + " raw", stroke: fade(color, 0.3), width: 1});
+      }
+      const highlighted = spec.highlightSlow && slowSet.has(rank);
+      lines.push({rank: rank, raw: false, label: label, stroke: color, width: highlighted ? 3 : 1.5,
+                  dash: highlighted ? [6, 3] : undefined});
+    }
+    return lines;
+  }
+
+  function chartData(spec, lines) {
+    const tables = lines.map((line) => {
+      const f = history[line.rank].fields[spec.field];
+      let ys = f.y;
+      if (spec.smoothing && options.smoothing > 0 && !line.raw) ys = ema(ys, options.smoothing);
+      if (spec.logToggle && options.logLoss) ys = ys.map((v) => (num(v) && v > 0 ? v : null));
+      return [f.x, ys];
+    });
+    return tables.length ? uPlot.join(tables) : [[]];
+  }
+
+  function epochMarks(ranks) {
+    const marks = new Map();
+    for (const rank of ranks) for (const [step, epoch] of history[rank].epochs) marks.set(step, epoch);
+    return Array.from(marks.entries()).sort((a, b) => a[0] - b[0]);
+  }
+
+  function epochPlugin(chart) {
+    return {hooks: {draw: (u) => {
+      const ctx = u.ctx, top = u.bbox.top, height = u.bbox.height;
+      ctx.save();
+      ctx.strokeStyle = "rgba(138, 150, 168, .55)"; ctx.fillStyle = "#8a96a8";
+      ctx.setLineDash([4, 4]); ctx.lineWidth = 1; ctx.textAlign = "left";
+      ctx.font = Math.round(10 * devicePixelRatio) + "px sans-serif";
+      for (const [step, epoch] of chart.epochs) {
+        if (step < u.scales.x.min || step > u.scales.x.max) continue;
+        const x = Math.round(u.valToPos(step, "x", true)) + 0.5;
+        ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
+        ctx.fillText("epoch " + (epoch + 1), x + 4, top + 12 * devicePixelRatio);
+      }
+      ctx.restore();
+    }}};
+  }
+
+  function showTip(chart, u) {
+    const idx = u.cursor.idx;
+    const tip = chart.tip;
+    if (idx === null || idx === undefined || u.cursor.left < 0) { tip.hidden = true; return; }
+    const step = u.data[0][idx];
+    tip.replaceChildren(el("b", null, "step " + step));
+    tip.dataset.step = String(step);
+    const values = {};
+    for (let i = 1; i < u.series.length; i++) {
+      const s = u.series[i], v = u.data[i][idx];
+      if (!s.show || !num(v)) continue;
+      const row = el("div", {"data-label": s.label});
+      const mark = el("i"); mark.style.background = chart.lines[i - 1].stroke;
+      row.append(mark, s.label + ": " + fmt(v, 6));
+      tip.appendChild(row);
+      values[s.label] = v;
+    }
+    tip.dataset.values = JSON.stringify(values);
+    tip.hidden = false;
+    const over = u.over.getBoundingClientRect(), box = chart.box.getBoundingClientRect();
+    const left = over.left - box.left + u.cursor.left + 14;
+    tip.style.left = Math.min(left, box.width - tip.offsetWidth - 4) + "px";
+    tip.style.top = (over.top - box.top + Math.max(0, u.cursor.top - tip.offsetHeight / 2)) + "px";
+  }
+
+  function chartControls(spec, box) {
+    const head = el("div", {"class": "t"});
+    head.appendChild(el("b", null, spec.title));
+    if (spec.smoothing) {
+      const label = el("label", null, "smoothing ");
+      const slider = el("input", {type: "range", min: "0", max: "0.99", step: "0.01", value: String(options.smoothing),
+                                  "data-control": "smoothing"});
+      const shown = el("span", null, options.smoothing.toFixed(2));
+      slider.addEventListener("input", () => {
+        options.smoothing = Number(slider.value); shown.textContent = options.smoothing.toFixed(2); drawCharts();
+      });
+      label.append(slider, shown);
+      head.appendChild(label);
+    }
+    if (spec.logToggle) {
+      const label = el("label", null);
+      const box2 = el("input", {type: "checkbox", "data-control": "log"});
+      box2.checked = options.logLoss;
+      box2.addEventListener("change", () => { options.logLoss = box2.checked; drawCharts(); });
+      label.append(box2, "log scale");
+      head.appendChild(label);
+    }
+    box.appendChild(head);
+  }
+
+  function ensureBox(spec) {
+    let chart = charts[spec.id];
+    if (chart) return chart;
+    const box = el("div", {"class": "chartbox", id: "chart-" + spec.id, "data-chart": spec.id});
+    chartControls(spec, box);
+    const area = el("div", {"class": "plot"});
+    const tip = el("div", {"class": "tip"}); tip.hidden = true;
+    const nodata = el("div", {"class": "nodata"}, "nothing logged yet");
+    box.append(area, tip, nodata);
+    $("charts").appendChild(box);
+    chart = charts[spec.id] = {spec: spec, box: box, area: area, tip: tip, nodata: nodata, plot: null, signature: null,
+                               zoomed: false, epochs: []};
+    return chart;
+  }
+
+  function makePlot(chart, lines, data) {
+    const spec = chart.spec;
+    const width = Math.max(300, chart.area.clientWidth || 500);
+    const opts = {
+      width: width, height: 220,
+      scales: {x: {time: false}, y: spec.logToggle && options.logLoss ? {distr: 3} : {}},
+      axes: [
+        {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: tickText, label: "step",
+         labelSize: 18, font: "11px sans-serif", labelFont: "11px sans-serif"},
+        {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: tickText, size: 60,
+         font: "11px sans-serif"},
+      ],
+      series: [{label: "step", value: (u, v) => (v === null ? "-" : String(v))}].concat(lines.map((line) => ({
+        label: line.label, stroke: line.stroke, width: line.width, dash: line.dash, spanGaps: true,
+        points: {show: spec.points ? true : false, size: 5},
+        value: (u, v) => (v === null ? "-" : fmt(v, 6)),
+      }))),
+      cursor: {drag: {x: true, y: false, setScale: true}},
+      legend: {live: true},
+      plugins: [epochPlugin(chart)],
+      hooks: {
+        setSelect: [() => { chart.zoomed = true; }],
+        setScale: [(u, key) => {
+          if (key !== "x") return;
+          chart.box.dataset.xMin = String(u.scales.x.min); chart.box.dataset.xMax = String(u.scales.x.max);
+        }],
+        setCursor: [(u) => showTip(chart, u)],
+        setSeries: [(u, idx, opts) => pairSeries(chart, u, idx, opts)],
+      },
+    };
+    if (chart.plot) chart.plot.destroy();
+    chart.area.replaceChildren();
+    chart.lines = lines;
+    chart.plot = new uPlot(opts, data, chart.area);
+    chart.plot.over.addEventListener("dblclick", () => { chart.zoomed = false; });
+    chart.plot.over.addEventListener("mouseleave", () => { chart.tip.hidden = true; });
+  }
+
+  function pairSeries(chart, u, idx, opts) {
+    // Hiding a rank in the loss legend hides its raw line too (and the other way round).
+    if (chart.pairing || !opts || opts.show === undefined || !chart.lines) return;
+    const rank = chart.lines[idx - 1] && chart.lines[idx - 1].rank;
+    chart.pairing = true;
+    try {
+      chart.lines.forEach((line, i) => {
+        if (i + 1 !== idx && line.rank === rank && u.series[i + 1].show !== opts.show) u.setSeries(i + 1, {show: opts.show});
+      });
+    } finally { chart.pairing = false; }
+  }
+
+  function describe(chart, lines, data) {
+    // What the chart holds, for people reading the page source and for the browser tests.
+    const counts = lines.map((line, i) => data[i + 1] ? data[i + 1].filter(num).length : 0);
+    chart.box.dataset.series = lines.map((l) => l.label).join("|");
+    chart.box.dataset.points = counts.join(",");
+    chart.box.dataset.epochMarks = String(chart.epochs.length);
+    chart.box.dataset.scale = chart.spec.logToggle && options.logLoss ? "log" : "linear";
+    chart.nodata.hidden = counts.some((c) => c > 0);
+  }
+
+  function drawCharts() {
+    const ranks = Object.keys(history).map(Number).filter((r) => history[r].loaded).sort((a, b) => a - b);
+    const slowSet = new Map();
+    for (const r of (status && status.slow_ranks) || []) slowSet.set(r, "slow");
+    for (const r of (status && status.stalled_ranks) || []) slowSet.set(r, "stalled");
+    const epochs = epochMarks(ranks);
+    for (const spec of CHARTS) {
+      const chart = ensureBox(spec);
+      const lines = lineSpecs(spec, ranks, slowSet);
+      const data = chartData(spec, lines);
+      chart.epochs = epochs;
+      const signature = JSON.stringify([lines.map((l) => [l.label, l.width]), options.logLoss]);
+      if (!chart.plot || signature !== chart.signature) {
+        makePlot(chart, lines, data);
+        chart.signature = signature;
+        chart.zoomed = false;
+      } else if (chart.zoomed) {
+        const min = chart.plot.scales.x.min, max = chart.plot.scales.x.max;
+        chart.plot.setData(data, false);
+        chart.plot.setScale("x", {min: min, max: max});
+      } else {
+        chart.plot.setData(data);
+      }
+      describe(chart, lines, data);
+    }
+  }
+
+  function resizeCharts() {
+    for (const id in charts) {
+      const chart = charts[id];
+      if (chart.plot) chart.plot.setSize({width: Math.max(300, chart.area.clientWidth), height: 220});
+    }
+  }
+
+  // ---- loop ---------------------------------------------------------------------------------
+  async function tick() {
+    try {
+      status = await getJSON(STATUS_URL);
+      $("conn").className = "conn";
+      $("conn").textContent = "updated " + new Date().toLocaleTimeString();
+    } catch (err) {
+      $("conn").className = "conn down";
+      $("conn").textContent = "monitor unreachable: " + err.message;
+      return;
+    }
+    if (status.run_id !== runId) {  // another run took over: start the charts again
+      runId = status.run_id;
+      for (const k of Object.keys(history)) delete history[k];
+    }
+    renderStatus(status);
+    const ranks = (status.ranks || []).map((r) => r.rank).sort((a, b) => a - b);
+    for (const k of Object.keys(history)) if (ranks.indexOf(Number(k)) < 0) delete history[k];
+    let loaded = 0;
+    for (const rank of ranks) {
+      try {
+        if (!history[rank] || !history[rank].loaded) await loadFull(rank); else await loadNew(rank);
+        loaded++;
+      } catch (err) {
+        $("conn").className = "conn down";
+        $("conn").textContent = "history of rank " + rank + ": " + err.message;
+      }
+    }
+    drawCharts();
+    draws++;
+    document.body.dataset.draws = String(draws);
+    document.body.dataset.ranksDrawn = String(loaded);
+    document.body.dataset.ready = "1";
+  }
+
+  async function loop() {
+    try { await tick(); } finally { setTimeout(loop, POLL_MS); }
+  }
+  window.addEventListener("resize", resizeCharts);
+  loop();
+})();
