@@ -11,6 +11,7 @@
 #                 finished entries are skipped), then train the DiT from that latent cache
 #   --detach      run in the background (log file only); prints the pid and returns
 #   --dry-run     validate every flag, print the command that would run, start nothing
+#   --skip_doctor launch even when the quick preflight checks (python -m diffsynth_mbc.doctor --quick) fail
 #   --help        this text, then the training's own flags
 # Stop a run: bash launchers/stop.sh OUTPUT_PATH [--grace S]   (checkpoint, `stopped`; SIGKILL after S s)
 # Environment: PYTHON (default: python), MBC_LOG_FILE, MBC_RUN_ID, NCCL_* (see configs/nccl_pcie.env).
@@ -101,7 +102,7 @@ mbc_free_port() {
 # mbc_launch PRESET [launcher flags] [train flags]
 mbc_launch() {
   local preset=$1; shift
-  local demo=0 deepspeed=0 multinode=0 detach=0 cached=0 dry_run=0 gpus="" train_args=()
+  local demo=0 deepspeed=0 multinode=0 detach=0 cached=0 dry_run=0 skip_doctor=0 gpus="" train_args=()
   while (($#)); do
     case $1 in
       --demo) demo=1 ;;
@@ -110,6 +111,7 @@ mbc_launch() {
       --detach) detach=1 ;;
       --cached) cached=1 ;;
       --dry-run) dry_run=1 ;;
+      --skip_doctor|--skip-doctor) skip_doctor=1 ;;
       --gpus) [[ $# -ge 2 ]] || mbc_die "--gpus needs a number"; gpus=$2; shift ;;
       --gpus=*) gpus=${1#--gpus=} ;;
       -h|--help) mbc_usage "${MBC_LAUNCHER:-launchers/train_test.sh}"; exit 0 ;;
@@ -199,6 +201,17 @@ mbc_launch() {
   # The plan: rows, GPUs, steps per GPU per epoch, total steps.
   "$PYTHON" -m diffsynth_mbc.plan --world_size "$world_size" --config "$preset" \
     "${train_args[@]+"${train_args[@]}"}" || exit 2
+
+  # Quick preflight (torch kernels for this GPU, precision, memory estimate, disks, files): a failure stops
+  # here, before any process starts; the full report: python -m diffsynth_mbc.doctor --config PRESET ...
+  if [[ $skip_doctor == 0 ]]; then
+    local doctor_args=(--quick --brief --gpus "$gpus")
+    [[ $deepspeed == 1 ]] && doctor_args+=(--deepspeed)
+    if ! "$PYTHON" -m diffsynth_mbc.doctor "${doctor_args[@]}" --config "$preset" \
+         "${train_args[@]+"${train_args[@]}"}"; then
+      mbc_die "the preflight checks above failed (fix them, or pass --skip_doctor to launch anyway)"
+    fi
+  fi
 
   local log_file=${MBC_LOG_FILE:-$OUTPUT_PATH/train-$MBC_RUN_ID.log}
 

@@ -83,6 +83,20 @@ def test_training_flags_reach_the_training_command(tmp_path):
     assert not (tmp_path / "runs").exists()                      # a dry run creates nothing
 
 
+@pytest.mark.slow
+def test_a_failing_preflight_check_stops_the_launch_before_any_process_starts(tmp_path):
+    """fp16 on a machine without a GPU: the quick doctor fails, names the check and --skip_doctor."""
+    result = launcher(tmp_path, "--demo", "--mixed_precision", "fp16", timeout=300)
+    assert result.returncode == 2
+    assert "fail: precision: --mixed_precision fp16 needs a CUDA GPU" in result.stderr
+    assert "preflight checks above failed" in result.stderr and "--skip_doctor" in result.stderr
+    assert not list((tmp_path / "runs" / "demo").glob("training_logs/training_gpu*.json"))   # nothing launched
+    skipped = launcher(tmp_path, "--demo", "--mixed_precision", "fp16", "--skip_doctor", timeout=300)
+    assert "preflight" not in skipped.stderr   # launched anyway: the training itself refuses, with the same words
+    assert read_status(tmp_path / "runs" / "demo" / "training_logs", 0)["status"] == "failed"
+    assert "fp16 needs a CUDA GPU" in skipped.stdout + skipped.stderr
+
+
 @pytest.mark.parametrize("preset,output", [("train_test.sh", "runs/test/lora"), ("train_full.sh", "runs/full/lora")])
 def test_presets_keep_their_logs_under_their_own_output_folder(tmp_path, preset, output):
     result = subprocess.run(["bash", str(REPO / "launchers" / preset), "--dry-run", "--gpus", "2"], cwd=tmp_path,

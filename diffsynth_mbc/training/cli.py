@@ -19,8 +19,10 @@ import traceback
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.gpu import UnsupportedGpuError
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
+from diffsynth_mbc.training.guards import NonFiniteError
 from diffsynth_mbc.training.options import resolve_options
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.stop_signals import StopSignals
@@ -56,10 +58,14 @@ def main(argv: list[str] | None = None) -> int:
                                                           f"during: {status.state['phase']}")
         print(f"[rank {rank}] stopped", file=sys.stderr)
         return signals.exit_code
-    except (ModelFileError, OptionsError) as exc:
+    except (ModelFileError, OptionsError, UnsupportedGpuError) as exc:
         status.fail(exc)
         print(f"[rank {rank}] error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteError as exc:
+        status.fail(exc)
+        print(f"[rank {rank}] failed: {exc}", file=sys.stderr)
+        return 1
     except BaseException as exc:  # noqa: BLE001 - recorded, then reported as failure
         status.fail(exc)
         traceback.print_exc()

@@ -16,37 +16,13 @@ from dataclasses import dataclass
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position, truncate_history
-from diffsynth_mbc.training.distributed import agree, broadcast_from_main
+from diffsynth_mbc.training.distributed import agree, all_reduce_sum, broadcast_from_main
+from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.stop_signals import StopSignals, unblock_in_child
 from diffsynth_mbc.training.validation import Validator
 
-BAD_MEDIA_ALLOWANCE = 10  # bad files tolerated before --max_bad_media_fraction applies
 RECENT_SKIPS_SHOWN = 5
-
-
-class TooMuchBadMedia(RuntimeError):
-    pass
-
-
-class BadMediaGuard:
-    """Counts undecodable files over all ranks; past the limit the run stops instead of training on what is left."""
-
-    def __init__(self, max_fraction: float):
-        self.max_fraction = max_fraction
-        self.bad_total = 0
-        self.seen_total = 0
-
-    def account(self, bad: int, seen: int, recent_skips: list) -> None:
-        self.bad_total += bad
-        self.seen_total += seen
-        if self.bad_total > max(BAD_MEDIA_ALLOWANCE, self.max_fraction * self.seen_total):
-            last = recent_skips[-1]["reason"] if recent_skips else "(on another rank)"
-            raise TooMuchBadMedia(
-                f"{self.bad_total} of {self.seen_total} samples so far could not be decoded "
-                f"({100 * self.bad_total / max(1, self.seen_total):.1f}% > {100 * self.max_fraction:g}%); "
-                f"stopping instead of training on what is left. Last: {last}. Check the files, re-run the "
-                "converter with --probe, or raise --max_bad_media_fraction.")
 
 
 @dataclass
@@ -69,6 +45,8 @@ class Run:
     position: Position = dataclasses.field(default_factory=Position)
     schedule: CheckpointSchedule | None = None
     bad_media: BadMediaGuard | None = None
+    nonfinite: NonFiniteGuard | None = None
+    injected_nonfinite: frozenset = frozenset()
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -112,7 +90,19 @@ def start_accelerator(options, status: RankStatusWriter):
     from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
                                   InitProcessGroupKwargs)
 
-    status.update(phase="joining the process group")
+    from diffsynth_mbc.gpu import attention_kernel, require_supported_gpu, resolve_precision
+
+    require_supported_gpu()   # a torch build without this GPU's kernels: stop now, naming the fix
+    capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    try:
+        precision, precision_why = resolve_precision(options.mixed_precision, capability)
+    except ValueError as exc:
+        raise OptionsError(str(exc)) from None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # The engine clips, not us: hand it --max_grad_norm (0 disables) instead of the config's fixed value.
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(float(options.max_grad_norm))
+    status.update(phase="joining the process group", mixed_precision=precision, precision_reason=precision_why,
+                  attention_kernel=attention_kernel(capability, precision))
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=options.find_unused_parameters)]
     if (status.state["world_size"] > 1 and not torch.cuda.is_available()
             and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true"):
@@ -127,8 +117,12 @@ def start_accelerator(options, status: RankStatusWriter):
     tracking = {} if options.report_to == "none" else {
         "log_with": options.report_to, "project_dir": os.path.join(options.output_path, "tracking")}
     accelerator = Accelerator(
-        gradient_accumulation_steps=options.gradient_accumulation_steps, kwargs_handlers=handlers,
+        mixed_precision=precision, gradient_accumulation_steps=options.gradient_accumulation_steps,
+        kwargs_handlers=handlers,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=options.seed), **tracking)
+    if accelerator.state.deepspeed_plugin is not None:
+        status.update(deepspeed_gradient_clipping=accelerator.state.deepspeed_plugin.deepspeed_config.get(
+            "gradient_clipping"))
     if accelerator.num_processes != status.state["world_size"]:
         status.update(world_size=accelerator.num_processes)
     # One run id for the whole run, rank 0's: nodes launched seconds or minutes apart each proposed their own.
@@ -252,8 +246,11 @@ def start_progress(run: Run) -> None:
                       max_grad_norm=options.max_grad_norm)
     if run.accelerator.is_main_process:
         print(f"step plan: {run.plan.describe()}", file=sys.stderr)
+        print(f"precision: {run.status.state.get('precision_reason')}", file=sys.stderr)
     run.schedule = CheckpointSchedule(options.checkpoint_steps, options.checkpoint_minutes)
     run.bad_media = BadMediaGuard(options.max_bad_media_fraction)
+    run.nonfinite = NonFiniteGuard(options.max_nonfinite_steps, run.accelerator.mixed_precision)
+    run.injected_nonfinite = injected_steps(os.environ, run.accelerator.process_index)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,34 +285,55 @@ def train_epoch(run: Run, epoch: int) -> str:
             for bad in sample.pop("skipped", ()):
                 bad_in_step += 1
                 position.recent_skips = (position.recent_skips + [bad])[-RECENT_SKIPS_SHOWN:]
-        loss, grad_norm = forward_backward(run, batch)
+        loss, grad_norm, skipped = forward_backward(run, batch, losses)
         losses.append(loss.detach())
         samples_in_step += len(batch) + bad_in_step
         position.batches_in_epoch += 1
         if not accelerator.sync_gradients:
             continue
         step_loss = torch.stack(losses).mean().item()
-        outcome = after_optimizer_step(run, epoch, step_loss, grad_norm, samples_in_step, bad_in_step)
+        outcome = after_optimizer_step(run, epoch, step_loss, grad_norm, samples_in_step, bad_in_step, skipped)
         losses, samples_in_step, bad_in_step = [], 0, 0
         if outcome == "stopped":
             return "stopped"
     return "done"
 
 
-def forward_backward(run: Run, batch):
+def forward_backward(run: Run, batch, earlier_losses: list):
+    """One micro-batch; at the last of a step also the optimizer step, unless the step is non-finite.
+
+    Returns (loss, gradient norm or None, skipped). A step is skipped on every rank alike when any rank's
+    loss in it is inf/NaN (one small all-reduce) or the averaged gradients' norm is. Under fp16 the loss
+    scaler's own step still runs: it skips the update itself and lowers the scale. Under DeepSpeed the
+    engine has already stepped inside ``backward``; its fp16 scaler skips overflowed steps.
+    """
+    import math
+
+    import torch
+
     accelerator, options = run.accelerator, run.options
     with accelerator.accumulate(run.module):
         loss = run.module(batch)
+        if run.position.step + 1 in run.injected_nonfinite:
+            loss = loss * float("nan")
         accelerator.backward(loss)
-        grad_norm = None
-        if accelerator.sync_gradients and options.max_grad_norm > 0:
-            grad_norm = accelerator.clip_grad_norm_(run.trainable, options.max_grad_norm)
-        run.optimizer.step()
+        if not accelerator.sync_gradients:
+            return loss, None, False
+        losses = torch.stack([*earlier_losses, loss.detach()])
+        local_bad = torch.tensor([0 if bool(torch.isfinite(losses).all()) else 1], device=accelerator.device)
+        any_bad = int(all_reduce_sum(accelerator, local_bad).item()) > 0
+        max_norm = options.max_grad_norm if options.max_grad_norm > 0 else math.inf   # inf: measure only
+        grad_norm = accelerator.clip_grad_norm_(run.trainable, max_norm)
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        skipped = any_bad or (grad_norm is not None and not math.isfinite(grad_norm))
+        if not skipped or accelerator.scaler is not None:
+            run.optimizer.step()
         run.optimizer.zero_grad()
-    return loss, grad_norm
+    return loss, grad_norm, skipped
 
 
-def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: int, bad: int) -> str:
+def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: int, bad: int,
+                         skipped: bool = False) -> str:
     """Progress, agreement between ranks, validation, checkpoints and stop requests after one optimizer step."""
     import torch
 
@@ -325,8 +343,12 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     position.step += 1
     position.samples_seen += samples
     position.skipped_samples += bad
-    run.logger.on_step_end(accelerator, None, loss=loss, lr=lr, samples=samples,
-                           grad_norm=None if grad_norm is None else float(grad_norm))
+    if run.nonfinite.check(position.step, loss, grad_norm, skipped):
+        status.update(**run.nonfinite.status_fields())
+    elif run.nonfinite.total:
+        status.update(nonfinite_in_a_row=0)
+    run.logger.on_step_end(accelerator, None, loss=loss, lr=lr, samples=samples, grad_norm=grad_norm,
+                           **({"nonfinite": True} if skipped else {}))
     if bad:
         status.update(skipped_samples=position.skipped_samples, skip_reasons=position.recent_skips)
     # One small all-reduce per step keeps every rank's decisions identical.

@@ -24,7 +24,7 @@ DEFAULTS = {
     # optimisation
     "learning_rate": 1e-4, "weight_decay": 0.01, "num_epochs": 1, "batch_size": 1,
     "gradient_accumulation_steps": 1, "lr_scheduler": "constant", "warmup_steps": 0,
-    "max_grad_norm": 1.0, "seed": 42,
+    "max_grad_norm": 1.0, "seed": 42, "mixed_precision": "auto", "max_nonfinite_steps": 20,
     "use_gradient_checkpointing": True, "use_gradient_checkpointing_offload": False,
     "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0, "find_unused_parameters": False,
     # output and logging
@@ -44,7 +44,7 @@ DEFAULTS = {
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
             "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
-            "report_to": ("none", "tensorboard", "wandb")}
+            "report_to": ("none", "tensorboard", "wandb"), "mixed_precision": ("auto", "bf16", "fp16", "fp32")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--warmup_steps", type=int, help="linear warm-up, optimizer steps (default 0)")
     optim.add_argument("--max_grad_norm", type=float, help="gradient clipping; 0 disables (default 1.0)")
     optim.add_argument("--seed", type=int, help="base seed; each rank draws noise from seed + rank (default 42)")
+    optim.add_argument("--mixed_precision", choices=_CHOICES["mixed_precision"],
+                       help="auto (default): bf16 where the GPU has it natively (sm80+), fp16 with dynamic loss "
+                            "scaling otherwise (V100); fp32 on the CPU")
+    optim.add_argument("--max_nonfinite_steps", type=int,
+                       help="a step with an inf/NaN loss or gradient norm is skipped and counted; this many in a "
+                            "row stop the run (default 20)")
     optim.add_argument("--use_gradient_checkpointing", type=_parse_bool, help="true/false (default true)")
     optim.add_argument("--use_gradient_checkpointing_offload", type=_parse_bool, help="true/false")
     optim.add_argument("--max_timestep_boundary", type=float)
@@ -218,6 +224,8 @@ def validate(options: dict) -> None:
         raise OptionsError(f"--checkpoint_minutes must be positive, got {options['checkpoint_minutes']}")
     if options["print_every_s"] <= 0:
         raise OptionsError(f"--print_every_s must be positive, got {options['print_every_s']}")
+    if options["max_nonfinite_steps"] < 1:
+        raise OptionsError(f"--max_nonfinite_steps must be at least 1, got {options['max_nonfinite_steps']}")
     if options["keep_old_histories"] < 0:
         raise OptionsError(f"--keep_old_histories must not be negative, got {options['keep_old_histories']}")
     if options["keep_checkpoints"] < 1 or options["val_samples"] < 1:

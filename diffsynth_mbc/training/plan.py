@@ -26,6 +26,8 @@ def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str)
                  "--height", str(options.height), "--width", str(options.width),
                  "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed),
                  "--decoder", options.decoder]
+    if options.mixed_precision != "auto":   # auto: the cache picks as the training will, from the GPU
+        arguments += ["--dtype", options.mixed_precision]
     if options.demo:
         return arguments + ["--demo"]
     if options.model_dir:
@@ -85,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  batch {plan.batch_size} x accumulation {plan.gradient_accumulation} -> "
           f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch", file=sys.stderr)
     print(f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)", file=sys.stderr)
+    precision = {"auto": "auto: bf16 on GPUs with native bf16 (A100, H100), fp16 with loss scaling below (V100)"}
+    print(f"  precision {precision.get(options.mixed_precision, options.mixed_precision)} "
+          "(the training prints what it chose)", file=sys.stderr)
     return 0
 
 

@@ -92,6 +92,8 @@ class ProgressLogger(ModelLogger):
         record = {"step": self.step, "epoch": self.epoch, "loss": _maybe_float(loss), "lr": _maybe_float(lr),
                   "step_time_s": round(step_time, 4), "samples": samples, "time": round(self._wall_clock(), 3)}
         extra = {key: _maybe_float(value) for key, value in kwargs.items() if key in ("grad_norm",)}
+        if kwargs.get("nonfinite"):
+            record["nonfinite"] = True   # skipped: the loss or gradient norm was inf/NaN
         record.update(extra)
         self.status.append_history(record)
         self.status.update(

@@ -18,13 +18,30 @@ def demo_flags(root, **overrides):
     return [item for key, value in flags.items() for item in (f"--{key}", str(value))]
 
 
+# The training's entry with accelerate's whole-model gather made to fail: saving the LoRA must never use it
+# (under DeepSpeed it would gather the 5B model to the CPU on every rank at every save).
+NO_GATHER = """
+import sys
+from accelerate import Accelerator
+
+def refuse(*args, **kwargs):
+    raise AssertionError("Accelerator.get_state_dict was called")
+
+Accelerator.get_state_dict = refuse
+from diffsynth_mbc.training.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
+    entry = tmp_path / "train_without_gather.py"
+    entry.write_text(NO_GATHER)
     command = [sys.executable, "-m", "accelerate.commands.launch",
                "--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-               "-m", "diffsynth_mbc.train", *demo_flags(root, num_epochs=1)]
+               str(entry), *demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1)]
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -34,5 +51,8 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
         state = read_status(root / "logs", rank)
         assert state["status"] == "finished"
         assert state["step"] == state["total_steps"] == 3
+        assert state["deepspeed_gradient_clipping"] == 0.5   # --max_grad_norm, not the config's 1.0
         assert [line["step"] for line in read_history(root / "logs", rank)] == [1, 2, 3]
     assert (root / "lora" / "lora.safetensors").stat().st_size > 0
+    assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors")) == [
+        "step-1.safetensors", "step-2.safetensors", "step-3.safetensors"]   # every save went without the gather

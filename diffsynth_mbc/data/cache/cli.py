@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--demo", action="store_true", help="the tiny random demo model (fixed --seed)")
     parser.add_argument("--seed", type=int, default=42,
                         help="--demo only: the demo model's seed; must equal the training --seed (default 42)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="stored precision (default bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="stored precision (default: bf16 on GPUs with native bf16, fp16 on older ones such as "
+                             "the V100, fp32 on the CPU); match the training's --mixed_precision")
     parser.add_argument("--dataset_num_workers", type=int, default=2, help="decoding worker processes per rank")
     parser.add_argument("--decoder", choices=DECODERS, default="fast",
                         help="fast: only the frames that train, in-process (PyAV; default); diffsynth: DiffSynth's reader")
@@ -107,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     except CacheError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from diffsynth_mbc.gpu import UnsupportedGpuError
     from diffsynth_mbc.models.model_files import ModelFileError
 
     ranks = Ranks()
     try:
         return run(options, ranks)
-    except (CacheError, ModelFileError) as exc:
+    except (CacheError, ModelFileError, UnsupportedGpuError) as exc:
         print(f"[rank {ranks.rank}] error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -128,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         ranks.close()
 
 
+def default_dtype(capability: tuple[int, int] | None) -> str:
+    """The cache's precision when --dtype is not given: what the training's --mixed_precision auto picks."""
+    if capability is None:
+        return "fp32"
+    return "bf16" if tuple(capability) >= (8, 0) else "fp16"
+
+
 def run(options, ranks: Ranks) -> int:
     import torch
 
@@ -135,10 +145,13 @@ def run(options, ranks: Ranks) -> int:
     from diffsynth_mbc.models.pipeline import TINY_TEXT_LEN
 
     started = time.monotonic()
+    from diffsynth_mbc.gpu import require_supported_gpu
+
+    require_supported_gpu()   # a torch build without this GPU's kernels: stop now, naming the fix
     use_cuda = torch.cuda.is_available()
     device = f"cuda:{ranks.local_rank}" if use_cuda else "cpu"
-    dtype_name = options.dtype or ("bf16" if use_cuda else "fp32")
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    dtype_name = options.dtype or default_dtype(torch.cuda.get_device_capability(ranks.local_rank) if use_cuda else None)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     cache_dir = Path(options.cache_dir)
     ranks.start(use_cuda)
 

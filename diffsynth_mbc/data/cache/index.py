@@ -21,7 +21,7 @@ FAILURES_FILE = "failures.csv"
 ENTRIES_DIR = "entries"
 TEXT_DIR = "text"
 SHARDS_DIR = "shards"
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # Wan2.2-TI2V-5B at the team's training size, for the projection in the summary.
 FULL_SIZE = {"height": 704, "width": 1280, "num_frames": 17, "z_dim": 48, "text_dim": 4096, "factor": 16}
 

@@ -1,0 +1,220 @@
+"""The doctor's checks: each returns a ``Check`` (ok / warn / fail / skip, what was found, the fix).
+
+Host checks read this machine (GPUs, torch, /dev/shm, open-file limit, disks, model files, metadata,
+ffmpeg); the memory and speed estimates use the GPU found here or the one named by ``--assume``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import shutil
+from pathlib import Path
+
+from diffsynth_mbc.doctor import memory
+from diffsynth_mbc.gpu import GpuSpec, arch_problem, attention_kernel, resolve_precision, sm
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+GIB = 1024 ** 3
+OPEN_FILES_WANTED = 4096
+MFU_ASSUMED = 0.35   # a realistic model-FLOPs utilisation for this DiT, for "how fast could it go"
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclasses.dataclass
+class Target:
+    """The GPU the plan is for: this machine's device 0, or an assumed one (``--assume``)."""
+    spec: GpuSpec | None
+    count: int
+    assumed: bool
+    arch_list: list[str]
+    torch_version: str
+
+
+def find_target(assume: str | None, gpus: int | None) -> Target:
+    import torch
+
+    from diffsynth_mbc.gpu import current_device, known_gpu
+
+    arch_list = (torch._C._cuda_getArchFlags() or "").split() if torch.version.cuda else []
+    if assume:
+        return Target(known_gpu(assume), gpus or 1, True, arch_list, torch.__version__)
+    device = current_device()
+    if device is None:
+        return Target(None, 0, False, arch_list, torch.__version__)
+    spec = GpuSpec(device["name"], device["capability"], device["memory_bytes"] / GIB, 0, None)
+    return Target(spec, gpus or device["count"], False, device["arch_list"], torch.__version__)
+
+
+def gpu_check(target: Target) -> Check:
+    if target.spec is None:
+        return Check("GPU", WARN, "no CUDA GPU on this machine: only the CPU demo can train here",
+                     "run the doctor on the training machine, or plan with --assume V100-32GB / A100-80GB / H100-80GB")
+    spec = target.spec
+    where = "assumed (not this machine's)" if target.assumed else "found"
+    return Check("GPU", OK, f"{target.count} x {spec.name} {where}: {sm(spec.capability)}, {spec.memory_gib:.0f} GiB, "
+                            f"native bf16 {'yes' if spec.native_bf16 else 'no'}")
+
+
+def arch_check(target: Target) -> Check:
+    if target.spec is None:
+        return Check("torch kernels", SKIP, f"torch {target.torch_version}: no GPU to check against")
+    if not target.arch_list:
+        return Check("torch kernels", FAIL, f"torch {target.torch_version} is a CPU-only build",
+                     "install a CUDA build of torch (README, 'Before the first real run')")
+    problem = arch_problem(target.arch_list, target.spec.capability, target.spec.name, target.torch_version)
+    if problem:
+        detail, _, fix = problem.partition(" Fix: ")
+        return Check("torch kernels", FAIL, detail, fix)
+    return Check("torch kernels", OK, f"torch {target.torch_version} ships {' '.join(target.arch_list)}")
+
+
+def precision_check(target: Target, choice: str) -> tuple[Check, str]:
+    capability = target.spec.capability if target.spec else None
+    try:
+        precision, why = resolve_precision(choice, capability)
+    except ValueError as exc:
+        return Check("precision", FAIL, str(exc), "--mixed_precision auto"), "no"
+    kernel = attention_kernel(capability, precision)
+    slow_bf16 = capability is not None and precision == "bf16" and capability < (8, 0)
+    status = WARN if slow_bf16 or (capability is not None and kernel == "math") else OK
+    fix = "--mixed_precision fp16 (or auto)" if status == WARN else ""
+    return Check("precision", status, f"{why}; attention kernel: {kernel}", fix), precision
+
+
+def nccl_check(target: Target, quick: bool) -> Check:
+    if target.assumed or target.count < 2:
+        return Check("NCCL", SKIP, "needs two or more GPUs on this machine")
+    import torch
+
+    p2p = all(torch.cuda.can_device_access_peer(a, b) for a in range(target.count) for b in range(target.count) if a != b)
+    detail = f"PCIe/NVLink peer access {'on' if p2p else 'off'} between the {target.count} GPUs"
+    if quick:
+        return Check("NCCL", OK, detail + " (all-reduce bandwidth: run without --quick)")
+    from diffsynth_mbc.doctor.nccl import all_reduce_bandwidth
+
+    gbps = all_reduce_bandwidth(target.count)
+    status = OK if gbps >= 5 else WARN
+    fix = "" if status == OK else "check configs/nccl_pcie.env (NCCL_P2P_DISABLE, NCCL_IB_DISABLE) and the PCIe topology"
+    return Check("NCCL", status, f"{detail}; all-reduce bus bandwidth {gbps:.1f} GB/s", fix)
+
+
+def shm_check(options) -> Check:
+    workers = options.dataset_num_workers
+    if workers == 0:
+        return Check("/dev/shm", OK, "no data-loader workers (--dataset_num_workers 0)")
+    per_sample = (memory.tokens(options.height, options.width, options.num_frames) * 48 * 4 * 4 if options.cache
+                  else options.num_frames * options.height * options.width * 3 * 4)
+    needed = workers * 2 * options.batch_size * per_sample   # two batches in flight per worker
+    try:
+        free = shutil.disk_usage("/dev/shm").total
+    except OSError:
+        return Check("/dev/shm", WARN, "no /dev/shm", "data-loader workers pass tensors through shared memory")
+    detail = f"{free / GIB:.1f} GiB; {workers} workers need about {needed / GIB:.2f} GiB"
+    if free < needed:
+        return Check("/dev/shm", FAIL, detail, "docker run --shm-size=16g, or lower --dataset_num_workers")
+    return Check("/dev/shm", OK if free >= 2 * needed else WARN, detail,
+                 "" if free >= 2 * needed else "a larger /dev/shm (docker --shm-size) leaves room")
+
+
+def open_files_check() -> Check:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    detail = f"soft {soft}, hard {hard}"
+    if soft != resource.RLIM_INFINITY and soft < OPEN_FILES_WANTED:
+        return Check("open files", WARN, detail + f" (data-loader workers and NCCL want {OPEN_FILES_WANTED}+)",
+                     f"ulimit -n {min(hard, 65536) if hard != resource.RLIM_INFINITY else 65536}")
+    return Check("open files", OK, detail)
+
+
+def _nearest_existing(path: str) -> Path:
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def disk_checks(options, rows: int | None) -> list[Check]:
+    from diffsynth_mbc.data.cache.index import projected_bytes_per_sample
+
+    lora = memory.lora_params(options.lora_rank, options.lora_target_modules.split(","))
+    checkpoint = lora * 16 + 64 * 2**20   # LoRA + AdamW m, v + file for export, plus RNG/scheduler/manifest
+    wanted = {options.checkpoint_dir: checkpoint * (options.keep_checkpoints + 1)}
+    if options.cache and rows:
+        sample = projected_bytes_per_sample(options.height, options.width, options.num_frames, text_tokens=120)["bytes"]
+        wanted[options.cache] = wanted.get(options.cache, 0) + rows * sample
+    out = []
+    for path, needed in wanted.items():
+        where = _nearest_existing(path)
+        free = shutil.disk_usage(where).free
+        detail = f"{path}: {free / GIB:.1f} GiB free, needs about {needed / GIB:.1f} GiB"
+        status = FAIL if free < needed else WARN if free < 1.5 * needed else OK
+        out.append(Check("disk", status, detail, "" if status == OK else "free space or point it at a larger disk"))
+    return out
+
+
+def model_check(options) -> Check:
+    if options.demo:
+        return Check("model files", OK, "demo: a tiny random model, no files needed")
+    if not options.model_dir:
+        return Check("model files", WARN, f"--model_id {options.model_id or 'Wan-AI/Wan2.2-TI2V-5B'}: downloaded "
+                     "from ModelScope at start (about 30 GB)", "download once, then pass --model_dir")
+    from diffsynth_mbc.models.model_files import ModelFileError, locate_model_files
+
+    try:
+        files = locate_model_files(options.model_dir)
+    except ModelFileError as exc:
+        return Check("model files", FAIL, str(exc), "download or repair the model folder")
+    return Check("model files", OK, f"{options.model_dir}: {len(files.dit_shards)} DiT shard(s), T5, VAE, tokenizer readable")
+
+
+def metadata_check(options, quick: bool) -> tuple[Check, int | None]:
+    from diffsynth_mbc.training.plan import count_metadata_rows
+
+    path = options.dataset_metadata_path
+    if not os.path.isfile(path):
+        return Check("metadata", FAIL, f"not found: {path}", "python -m diffsynth_mbc.convert CATALOG.csv ..."), None
+    rows = count_metadata_rows(path)
+    if rows == 0:
+        return Check("metadata", FAIL, f"{path}: no rows", "re-run the converter"), 0
+    if quick or options.cache:
+        return Check("metadata", OK, f"{path}: {rows:,} rows"), rows
+    from diffsynth_mbc.data.dataset import MBCVideoDataset
+
+    dataset = MBCVideoDataset(options.dataset_base_path, path, decoder=options.decoder, num_frames=options.num_frames,
+                              height=options.height, width=options.width)
+    for index in range(min(3, rows)):
+        try:
+            sample = dataset[index]
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is the finding
+            return Check("metadata", FAIL, f"{path}: row {index + 1} does not decode: {exc}",
+                         "re-run the converter with --probe"), rows
+        if sample is None:
+            return Check("metadata", FAIL, f"{path}: row {index + 1} does not decode",
+                         "re-run the converter with --probe"), rows
+    return Check("metadata", OK, f"{path}: {rows:,} rows; the first {min(3, rows)} decode at "
+                                 f"{options.width}x{options.height}x{options.num_frames}"), rows
+
+
+def ffmpeg_check() -> Check:
+    try:
+        import imageio_ffmpeg
+
+        exe = imageio_ffmpeg.get_ffmpeg_exe()
+    except Exception as exc:  # noqa: BLE001
+        exe = shutil.which("ffmpeg")
+        if not exe:
+            return Check("ffmpeg", FAIL, f"no ffmpeg ({exc})", "pip install imageio-ffmpeg")
+    try:
+        import av
+
+        return Check("ffmpeg", OK, f"{exe}; PyAV {av.__version__}")
+    except ImportError:
+        return Check("ffmpeg", WARN, f"{exe}; PyAV missing (slower DiffSynth decoder)", "pip install av")

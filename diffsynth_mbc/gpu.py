@@ -1,0 +1,151 @@
+"""What a GPU can do for this training: architecture support of the installed torch, precision, attention kernel.
+
+Pure logic over plain values (a capability tuple, an arch list), so it is tested without a GPU; the
+few functions that ask torch import it inside. Used by the training and cache entry points (refuse to
+start on a torch build without the device's kernels) and by ``python -m diffsynth_mbc.doctor``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+VOLTA_TORCH = "torch==2.10.0 torchvision==0.25.0"   # newest PyPI wheels (CUDA 12.8) that still ship sm_70
+
+
+class UnsupportedGpuError(RuntimeError):
+    """The installed torch has no kernels for this GPU."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """A GPU model as the doctor's ``--assume`` knows it (dense tensor-core peak TFLOPS, no sparsity)."""
+    name: str
+    capability: tuple[int, int]
+    memory_gib: float
+    fp16_tflops: float
+    bf16_tflops: float | None   # None: no native bf16 (emulated, without tensor cores)
+    nvlink: bool = False
+
+    @property
+    def native_bf16(self) -> bool:
+        return self.capability >= (8, 0)
+
+
+KNOWN_GPUS = {spec.name: spec for spec in (
+    GpuSpec("V100-16GB", (7, 0), 16, 125, None),
+    GpuSpec("V100-32GB", (7, 0), 32, 125, None),
+    GpuSpec("V100S-32GB", (7, 0), 32, 130, None),
+    GpuSpec("T4-16GB", (7, 5), 15, 65, None),
+    GpuSpec("RTX3090-24GB", (8, 6), 24, 71, 71),
+    GpuSpec("A10-24GB", (8, 6), 24, 125, 125),
+    GpuSpec("RTX4090-24GB", (8, 9), 24, 165, 165),
+    GpuSpec("L40S-48GB", (8, 9), 48, 362, 362),
+    GpuSpec("A100-40GB", (8, 0), 40, 312, 312, nvlink=True),
+    GpuSpec("A100-80GB", (8, 0), 80, 312, 312, nvlink=True),
+    GpuSpec("H100-80GB", (9, 0), 80, 989, 989, nvlink=True),
+    GpuSpec("H200-141GB", (9, 0), 141, 989, 989, nvlink=True),
+)}
+
+
+def known_gpu(name: str) -> GpuSpec:
+    """``--assume NAME``: a GPU of KNOWN_GPUS by name (case and separators ignored)."""
+    wanted = re.sub(r"[^a-z0-9]", "", name.lower())
+    for key, spec in KNOWN_GPUS.items():
+        if re.sub(r"[^a-z0-9]", "", key.lower()) == wanted:
+            return spec
+    raise ValueError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
+
+
+def sm(capability: tuple[int, int]) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def arch_problem(arch_list: list[str], capability: tuple[int, int], device_name: str,
+                 torch_version: str) -> str | None:
+    """Why the installed torch cannot run on this device, with the fix; None when it can.
+
+    A build runs on a device when it ships kernels for its exact architecture (``sm_XY``) or for an
+    older one of the same major version (``sm_86`` runs ``sm_80`` code), or PTX (``compute_XY``) it
+    can compile for a newer device.
+    """
+    major, minor = capability
+    for arch in arch_list:
+        match = re.fullmatch(r"(sm|compute)_(\d)(\d+)a?", arch)
+        if not match:
+            continue
+        kind, a_major, a_minor = match.group(1), int(match.group(2)), int(match.group(3))
+        if kind == "sm" and a_major == major and a_minor <= minor:
+            return None
+        if kind == "compute" and (a_major, a_minor) <= (major, minor):
+            return None
+    shipped = " ".join(arch_list) or "none"
+    fix = (f"pip install {VOLTA_TORCH} (the newest PyPI build with sm_70; see requirements-volta.txt)"
+           if capability < (7, 5) else "pip install a torch build for this GPU (see the README, "
+           "'Before the first real run')")
+    return (f"the installed torch {torch_version} has no kernels for {device_name} ({sm(capability)}); "
+            f"it ships: {shipped}. Every CUDA kernel would fail with 'no kernel image is available'. Fix: {fix}")
+
+
+def resolve_precision(choice: str, capability: tuple[int, int] | None) -> tuple[str, str]:
+    """``--mixed_precision`` -> (accelerate's value: 'bf16' | 'fp16' | 'no', why), for a GPU or the CPU (None)."""
+    if choice not in PRECISIONS:
+        raise ValueError(f"--mixed_precision must be one of {', '.join(PRECISIONS)}, got {choice!r}")
+    if capability is None:
+        if choice in ("auto", "fp32"):
+            return "no", "fp32: no GPU (bf16/fp16 mixed precision is for CUDA devices)"
+        if choice == "fp16":
+            raise ValueError("--mixed_precision fp16 needs a CUDA GPU: accelerate neither autocasts nor scales "
+                             "the loss on the CPU; use auto or fp32 here")
+        return "bf16", "bf16 on the CPU (slow; auto or fp32 is the usual choice here)"
+    native = capability >= (8, 0)
+    if choice == "auto":
+        if native:
+            return "bf16", f"bf16: native on {sm(capability)}"
+        return "fp16", (f"fp16 with dynamic loss scaling: {sm(capability)} has no native bf16 (emulated, "
+                        "several times slower, and no memory-efficient attention for it)")
+    if choice == "fp32":
+        return "no", "fp32 (no mixed precision: twice the weight memory, slowest)"
+    if choice == "bf16" and not native:
+        return "bf16", (f"bf16 as asked, but {sm(capability)} emulates it without tensor cores (several times "
+                        "slower) and attention falls back to the math kernel; --mixed_precision fp16 is faster")
+    return choice, f"{choice} as asked" + (" (dynamic loss scaling)" if choice == "fp16" else "")
+
+
+def attention_kernel(capability: tuple[int, int] | None, precision: str) -> str:
+    """Which of PyTorch's SDPA kernels attention gets: 'flash', 'mem_efficient' or 'math' (stores the scores).
+
+    Flash attention needs sm80+ and fp16/bf16; the memory-efficient kernel runs from sm50 for fp16 and
+    fp32 but takes bf16 only from sm80. Anything else falls back to the math kernel.
+    """
+    if capability is None:
+        return "math"
+    if precision in ("bf16", "fp16") and capability >= (8, 0):
+        return "flash"
+    if precision in ("fp16", "no", "fp32"):
+        return "mem_efficient"
+    return "math"
+
+
+def current_device() -> dict | None:
+    """Name, capability, memory and the installed torch's arch list of CUDA device 0; None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return {"name": props.name, "capability": tuple(torch.cuda.get_device_capability(index)),
+            "memory_bytes": props.total_memory, "arch_list": list(torch.cuda.get_arch_list()),
+            "torch": torch.__version__, "count": torch.cuda.device_count()}
+
+
+def require_supported_gpu() -> None:
+    """Entry points call this first: on a GPU the installed torch has no kernels for, stop with the fix."""
+    device = current_device()
+    if device is None:
+        return
+    problem = arch_problem(device["arch_list"], device["capability"], device["name"], device["torch"])
+    if problem:
+        raise UnsupportedGpuError(problem)

@@ -1,0 +1,98 @@
+"""GPU architecture support, precision choice and attention kernel: pure rules, and the entry points refusing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diffsynth_mbc import gpu
+from diffsynth_mbc.gpu import arch_problem, attention_kernel, known_gpu, resolve_precision
+
+CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]          # torch 2.11+ on PyPI
+CU128_ARCHS = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.8-2.10 on PyPI
+
+
+def test_a_v100_with_a_build_without_sm_70_is_refused_with_the_fix():
+    problem = arch_problem(CU130_ARCHS, (7, 0), "Tesla V100S-PCIE-32GB", "2.14.1+cu130")
+    assert problem is not None
+    assert "Tesla V100S-PCIE-32GB (sm_70)" in problem and "2.14.1+cu130" in problem
+    assert "no kernel image is available" in problem
+    assert "pip install torch==2.10.0 torchvision==0.25.0" in problem and "requirements-volta.txt" in problem
+
+
+@pytest.mark.parametrize("archs, capability", [
+    (CU128_ARCHS, (7, 0)),       # the Volta build on a V100
+    (CU130_ARCHS, (8, 0)),       # A100
+    (["sm_80"], (8, 6)),         # sm_80 code runs on sm_86 (same major, lower minor)
+    (["sm_80", "compute_80"], (9, 0)),   # PTX compiles for a newer GPU
+])
+def test_builds_that_run_on_the_device(archs, capability):
+    assert arch_problem(archs, capability, "gpu", "x") is None
+
+
+@pytest.mark.parametrize("archs, capability", [
+    (["sm_75", "sm_80"], (7, 0)),  # sm_75 code does not run on sm_70
+    (["sm_80"], (9, 0)),           # no PTX: Hopper cannot run sm_80 cubins
+    ([], (8, 0)),                  # a CPU-only build
+])
+def test_builds_that_do_not(archs, capability):
+    assert arch_problem(archs, capability, "gpu", "x") is not None
+
+
+@pytest.mark.parametrize("choice, capability, expected", [
+    ("auto", (7, 0), "fp16"), ("auto", (8, 0), "bf16"), ("auto", (9, 0), "bf16"), ("auto", None, "no"),
+    ("fp32", (8, 0), "no"), ("fp16", (8, 0), "fp16"), ("bf16", (7, 0), "bf16"), ("fp32", None, "no"),
+])
+def test_precision_choice(choice, capability, expected):
+    assert resolve_precision(choice, capability)[0] == expected
+
+
+def test_auto_says_why_and_bf16_on_volta_warns():
+    assert "no native bf16" in resolve_precision("auto", (7, 0))[1]
+    assert "emulates it" in resolve_precision("bf16", (7, 0))[1]
+    with pytest.raises(ValueError, match="fp16 needs a CUDA GPU"):
+        resolve_precision("fp16", None)
+
+
+def test_attention_kernel_per_gpu_and_dtype():
+    assert attention_kernel((7, 0), "fp16") == "mem_efficient"
+    assert attention_kernel((7, 0), "bf16") == "math"          # the V100 bf16 trap: full score matrices
+    assert attention_kernel((8, 0), "bf16") == "flash"
+    assert attention_kernel((9, 0), "fp16") == "flash"
+
+
+def test_assume_names():
+    assert known_gpu("v100-32gb").memory_gib == 32 and not known_gpu("V100 32GB").native_bf16
+    assert known_gpu("H100-80GB").native_bf16
+    with pytest.raises(ValueError, match="known: V100-16GB"):
+        known_gpu("GTX 480")
+
+
+def test_the_training_refuses_a_mismatched_gpu_before_anything_loads(tmp_path, monkeypatch):
+    """A fake device description (a V100 under a build without sm_70): exit 2, the fix named, status failed."""
+    from diffsynth_mbc.training import cli
+
+    monkeypatch.setattr(gpu, "current_device", lambda: {
+        "name": "Tesla V100S-PCIE-32GB", "capability": (7, 0), "memory_bytes": 32 << 30,
+        "arch_list": CU130_ARCHS, "torch": "2.14.1+cu130", "count": 2})
+    monkeypatch.delenv("MBC_RUN_ID", raising=False)
+    code = cli.main(["--dataset_base_path", str(tmp_path), "--dataset_metadata_path", str(tmp_path / "m.csv"),
+                     "--output_path", str(tmp_path / "out"), "--demo"])
+    assert code == 2
+    state = json.loads((tmp_path / "out" / "training_logs" / "training_gpu0.json").read_text())
+    assert state["status"] == "failed" and "torch==2.10.0" in state["error"]["message"]
+    assert state["error"]["type"] == "UnsupportedGpuError"
+
+
+def test_fp16_on_the_cpu_is_refused_naming_the_flag(tmp_path, monkeypatch):
+    """accelerate neither autocasts nor scales the loss on the CPU (its Accelerator(mixed_precision='fp16',
+    cpu=True) has no scaler), so fp16 there would silently train in fp32: refused instead."""
+    from diffsynth_mbc.training import cli
+
+    monkeypatch.delenv("MBC_RUN_ID", raising=False)
+    code = cli.main(["--dataset_base_path", str(tmp_path), "--dataset_metadata_path", str(tmp_path / "m.csv"),
+                     "--output_path", str(tmp_path / "out"), "--demo", "--mixed_precision", "fp16"])
+    assert code == 2
+    state = json.loads((tmp_path / "out" / "training_logs" / "training_gpu0.json").read_text())
+    assert "--mixed_precision fp16 needs a CUDA GPU" in state["error"]["message"]
