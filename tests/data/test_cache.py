@@ -285,3 +285,24 @@ def test_training_refuses_a_cache_whose_media_changed_unless_allowed(demo, refer
         assert open_training_dataset(training_options(root, cache_dir, allow_stale_cache=True)).rows == GOOD_ROWS
     finally:
         os.utime(media, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_an_fp16_cache_stores_float16_and_the_default_follows_the_gpu(demo, reference, tmp_path):
+    """--dtype fp16, as for V100s: every stored tensor is float16 and equals the fp32 reference rounded."""
+    from diffsynth_mbc.data.cache.cli import default_dtype
+
+    root, _ = demo
+    run_in_process(root, tmp_path / "cache16", 64, "--dtype", "fp16")
+    index16 = json.loads((tmp_path / "cache16" / "cache.json").read_text())
+    index32 = json.loads((reference[0] / "cache.json").read_text())
+    assert index16["settings"]["dtype"] == "float16" and index32["settings"]["dtype"] == "float32"
+    assert [r["row"] for r in index16["rows"]] == [r["row"] for r in index32["rows"]]
+    for row16, row32 in zip(index16["rows"], index32["rows"]):   # the dtype is part of each key: pair by row
+        for part in ("entry", "text"):
+            half = load_file(str(tmp_path / "cache16" / row16[part]))
+            full = load_file(str(reference[0] / row32[part]))
+            assert half.keys() == full.keys()
+            for key, tensor in half.items():
+                assert tensor.dtype == torch.float16, (row16["row"], key)
+                assert torch.allclose(tensor.float(), full[key].float(), rtol=2e-2, atol=2e-2), (row16["row"], key)
+    assert (default_dtype((7, 0)), default_dtype((8, 0)), default_dtype(None)) == ("fp16", "bf16", "fp32")
