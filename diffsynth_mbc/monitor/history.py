@@ -23,6 +23,7 @@ READ_CHUNK = 4 << 20
 MAX_LINE_BYTES = 1 << 20  # a "line" longer than this without a newline is garbage, skipped
 RECENT_STEP_TIMES = 101
 MAX_EPOCH_MARKS = 1000  # epoch boundaries remembered for the charts
+MAX_VAL_QUANTILES = 16  # validation quantile series kept (val_loss_by_quantile keys)
 DRAWN_SERIES = ("loss", "lr", "grad_norm", "step_time_s", "samples_per_s")  # per training record
 
 
@@ -91,6 +92,7 @@ class HistoryFile:
         self.loss = self.series["loss"]
         self.lr = self.series["lr"]
         self.val_loss = Series(self.max_points)
+        self.val_quantiles: dict[str, Series] = {}   # "0.5" -> validation loss at that timestep quantile
         self.epoch_marks: list[tuple[float, int]] = []  # (first step seen of an epoch, epoch)
         self._last_epoch: int | None = None
         self.step_times: deque[float] = deque(maxlen=RECENT_STEP_TIMES)
@@ -202,6 +204,9 @@ class HistoryFile:
                 val = _fast_float(get("loss"))
             if val is not None:
                 self.val_loss.add(step, val)
+            by_quantile = get("val_loss_by_quantile")
+            if type(by_quantile) is dict:
+                self._add_quantiles(step, by_quantile)
             return
         if val is not None:
             self.val_loss.add(step, val)
@@ -220,6 +225,14 @@ class HistoryFile:
         epoch = get("epoch")
         if type(epoch) is int and epoch != self._last_epoch:
             self._mark_epoch(step, epoch)
+
+    def _add_quantiles(self, step: float, by_quantile: dict) -> None:
+        for key, value in by_quantile.items():
+            value = _fast_float(value)
+            name = str(key)[:12]
+            if value is None or (name not in self.val_quantiles and len(self.val_quantiles) >= MAX_VAL_QUANTILES):
+                continue
+            self.val_quantiles.setdefault(name, Series(self.max_points)).add(step, value)
 
     def _mark_epoch(self, step: float, epoch: int) -> None:
         """Remember where an epoch starts (the first record seen with a new epoch number)."""

@@ -272,6 +272,8 @@ class MonitorState:
                         "lines": hf.lines,
                         **{name: series.points(since, points) for name, series in hf.series.items()},
                         "val_loss": hf.val_loss.points(since, points),
+                        "val_loss_by_quantile": {q: series.points(since, points)
+                                                 for q, series in sorted(hf.val_quantiles.items())},
                         "epochs": [{"step": step, "epoch": epoch} for step, epoch in hf.epoch_marks
                                    if since is None or step > since],
                         "last_step": hf.last_step,

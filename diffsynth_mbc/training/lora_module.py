@@ -86,8 +86,13 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         context = sample["context"].to(device=pipe.device, dtype=pipe.torch_dtype)
         return {**shared, "prompt": sample.get("prompt"), "context": context if context.dim() == 3 else context[None]}
 
-    def sample_loss(self, sample: dict) -> torch.Tensor:
+    def sample_loss(self, sample: dict, timestep_quantile: float | None = None) -> torch.Tensor:
+        """The training loss of one sample; at a fixed point of the schedule when ``timestep_quantile`` is given
+        (0.5: the middle timestep), so two evaluations differ only by the LoRA."""
         inputs = self.inputs_from_cache(sample) if sample.get("cached") else self.encode(sample)
+        if timestep_quantile is not None:   # DiffSynth draws from [min, max) boundaries: make it one timestep
+            steps = self.pipe.scheduler.num_train_timesteps
+            inputs.update(min_timestep_boundary=timestep_quantile, max_timestep_boundary=timestep_quantile + 1 / steps)
         models = {name: getattr(self.pipe, name) for name in self.pipe.in_iteration_models}
         return self.pipe.training_loss(**models, **inputs)
 

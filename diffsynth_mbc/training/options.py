@@ -37,6 +37,7 @@ DEFAULTS = {
     # bad media and validation
     "max_bad_media_fraction": 0.01,
     "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
+    "val_timestep_quantiles": "0.1,0.3,0.5,0.7,0.9",
     # latent cache
     "cache": None, "val_cache": None,
 }
@@ -139,6 +140,9 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     data_quality.add_argument("--val_base_path", help="default: --dataset_base_path")
     data_quality.add_argument("--val_steps", type=int, help="validation loss every N optimizer steps (and at the end)")
     data_quality.add_argument("--val_samples", type=int, help="fixed validation subset size (default 16)")
+    data_quality.add_argument("--val_timestep_quantiles",
+                              help="validation loss at these fixed points of the noise schedule, comma-separated "
+                                   "in (0, 1); the headline val_loss is their mean (default 0.1,0.3,0.5,0.7,0.9)")
 
 
 def _parse_bool(text: str) -> bool:
@@ -232,6 +236,13 @@ def validate(options: dict) -> None:
         raise OptionsError("--keep_checkpoints and --val_samples must be at least 1")
     if not 0 <= options["max_bad_media_fraction"] <= 1:
         raise OptionsError(f"--max_bad_media_fraction must be between 0 and 1, got {options['max_bad_media_fraction']}")
+    try:
+        quantiles = [float(q) for q in str(options["val_timestep_quantiles"]).split(",")]
+    except ValueError:
+        quantiles = []
+    if not quantiles or not all(0 <= q < 1 for q in quantiles):
+        raise OptionsError("--val_timestep_quantiles must be comma-separated numbers in [0, 1), got "
+                           f"{options['val_timestep_quantiles']!r}")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
     if options["demo"] and (options["model_dir"] or options["model_id"]):

@@ -1,4 +1,8 @@
-"""Validation loss on a fixed subset with a fixed seed per sample, so values compare over time."""
+"""Validation loss on a fixed subset, at fixed timestep quantiles, with a fixed seed per sample.
+
+The same samples, the same noise and the same timesteps every time: two evaluations differ only by
+the LoRA. The headline ``val_loss`` is the mean over the quantiles; each quantile's loss is kept too.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,7 @@ from diffsynth_mbc.training.status_writer import RankStatusWriter
 
 
 class Validator:
-    """Validation loss on a fixed subset, with a fixed seed per sample, so values compare over time.
-
-    Each rank takes every world_size-th sample of the subset; the RNG of training is left untouched.
-    """
+    """Each rank takes every world_size-th sample of the subset; the RNG of training is left untouched."""
 
     def __init__(self, options, status: RankStatusWriter):
         from diffsynth_mbc.data.cache.dataset import open_validation_dataset
@@ -21,6 +22,7 @@ class Validator:
         self.seed = options.seed + 7919
         self.dataset = open_validation_dataset(options, substitute_bad_media=True)
         self.indices = list(range(min(options.val_samples, self.dataset.rows)))
+        self.quantiles = [float(q) for q in options.val_timestep_quantiles.split(",")]
         self.accelerator = self.module = None
 
     def attach(self, accelerator, module) -> None:
@@ -32,21 +34,27 @@ class Validator:
         self.status.update(phase=f"validation at step {step}")
         model = self.accelerator.unwrap_model(self.module)
         mine = self.indices[self.accelerator.process_index::self.accelerator.num_processes]
-        total = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+        # per quantile: sum of losses; last: samples
+        total = torch.zeros(len(self.quantiles) + 1, dtype=torch.float64, device=self.accelerator.device)
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             for index in mine:
-                torch.manual_seed(self.seed + index)   # same noise and timestep for this sample every time
                 sample = self.dataset[index]
                 sample.pop("skipped", None)
-                with self.accelerator.autocast():
-                    total[0] += model.sample_loss(sample).double()
-                total[1] += 1
+                for position, quantile in enumerate(self.quantiles):
+                    torch.manual_seed(self.seed + index)   # the same noise for this sample at every quantile
+                    with self.accelerator.autocast():
+                        total[position] += model.sample_loss(dict(sample), timestep_quantile=quantile).double()
+                total[-1] += 1
         total = all_reduce_sum(self.accelerator, total)
-        if total[1] == 0:
+        samples = int(total[-1])
+        if samples == 0:
             return None
-        val_loss = float(total[0] / total[1])
-        self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss, "val_samples": int(total[1]),
+        by_quantile = {f"{q:g}": float(total[i] / samples) for i, q in enumerate(self.quantiles)}
+        val_loss = sum(by_quantile.values()) / len(by_quantile)
+        self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss,
+                                    "val_loss_by_quantile": by_quantile, "val_samples": samples,
                                     "time": round(time.time(), 3)})
-        self.status.update(val_loss=val_loss, val_step=step, phase=f"validated at step {step}")
+        self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_step=step,
+                           phase=f"validated at step {step}")
         return val_loss

@@ -46,7 +46,8 @@ def write_run(log_dir):
     for rank, step_time in ((0, 2.0), (1, 3.0)):
         lines = [F.history_line(s, rank, step_time_s=step_time, epoch=(s - 1) // EPOCH_STEPS,
                                 grad_norm=grad_norm_at(s, rank), samples=2) for s in range(1, STEPS + 1)]
-        lines += [json.dumps({"step": s, "kind": "val", "val_loss": 0.3 - s / 10_000}) + "\n" for s in (100, 200, 300)]
+        lines += [json.dumps({"step": s, "kind": "val", "val_loss": 0.3 - s / 10_000, "val_loss_by_quantile": {
+            q: round(0.1 + float(q) / 2 - s / 10_000, 6) for q in ("0.1", "0.5", "0.9")}}) + "\n" for s in (100, 200, 300)]
         F.write_raw(log_dir / f"training_gpu{rank}.jsonl", "".join(lines))
         F.write_status(log_dir, rank, world_size=2, step=STEPS, total_steps=1000, step_time_s=step_time, now=now)
 
@@ -120,7 +121,7 @@ def test_every_metric_is_one_chart_with_both_ranks_drawn(page):
     driver, _ = page
     expected = {
         "loss": (["rank 0 raw", "rank 0", "rank 1 raw", "rank 1"], [STEPS] * 4),
-        "val_loss": (["rank 0", "rank 1"], [3, 3]),
+        "val_loss": (["rank 0", "rank 1", "t=0.1", "t=0.5", "t=0.9"], [3] * 5),   # + each fixed timestep
         "lr": (["lr"], [STEPS]),  # once, not per rank
         "grad_norm": (["rank 0", "rank 1"], [STEPS, STEPS]),
         "step_time": (["rank 0", "rank 1 · slow"], [STEPS, STEPS]),  # rank 1 is the slow one, and says so

@@ -385,3 +385,13 @@ def test_the_snapshot_names_the_slow_rank(tmp_path):
     F.make_run(tmp_path, world_size=2, steps=50)
     F.write_history(tmp_path, 1, range(1, 51), step_time_s=3.0)
     assert state_for(tmp_path)[0].refresh()["slow_ranks"] == [1]
+
+
+def test_validation_loss_per_timestep_quantile_is_kept_per_quantile(tmp_path):
+    F.make_run(tmp_path, world_size=1, steps=20)
+    F.write_raw(tmp_path / "training_gpu0.jsonl", (tmp_path / "training_gpu0.jsonl").read_text() + "".join(
+        json.dumps({"step": s, "kind": "val", "val_loss": 0.3, "val_loss_by_quantile": {"0.1": 0.2, "0.9": 0.4}}) + "\n"
+        for s in (10, 20)))
+    out = state_for(tmp_path)[0].metrics(points=100)["ranks"]["0"]
+    assert {q: [p["value"] for p in points] for q, points in out["val_loss_by_quantile"].items()} == {
+        "0.1": [0.2, 0.2], "0.9": [0.4, 0.4]}

@@ -96,3 +96,32 @@ def test_three_optimizer_steps_give_the_same_lora(data, modules):
     assert any(not torch.equal(got[key], initial[key]) for key in got)  # the steps changed the LoRA
     for key in got:
         torch.testing.assert_close(got[key], expected[key], **TOLERANCE, msg=key)
+
+
+def test_validation_loss_at_a_quantile_uses_that_timestep_whatever_the_rng(data, modules):
+    """Fixed-quantile validation: the timestep is the quantile's, not a random draw (even under another seed),
+    so two evaluations of the same LoRA give the same loss; different quantiles differ."""
+    _, from_cache = modules
+    entry = data[1][0]
+    pipe = from_cache.pipe
+    seen, original = [], pipe.model_fn
+
+    def recording(**inputs):
+        seen.append(float(inputs["timestep"]))
+        return original(**inputs)
+
+    pipe.model_fn = recording
+    try:
+        losses = {}
+        for quantile in (0.1, 0.5, 0.9):
+            values = []
+            for seed in (1234, 1234, 99):   # the timestep is the quantile's: no RNG draw picks it
+                torch.manual_seed(seed)
+                values.append(float(from_cache.sample_loss(dict(entry), timestep_quantile=quantile)))
+            assert values[0] == values[1]   # same noise, same timestep: same loss
+            losses[quantile] = values[0]
+    finally:
+        pipe.model_fn = original
+    expected = [float(pipe.scheduler.timesteps[int(q * pipe.scheduler.num_train_timesteps)]) for q in (0.1, 0.5, 0.9)]
+    assert sorted(set(seen), reverse=True) == pytest.approx(sorted(expected, reverse=True))
+    assert len(set(losses.values())) == 3

@@ -12,7 +12,8 @@
   const PALETTE = ["#4cc38a", "#5aa2ff", "#f2c94c", "#ff6b6b", "#d67bff", "#56d4e0", "#ff9f43", "#a3e635"];
   const CHARTS = [
     {id: "loss", title: "Training loss", field: "loss", smoothing: true, logToggle: true},
-    {id: "val_loss", title: "Validation loss", field: "val_loss", points: true},
+    {id: "val_loss", title: "Validation loss (mean of the fixed timesteps t, and each t)", field: "val_loss",
+     points: true, quantiles: true},
     {id: "lr", title: "Learning rate", field: "lr", once: true},
     {id: "grad_norm", title: "Gradient norm", field: "grad_norm"},
     {id: "step_time", title: "Step time (s)", field: "step_time_s", highlightSlow: true},
@@ -158,7 +159,13 @@
   function emptyRank() {
     const fields = {};
     for (const f of FIELDS) fields[f] = {x: [], y: []};
-    return {fields: fields, epochs: new Map(), since: null, loaded: false};
+    return {fields: fields, quantiles: new Map(), epochs: new Map(), since: null, loaded: false};
+  }
+
+  function quantileLine(h, q) {
+    // Validation loss at one fixed timestep quantile ("0.5"); the same on every rank (reduced over ranks).
+    if (!h.quantiles.has(q) && h.quantiles.size < 16) h.quantiles.set(q, {x: [], y: []});
+    return h.quantiles.get(q) || {x: [], y: []};
   }
 
   function push(line, x, y) {
@@ -184,6 +191,9 @@
     for (const f of FIELDS) {
       for (const p of d[f] || []) if (num(p.step) && num(p.value)) push(h.fields[f], p.step, p.value);
     }
+    for (const [q, points] of Object.entries(d.val_loss_by_quantile || {})) {
+      for (const p of points) if (num(p.step) && num(p.value)) push(quantileLine(h, q), p.step, p.value);
+    }
     for (const e of d.epochs || []) h.epochs.set(e.step, e.epoch);
     h.since = num(d.last_step) ? d.last_step : null;
     h.loaded = true;
@@ -194,6 +204,10 @@
     if (kind === "val" || kind === "validation" || kind === "eval") {
       const v = num(rec.val_loss) ? rec.val_loss : rec.loss;
       if (num(v)) push(h.fields.val_loss, rec.step, v);
+      const byQuantile = rec.val_loss_by_quantile;
+      if (byQuantile && typeof byQuantile === "object") {
+        for (const [q, value] of Object.entries(byQuantile)) if (num(value)) push(quantileLine(h, q), rec.step, value);
+      }
       return;
     }
     if (num(rec.val_loss)) push(h.fields.val_loss, rec.step, rec.val_loss);
@@ -217,6 +231,7 @@
     if (d.truncated) { await loadFull(rank); return; }  // far behind: take the down-sampled view
     for (const rec of d.records) if (num(rec.step)) addRecord(h, rec);
     for (const f of FIELDS) bound(h.fields[f]);
+    for (const line of h.quantiles.values()) bound(line);
   }
 
   // ---- charts -------------------------------------------------------------------------------
@@ -253,12 +268,22 @@
       lines.push({rank: rank, raw: false, label: label, stroke: color, width: highlighted ? 3 : 1.5,
                   dash: highlighted ? [6, 3] : undefined});
     }
+    if (spec.quantiles && ranks.length) {
+      const first = ranks[0];
+      const keys = Array.from(history[first].quantiles.keys()).sort((a, b) => Number(a) - Number(b));
+      keys.forEach((q, i) => {
+        const shade = Math.round(40 + 50 * (keys.length > 1 ? i / (keys.length - 1) : 0.5));
+        lines.push({rank: first, quantile: q, label: "t=" + q, stroke: "hsl(280, 60%, " + shade + "%)", width: 1,
+                    dash: [3, 3]});
+      });
+    }
     return lines;
   }
 
   function chartData(spec, lines) {
     const tables = lines.map((line) => {
-      const f = history[line.rank].fields[spec.field];
+      const f = line.quantile !== undefined ? history[line.rank].quantiles.get(line.quantile)
+        : history[line.rank].fields[spec.field];
       let ys = f.y;
       if (spec.smoothing && options.smoothing > 0 && !line.raw) ys = ema(ys, options.smoothing);
       if (spec.logToggle && options.logLoss) ys = ys.map((v) => (num(v) && v > 0 ? v : null));
@@ -395,7 +420,7 @@
 
   function pairSeries(chart, u, idx, opts) {
     // Hiding a rank in the loss legend hides its raw line too (and the other way round).
-    if (chart.pairing || !opts || opts.show === undefined || !chart.lines) return;
+    if (!chart.spec.smoothing || chart.pairing || !opts || opts.show === undefined || !chart.lines) return;
     const rank = chart.lines[idx - 1] && chart.lines[idx - 1].rank;
     chart.pairing = true;
     try {
