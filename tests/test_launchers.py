@@ -163,7 +163,7 @@ def training_started(log_dir, ranks=(0, 1)):
 @pytest.mark.slow
 def test_stop_sh_stops_a_detached_run_gracefully(tmp_path):
     env = dict(OMP_NUM_THREADS=1)
-    result = launcher(tmp_path, "--demo", "--detach", "--num_epochs", "50", **env)
+    result = launcher(tmp_path, "--demo", "--detach", "--num_epochs", "5000", **env)
     assert result.returncode == 0, result.stderr
     log_dir, output = tmp_path / "runs/demo/training_logs", tmp_path / "runs/demo/lora"
     wait_until(training_started(log_dir), 180, "both ranks training")
@@ -183,7 +183,7 @@ def test_stop_sh_stops_a_detached_run_gracefully(tmp_path):
 @pytest.mark.slow
 def test_a_rank_killed_with_sigkill_is_marked_failed_not_left_training(tmp_path):
     env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
-    run = subprocess.Popen(["bash", LAUNCHER, "--demo", "--num_epochs", "50"], cwd=tmp_path, env=env,
+    run = subprocess.Popen(["bash", LAUNCHER, "--demo", "--num_epochs", "5000"], cwd=tmp_path, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log_dir = tmp_path / "runs/demo/training_logs"
     try:
