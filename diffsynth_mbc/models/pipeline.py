@@ -98,6 +98,8 @@ def build_demo_pipeline(device: str = "cpu", torch_dtype: torch.dtype = torch.fl
     torch.manual_seed(seed)
     try:
         pipe = WanVideoPipeline(device=device, torch_dtype=torch_dtype)
+        # from_pretrained sets these (None when absent); generation's S2V unit reads them.
+        pipe.audio_encoder = pipe.audio_processor = None
         pipe.dit = WanModel(**TINY_DIT)
         if load_encoders:
             pipe.vae = build_tiny_vae()

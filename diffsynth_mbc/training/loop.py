@@ -18,6 +18,7 @@ from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position, truncate_history
 from diffsynth_mbc.training.distributed import agree, all_reduce_sum, broadcast_from_main
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
+from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.stop_signals import StopSignals, unblock_in_child
 from diffsynth_mbc.training.validation import Validator
@@ -47,6 +48,8 @@ class Run:
     bad_media: BadMediaGuard | None = None
     nonfinite: NonFiniteGuard | None = None
     injected_nonfinite: frozenset = frozenset()
+    sampler: object = None
+    first_step: int = 0
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -78,6 +81,8 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
         resume(run)
     if validator:
         validator.attach(accelerator, run.module)
+    run.sampler = make_sampler(options, status, accelerator, run.module) if options.sample_prompts else None
+    run.first_step = run.position.step
     start_progress(run)
     return run
 
@@ -259,6 +264,7 @@ def start_progress(run: Run) -> None:
 
 def train_epochs(run: Run) -> str:
     """Every remaining epoch; 'stopped' when a stop request ended the run, else 'done'."""
+    maybe_sample(run)   # the baseline, before the first step of a fresh run (see training/sampling.py)
     run.logger.on_train_begin()
     run.signals.graceful = True
     for epoch in range(run.position.epoch, run.options.num_epochs):
@@ -343,10 +349,8 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     position.step += 1
     position.samples_seen += samples
     position.skipped_samples += bad
-    if run.nonfinite.check(position.step, loss, grad_norm, skipped):
+    if run.nonfinite.check(position.step, loss, grad_norm, skipped) or run.nonfinite.total:
         status.update(**run.nonfinite.status_fields())
-    elif run.nonfinite.total:
-        status.update(nonfinite_in_a_row=0)
     run.logger.on_step_end(accelerator, None, loss=loss, lr=lr, samples=samples, grad_norm=grad_norm,
                            **({"nonfinite": True} if skipped else {}))
     if bad:
@@ -360,6 +364,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     if run.validator and options.val_steps and position.step % options.val_steps == 0:
         run.validator.run(position.step)
         run.logger.on_validation(accelerator)
+    maybe_sample(run)
     if stop_any:
         run.checkpoints.save(position)
         status.set_status(run_files.STATUS_STOPPED, phase=f"stopped at step {position.step} after a "
@@ -382,6 +387,7 @@ def finish(run: Run) -> None:
     if run.validator and (not options.val_steps or position.step % options.val_steps):
         run.validator.run(position.step)
         run.logger.on_validation(run.accelerator)
+    maybe_sample(run)
     run.checkpoints.save_lora("lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:
         run.checkpoints.save(position)

@@ -38,6 +38,8 @@ DEFAULTS = {
     "max_bad_media_fraction": 0.01,
     "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
     "val_timestep_quantiles": "0.1,0.3,0.5,0.7,0.9",
+    # samples
+    "sample_prompts": None, "sample_steps": None,
     # latent cache
     "cache": None, "val_cache": None,
 }
@@ -140,6 +142,12 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     data_quality.add_argument("--val_base_path", help="default: --dataset_base_path")
     data_quality.add_argument("--val_steps", type=int, help="validation loss every N optimizer steps (and at the end)")
     data_quality.add_argument("--val_samples", type=int, help="fixed validation subset size (default 16)")
+    samples = parser.add_argument_group("sample clips")
+    samples.add_argument("--sample_prompts", help="YAML or JSON lines of prompts (prompt, optional image, seed, "
+                                                  "height, width, num_frames, steps, cfg_scale, negative_prompt): "
+                                                  "rank 0 renders them before the first step, every "
+                                                  "--sample_steps and at the end, into OUTPUT_PATH/samples/")
+    samples.add_argument("--sample_steps", type=int, help="render the sample prompts every N optimizer steps")
     data_quality.add_argument("--val_timestep_quantiles",
                               help="validation loss at these fixed points of the noise schedule, comma-separated "
                                    "in (0, 1); the headline val_loss is their mean (default 0.1,0.3,0.5,0.7,0.9)")
@@ -243,6 +251,11 @@ def validate(options: dict) -> None:
     if not quantiles or not all(0 <= q < 1 for q in quantiles):
         raise OptionsError("--val_timestep_quantiles must be comma-separated numbers in [0, 1), got "
                            f"{options['val_timestep_quantiles']!r}")
+    if options["sample_steps"] is not None and (options["sample_steps"] < 1 or not options["sample_prompts"]):
+        raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
+    if options["sample_prompts"] and options["cache"]:
+        raise OptionsError("--sample_prompts with --cache: sampling needs the text encoder and VAE, which a cached "
+                           "run does not load; sample from a run without --cache for now")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
     if options["demo"] and (options["model_dir"] or options["model_id"]):

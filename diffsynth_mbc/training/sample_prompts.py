@@ -1,0 +1,139 @@
+"""Sample prompts (``--sample_prompts FILE``) and when and where samples are written. Pure logic, no torch.
+
+The file is YAML (a list of entries, or ``{prompts: [...]}``) or JSON lines (one entry per line). Each
+entry: ``prompt`` (required), optional ``image`` (the TI2V first frame, relative to the file's folder),
+``seed``, ``height``, ``width``, ``num_frames``, ``steps``, ``cfg_scale``, ``negative_prompt``. Sizes
+default to the training's; a bad entry is refused naming the file and the entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import unicodedata
+from pathlib import Path
+
+import yaml
+
+from diffsynth_mbc.errors import OptionsError
+
+DEFAULT_STEPS = 30
+DEFAULT_CFG = 5.0
+SAMPLES_FOLDER = "samples"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplePrompt:
+    prompt: str
+    seed: int
+    height: int
+    width: int
+    num_frames: int
+    steps: int = DEFAULT_STEPS
+    cfg_scale: float = DEFAULT_CFG
+    negative_prompt: str = ""
+    image: str | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {field.name for field in dataclasses.fields(SamplePrompt)}
+
+
+def _entries(path: Path) -> list:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() in (".jsonl", ".json"):
+        entries = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    entries.append(json.loads(line))
+                except ValueError as exc:
+                    raise OptionsError(f"--sample_prompts {path}: line {number} is not JSON ({exc})") from None
+        return entries
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise OptionsError(f"--sample_prompts {path}: not valid YAML ({exc})") from None
+    if isinstance(data, dict) and "prompts" in data:
+        data = data["prompts"]
+    if not isinstance(data, list):
+        raise OptionsError(f"--sample_prompts {path}: expected a list of prompts (or prompts: [...])")
+    return data
+
+
+def load_sample_prompts(path: str | Path, *, height: int, width: int, num_frames: int, seed: int) -> list[SamplePrompt]:
+    path = Path(path)
+    try:
+        entries = _entries(path)
+    except FileNotFoundError:
+        raise OptionsError(f"--sample_prompts: file not found: {path}") from None
+    prompts = []
+    for number, entry in enumerate(entries, 1):
+        where = f"--sample_prompts {path}: entry {number}"
+        if isinstance(entry, str):
+            entry = {"prompt": entry}
+        if not isinstance(entry, dict) or not str(entry.get("prompt") or "").strip():
+            raise OptionsError(f"{where}: needs a non-empty 'prompt'")
+        unknown = sorted(set(entry) - FIELDS)
+        if unknown:
+            raise OptionsError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(FIELDS))})")
+        values = {"seed": seed + number - 1, "height": height, "width": width, "num_frames": num_frames, **entry}
+        try:
+            prompt = SamplePrompt(prompt=str(values["prompt"]), seed=int(values["seed"]), height=int(values["height"]),
+                                  width=int(values["width"]), num_frames=int(values["num_frames"]),
+                                  steps=int(values.get("steps", DEFAULT_STEPS)),
+                                  cfg_scale=float(values.get("cfg_scale", DEFAULT_CFG)),
+                                  negative_prompt=str(values.get("negative_prompt") or ""),
+                                  image=_image_path(path, values.get("image")))
+        except (TypeError, ValueError) as exc:
+            raise OptionsError(f"{where}: {exc}") from None
+        _check_sizes(prompt, where)
+        prompts.append(prompt)
+    if not prompts:
+        raise OptionsError(f"--sample_prompts {path}: no prompts")
+    return prompts
+
+
+def _image_path(prompts_file: Path, image) -> str | None:
+    if not image:
+        return None
+    candidate = Path(str(image))
+    candidate = candidate if candidate.is_absolute() else prompts_file.parent / candidate
+    if not candidate.is_file():
+        raise ValueError(f"image not found: {candidate}")
+    return str(candidate)
+
+
+def _check_sizes(prompt: SamplePrompt, where: str) -> None:
+    if prompt.height % 32 or prompt.width % 32 or prompt.height < 32 or prompt.width < 32:
+        raise OptionsError(f"{where}: height and width must be positive multiples of 32, got "
+                           f"{prompt.width}x{prompt.height}")
+    if prompt.num_frames < 1 or prompt.num_frames % 4 != 1:
+        raise OptionsError(f"{where}: num_frames must be 4k+1 (1, 5, 9, ...), got {prompt.num_frames}")
+    if prompt.steps < 1:
+        raise OptionsError(f"{where}: steps must be at least 1, got {prompt.steps}")
+
+
+def slug(text: str, limit: int = 40) -> str:
+    """A file-name-safe summary of a prompt: ASCII letters and digits joined by '-'."""
+    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    words = re.sub(r"[^A-Za-z0-9]+", "-", ascii_text).strip("-").lower()
+    return (words[:limit].rstrip("-") or "prompt")
+
+
+def sample_set_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def sample_file_stem(index: int, prompt: SamplePrompt) -> str:
+    return f"{index + 1:02d}-{slug(prompt.prompt)}"
+
+
+def sampling_due(step: int, every: int | None, total_steps: int, *, first_step: int = 0) -> bool:
+    """Samples before the first step (a baseline, step 0 of a fresh run), every ``every`` steps, and at the end."""
+    if step == 0:
+        return first_step == 0
+    return step == total_steps or bool(every and step % every == 0)

@@ -1,0 +1,151 @@
+"""Sample clips during training with DiffSynth's own ``WanVideoPipeline.__call__`` and the LoRA as it is.
+
+Rank 0 generates every prompt of ``--sample_prompts`` (in eval mode, without gradients, inside a forked
+RNG so training draws the same numbers as without sampling) and writes
+``OUTPUT/samples/step-000NNNNN/NN-<slug>.mp4`` plus the first frame as png, each through a temp file and a
+rename. Its status phase moves with every denoising step; the other ranks wait at an asynchronous
+barrier and keep their status fresh meanwhile, so the monitor never calls a sampling run stalled.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from diffsynth_mbc.training.sample_prompts import (SAMPLES_FOLDER, SamplePrompt, sample_file_stem, sample_set_name,
+                                                   sampling_due)
+
+FPS = 16
+WAIT_POLL_S = 1.0
+
+
+class Sampler:
+    def __init__(self, options, status, prompts: list[SamplePrompt]):
+        self.options, self.status, self.prompts = options, status, prompts
+        self.every = options.sample_steps
+        self.root = Path(options.output_path) / SAMPLES_FOLDER
+        self.accelerator = self.module = None
+        self.last_step: int | None = None
+
+    def attach(self, accelerator, module) -> None:
+        self.accelerator, self.module = accelerator, module
+
+    def due(self, step: int, total_steps: int, first_step: int) -> bool:
+        return step != self.last_step and sampling_due(step, self.every, total_steps, first_step=first_step)
+
+    def run(self, step: int) -> None:
+        """Every rank calls this at the same step; rank 0 samples, the others wait for it."""
+        self.last_step = step
+        accelerator = self.accelerator
+        if accelerator.is_main_process:
+            started = time.monotonic()
+            files = self._generate_all(step)
+            self._record(step, files, time.monotonic() - started)
+        self._wait_for_main(step)
+
+    # -- rank 0 -------------------------------------------------------------------------------
+    def _generate_all(self, step: int) -> list[str]:
+        import torch
+
+        pipe = self.accelerator.unwrap_model(self.module).pipe
+        target = self.root / sample_set_name(step)
+        target.mkdir(parents=True, exist_ok=True)
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        was_training = pipe.dit.training
+        training_scheduler = copy.deepcopy(pipe.scheduler)   # generation re-times it for its few steps
+        pipe.dit.eval()
+        files = []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                for index, prompt in enumerate(self.prompts):
+                    frames = self._generate(pipe, prompt, step, index)
+                    files += self._write(target, sample_file_stem(index, prompt), frames)
+        finally:
+            pipe.scheduler = training_scheduler
+            pipe.dit.train(was_training)
+            if devices:
+                torch.cuda.empty_cache()
+        return files
+
+    def _generate(self, pipe, prompt: SamplePrompt, step: int, index: int) -> list:
+        from PIL import Image
+
+        def heartbeat(timesteps):
+            for number, timestep in enumerate(timesteps, 1):
+                self.status.update(phase=f"sampling at step {step}: prompt {index + 1}/{len(self.prompts)}, "
+                                         f"denoising {number}/{prompt.steps}")
+                yield timestep
+
+        image = Image.open(prompt.image).convert("RGB").resize((prompt.width, prompt.height)) if prompt.image else None
+        with self.accelerator.autocast():
+            return pipe(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt, input_image=image,
+                        seed=prompt.seed, height=prompt.height, width=prompt.width, num_frames=prompt.num_frames,
+                        num_inference_steps=prompt.steps, cfg_scale=prompt.cfg_scale, tiled=False,
+                        rand_device=str(self.accelerator.device), progress_bar_cmd=heartbeat)
+
+    def _write(self, target: Path, stem: str, frames: list) -> list[str]:
+        from diffsynth import save_video
+
+        video, still = target / f"{stem}.mp4", target / f"{stem}.png"
+        for path, write in ((video, lambda tmp: save_video(frames, tmp, fps=FPS, quality=8)),
+                            (still, lambda tmp: frames[0].save(tmp, format="PNG"))):
+            handle, tmp = tempfile.mkstemp(dir=target, prefix=f".{path.name}.", suffix=path.suffix)
+            os.close(handle)
+            try:
+                write(tmp)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        return [video.name, still.name]
+
+    def _record(self, step: int, files: list[str], seconds: float) -> None:
+        folder = self.root / sample_set_name(step)
+        record = {"kind": "samples", "step": step, "dir": str(folder), "files": files,
+                  "prompts": [p.prompt for p in self.prompts], "seconds": round(seconds, 2), "time": round(time.time(), 3)}
+        self.status.append_history(record)
+        self.status.update(samples_dir=str(self.root.resolve()), last_samples={"step": step, "dir": str(folder),
+                                                                               "files": files})
+
+    # -- every rank ----------------------------------------------------------------------------
+    def _wait_for_main(self, step: int) -> None:
+        accelerator = self.accelerator
+        if accelerator.num_processes == 1:
+            return
+        import torch.distributed as dist
+
+        if accelerator.is_main_process:
+            dist.barrier()
+            return
+        started = time.monotonic()
+        work = dist.barrier(async_op=True)
+        while not work.is_completed():
+            self.status.update(phase=f"waiting for rank 0's samples at step {step} "
+                                     f"({time.monotonic() - started:.0f} s)")
+            time.sleep(WAIT_POLL_S)
+        work.wait()
+
+
+def make_sampler(options, status, accelerator, module):
+    from diffsynth_mbc.training.sample_prompts import load_sample_prompts
+
+    prompts = load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
+                                  num_frames=options.num_frames, seed=options.seed)
+    sampler = Sampler(options, status, prompts)
+    sampler.attach(accelerator, module)
+    return sampler
+
+
+def maybe_sample(run) -> None:
+    """Sample clips when due (before the first step, every --sample_steps, at the end); every rank calls it."""
+    sampler = run.sampler
+    if sampler is None or not sampler.due(run.position.step, run.logger.total_steps, run.first_step):
+        return
+    sampler.run(run.position.step)
+    last = run.status.state.get("last_samples")
+    if last:
+        run.logger.printer.event(f"samples at step {last['step']}: {len(last['files']) // 2} clip(s) in {last['dir']}")

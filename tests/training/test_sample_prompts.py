@@ -1,0 +1,62 @@
+"""Sample prompt files (YAML or JSON lines) and when samples are due: pure rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.sample_prompts import (load_sample_prompts, sample_file_stem, sample_set_name,
+                                                   sampling_due, slug)
+
+SIZE = dict(height=64, width=64, num_frames=9, seed=42)
+
+
+def test_yaml_and_json_lines_give_the_same_prompts_with_defaults_from_training(tmp_path):
+    (tmp_path / "first.png").write_bytes(b"png")
+    (tmp_path / "p.yaml").write_text("- prompt: a news anchor speaks\n  image: first.png\n  steps: 4\n"
+                                     "- prompt: 비 오는 거리\n  seed: 7\n  width: 96\n  cfg_scale: 1\n")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(e) for e in (
+        {"prompt": "a news anchor speaks", "image": "first.png", "steps": 4},
+        {"prompt": "비 오는 거리", "seed": 7, "width": 96, "cfg_scale": 1})) + "\n")
+    from_yaml = load_sample_prompts(tmp_path / "p.yaml", **SIZE)
+    assert from_yaml == load_sample_prompts(tmp_path / "p.jsonl", **SIZE)
+    first, second = from_yaml
+    assert (first.seed, first.height, first.width, first.num_frames, first.steps) == (42, 64, 64, 9, 4)
+    assert first.image == str(tmp_path / "first.png")
+    assert (second.seed, second.width, second.cfg_scale, second.image) == (7, 96, 1.0, None)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- prompt: ''\n", "entry 1: needs a non-empty 'prompt'"),
+    ("- prompt: a\n- {prompt: b, colour: red}\n", "entry 2: unknown key(s) colour"),
+    ("- prompt: a\n  height: 70\n", "entry 1: height and width must be positive multiples of 32"),
+    ("- prompt: a\n  num_frames: 8\n", "entry 1: num_frames must be 4k+1"),
+    ("- prompt: a\n  image: missing.png\n", "entry 1: image not found"),
+    ("- prompt: a\n  steps: many\n", "entry 1:"),
+    ("prompt: a\n", "expected a list of prompts"),
+    ("[]\n", "no prompts"),
+])
+def test_bad_entries_are_refused_naming_the_file_and_entry(tmp_path, text, message):
+    path = tmp_path / "prompts.yaml"
+    path.write_text(text)
+    with pytest.raises(OptionsError) as caught:
+        load_sample_prompts(path, **SIZE)
+    assert message in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_names_and_schedule():
+    assert slug("Ein Nachrichtensprecher spricht, die Kamera zoomt langsam heran!") == \
+        "ein-nachrichtensprecher-spricht-die-kame"
+    assert slug("비 오는 거리") == "prompt"
+    assert sample_set_name(120) == "step-00000120"
+    assert [s for s in range(0, 13) if sampling_due(s, 5, 12)] == [0, 5, 10, 12]
+    assert [s for s in range(0, 13) if sampling_due(s, 5, 12, first_step=6)] == [5, 10, 12]   # resumed: no baseline
+    assert [s for s in range(0, 13) if sampling_due(s, None, 12)] == [0, 12]
+
+
+def test_file_stems_number_the_prompts(tmp_path):
+    (tmp_path / "p.yaml").write_text("- a b\n- c\n")
+    prompts = load_sample_prompts(tmp_path / "p.yaml", **SIZE)
+    assert [sample_file_stem(i, p) for i, p in enumerate(prompts)] == ["01-a-b", "02-c"]

@@ -1,0 +1,81 @@
+"""Real 2-rank CPU runs with --sample_prompts: decodable clips of the asked size at the expected steps, and
+training unchanged by sampling."""
+
+from __future__ import annotations
+
+import subprocess
+
+import imageio.v3 as iio
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from diffsynth_mbc.data.demo import prepare
+from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, read_status
+
+pytestmark = pytest.mark.slow
+PROMPTS = """\
+- prompt: a news anchor in the studio
+  steps: 2
+- prompt: 도시 거리 밤
+  image: first.png
+  height: 32
+  width: 64
+  num_frames: 5
+  steps: 2
+  seed: 9
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    prepare(root / "demo", num_videos=3, num_images=2)
+    Image.new("RGB", (64, 32), (200, 40, 40)).save(root / "first.png")
+    (root / "prompts.yaml").write_text(PROMPTS)
+    out = {}
+    for name, extra in (("with", ["--sample_prompts", str(root / "prompts.yaml"), "--sample_steps", "2"]),
+                        ("without", [])):
+        base = root / name
+        command = cpu_launch_command("--config", str(REPO / "configs" / "train_demo.yaml"),
+                                     "--dataset_base_path", str(root / "demo" / "catalog"),
+                                     "--dataset_metadata_path", str(root / "demo" / "metadata" / "metadata.csv"),
+                                     "--output_path", str(base / "lora"), "--log_dir", str(base / "logs"),
+                                     "--gradient_accumulation_steps", "1", "--num_epochs", "1", *extra)
+        result = subprocess.run(command, cwd=root, env=isolated_env(root, OMP_NUM_THREADS=1), capture_output=True,
+                                text=True, timeout=400)
+        assert result.returncode == 0, result.stderr[-4000:]
+        out[name] = base
+    return out
+
+
+def test_clips_of_the_asked_size_and_length_at_the_baseline_every_n_steps_and_the_end(runs):
+    samples = runs["with"] / "lora" / "samples"
+    assert sorted(p.name for p in samples.iterdir()) == ["step-00000000", "step-00000002", "step-00000004",
+                                                         "step-00000005"]   # 5 steps: 0 (baseline), 2, 4, end
+    for folder in samples.iterdir():
+        names = sorted(p.name for p in folder.iterdir())
+        assert names == ["01-a-news-anchor-in-the-studio.mp4", "01-a-news-anchor-in-the-studio.png",
+                         "02-prompt.mp4", "02-prompt.png"], names   # no temp files left
+        first = iio.imread(folder / names[0], plugin="pyav")
+        assert first.shape == (9, 64, 64, 3)
+        second = iio.imread(folder / "02-prompt.mp4", plugin="pyav")
+        assert second.shape == (5, 32, 64, 3)
+        assert Image.open(folder / "02-prompt.png").size == (64, 32)
+    state = read_status(runs["with"] / "logs", 0)
+    assert state["last_samples"]["step"] == 5 and state["samples_dir"] == str(samples.resolve())
+    records = [r for r in read_history(runs["with"] / "logs", 0) if r.get("kind") == "samples"]
+    assert [r["step"] for r in records] == [0, 2, 4, 5] and len(records[0]["files"]) == 4
+    assert not [r for r in read_history(runs["with"] / "logs", 1) if r.get("kind") == "samples"]  # rank 0 samples
+
+
+def test_sampling_leaves_training_unchanged(runs):
+    with_samples = load_file(runs["with"] / "lora" / "lora.safetensors")
+    without = load_file(runs["without"] / "lora" / "lora.safetensors")
+    assert with_samples.keys() == without.keys()
+    for key in with_samples:
+        assert torch.equal(with_samples[key], without[key]), key
+    losses = [[r["loss"] for r in read_history(runs[name] / "logs", 0) if r.get("kind") is None]
+              for name in ("with", "without")]
+    assert losses[0] == losses[1]
