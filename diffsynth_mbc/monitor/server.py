@@ -4,13 +4,16 @@ Routes (GET and HEAD; OPTIONS answers CORS preflight; anything else 405):
 
 - ``/``                      the dashboard page (diffsynth_mbc/monitor/web/dashboard.html, self-contained);
 - ``/api/training/status``   the run aggregate (the same object as ``--once --json``);
+- ``/api/training/samples``  the run's sample sets (``samples_dir`` of its status files): steps, clips, URLs;
+- ``/samples/step-N/NN-slug.mp4|png``  one sample file (byte ranges; nothing outside that folder);
 - ``/api/training/metrics``  per-step history, keyed by rank: ``rank`` (optional, default every
   rank of the run with a status file), ``since`` (a step; records with a larger step), ``limit`` (records per
   rank, 1..10000, default 1000), ``points`` (optional, 2..5000: the bounded down-sampled
   series instead of raw records).
 
-No route takes a path: nothing but the run files of the log directory is ever read, so
-``..`` in a URL only ever gets a 404. Bad query values get a 400 JSON error naming the
+Only ``/samples/`` takes a path, and only one of the strict form above inside the run's samples folder;
+everything else reads nothing but the run files of the log directory, so ``..`` in a URL only ever
+gets a 404. Bad query values get a 400 JSON error naming the
 parameter. No answer carries ``Access-Control-Allow-Origin`` unless ``--cors ORIGIN`` names the one
 origin (another local web page) allowed to read the run's data. Requests are served by a bounded
 thread pool with a per-connection timeout.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import threading
 from http import HTTPStatus
@@ -28,11 +32,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
+from diffsynth_mbc.monitor import samples
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.status import json_safe
 
 STATUS_PATH = "/api/training/status"
 METRICS_PATH = "/api/training/metrics"
+SAMPLES_PATH = "/api/training/samples"
+FILE_CHUNK = 1 << 20
 MAX_LIMIT = 10_000
 DEFAULT_LIMIT = 1000
 MAX_POINTS_PARAM = 5000
@@ -228,12 +235,23 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
         if path in ("/", "/index.html"):
             self._send(200, self.page, "text/html; charset=utf-8", {
                 "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
-                                           "style-src 'unsafe-inline'; connect-src 'self'; img-src data:",
+                                           "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; "
+                                           "media-src 'self'",
             })
+        elif path == "/favicon.ico":   # browsers ask for it; answer without an error in their console
+            self.send_response(HTTPStatus.NO_CONTENT)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif path == STATUS_PATH:
             self._json(200, self.state.snapshot(max_age_s=STATUS_MAX_AGE_S))
         elif path == METRICS_PATH:
             self._metrics(query)
+        elif path == SAMPLES_PATH:
+            snapshot = self.state.snapshot(max_age_s=STATUS_MAX_AGE_S)
+            self._json(200, {"run_id": snapshot.get("run_id"),
+                             "sets": samples.list_sets(samples.samples_root(snapshot))})
+        elif raw_path.startswith("/samples/"):
+            self._sample_file(raw_path)
         else:
             self._error(404, f"no such path: {raw_path[:100]}")
 
@@ -249,6 +267,41 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
                 return
         self._json(200, self.state.metrics(rank=rank, since=since,
                                       limit=DEFAULT_LIMIT if limit is None else limit, points=points))
+
+    def _sample_file(self, raw_path: str) -> None:
+        """A sample clip or still of the current run, with byte ranges so a browser can seek in a video."""
+        found = samples.resolve_file(samples.samples_root(self.state.snapshot(max_age_s=STATUS_MAX_AGE_S)), raw_path)
+        if found is None:
+            self._error(404, f"no such sample file: {raw_path[:100]}")
+            return
+        path, content_type = found
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            wanted = samples.byte_range(self.headers.get("Range"), size)
+            if wanted == "unsatisfiable":
+                self._send(416, b"", "text/plain", {"Content-Range": f"bytes */{size}", "Accept-Ranges": "bytes"})
+                return
+            first, last = wanted if wanted else (0, size - 1)
+            self.send_response(206 if wanted else 200)
+            headers = {"Content-Type": content_type, "Content-Length": str(max(0, last - first + 1)),
+                       "Accept-Ranges": "bytes", "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+            if wanted:
+                headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+            if self.cors_origin:
+                headers.update({"Access-Control-Allow-Origin": self.cors_origin, "Vary": "Origin"})
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if self.command == "HEAD":
+                return
+            handle.seek(first)
+            remaining = last - first + 1
+            while remaining > 0:
+                chunk = handle.read(min(FILE_CHUNK, remaining))
+                if not chunk:
+                    break
+                self.wfile.write(chunk)
+                remaining -= len(chunk)
 
     def _not_allowed(self):
         self._error(405, f"method {self.command} not allowed (read-only)")

@@ -208,3 +208,48 @@ def test_the_page_polls_only_new_points_and_asks_nothing_outside_the_server(page
     later = [q for q in metrics if "points" not in q]
     assert later and all("since" in q for q in later)  # ...then only what is newer
     assert any(q["rank"] == ["0"] and float(q["since"][0]) >= 300 for q in later)
+
+
+def test_the_gallery_shows_a_playable_video_per_prompt_and_sample_step(browser, tmp_path):
+    """Real mp4 files as the training writes them (DiffSynth's save_video), two prompts at three steps."""
+    import numpy as np
+    from diffsynth import save_video
+    from PIL import Image
+
+    output = tmp_path / "lora"
+    samples = output / "samples"
+    for step in (0, 6, 12):
+        folder = samples / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        for index, slug in ((1, "a-news-anchor"), (2, "prompt")):
+            frames = [Image.fromarray(np.full((64, 96, 3), (step * 20 + index * 60 + t * 5) % 255, np.uint8))
+                      for t in range(9)]
+            save_video(frames, str(folder / f"{index:02d}-{slug}.mp4"), fps=16, quality=8)
+            frames[0].save(folder / f"{index:02d}-{slug}.png")
+    log_dir = output / "training_logs"
+    F.make_run(log_dir, world_size=1, steps=12, now=time.time(), samples_dir=str(samples.resolve()))
+    srv = start_server(log_dir)
+    browser.get_log("performance")
+    try:
+        browser.get(srv.url)
+        wait_for(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#gallery video")) == 6)
+        rows = browser.find_elements(By.CSS_SELECTOR, "#gallery tr[data-prompt]")
+        assert [r.get_attribute("data-prompt") for r in rows] == ["1", "2"]
+        for row in rows:
+            assert [c.get_attribute("data-step") for c in row.find_elements(By.CSS_SELECTOR, "td")] == ["0", "6", "12"]
+        # every source loads: metadata known (readyState >= 1), the clip's own size, no media error
+        wait_for(browser, lambda d: d.execute_script(
+            "return Array.from(document.querySelectorAll('#gallery video')).every(v => v.readyState >= 1)"))
+        sizes = browser.execute_script("return Array.from(document.querySelectorAll('#gallery video'))"
+                                       ".map(v => [v.videoWidth, v.videoHeight, v.error === null])")
+        assert sizes == [[96, 64, True]] * 6
+        first = browser.find_element(By.CSS_SELECTOR, "#gallery video")
+        ActionChains(browser).move_to_element(first).perform()   # hovering plays it
+        wait_for(browser, lambda d: d.execute_script("return arguments[0].currentTime > 0", first))
+        urls = [json.loads(e["message"])["message"]["params"]["request"]["url"]
+                for e in browser.get_log("performance")
+                if json.loads(e["message"])["message"]["method"] == "Network.requestWillBeSent"]
+        assert all(u.startswith(srv.url.rstrip("/")) for u in urls) and any("/samples/step-" in u for u in urls)
+    finally:
+        browser.get("about:blank")
+        stop_server(srv)

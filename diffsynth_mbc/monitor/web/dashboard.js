@@ -4,6 +4,7 @@
 (function () {
   const STATUS_URL = "api/training/status";
   const METRICS_URL = "api/training/metrics";
+  const SAMPLES_URL = "api/training/samples";
   const POLL_MS = 2000;
   const MAX_POINTS = 2000;   // per rank and series kept in the page
   const FIRST_POINTS = 1000; // down-sampled points asked for on the first load
@@ -26,6 +27,7 @@
   let runId = null;
   let status = null;
   let draws = 0;
+  let gallerySignature = null;
 
   const $ = (id) => document.getElementById(id);
   function el(tag, attrs, text) {
@@ -474,6 +476,53 @@
     }
   }
 
+  // ---- samples ------------------------------------------------------------------------------
+  function renderGallery(sets) {
+    // One row per prompt, one column per sample step; videos play on hover and toggle on click.
+    const signature = JSON.stringify(sets);
+    if (signature === gallerySignature) return;
+    gallerySignature = signature;
+    const table = $("gallery");
+    table.replaceChildren();
+    $("samples-box").hidden = !sets.length;
+    if (!sets.length) return;
+    const prompts = new Map();
+    for (const set of sets) for (const clip of set.clips) prompts.set(clip.index, clip.slug);
+    const head = el("tr");
+    head.appendChild(el("th", {"class": "l"}, "prompt"));
+    for (const set of sets) head.appendChild(el("th", null, "step " + set.step));
+    table.appendChild(head);
+    for (const [index, slug] of Array.from(prompts.entries()).sort((a, b) => a[0] - b[0])) {
+      const row = el("tr", {"data-prompt": index});
+      row.appendChild(el("th", {"class": "l"}, index + ". " + slug.replace(/-/g, " ")));
+      for (const set of sets) {
+        const cell = el("td", {"data-step": set.step});
+        const clip = set.clips.find((c) => c.index === index);
+        if (clip && clip.video) {
+          const video = el("video", {src: clip.video, muted: "", loop: "", playsinline: "", preload: "metadata"});
+          if (clip.still) video.setAttribute("poster", clip.still);
+          video.muted = true;
+          video.addEventListener("mouseenter", () => { video.play().catch(() => {}); });
+          video.addEventListener("mouseleave", () => { video.pause(); });
+          video.addEventListener("click", () => { if (video.paused) video.play().catch(() => {}); else video.pause(); });
+          cell.appendChild(video);
+        } else {
+          cell.appendChild(el("span", {"class": "muted"}, "-"));
+        }
+        row.appendChild(cell);
+      }
+      table.appendChild(row);
+    }
+  }
+
+  async function loadSamples() {
+    try {
+      renderGallery((await getJSON(SAMPLES_URL)).sets || []);
+    } catch (err) {
+      // the gallery is optional: a failed listing leaves the last one shown
+    }
+  }
+
   // ---- loop ---------------------------------------------------------------------------------
   async function tick() {
     try {
@@ -503,6 +552,7 @@
       }
     }
     drawCharts();
+    await loadSamples();
     draws++;
     document.body.dataset.draws = String(draws);
     document.body.dataset.ranksDrawn = String(loaded);

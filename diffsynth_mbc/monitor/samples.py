@@ -1,0 +1,88 @@
+"""The run's sample clips for the dashboard: which sets exist, and which file a ``/samples/...`` URL may name.
+
+The folder comes from the run's status files (``samples_dir``), which the monitor treats as untrusted:
+it must be named ``samples``, and a URL may only name ``step-NNNNNNNN/NN-slug.mp4|png`` inside it
+(checked on the text, then on the resolved path, so neither ``..``, an absolute path, an encoded
+escape nor a symlink leads anywhere else). Byte ranges follow RFC 9110 (one range per request).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+SET_NAME = re.compile(r"step-(\d{8})")
+FILE_NAME = re.compile(r"(\d{2})-([a-z0-9-]{1,60})\.(mp4|png)")
+CONTENT_TYPES = {"mp4": "video/mp4", "png": "image/png"}
+MAX_SETS = 1000
+MAX_FILES_PER_SET = 200
+
+
+def samples_root(snapshot: dict) -> Path | None:
+    """The current run's samples folder, as its ranks' status files name it (rank 0 first)."""
+    for rank in sorted(snapshot.get("ranks") or [], key=lambda r: r.get("rank", 0)):
+        folder = rank.get("samples_dir")
+        if isinstance(folder, str) and folder:
+            path = Path(folder)
+            if path.name == "samples" and path.is_absolute():
+                return path
+    return None
+
+
+def list_sets(root: Path | None) -> list[dict]:
+    """[{step, name, clips: [{index, slug, video, still}]}] in step order; at most MAX_SETS sets."""
+    if root is None or not root.is_dir():
+        return []
+    sets = []
+    for folder in sorted(root.iterdir()):
+        match = SET_NAME.fullmatch(folder.name)
+        if not match or not folder.is_dir() or folder.is_symlink():
+            continue
+        clips: dict[str, dict] = {}
+        for file in sorted(folder.iterdir())[:2 * MAX_FILES_PER_SET]:
+            name = FILE_NAME.fullmatch(file.name)
+            if not name or not file.is_file():
+                continue
+            clip = clips.setdefault(name.group(1), {"index": int(name.group(1)), "slug": name.group(2)})
+            clip["video" if name.group(3) == "mp4" else "still"] = f"samples/{folder.name}/{file.name}"
+        sets.append({"step": int(match.group(1)), "name": folder.name, "clips": list(clips.values())})
+    return sets[-MAX_SETS:]
+
+
+def resolve_file(root: Path | None, url_path: str) -> tuple[Path, str] | None:
+    """The file a ``/samples/SET/FILE`` path names and its content type; None for anything else."""
+    parts = url_path.split("/")
+    if root is None or len(parts) != 4 or parts[:2] != ["", "samples"]:
+        return None
+    set_name, file_name = parts[2], parts[3]
+    name = FILE_NAME.fullmatch(file_name)
+    if not SET_NAME.fullmatch(set_name) or not name:
+        return None
+    try:
+        real_root = root.resolve(strict=True)
+        path = (root / set_name / file_name).resolve(strict=True)
+    except OSError:
+        return None
+    if path.parent.parent != real_root or not path.is_file():
+        return None
+    return path, CONTENT_TYPES[name.group(3)]
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None | str:
+    """``Range: bytes=a-b`` -> (first, last) inclusive; None without a header; "unsatisfiable" when it cannot be."""
+    if not header:
+        return None
+    match = re.fullmatch(r"\s*bytes=(\d*)-(\d*)\s*", header)
+    if not match or (not match.group(1) and not match.group(2)):
+        return "unsatisfiable"
+    first, last = match.group(1), match.group(2)
+    if not first:   # the last N bytes
+        count = int(last)
+        if count == 0 or size == 0:
+            return "unsatisfiable"
+        return max(0, size - count), size - 1
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    if start >= size or end < start:
+        return "unsatisfiable"
+    return start, end

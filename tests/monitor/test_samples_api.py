@@ -1,0 +1,98 @@
+"""The samples API and file route over real HTTP: listing, content types, byte ranges, and no way out."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import time
+
+import pytest
+
+import monitor_fixtures as F
+from diffsynth_mbc.monitor.samples import byte_range
+from test_server import start_server, stop_server
+
+pytestmark = pytest.mark.slow
+VIDEO = bytes(range(256)) * 40   # 10,240 bytes standing in for an mp4
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("samples-api")
+    (root / "secret.txt").write_text("top secret")
+    output = root / "lora"
+    samples = output / "samples"
+    for step in (0, 6):
+        folder = samples / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "01-a-news-anchor.mp4").write_bytes(VIDEO)
+        (folder / "01-a-news-anchor.png").write_bytes(b"\x89PNG-still")
+        (folder / ".01-a-news-anchor.mp4.tmp").write_bytes(b"half")     # a temp file is never listed
+    os.symlink(root / "secret.txt", samples / "step-00000006" / "02-link.png")  # leads outside: refused
+    log_dir = output / "training_logs"
+    F.make_run(log_dir, world_size=1, steps=6, now=time.time(), samples_dir=str(samples.resolve()))
+    srv = start_server(log_dir)
+    yield srv
+    stop_server(srv)
+
+
+def request(srv, path, headers=None):
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_the_sets_are_listed_in_step_order_with_their_files(served):
+    import json
+
+    status, _, body = request(served, "/api/training/samples")
+    assert status == 200
+    sets = json.loads(body)["sets"]
+    assert [s["step"] for s in sets] == [0, 6]
+    assert sets[0]["clips"] == [{"index": 1, "slug": "a-news-anchor", "video": "samples/step-00000000/01-a-news-anchor.mp4",
+                                 "still": "samples/step-00000000/01-a-news-anchor.png"}]
+
+
+def test_files_come_with_their_type_and_byte_ranges(served):
+    status, headers, body = request(served, "/samples/step-00000006/01-a-news-anchor.mp4")
+    assert status == 200 and body == VIDEO and headers["Content-Type"] == "video/mp4"
+    assert headers["Accept-Ranges"] == "bytes"
+    status, headers, body = request(served, "/samples/step-00000006/01-a-news-anchor.mp4", {"Range": "bytes=100-199"})
+    assert status == 206 and body == VIDEO[100:200] and headers["Content-Range"] == f"bytes 100-199/{len(VIDEO)}"
+    status, headers, body = request(served, "/samples/step-00000006/01-a-news-anchor.mp4", {"Range": "bytes=-10"})
+    assert status == 206 and body == VIDEO[-10:]
+    status, headers, _ = request(served, "/samples/step-00000006/01-a-news-anchor.mp4", {"Range": "bytes=99999-"})
+    assert status == 416 and headers["Content-Range"] == f"bytes */{len(VIDEO)}"
+    status, headers, body = request(served, "/samples/step-00000000/01-a-news-anchor.png")
+    assert status == 200 and headers["Content-Type"] == "image/png" and body == b"\x89PNG-still"
+
+
+@pytest.mark.parametrize("path", [
+    "/samples/../secret.txt", "/samples/step-00000006/../../secret.txt", "/samples/%2e%2e/secret.txt",
+    "/samples/step-00000006/%2e%2e%2f%2e%2e%2fsecret.txt", "/samples//etc/passwd", "/samples/step-00000006/02-link.png",
+    "/samples/step-00000000/.01-a-news-anchor.mp4.tmp", "/samples/step-00000000", "/samples/" + "/".join(["x"] * 5),
+    "/samples/step-00000000/01-a-news-anchor.mp4/..", "/samples/training_logs/training_gpu0.json",
+])
+def test_nothing_outside_the_samples_folder_is_served(served, path):
+    status, _, body = request(served, path)
+    assert status == 404 and b"top secret" not in body
+
+
+def test_byte_range_rules():
+    assert byte_range(None, 100) is None
+    assert byte_range("bytes=0-0", 100) == (0, 0) and byte_range("bytes=90-200", 100) == (90, 99)
+    assert byte_range("bytes=-300", 100) == (0, 99)
+    for bad in ("bytes=100-", "bytes=5-1", "bytes=-", "items=0-1", "bytes=-0"):
+        assert byte_range(bad, 100) == "unsatisfiable", bad
+
+
+def test_a_status_file_cannot_point_the_route_at_another_folder():
+    from diffsynth_mbc.monitor.samples import samples_root
+
+    for hostile in ("/", "/etc", "relative/samples", "", 42):
+        assert samples_root({"ranks": [{"rank": 0, "samples_dir": hostile}]}) is None
+    assert str(samples_root({"ranks": [{"rank": 1, "samples_dir": "/runs/x/samples"}]})) == "/runs/x/samples"
