@@ -28,28 +28,49 @@ TINY_TEXT_LEN = 32
 TINY_VAE_WIDTH = 16
 
 
+def training_pipeline(options, device: str, torch_dtype: torch.dtype, process_index: int) -> WanVideoPipeline:
+    """What a training process loads: everything, or from the latent cache the DiT only (plus the VAE when it
+    renders sample clips: their prompts' embeddings come from the cache)."""
+    cached = bool(options.cache)
+    vae_for_samples = cached and bool(options.sample_prompts)
+    if not options.demo:
+        return load_pipeline(options.model_dir, options.model_id, device=device, torch_dtype=torch_dtype,
+                             load_encoders=not cached, load_vae=vae_for_samples)
+    pipe = build_demo_pipeline(device=device, torch_dtype=torch.float32, seed=options.seed,
+                               tokenizer_dir=str(Path(options.output_path) / ".demo_tokenizer" / f"rank{process_index}"),
+                               load_encoders=not cached or vae_for_samples)
+    if cached and vae_for_samples:   # the same seeded VAE as the cache's; no text encoder
+        pipe.text_encoder = pipe.prompter.text_encoder = None
+    return pipe
+
+
 def load_pipeline(model_dir: str | None, model_id: str | None, device: str, torch_dtype: torch.dtype,
-                  load_encoders: bool = True) -> WanVideoPipeline:
+                  load_encoders: bool = True, load_vae: bool = False) -> WanVideoPipeline:
     """The real pipeline from a local release folder (checked first) or a ModelScope id."""
+    load_vae = load_vae or load_encoders
     if model_dir:
         files = locate_model_files(model_dir)  # raises ModelFileError before any weight is read
         paths = [[str(p) for p in files.dit_shards]]
         if load_encoders:
-            paths += [str(files.text_encoder), str(files.vae)]
+            paths.append(str(files.text_encoder))
+        if load_vae:
+            paths.append(str(files.vae))
         configs = [ModelConfig(path=p) for p in paths]
         tokenizer = ModelConfig(path=str(files.tokenizer_dir))
     else:
         model_id = model_id or MODELSCOPE_ID
         patterns = ["diffusion_pytorch_model*.safetensors"]
         if load_encoders:
-            patterns += ["models_t5_umt5-xxl-enc-bf16.pth", "Wan2.2_VAE.pth"]
+            patterns.append("models_t5_umt5-xxl-enc-bf16.pth")
+        if load_vae:
+            patterns.append("Wan2.2_VAE.pth")
         configs = [ModelConfig(model_id=model_id, origin_file_pattern=p) for p in patterns]
         tokenizer = ModelConfig(model_id=model_id, origin_file_pattern="google/*")
     pipe = WanVideoPipeline.from_pretrained(torch_dtype=torch_dtype, device=device, model_configs=configs,
                                             tokenizer_config=tokenizer)
     # DiffSynth leaves a model None (with only a printed note) when it does not recognise a file.
-    missing = [name for name in (("dit", "text_encoder", "vae") if load_encoders else ("dit",))
-               if getattr(pipe, name) is None]
+    wanted = ("dit",) + (("text_encoder",) if load_encoders else ()) + (("vae",) if load_vae else ())
+    missing = [name for name in wanted if getattr(pipe, name) is None]
     if missing:
         source = model_dir or model_id
         raise ModelFileError(f"DiffSynth did not recognise the {', '.join(missing)} weights in {source}; "

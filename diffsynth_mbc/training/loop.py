@@ -147,7 +147,7 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
     import torch
 
     from diffsynth_mbc.data.cache.dataset import open_training_dataset
-    from diffsynth_mbc.models.pipeline import build_demo_pipeline, load_pipeline
+    from diffsynth_mbc.models.pipeline import training_pipeline
     from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 
     # The data first: a latent cache that does not match these options fails before any model loads.
@@ -159,14 +159,7 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
     status.update(phase="loading models" + (" (demo: tiny random TI2V-5B architecture)" if options.demo else "")
                   + ("" if encoders else " (DiT only: training from the latent cache)"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    if options.demo:
-        pipe = build_demo_pipeline(device=str(accelerator.device), torch_dtype=torch.float32, seed=options.seed,
-                                   tokenizer_dir=os.path.join(options.output_path, ".demo_tokenizer",
-                                                              f"rank{accelerator.process_index}"),
-                                   load_encoders=encoders)
-    else:
-        pipe = load_pipeline(options.model_dir, options.model_id, device=str(accelerator.device), torch_dtype=dtype,
-                             load_encoders=encoders)
+    pipe = training_pipeline(options, str(accelerator.device), dtype, accelerator.process_index)
     module = WanTI2VLoraModule(
         pipe, lora_target_modules=options.lora_target_modules, lora_rank=options.lora_rank,
         lora_alpha=options.lora_alpha, use_gradient_checkpointing=options.use_gradient_checkpointing,

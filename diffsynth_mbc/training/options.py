@@ -253,9 +253,6 @@ def validate(options: dict) -> None:
                            f"{options['val_timestep_quantiles']!r}")
     if options["sample_steps"] is not None and (options["sample_steps"] < 1 or not options["sample_prompts"]):
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
-    if options["sample_prompts"] and options["cache"]:
-        raise OptionsError("--sample_prompts with --cache: sampling needs the text encoder and VAE, which a cached "
-                           "run does not load; sample from a run without --cache for now")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
     if options["demo"] and (options["model_dir"] or options["model_id"]):

@@ -9,13 +9,14 @@ barrier and keep their status fresh meanwhile, so the monitor never calls a samp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
 import time
 from pathlib import Path
 
-from diffsynth_mbc.training.sample_prompts import (SAMPLES_FOLDER, SamplePrompt, sample_file_stem, sample_set_name,
+from diffsynth_mbc.sample_prompts import (SAMPLES_FOLDER, SamplePrompt, sample_file_stem, sample_set_name,
                                                    sampling_due)
 
 FPS = 16
@@ -23,10 +24,11 @@ WAIT_POLL_S = 1.0
 
 
 class Sampler:
-    def __init__(self, options, status, prompts: list[SamplePrompt]):
+    def __init__(self, options, status, prompts: list[SamplePrompt], contexts: dict | None = None):
         self.options, self.status, self.prompts = options, status, prompts
         self.every = options.sample_steps
         self.root = Path(options.output_path) / SAMPLES_FOLDER
+        self.contexts = contexts    # prompt text -> embedding from the latent cache (no text encoder loaded)
         self.accelerator = self.module = None
         self.last_step: int | None = None
 
@@ -59,7 +61,8 @@ class Sampler:
         pipe.dit.eval()
         files = []
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), \
+                    _prompts_from(pipe, self.contexts):
                 for index, prompt in enumerate(self.prompts):
                     frames = self._generate(pipe, prompt, step, index)
                     files += self._write(target, sample_file_stem(index, prompt), frames)
@@ -131,11 +134,15 @@ class Sampler:
 
 
 def make_sampler(options, status, accelerator, module):
-    from diffsynth_mbc.training.sample_prompts import load_sample_prompts
+    from diffsynth_mbc.sample_prompts import load_sample_prompts
 
     prompts = load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
                                   num_frames=options.num_frames, seed=options.seed)
-    sampler = Sampler(options, status, prompts)
+    contexts = None
+    if options.cache:   # no text encoder in a cached run: the cache holds the prompts' embeddings
+        from diffsynth_mbc.data.cache.sample_texts import read_sample_texts, texts_of
+        contexts = read_sample_texts(Path(options.cache), texts_of(prompts))
+    sampler = Sampler(options, status, prompts, contexts)
     sampler.attach(accelerator, module)
     return sampler
 
@@ -149,3 +156,20 @@ def maybe_sample(run) -> None:
     last = run.status.state.get("last_samples")
     if last:
         run.logger.printer.event(f"samples at step {last['step']}: {len(last['files']) // 2} clip(s) in {last['dir']}")
+
+
+@contextlib.contextmanager
+def _prompts_from(pipe, contexts: dict | None):
+    """While sampling from a cached run, DiffSynth's prompt unit gets each text's embedding from the cache."""
+    if contexts is None:
+        yield
+        return
+
+    def encode_prompt(prompt, positive=True, device=None, **kwargs):
+        return contexts[prompt].to(device=device or pipe.device, dtype=pipe.torch_dtype)[None]
+
+    pipe.prompter.encode_prompt = encode_prompt   # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del pipe.prompter.encode_prompt

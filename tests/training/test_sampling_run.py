@@ -4,6 +4,7 @@ training unchanged by sampling."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import imageio.v3 as iio
 import pytest
@@ -35,8 +36,19 @@ def runs(tmp_path_factory):
     Image.new("RGB", (64, 32), (200, 40, 40)).save(root / "first.png")
     (root / "prompts.yaml").write_text(PROMPTS)
     out = {}
+    cache = root / "cache"
+    built = subprocess.run([sys.executable, "-m", "diffsynth_mbc.cache", "--demo", "--dataset_base_path",
+                            str(root / "demo" / "catalog"), "--dataset_metadata_path",
+                            str(root / "demo" / "metadata" / "metadata.csv"), "--height", "64", "--width", "64",
+                            "--num_frames", "9", "--cache_dir", str(cache), "--dataset_num_workers", "0",
+                            "--sample_prompts", str(root / "prompts.yaml")],
+                           cwd=root, env=isolated_env(root, OMP_NUM_THREADS=1), capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert "sample prompts: 3 text(s) encoded" in built.stderr   # two prompts and the empty negative prompt
     for name, extra in (("with", ["--sample_prompts", str(root / "prompts.yaml"), "--sample_steps", "2"]),
-                        ("without", [])):
+                        ("without", []),
+                        ("cached", ["--sample_prompts", str(root / "prompts.yaml"), "--cache", str(cache)])):
         base = root / name
         command = cpu_launch_command("--config", str(REPO / "configs" / "train_demo.yaml"),
                                      "--dataset_base_path", str(root / "demo" / "catalog"),
@@ -79,3 +91,13 @@ def test_sampling_leaves_training_unchanged(runs):
     losses = [[r["loss"] for r in read_history(runs[name] / "logs", 0) if r.get("kind") is None]
               for name in ("with", "without")]
     assert losses[0] == losses[1]
+
+
+def test_a_run_from_the_cache_samples_with_the_cached_prompt_embeddings_and_only_the_vae(runs):
+    """The cached run loads no text encoder; its baseline clips equal the encoding run's (same DiT, prompts, seeds)."""
+    cached = runs["cached"] / "lora" / "samples"
+    assert sorted(p.name for p in cached.iterdir()) == ["step-00000000", "step-00000005"]   # baseline and end
+    for name in ("01-a-news-anchor-in-the-studio.mp4", "02-prompt.mp4"):
+        from_cache = iio.imread(cached / "step-00000000" / name, plugin="pyav").astype(int)
+        encoded = iio.imread(runs["with"] / "lora" / "samples" / "step-00000000" / name, plugin="pyav").astype(int)
+        assert from_cache.shape == encoded.shape and abs(from_cache - encoded).max() <= 2, name

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="stored precision (default: bf16 on GPUs with native bf16, fp16 on older ones such as "
                              "the V100, fp32 on the CPU); match the training's --mixed_precision")
+    parser.add_argument("--sample_prompts", help="the training's --sample_prompts FILE: also encode its prompts, so a "
+                                                 "run from this cache can sample clips without the text encoder")
     parser.add_argument("--dataset_num_workers", type=int, default=2, help="decoding worker processes per rank")
     parser.add_argument("--decoder", choices=DECODERS, default="fast",
                         help="fast: only the frames that train, in-process (PyAV; default); diffsynth: DiffSynth's reader")
@@ -109,13 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     except CacheError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from diffsynth_mbc.errors import OptionsError
     from diffsynth_mbc.gpu import UnsupportedGpuError
     from diffsynth_mbc.models.model_files import ModelFileError
 
     ranks = Ranks()
     try:
         return run(options, ranks)
-    except (CacheError, ModelFileError, UnsupportedGpuError) as exc:
+    except (CacheError, ModelFileError, UnsupportedGpuError, OptionsError) as exc:
         print(f"[rank {ranks.rank}] error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -148,6 +151,10 @@ def run(options, ranks: Ranks) -> int:
     from diffsynth_mbc.gpu import require_supported_gpu
 
     require_supported_gpu()   # a torch build without this GPU's kernels: stop now, naming the fix
+    if options.sample_prompts:   # a bad prompt file stops before hours of encoding, not after
+        from diffsynth_mbc.sample_prompts import load_sample_prompts
+        load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
+                            num_frames=options.num_frames, seed=options.seed)
     use_cuda = torch.cuda.is_available()
     device = f"cuda:{ranks.local_rank}" if use_cuda else "cpu"
     dtype_name = options.dtype or default_dtype(torch.cuda.get_device_capability(ranks.local_rank) if use_cuda else None)
@@ -201,7 +208,22 @@ def run(options, ranks: Ranks) -> int:
     shards = wait_for_shards(cache_dir, ranks.world_size)
     summary = merge(options, settings, metadata, shards, time.monotonic() - started)
     print(describe(summary), file=sys.stderr)
+    if options.sample_prompts:
+        encode_sample_prompts(options, settings, device, torch_dtype, model_files)
     return 0
+
+
+def encode_sample_prompts(options, settings: dict, device: str, torch_dtype, model_files) -> None:
+    from diffsynth_mbc.data.cache.encoder import load_encoders
+    from diffsynth_mbc.data.cache.sample_texts import texts_of, write_sample_texts
+    from diffsynth_mbc.sample_prompts import load_sample_prompts
+
+    prompts = load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
+                                  num_frames=options.num_frames, seed=options.seed)
+    texts = texts_of(prompts)
+    path = write_sample_texts(Path(options.cache_dir), load_encoders(options, device, torch_dtype, model_files),
+                              texts, torch_dtype, str(settings["text_encoder"]))
+    print(f"sample prompts: {len(texts)} text(s) encoded into {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
