@@ -111,8 +111,26 @@ class Sampler:
         record = {"kind": "samples", "step": step, "dir": str(folder), "files": files,
                   "prompts": [p.prompt for p in self.prompts], "seconds": round(seconds, 2), "time": round(time.time(), 3)}
         self.status.append_history(record)
+        self._to_trackers(step, folder, files)
         self.status.update(samples_dir=str(self.root.resolve()), last_samples={"step": step, "dir": str(folder),
                                                                                "files": files})
+
+    def _to_trackers(self, step: int, folder: Path, files: list[str]) -> None:
+        """Samples for --report_to: W&B gets the clips as videos; TensorBoard (whose video panel needs
+        moviepy) the first frames as images."""
+        import numpy as np
+        from PIL import Image
+
+        for tracker in getattr(self.accelerator, "trackers", None) or []:
+            for name in files:
+                stem, suffix = name.rsplit(".", 1)
+                if tracker.name == "tensorboard" and suffix == "png":
+                    still = np.asarray(Image.open(folder / name).convert("RGB"))
+                    tracker.writer.add_image(f"samples/{stem}", still, global_step=step, dataformats="HWC")
+                elif tracker.name == "wandb" and suffix == "mp4":
+                    import wandb
+
+                    tracker.log({f"samples/{stem}": wandb.Video(str(folder / name), format="mp4")}, step=step)
 
     # -- every rank ----------------------------------------------------------------------------
     def _wait_for_main(self, step: int) -> None:

@@ -46,7 +46,8 @@ def runs(tmp_path_factory):
                            timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "sample prompts: 3 text(s) encoded" in built.stderr   # two prompts and the empty negative prompt
-    for name, extra in (("with", ["--sample_prompts", str(root / "prompts.yaml"), "--sample_steps", "2"]),
+    for name, extra in (("with", ["--sample_prompts", str(root / "prompts.yaml"), "--sample_steps", "2",
+                                  "--report_to", "tensorboard"]),
                         ("without", []),
                         ("cached", ["--sample_prompts", str(root / "prompts.yaml"), "--cache", str(cache)])):
         base = root / name
@@ -101,3 +102,14 @@ def test_a_run_from_the_cache_samples_with_the_cached_prompt_embeddings_and_only
         from_cache = iio.imread(cached / "step-00000000" / name, plugin="pyav").astype(int)
         encoded = iio.imread(runs["with"] / "lora" / "samples" / "step-00000000" / name, plugin="pyav").astype(int)
         assert from_cache.shape == encoded.shape and abs(from_cache - encoded).max() <= 2, name
+
+
+def test_tensorboard_gets_each_sample_sets_first_frames(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_id = read_status(runs["with"] / "logs", 0)["run_id"]
+    events = EventAccumulator(str(runs["with"] / "lora" / "tracking" / run_id), size_guidance={"images": 0})
+    events.Reload()
+    assert sorted(events.Tags()["images"]) == ["samples/01-a-news-anchor-in-the-studio", "samples/02-prompt"]
+    images = events.Images("samples/02-prompt")
+    assert [i.step for i in images] == [0, 2, 4, 5] and (images[0].width, images[0].height) == (64, 32)
