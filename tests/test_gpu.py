@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from diffsynth_mbc import gpu
 from diffsynth_mbc.gpu import arch_problem, attention_kernel, known_gpu, resolve_precision
+from e2e_helpers import isolated_env
 
 CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]          # torch 2.11+ on PyPI
 CU128_ARCHS = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.8-2.10 on PyPI
@@ -69,30 +71,37 @@ def test_assume_names():
         known_gpu("GTX 480")
 
 
-def test_the_training_refuses_a_mismatched_gpu_before_anything_loads(tmp_path, monkeypatch):
-    """A fake device description (a V100 under a build without sm_70): exit 2, the fix named, status failed."""
-    from diffsynth_mbc.training import cli
+FAKE_V100 = """
+import sys
+from diffsynth_mbc import gpu
+gpu.current_device = lambda: {"name": "Tesla V100S-PCIE-32GB", "capability": (7, 0), "memory_bytes": 32 << 30,
+                              "arch_list": %r, "torch": "2.14.1+cu130", "count": 2}
+from diffsynth_mbc.training.cli import main
+sys.exit(main(sys.argv[1:]))
+""" % CU130_ARCHS
 
-    monkeypatch.setattr(gpu, "current_device", lambda: {
-        "name": "Tesla V100S-PCIE-32GB", "capability": (7, 0), "memory_bytes": 32 << 30,
-        "arch_list": CU130_ARCHS, "torch": "2.14.1+cu130", "count": 2})
-    monkeypatch.delenv("MBC_RUN_ID", raising=False)
-    code = cli.main(["--dataset_base_path", str(tmp_path), "--dataset_metadata_path", str(tmp_path / "m.csv"),
-                     "--output_path", str(tmp_path / "out"), "--demo"])
-    assert code == 2
+
+def train(tmp_path, *flags, entry=("-m", "diffsynth_mbc.train")):
+    """The training entry in a process of its own (it installs signal handling, as it does for real)."""
+    return subprocess.run([sys.executable, *entry, "--dataset_base_path", str(tmp_path), "--dataset_metadata_path",
+                           str(tmp_path / "m.csv"), "--output_path", str(tmp_path / "out"), "--demo", *flags],
+                          capture_output=True, text=True, timeout=120, env=isolated_env(tmp_path))
+
+
+def test_the_training_refuses_a_mismatched_gpu_before_anything_loads(tmp_path):
+    """A fake device description (a V100 under a build without sm_70): exit 2, the fix named, status failed."""
+    result = train(tmp_path, entry=("-c", FAKE_V100))
+    assert result.returncode == 2, result.stderr
+    assert "pip install torch==2.10.0" in result.stderr
     state = json.loads((tmp_path / "out" / "training_logs" / "training_gpu0.json").read_text())
     assert state["status"] == "failed" and "torch==2.10.0" in state["error"]["message"]
     assert state["error"]["type"] == "UnsupportedGpuError"
 
 
-def test_fp16_on_the_cpu_is_refused_naming_the_flag(tmp_path, monkeypatch):
+def test_fp16_on_the_cpu_is_refused_naming_the_flag(tmp_path):
     """accelerate neither autocasts nor scales the loss on the CPU (its Accelerator(mixed_precision='fp16',
     cpu=True) has no scaler), so fp16 there would silently train in fp32: refused instead."""
-    from diffsynth_mbc.training import cli
-
-    monkeypatch.delenv("MBC_RUN_ID", raising=False)
-    code = cli.main(["--dataset_base_path", str(tmp_path), "--dataset_metadata_path", str(tmp_path / "m.csv"),
-                     "--output_path", str(tmp_path / "out"), "--demo", "--mixed_precision", "fp16"])
-    assert code == 2
+    result = train(tmp_path, "--mixed_precision", "fp16")
+    assert result.returncode == 2, result.stderr
     state = json.loads((tmp_path / "out" / "training_logs" / "training_gpu0.json").read_text())
     assert "--mixed_precision fp16 needs a CUDA GPU" in state["error"]["message"]

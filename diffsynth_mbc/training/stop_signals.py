@@ -38,13 +38,16 @@ class StopSignals:
 
     def install(self) -> "StopSignals":
         """Call from the main thread before other threads start (they inherit the blocked mask)."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        self._previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         threading.Thread(target=self._wait, name="stop-signals", daemon=True).start()
         return self
 
     def finished(self) -> None:
-        """The main thread has recorded the outcome; no forced exit is needed."""
+        """The main thread has recorded the outcome; no forced exit is needed. The signal mask is restored, so
+        a process that goes on (``main`` called in-process) and the processes it starts receive signals again."""
         self._finished.set()
+        if getattr(self, "_previous_mask", None) is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
 
     @property
     def exit_code(self) -> int:

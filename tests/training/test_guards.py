@@ -63,3 +63,18 @@ def test_fp16_loss_scaling_skips_an_overflowed_step_and_lowers_the_scale():
         else:
             assert not skipped and not torch.equal(lora, before) and lora.dtype == torch.float32
     assert guard.total == 1
+
+
+def test_stop_signal_handling_gives_the_signals_back_when_the_run_is_over():
+    """main() called in-process (a notebook, a test) must not leave SIGTERM blocked for what the process starts
+    next: a launcher started from there would never receive its stop."""
+    import subprocess
+    import sys
+
+    code = ("import signal\nfrom diffsynth_mbc.training.stop_signals import StopSignals\n"
+            "s = StopSignals(on_stuck=lambda sig: None).install()\n"
+            "assert signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])\n"
+            "s.finished()\n"
+            "print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
