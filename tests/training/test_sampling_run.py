@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import imageio.v3 as iio
 import pytest
@@ -18,7 +19,7 @@ from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, re
 pytestmark = pytest.mark.slow
 PROMPTS = """\
 - prompt: a news anchor in the studio
-  steps: 2
+  steps: 150                       # long enough (seconds) to outlast the watcher's stall threshold
 - prompt: 도시 거리 밤
   image: first.png
   height: 32
@@ -56,11 +57,25 @@ def runs(tmp_path_factory):
                                      "--dataset_metadata_path", str(root / "demo" / "metadata" / "metadata.csv"),
                                      "--output_path", str(base / "lora"), "--log_dir", str(base / "logs"),
                                      "--gradient_accumulation_steps", "1", "--num_epochs", "1", *extra)
-        result = subprocess.run(command, cwd=root, env=isolated_env(root, OMP_NUM_THREADS=1), capture_output=True,
-                                text=True, timeout=400)
-        assert result.returncode == 0, result.stderr[-4000:]
+        process = subprocess.Popen(command, cwd=root, env=isolated_env(root, OMP_NUM_THREADS=1),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        out[f"{name}-seen"] = watch(base / "logs", process) if name == "with" else []
+        _, stderr = process.communicate(timeout=400)
+        assert process.returncode == 0, stderr[-4000:]
         out[name] = base
     return out
+
+
+def watch(log_dir, process) -> list[tuple]:
+    """What a monitor with a 2 s stall threshold sees while the run goes: (rank, phase, stalled) per look."""
+    from diffsynth_mbc.monitor.state import MonitorState
+
+    state, seen = MonitorState(log_dir, stall_after=2.0), []
+    while process.poll() is None:
+        for rank in state.refresh()["ranks"]:
+            seen.append((rank["rank"], rank.get("phase") or "", rank["stalled"]))
+        time.sleep(0.2)
+    return seen
 
 
 def test_clips_of_the_asked_size_and_length_at_the_baseline_every_n_steps_and_the_end(runs):
@@ -113,3 +128,13 @@ def test_tensorboard_gets_each_sample_sets_first_frames(runs):
     assert sorted(events.Tags()["images"]) == ["samples/01-a-news-anchor-in-the-studio", "samples/02-prompt"]
     images = events.Images("samples/02-prompt")
     assert [i.step for i in images] == [0, 2, 4, 5] and (images[0].width, images[0].height) == (64, 32)
+
+
+def test_while_rank_0_samples_no_rank_looks_stalled(runs):
+    """Rank 0's phase moves with every denoising step, and the others say how long they have waited."""
+    seen = runs["with-seen"]
+    assert any(rank == 0 and "denoising" in phase for rank, phase, _ in seen)
+    assert any(rank == 1 and phase.startswith("waiting for rank 0's samples") for rank, phase, _ in seen)
+    while_sampling = [entry for entry in seen if "sampling" in entry[1] or "samples" in entry[1]]
+    assert len(while_sampling) > 10
+    assert not [entry for entry in while_sampling if entry[2]], "a rank was called stalled while samples were made"
