@@ -25,24 +25,33 @@ def current_umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iterator[IO]:
-    """Open a temp file beside ``path``; on clean exit it replaces ``path``, on error it is removed."""
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+    """A temp file name beside ``path`` (for writers that need a name, such as a video encoder, which picks
+    its format from ``suffix``); on clean exit the temp file replaces ``path``, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
         # mkstemp creates 0600; give the file the mode a plain open() would, so a dashboard or a
         # teammate running as another user can read what the run writes.
         os.fchmod(fd, 0o666 & ~current_umask())
-        with os.fdopen(fd, mode, **open_kwargs) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
+        os.close(fd)
+        yield Path(tmp_name)
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iterator[IO]:
+    """Open a temp file beside ``path``; on clean exit it replaces ``path`` (flushed to disk first), on error
+    it is removed."""
+    with atomic_path(path) as tmp_path, open(tmp_path, mode, **open_kwargs) as handle:
+        yield handle
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:

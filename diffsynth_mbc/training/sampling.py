@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import tempfile
 import time
 from pathlib import Path
 
+from diffsynth_mbc.atomic import atomic_open, atomic_path
 from diffsynth_mbc.sample_prompts import (SAMPLES_FOLDER, SamplePrompt, sample_file_stem, sample_set_name,
-                                                   sampling_due)
+                                          sampling_due)
 
 FPS = 16
 WAIT_POLL_S = 1.0
@@ -93,17 +92,10 @@ class Sampler:
         from diffsynth import save_video
 
         video, still = target / f"{stem}.mp4", target / f"{stem}.png"
-        for path, write in ((video, lambda tmp: save_video(frames, tmp, fps=FPS, quality=8)),
-                            (still, lambda tmp: frames[0].save(tmp, format="PNG"))):
-            handle, tmp = tempfile.mkstemp(dir=target, prefix=f".{path.name}.", suffix=path.suffix)
-            os.close(handle)
-            try:
-                write(tmp)
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+        with atomic_path(video, suffix=".mp4") as tmp:   # the encoder picks the format from the name
+            save_video(frames, str(tmp), fps=FPS, quality=8)
+        with atomic_open(still, "wb") as handle:
+            frames[0].save(handle, format="PNG")
         return [video.name, still.name]
 
     def _record(self, step: int, files: list[str], seconds: float) -> None:
