@@ -173,11 +173,13 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
         if not self.quiet:
             super().log_message(format, *args)
 
-    def _send(self, code: int, body: bytes, content_type: str, extra: dict | None = None) -> None:
+    def _start(self, code: int, content_type: str, length: int, extra: dict | None = None,
+               cache: str = "no-store") -> None:
+        """Status line and headers of every answer with a body (CORS only for the origin --cors names)."""
         self.send_response(code)
         self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
+        self.send_header("Content-Length", str(length))
+        self.send_header("Cache-Control", cache)
         self.send_header("X-Content-Type-Options", "nosniff")
         if self.cors_origin:
             self.send_header("Access-Control-Allow-Origin", self.cors_origin)
@@ -185,6 +187,9 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
         for key, value in (extra or {}).items():
             self.send_header(key, value)
         self.end_headers()
+
+    def _send(self, code: int, body: bytes, content_type: str, extra: dict | None = None) -> None:
+        self._start(code, content_type, len(body), extra)
         if self.command != "HEAD":
             self.wfile.write(body)
 
@@ -282,16 +287,10 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
                 self._send(416, b"", "text/plain", {"Content-Range": f"bytes */{size}", "Accept-Ranges": "bytes"})
                 return
             first, last = wanted if wanted else (0, size - 1)
-            self.send_response(206 if wanted else 200)
-            headers = {"Content-Type": content_type, "Content-Length": str(max(0, last - first + 1)),
-                       "Accept-Ranges": "bytes", "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+            extra = {"Accept-Ranges": "bytes"}
             if wanted:
-                headers["Content-Range"] = f"bytes {first}-{last}/{size}"
-            if self.cors_origin:
-                headers.update({"Access-Control-Allow-Origin": self.cors_origin, "Vary": "Origin"})
-            for key, value in headers.items():
-                self.send_header(key, value)
-            self.end_headers()
+                extra["Content-Range"] = f"bytes {first}-{last}/{size}"
+            self._start(206 if wanted else 200, content_type, max(0, last - first + 1), extra, cache="no-cache")
             if self.command == "HEAD":
                 return
             handle.seek(first)
