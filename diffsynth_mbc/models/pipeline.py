@@ -39,7 +39,7 @@ def training_pipeline(options, device: str, torch_dtype: torch.dtype, process_in
     pipe = build_demo_pipeline(device=device, torch_dtype=torch.float32, seed=options.seed,
                                tokenizer_dir=str(Path(options.output_path) / ".demo_tokenizer" / f"rank{process_index}"),
                                load_encoders=not cached or vae_for_samples)
-    if cached and vae_for_samples:   # the same seeded VAE as the cache's; no text encoder
+    if vae_for_samples:   # the same seeded VAE as the cache's; no text encoder
         pipe.text_encoder = pipe.prompter.text_encoder = None
     return pipe
 

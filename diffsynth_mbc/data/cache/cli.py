@@ -151,10 +151,11 @@ def run(options, ranks: Ranks) -> int:
     from diffsynth_mbc.gpu import require_supported_gpu
 
     require_supported_gpu()   # a torch build without this GPU's kernels: stop now, naming the fix
+    sample_prompts = None
     if options.sample_prompts:   # a bad prompt file stops before hours of encoding, not after
         from diffsynth_mbc.sample_prompts import load_sample_prompts
-        load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
-                            num_frames=options.num_frames, seed=options.seed)
+        sample_prompts = load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
+                                             num_frames=options.num_frames, seed=options.seed)
     use_cuda = torch.cuda.is_available()
     device = f"cuda:{ranks.local_rank}" if use_cuda else "cpu"
     dtype_name = options.dtype or default_dtype(torch.cuda.get_device_capability(ranks.local_rank) if use_cuda else None)
@@ -208,18 +209,15 @@ def run(options, ranks: Ranks) -> int:
     shards = wait_for_shards(cache_dir, ranks.world_size)
     summary = merge(options, settings, metadata, shards, time.monotonic() - started)
     print(describe(summary), file=sys.stderr)
-    if options.sample_prompts:
-        encode_sample_prompts(options, settings, device, torch_dtype, model_files)
+    if sample_prompts:
+        encode_sample_prompts(options, settings, device, torch_dtype, model_files, sample_prompts)
     return 0
 
 
-def encode_sample_prompts(options, settings: dict, device: str, torch_dtype, model_files) -> None:
+def encode_sample_prompts(options, settings: dict, device: str, torch_dtype, model_files, prompts: list) -> None:
     from diffsynth_mbc.data.cache.encoder import load_encoders
     from diffsynth_mbc.data.cache.sample_texts import texts_of, write_sample_texts
-    from diffsynth_mbc.sample_prompts import load_sample_prompts
 
-    prompts = load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
-                                  num_frames=options.num_frames, seed=options.seed)
     texts = texts_of(prompts)
     path = write_sample_texts(Path(options.cache_dir), load_encoders(options, device, torch_dtype, model_files),
                               texts, torch_dtype, str(settings["text_encoder"]))
