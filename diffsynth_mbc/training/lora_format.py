@@ -33,12 +33,17 @@ class LoraFormatError(ValueError):
     """A file or tensor set that is not a LoRA we can convert; the message names the key."""
 
 
-def split_lora_key(key: str) -> tuple[str, str]:
-    """(DiT module name, 'A' or 'B') of one LoRA tensor key in any of the layouts above."""
+def _without_prefix(key: str) -> str:
+    """A key relative to the DiT: the first of the known wrapper prefixes it starts with removed."""
     for prefix in _PREFIXES:
         if key.startswith(prefix):
-            key = key[len(prefix):]
-            break
+            return key[len(prefix):]
+    return key
+
+
+def split_lora_key(key: str) -> tuple[str, str]:
+    """(DiT module name, 'A' or 'B') of one LoRA tensor key in any of the layouts above."""
+    key = _without_prefix(key)
     match = _LORA_KEY.match(key)
     if not match:
         raise LoraFormatError(f"not a LoRA weight key: {key!r}")
@@ -53,9 +58,7 @@ def lora_pairs(tensors: dict) -> tuple[dict[str, dict], dict[str, float]]:
     for key, tensor in tensors.items():
         alpha = _ALPHA_KEY.match(key)
         if alpha:
-            module = alpha.group("module")
-            for prefix in _PREFIXES:
-                module = module.removeprefix(prefix)
+            module = _without_prefix(alpha.group("module"))
             alphas[module] = float(tensor.item() if hasattr(tensor, "item") else tensor)
             continue
         module, part = split_lora_key(key)
