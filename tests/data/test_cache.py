@@ -56,12 +56,19 @@ def all_tensors(cache_dir) -> dict:
 
 
 def assert_same_cache(first, second):
+    """The same entries under the same keys and the same index; tensors equal to float rounding.
+
+    What resume and a rebuild rely on is the keys (file fingerprint + settings) and the index, which must
+    match exactly. The values come from the encoders' float sums, whose order depends on the CPU and on
+    the thread count (a cache built by 2 ranks of 1 thread is not bit-equal to one built by 1 process of
+    2 threads), so they are compared within fp32 rounding of the encoders' outputs, not bit for bit."""
     a, b = all_tensors(first), all_tensors(second)
     assert a.keys() == b.keys() and len(a) == 2 * GOOD_ROWS
     for name in a:
         assert a[name].keys() == b[name].keys()
         for key in a[name]:
-            assert torch.equal(a[name][key], b[name][key]), (name, key)
+            assert a[name][key].dtype == b[name][key].dtype and a[name][key].shape == b[name][key].shape
+            torch.testing.assert_close(a[name][key], b[name][key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
     index_a, index_b = (json.loads((Path(d) / "cache.json").read_text()) for d in (first, second))
     assert index_a == index_b
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pty
-import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,6 +115,33 @@ def test_usage_errors_exit_2(argv, capsys):
     assert exc.value.code == 2
 
 
+class TerminalReader(threading.Thread):
+    """Reads a pty master for as long as the program writes, like a terminal emulator does.
+
+    A test that stops reading while the program keeps refreshing fills the pty's buffer; the program's
+    writer then blocks, and on a loaded machine Ctrl-C lands while it is blocked. Reading all the time
+    keeps the program's timing independent of the test's."""
+
+    def __init__(self, master: int):
+        super().__init__(daemon=True)
+        self.master, self.chunks, self.lock = master, [], threading.Lock()
+
+    def run(self):
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:   # EIO: every writer closed the terminal
+                return
+            if not chunk:
+                return
+            with self.lock:
+                self.chunks.append(chunk)
+
+    def output(self) -> bytes:
+        with self.lock:
+            return b"".join(self.chunks)
+
+
 @pytest.mark.slow
 def test_live_view_in_a_terminal_quits_cleanly_on_ctrl_c(tmp_path):
     live_run(tmp_path, time.time())
@@ -123,34 +150,24 @@ def test_live_view_in_a_terminal_quits_cleanly_on_ctrl_c(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "diffsynth_mbc.monitor", str(tmp_path), "--interval", "0.2"],
                             stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
     os.close(slave)
-    out = b""
+    reader = TerminalReader(master)
+    reader.start()
     try:
-        deadline = time.monotonic() + 30
-        frames = 0
-        while time.monotonic() < deadline and frames < 2:
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if ready:
-                out += os.read(master, 65536)
-                frames = out.count(b"refreshed ")
-        assert frames >= 2, out[-2000:]
+        deadline = time.monotonic() + 60    # generous: a loaded 2-core machine imports slowly
+        while time.monotonic() < deadline and reader.output().count(b"refreshed ") < 2:
+            time.sleep(0.1)
+        out = reader.output()
+        assert out.count(b"refreshed ") >= 2, out[-2000:]
         assert b"\x1b[?25l" in out  # the live display hid the cursor...
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=15) == 0
-        while True:
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if not ready:
-                break
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            out += chunk
+        assert proc.wait(timeout=60) == 0
+        reader.join(timeout=10)    # the program has exited: the reader sees EIO once the output is drained
+        out = reader.output()
         assert out.rfind(b"\x1b[?25h") > out.rfind(b"\x1b[?25l")  # ...and showed it again on exit
         assert b"Traceback" not in out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        reader.join(timeout=10)
         os.close(master)
