@@ -26,6 +26,7 @@ DEFAULTS = {
     "gradient_accumulation_steps": 1, "lr_scheduler": "constant", "warmup_steps": 0,
     "max_grad_norm": 1.0, "seed": 42, "mixed_precision": "auto", "max_nonfinite_steps": 20,
     "use_gradient_checkpointing": True, "use_gradient_checkpointing_offload": False,
+    "gradient_checkpointing": None, "compile": "auto", "image_batch_size": None,
     "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0, "find_unused_parameters": False,
     # output and logging
     "output_path": "./runs/lora", "log_dir": None, "run_id": None, "save_steps": None,
@@ -47,7 +48,8 @@ DEFAULTS = {
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
             "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
-            "report_to": ("none", "tensorboard", "wandb"), "mixed_precision": ("auto", "bf16", "fp16", "fp32")}
+            "report_to": ("none", "tensorboard", "wandb"), "mixed_precision": ("auto", "bf16", "fp16", "fp32"),
+            "compile": ("auto", "on", "off")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--learning_rate", type=float, help="default 1e-4")
     optim.add_argument("--weight_decay", type=float, help="default 0.01")
     optim.add_argument("--num_epochs", type=int, help="default 1")
-    optim.add_argument("--batch_size", type=int, help="samples per GPU per micro-batch (default 1)")
+    optim.add_argument("--batch_size", type=int, help="videos per GPU per micro-batch, in one forward (default 1)")
+    optim.add_argument("--image_batch_size", type=int,
+                       help="images per GPU per micro-batch, in one forward (default: as many images as "
+                            "--batch_size videos have tokens, 5 at 1280x704x17)")
     optim.add_argument("--gradient_accumulation_steps", type=int, help="default 1")
     optim.add_argument("--lr_scheduler", choices=_CHOICES["lr_scheduler"], help="default constant")
     optim.add_argument("--warmup_steps", type=int, help="linear warm-up, optimizer steps (default 0)")
@@ -100,7 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--max_nonfinite_steps", type=int,
                        help="a step with an inf/NaN loss or gradient norm is skipped and counted; this many in a "
                             "row stop the run (default 20)")
-    optim.add_argument("--use_gradient_checkpointing", type=_parse_bool, help="true/false (default true)")
+    optim.add_argument("--use_gradient_checkpointing", type=_parse_bool,
+                       help="true/false (default true); false is --gradient_checkpointing none")
+    optim.add_argument("--gradient_checkpointing",
+                       help="all (every DiT block recomputes its activations in backward), none, N (the first N "
+                            "of the 30 blocks recompute, the rest keep theirs), or auto: the fewest recomputed "
+                            "blocks that fit under 90%% of the GPU's memory (the doctor's memory model; all "
+                            "without a GPU). Default: all, or none with --use_gradient_checkpointing false")
+    optim.add_argument("--compile", choices=_CHOICES["compile"],
+                       help="torch.compile each DiT block: auto (default: on CUDA GPUs where torch can compile "
+                            "for them, off on the CPU), on, off")
     optim.add_argument("--use_gradient_checkpointing_offload", type=_parse_bool, help="true/false")
     optim.add_argument("--max_timestep_boundary", type=float)
     optim.add_argument("--min_timestep_boundary", type=float)
@@ -194,6 +208,9 @@ def resolve_options(argv: list[str] | None = None) -> argparse.Namespace:
     for key in _BOOLEAN:
         if not isinstance(options[key], bool):
             options[key] = _parse_bool(options[key])
+    if options["gradient_checkpointing"] is None:
+        options["gradient_checkpointing"] = "all" if options["use_gradient_checkpointing"] else "none"
+    options["gradient_checkpointing"] = str(options["gradient_checkpointing"]).strip().lower()
     validate(options)
     # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other.
     if not options["log_dir"]:
@@ -216,6 +233,13 @@ def validate(options: dict) -> None:
             raise OptionsError(f"--{key} must be a multiple of 32 (Wan2.2 VAE x DiT patch), got {options[key]}")
     if options["num_frames"] % 4 != 1:
         raise OptionsError(f"--num_frames must be 4k+1 (1, 5, 9, 13, 17, ...), got {options['num_frames']}")
+    if options["image_batch_size"] is not None and (not isinstance(options["image_batch_size"], int)
+                                                    or options["image_batch_size"] < 1):
+        raise OptionsError(f"--image_batch_size must be a positive integer, got {options['image_batch_size']!r}")
+    checkpointing = options["gradient_checkpointing"]
+    if checkpointing not in ("all", "none", "auto") and not (checkpointing.isdigit()):
+        raise OptionsError("--gradient_checkpointing must be all, none, auto or a number of blocks, got "
+                           f"{checkpointing!r}")
     if options["dataset_num_workers"] < 0 or options["warmup_steps"] < 0:
         raise OptionsError("--dataset_num_workers and --warmup_steps must not be negative")
     if options["save_steps"] is not None and options["save_steps"] < 1:
