@@ -12,6 +12,9 @@ from diffsynth.trainers.utils import DiffusionTrainingModule
 from diffsynth.pipelines.wan_video_new import WanVideoPipeline
 
 from diffsynth_mbc.models.wan_units import run_units, unit_inputs
+from diffsynth_mbc.training.step.batch_loss import batch_loss
+from diffsynth_mbc.training.step.blocks import BlockRunner
+from diffsynth_mbc.training.step.lora_cast import compute_lora_in_base_dtype
 
 
 class WanTI2VLoraModule(DiffusionTrainingModule):
@@ -20,7 +23,11 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
     ``forward(batch)`` takes a list of samples as DiffSynth's VideoDataset yields them
     (``{"video": [PIL frames], "prompt": str, ...}``) and returns the mean loss over the list.
     Each sample runs through the pipeline's own units (shape check, noise, VAE encode, prompt
-    encode, TI2V first-frame fusion) and ``pipe.training_loss``. A sample with ``"cached": True``
+    encode, TI2V first-frame fusion); the samples of one latent shape then go through the DiT in one
+    forward with DiffSynth's objective per sample (``step.batch_loss``). The LoRA weights stay fp32 and
+    compute in the DiT's dtype (``step.lora_cast``); ``recompute_blocks`` of the DiT's blocks recompute
+    their activations in backward (``None``: all of them, as DiffSynth's checkpointing does), and
+    ``compile_blocks`` compiles each block. A sample with ``"cached": True``
     (from ``CachedLatentDataset``) skips the encoders: ``inputs_from_cache`` builds the same inputs from
     the stored latents and text embedding, so ``pipe.vae`` and ``pipe.text_encoder`` may be None.
     """
@@ -28,13 +35,19 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
     def __init__(self, pipe: WanVideoPipeline, lora_target_modules: str = "q,k,v,o,ffn.0,ffn.2",
                  lora_rank: int = 32, lora_alpha: float | None = None, lora_dtype: torch.dtype = torch.float32,
                  use_gradient_checkpointing: bool = True, use_gradient_checkpointing_offload: bool = False,
-                 max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0):
+                 max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0,
+                 recompute_blocks: int | None = None, compile_blocks: bool = False):
         super().__init__()
         pipe.scheduler.set_timesteps(1000, training=True)
         pipe.freeze_except([])
         pipe.dit = self.add_lora_to_model(pipe.dit, target_modules=lora_target_modules.split(","),
                                           lora_rank=lora_rank, lora_alpha=lora_alpha, upcast_dtype=lora_dtype)
+        compute_lora_in_base_dtype(pipe.dit)
         self.pipe = pipe
+        if recompute_blocks is None:
+            recompute_blocks = len(pipe.dit.blocks) if use_gradient_checkpointing else 0
+        self.blocks = BlockRunner(pipe.dit.blocks, recompute_blocks, offload=use_gradient_checkpointing_offload,
+                                  compile_blocks=compile_blocks)
         self.use_gradient_checkpointing = use_gradient_checkpointing
         self.use_gradient_checkpointing_offload = use_gradient_checkpointing_offload
         self.max_timestep_boundary = max_timestep_boundary
@@ -86,22 +99,33 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         context = sample["context"].to(device=pipe.device, dtype=pipe.torch_dtype)
         return {**shared, "prompt": sample.get("prompt"), "context": context if context.dim() == 3 else context[None]}
 
+    def inputs(self, sample: dict) -> dict:
+        """What the DiT's objective needs for one sample, from the cache or through the pipeline's units."""
+        return self.inputs_from_cache(sample) if sample.get("cached") else self.encode(sample)
+
     def sample_loss(self, sample: dict, timestep_quantile: float | None = None) -> torch.Tensor:
         """The training loss of one sample; at a fixed point of the schedule when ``timestep_quantile`` is given
         (0.5: the middle timestep), so two evaluations differ only by the LoRA."""
-        inputs = self.inputs_from_cache(sample) if sample.get("cached") else self.encode(sample)
+        inputs = self.inputs(sample)
         if timestep_quantile is not None:   # DiffSynth draws from [min, max) boundaries: make it one timestep
             steps = self.pipe.scheduler.num_train_timesteps
             inputs.update(min_timestep_boundary=timestep_quantile, max_timestep_boundary=timestep_quantile + 1 / steps)
-        models = {name: getattr(self.pipe, name) for name in self.pipe.in_iteration_models}
-        return self.pipe.training_loss(**models, **inputs)
+        return batch_loss(self.pipe, [inputs], self.blocks)[0]
 
     def forward(self, batch: list[dict] | dict) -> torch.Tensor:
-        """Mean loss over a list of samples; a single sample dict is what DiffSynth's own loop passes."""
+        """Mean loss over a list of samples; a single sample dict is what DiffSynth's own loop passes.
+
+        Samples of one latent shape (what the shape-grouped sampler gives) share one DiT forward; a list that
+        mixes shapes is run one forward per shape and weighted by the samples in each."""
         if isinstance(batch, dict):
             batch = [batch]
-        losses = [self.sample_loss(sample) for sample in batch]
-        return torch.stack(losses).mean()
+        groups: dict[tuple, list[dict]] = {}
+        for sample in batch:
+            inputs = self.inputs(sample)
+            groups.setdefault(tuple(inputs["input_latents"].shape), []).append(inputs)
+        if len(groups) == 1:
+            return batch_loss(self.pipe, next(iter(groups.values())), self.blocks)[0]
+        return sum(batch_loss(self.pipe, group, self.blocks)[0] * len(group) for group in groups.values()) / len(batch)
 
     def lora_state_dict(self, state_dict: dict | None = None) -> dict:
         """Trainable (LoRA) weights with DiffSynth's key layout: ``blocks.0.self_attn.q.lora_A.default.weight``."""

@@ -9,6 +9,7 @@ from diffsynth_mbc.data.dataset import MBCVideoDataset
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
+from diffsynth_mbc.training.step import batch_loss as batch_loss_module
 
 SEED = 42
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
@@ -104,13 +105,13 @@ def test_validation_loss_at_a_quantile_uses_that_timestep_whatever_the_rng(data,
     _, from_cache = modules
     entry = data[1][0]
     pipe = from_cache.pipe
-    seen, original = [], pipe.model_fn
+    seen, original = [], batch_loss_module.dit_forward
 
-    def recording(**inputs):
-        seen.append(float(inputs["timestep"]))
-        return original(**inputs)
+    def recording(dit, latents, timesteps, *args, **kwargs):
+        seen.extend(float(t) for t in timesteps)
+        return original(dit, latents, timesteps, *args, **kwargs)
 
-    pipe.model_fn = recording
+    batch_loss_module.dit_forward = recording
     try:
         losses = {}
         for quantile in (0.1, 0.5, 0.9):
@@ -121,7 +122,7 @@ def test_validation_loss_at_a_quantile_uses_that_timestep_whatever_the_rng(data,
             assert values[0] == values[1]   # same noise, same timestep: same loss
             losses[quantile] = values[0]
     finally:
-        pipe.model_fn = original
+        batch_loss_module.dit_forward = original
     expected = [float(pipe.scheduler.timesteps[int(q * pipe.scheduler.num_train_timesteps)]) for q in (0.1, 0.5, 0.9)]
     assert sorted(set(seen), reverse=True) == pytest.approx(sorted(expected, reverse=True))
     assert len(set(losses.values())) == 3

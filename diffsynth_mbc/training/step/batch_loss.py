@@ -1,0 +1,93 @@
+"""DiffSynth's training objective over a batch of same-shape samples, in one DiT forward.
+
+Per sample, exactly what ``WanVideoPipeline.training_loss`` does: a timestep drawn from the sample's
+[min, max) boundaries, its noise (first frame clean for TI2V), ``scheduler.add_noise``, the flow-matching
+target, the MSE in fp32 weighted by ``scheduler.training_weight``. What changes is that the B samples'
+latents and text embeddings are stacked and go through the DiT once, each with its own timestep (the
+TI2V DiT takes a timestep per token, so per sample is a reshape), and that the blocks run through a
+``BlockRunner`` (how many recompute, compiled or not). The step's loss is the mean of the samples' losses.
+
+The forward follows DiffSynth 1.1.8's ``model_fn_wan_video`` for the parts a TI2V-5B training uses
+(no VACE, CLIP, motion controller, reference latents, TeaCache, sequence parallelism); a pipeline that
+needs any of those is refused rather than trained on a different model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffsynth.models.wan_video_dit import sinusoidal_embedding_1d
+
+from diffsynth_mbc.training.step.blocks import BlockRunner
+
+
+def draw_timestep_ids(pipe, samples: list[dict]) -> list[int]:
+    """One timestep index per sample, drawn as DiffSynth draws it (``torch.randint`` over the boundaries)."""
+    steps = pipe.scheduler.num_train_timesteps
+    ids = []
+    for inputs in samples:
+        low = int(inputs.get("min_timestep_boundary", 0) * steps)
+        high = int(inputs.get("max_timestep_boundary", 1) * steps)
+        ids.append(int(torch.randint(low, high, (1,))))
+    return ids
+
+
+def batch_loss(pipe, samples: list[dict], runner: BlockRunner, timestep_ids: list[int] | None = None):
+    """Mean training loss of ``samples`` (the dicts the pipeline units or the cache give, each batch 1, all of
+    one latent shape) and the per-sample losses, from one DiT forward."""
+    if timestep_ids is None:
+        timestep_ids = draw_timestep_ids(pipe, samples)
+    scheduler = pipe.scheduler
+    timesteps = [scheduler.timesteps[i].to(dtype=pipe.torch_dtype, device=pipe.device) for i in timestep_ids]
+    noisy, targets = [], []
+    for inputs, timestep in zip(samples, timesteps):
+        noisy.append(scheduler.add_noise(inputs["input_latents"], inputs["noise"], timestep))
+        targets.append(scheduler.training_target(inputs["input_latents"], inputs["noise"], timestep))
+    latents = noisy[0] if len(noisy) == 1 else torch.cat(noisy)
+    context = samples[0]["context"] if len(samples) == 1 else torch.cat([s["context"] for s in samples])
+    fuse = bool(samples[0].get("fuse_vae_embedding_in_latents"))
+    prediction = dit_forward(pipe.dit, latents, torch.stack(timesteps), context, runner, fuse)
+    losses = [F.mse_loss(prediction[b:b + 1].float(), target.float()) * scheduler.training_weight(timestep)
+              for b, (target, timestep) in enumerate(zip(targets, timesteps))]
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    return loss, losses
+
+
+def _refuse_unsupported(dit) -> None:
+    if getattr(dit, "require_vae_embedding", False) or getattr(dit, "require_clip_embedding", False):
+        raise NotImplementedError("the batched DiT forward covers the TI2V-5B DiT (no image or CLIP embedding); "
+                                  "this DiT needs DiffSynth's own model_fn")
+
+
+def time_modulation(dit, latents: torch.Tensor, timesteps: torch.Tensor, fuse: bool):
+    """(t, t_mod) for a batch: per token for the TI2V DiT (first latent frame at timestep 0), else per sample."""
+    batch, _, frames, height, width = latents.shape
+    if dit.seperated_timestep and fuse:
+        tokens_per_frame = height * width // 4
+        per_token = torch.cat([
+            torch.zeros((batch, tokens_per_frame), dtype=latents.dtype, device=latents.device),
+            torch.ones((batch, (frames - 1) * tokens_per_frame), dtype=latents.dtype, device=latents.device)
+            * timesteps.reshape(batch, 1)], dim=1)
+        embedded = sinusoidal_embedding_1d(dit.freq_dim, per_token.flatten()).reshape(batch, per_token.shape[1], -1)
+        t = dit.time_embedding(embedded)
+        return t, dit.time_projection(t).unflatten(2, (6, dit.dim))
+    t = dit.time_embedding(sinusoidal_embedding_1d(dit.freq_dim, timesteps.reshape(batch)))
+    return t, dit.time_projection(t).unflatten(1, (6, dit.dim))
+
+
+def dit_forward(dit, latents: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, runner: BlockRunner,
+                fuse: bool) -> torch.Tensor:
+    """The DiT's prediction for a batch (B, C, F, H, W) with one timestep per sample."""
+    _refuse_unsupported(dit)
+    t, t_mod = time_modulation(dit, latents, timesteps, fuse)
+    context = dit.text_embedding(context)
+    x, (f, h, w) = dit.patchify(latents)
+    freqs = torch.cat([
+        dit.freqs[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+        dit.freqs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+        dit.freqs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+    ], dim=-1).reshape(f * h * w, 1, -1).to(x.device)
+    for index in range(len(dit.blocks)):
+        x = runner(index, x, context, t_mod, freqs)
+    x = dit.head(x, t)
+    return dit.unpatchify(x, (f, h, w))
