@@ -86,6 +86,27 @@ def build_parser() -> argparse.ArgumentParser:
                                             "default) or diffsynth (<module>.lora_A/B); both load in DiffSynth, "
                                             "alpha/rank is folded in")
     lora.add_argument("--lora_target_modules", help="default q,k,v,o,ffn.0,ffn.2")
+    _add_optimisation_arguments(parser)
+    out = parser.add_argument_group("output and logging")
+    out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
+    out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default OUTPUT_PATH/training_logs, "
+                                       "so two runs never share one by default)")
+    out.add_argument("--run_id", help="names this run in the logs (default: time-based)")
+    out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
+    out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
+    out.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on GPUs, gloo on CPU")
+    out.add_argument("--report_to", help="none (default), tensorboard (pip install -e '.[tensorboard]'; event "
+                                          "files in OUTPUT_PATH/tracking/RUN_ID) or wandb, through accelerate's "
+                                          "trackers: the JSONL's scalars every optimizer step, from rank 0")
+    out.add_argument("--print_every_s", type=float, help="without a terminal, rank 0 prints a progress line this "
+                                                         "often and at every epoch end (default 30)")
+    out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
+                                                            "*.jsonl.old; keep the newest N of them (default 3)")
+    _add_checkpoint_and_quality_arguments(parser)
+    return parser
+
+
+def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--learning_rate", type=float, help="default 1e-4")
     optim.add_argument("--weight_decay", type=float, help="default 0.01")
@@ -119,23 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--max_timestep_boundary", type=float)
     optim.add_argument("--min_timestep_boundary", type=float)
     optim.add_argument("--find_unused_parameters", type=_parse_bool)
-    out = parser.add_argument_group("output and logging")
-    out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
-    out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default OUTPUT_PATH/training_logs, "
-                                       "so two runs never share one by default)")
-    out.add_argument("--run_id", help="names this run in the logs (default: time-based)")
-    out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
-    out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
-    out.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on GPUs, gloo on CPU")
-    out.add_argument("--report_to", help="none (default), tensorboard (pip install -e '.[tensorboard]'; event "
-                                          "files in OUTPUT_PATH/tracking/RUN_ID) or wandb, through accelerate's "
-                                          "trackers: the JSONL's scalars every optimizer step, from rank 0")
-    out.add_argument("--print_every_s", type=float, help="without a terminal, rank 0 prints a progress line this "
-                                                         "often and at every epoch end (default 30)")
-    out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
-                                                            "*.jsonl.old; keep the newest N of them (default 3)")
-    _add_checkpoint_and_quality_arguments(parser)
-    return parser
 
 
 def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> None:
