@@ -18,6 +18,7 @@ import os
 from diffsynth.trainers.utils import VideoDataset
 
 from diffsynth_mbc.data.clip_reader import DECODERS, IrregularTiming, read_leading_frames
+from diffsynth_mbc.data.shapes import shape_key
 
 MAX_CONSECUTIVE_BAD_ROWS = 20
 
@@ -49,6 +50,7 @@ class MBCVideoDataset(VideoDataset):
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
         self.substitute_bad_media = substitute_bad_media
         self.decoder = decoder
+        self._keys = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
 
     def load_video(self, file_path):
         """``fast``: only the frames that train, decoded in-process (clip_reader); the same frames, resized
@@ -65,6 +67,21 @@ class MBCVideoDataset(VideoDataset):
     @property
     def rows(self) -> int:
         return len(self.data)
+
+    def batch_keys(self) -> list[str]:
+        """Each row's shape key (``video`` or ``image``): samples are batched only with samples of their key."""
+        return list(self._keys)
+
+    def _same_shape_rows(self, row: int):
+        """``row``, then the following rows of its shape key (wrapping around), at most MAX_CONSECUTIVE_BAD_ROWS."""
+        found = 0
+        for offset in range(len(self.data)):
+            candidate = (row + offset) % len(self.data)
+            if self._keys[candidate] == self._keys[row]:
+                yield candidate
+                found += 1
+                if found == MAX_CONSECUTIVE_BAD_ROWS:
+                    return
 
     def load_row(self, row: int) -> dict:
         file_name = self.data[row].get("video")
@@ -84,8 +101,8 @@ class MBCVideoDataset(VideoDataset):
         if not self.substitute_bad_media:
             return self.load_row(row)
         skipped = []
-        for attempt in range(MAX_CONSECUTIVE_BAD_ROWS):
-            candidate = (row + attempt) % len(self.data)
+        # The replacement must have the shape of the row it replaces: it joins that row's batch.
+        for candidate in self._same_shape_rows(row):
             try:
                 sample = self.load_row(candidate)
             except MediaDecodeError as exc:
@@ -93,5 +110,5 @@ class MBCVideoDataset(VideoDataset):
                 continue
             sample["skipped"] = skipped
             return sample
-        raise MediaDecodeError(f"{MAX_CONSECUTIVE_BAD_ROWS} consecutive metadata rows from row {row + 1} cannot be "
+        raise MediaDecodeError(f"{len(skipped)} consecutive {self._keys[row]} rows from metadata row {row + 1} cannot be "
                                f"decoded; last: {skipped[-1]['reason']}")

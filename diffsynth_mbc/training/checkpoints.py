@@ -40,7 +40,7 @@ TEMP_PREFIX = ".tmp-"
 # Settings a checkpoint must share with the run that resumes it (exact data position and weights).
 FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
                     "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
-                    "metadata_rows", "seed", "num_epochs", "cache")
+                    "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size")
 
 
 def checkpoint_name(step: int) -> str:

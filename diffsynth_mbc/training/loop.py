@@ -20,6 +20,8 @@ from diffsynth_mbc.training.distributed import agree, all_reduce_sum, broadcast_
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
+from diffsynth_mbc.training.step.blocks import CompileTimer
+from diffsynth_mbc.training.step.micro_batch import forward_backward, sample_tokens
 from diffsynth_mbc.training.stop_signals import StopSignals, unblock_in_child
 from diffsynth_mbc.training.validation import Validator
 
@@ -50,6 +52,8 @@ class Run:
     injected_nonfinite: frozenset = frozenset()
     sampler: object = None
     first_step: int = 0
+    batches: object = None          # the shape-grouped batch sampler (its epoch is set with the loader's)
+    compile_timer: object = None
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -160,11 +164,15 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
                   + ("" if encoders else " (DiT only: training from the latent cache)"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     pipe = training_pipeline(options, str(accelerator.device), dtype, accelerator.process_index)
+    from diffsynth_mbc.training.step.choices import step_choices
+
+    recompute, compile_blocks = step_choices(options, status, accelerator, len(pipe.dit.blocks))
     module = WanTI2VLoraModule(
         pipe, lora_target_modules=options.lora_target_modules, lora_rank=options.lora_rank,
         lora_alpha=options.lora_alpha, use_gradient_checkpointing=options.use_gradient_checkpointing,
         use_gradient_checkpointing_offload=options.use_gradient_checkpointing_offload,
-        max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary)
+        max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
+        recompute_blocks=recompute, compile_blocks=compile_blocks)
     return dataset, validator, module
 
 
@@ -173,16 +181,23 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     import torch
 
     from diffsynth_mbc.data.cache.index import file_sha256
+    from diffsynth_mbc.training.batches import IMAGE, VIDEO, ShapeGroupedBatchSampler, default_image_batch_size
     from diffsynth_mbc.training.step_plan import StepPlan, lr_factor, steps_from_loader
 
+    keys = dataset.batch_keys()
+    image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
     plan = StepPlan(rows=dataset.rows, repeat=options.dataset_repeat, world_size=accelerator.num_processes,
                     batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
-                    num_epochs=options.num_epochs)
+                    num_epochs=options.num_epochs, images=keys.count(IMAGE), image_batch_size=image_batch)
     if plan.rows == 0:
         raise ValueError(f"{options.dataset_metadata_path} has no rows to train on")
     workers = options.dataset_num_workers
+    # Videos batch with videos, images with images (one DiT forward per batch); all ranks' batches in turn,
+    # dealt out one per rank by accelerate's sharding.
+    batches = ShapeGroupedBatchSampler(keys, options.dataset_repeat, {VIDEO: options.batch_size, IMAGE: image_batch},
+                                       accelerator.num_processes, options.seed)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=options.batch_size, shuffle=True, collate_fn=list, num_workers=workers,
+        dataset, batch_sampler=batches, collate_fn=list, num_workers=workers,
         persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
         worker_init_fn=unblock_in_child if workers > 0 else None,
         # Starting an iterator draws a seed; from the global RNG that would shift the noise of a
@@ -213,10 +228,10 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
         "lora_rank": options.lora_rank, "lora_alpha": options.lora_alpha,
         "lora_target_modules": options.lora_target_modules, "metadata_rows": dataset.rows,
         "metadata_sha256": file_sha256(options.dataset_metadata_path), "seed": options.seed,
-        "num_epochs": options.num_epochs, "cache": bool(options.cache)})
+        "num_epochs": options.num_epochs, "cache": bool(options.cache), "image_batch_size": image_batch})
     return Run(options=options, status=status, signals=signals, accelerator=accelerator, module=module,
                optimizer=optimizer, scheduler=scheduler, loader=loader, trainable=trainable, plan=plan,
-               steps_per_epoch=steps_per_epoch, checkpoints=checkpoints, validator=validator)
+               steps_per_epoch=steps_per_epoch, checkpoints=checkpoints, validator=validator, batches=batches)
 
 
 def resume(run: Run) -> None:
@@ -242,9 +257,13 @@ def start_progress(run: Run) -> None:
     run.status.update(plan=run.plan.as_dict(), skipped_samples=position.skipped_samples,
                       skip_reasons=position.recent_skips, lr_scheduler=options.lr_scheduler,
                       max_grad_norm=options.max_grad_norm)
-    if run.accelerator.is_main_process:
+    blocks = run.accelerator.unwrap_model(run.module).blocks
+    run.compile_timer = CompileTimer(enabled=main and blocks.compiled)
+    if main:
         print(f"step plan: {run.plan.describe()}", file=sys.stderr)
         print(f"precision: {run.status.state.get('precision_reason')}", file=sys.stderr)
+        print(f"{blocks.describe()} ({run.status.state.get('gradient_checkpointing_reason')}; "
+              f"{run.status.state.get('compile_reason')})", file=sys.stderr)
     run.schedule = CheckpointSchedule(options.checkpoint_steps, options.checkpoint_minutes)
     run.bad_media = BadMediaGuard(options.max_bad_media_fraction)
     run.nonfinite = NonFiniteGuard(options.max_nonfinite_steps, run.accelerator.mixed_precision)
@@ -274,65 +293,38 @@ def train_epoch(run: Run, epoch: int) -> str:
     accelerator, position = run.accelerator, run.position
     run.logger.on_epoch_begin(epoch)
     run.loader.set_epoch(epoch)
+    run.batches.set_epoch(epoch)
     skip = position.batches_in_epoch if epoch == position.epoch else 0
     position.epoch, position.batches_in_epoch = epoch, skip
     # Resuming mid-epoch: skip the batches already trained on without decoding them.
     epoch_batches = accelerator.skip_first_batches(run.loader, skip) if skip else run.loader
-    losses, samples_in_step, bad_in_step = [], 0, 0
+    losses, samples_in_step, bad_in_step, tokens_in_step = [], 0, 0, 0
     for batch in epoch_batches:
         for sample in batch:
             for bad in sample.pop("skipped", ()):
                 bad_in_step += 1
                 position.recent_skips = (position.recent_skips + [bad])[-RECENT_SKIPS_SHOWN:]
+        if not losses:
+            run.compile_timer.step_started()
+        tokens_in_step += sum(sample_tokens(sample) for sample in batch)
         loss, grad_norm, skipped = forward_backward(run, batch, losses)
         losses.append(loss.detach())
         samples_in_step += len(batch) + bad_in_step
         position.batches_in_epoch += 1
         if not accelerator.sync_gradients:
             continue
+        run.compile_timer.step_finished()
         step_loss = torch.stack(losses).mean().item()
-        outcome = after_optimizer_step(run, epoch, step_loss, grad_norm, samples_in_step, bad_in_step, skipped)
-        losses, samples_in_step, bad_in_step = [], 0, 0
+        outcome = after_optimizer_step(run, epoch, step_loss, grad_norm, samples_in_step, bad_in_step, skipped,
+                                       tokens=tokens_in_step)
+        losses, samples_in_step, bad_in_step, tokens_in_step = [], 0, 0, 0
         if outcome == "stopped":
             return "stopped"
     return "done"
 
 
-def forward_backward(run: Run, batch, earlier_losses: list):
-    """One micro-batch; at the last of a step also the optimizer step, unless the step is non-finite.
-
-    Returns (loss, gradient norm or None, skipped). A step is skipped on every rank alike when any rank's
-    loss in it is inf/NaN (one small all-reduce) or the averaged gradients' norm is. Under fp16 the loss
-    scaler's own step still runs: it skips the update itself and lowers the scale. Under DeepSpeed the
-    engine has already stepped inside ``backward``; its fp16 scaler skips overflowed steps.
-    """
-    import math
-
-    import torch
-
-    accelerator, options = run.accelerator, run.options
-    with accelerator.accumulate(run.module):
-        loss = run.module(batch)
-        if run.position.step + 1 in run.injected_nonfinite:
-            loss = loss * float("nan")
-        accelerator.backward(loss)
-        if not accelerator.sync_gradients:
-            return loss, None, False
-        losses = torch.stack([*earlier_losses, loss.detach()])
-        local_bad = torch.tensor([0 if bool(torch.isfinite(losses).all()) else 1], device=accelerator.device)
-        any_bad = int(all_reduce_sum(accelerator, local_bad).item()) > 0
-        max_norm = options.max_grad_norm if options.max_grad_norm > 0 else math.inf   # inf: measure only
-        grad_norm = accelerator.clip_grad_norm_(run.trainable, max_norm)
-        grad_norm = None if grad_norm is None else float(grad_norm)
-        skipped = any_bad or (grad_norm is not None and not math.isfinite(grad_norm))
-        if not skipped or accelerator.scaler is not None:
-            run.optimizer.step()
-        run.optimizer.zero_grad()
-    return loss, grad_norm, skipped
-
-
 def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: int, bad: int,
-                         skipped: bool = False) -> str:
+                         skipped: bool = False, tokens: int | None = None) -> str:
     """Progress, agreement between ranks, validation, checkpoints and stop requests after one optimizer step."""
     import torch
 
@@ -345,7 +337,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     if run.nonfinite.check(position.step, loss, grad_norm, skipped) or run.nonfinite.total:
         status.update(**run.nonfinite.status_fields())
     run.logger.on_step_end(accelerator, None, loss=loss, lr=lr, samples=samples, grad_norm=grad_norm,
-                           **({"nonfinite": True} if skipped else {}))
+                           tokens=tokens, **({"nonfinite": True} if skipped else {}))
     if bad:
         status.update(skipped_samples=position.skipped_samples, skip_reasons=position.recent_skips)
     # One small all-reduce per step keeps every rank's decisions identical.

@@ -92,6 +92,9 @@ class ProgressLogger(ModelLogger):
         record = {"step": self.step, "epoch": self.epoch, "loss": _maybe_float(loss), "lr": _maybe_float(lr),
                   "step_time_s": round(step_time, 4), "samples": samples, "time": round(self._wall_clock(), 3)}
         extra = {key: _maybe_float(value) for key, value in kwargs.items() if key in ("grad_norm",)}
+        tokens = kwargs.get("tokens")
+        if tokens:
+            record["tokens"] = int(tokens)
         if kwargs.get("nonfinite"):
             record["nonfinite"] = True   # skipped: the loss or gradient norm was inf/NaN
         record.update(extra)
@@ -103,6 +106,7 @@ class ProgressLogger(ModelLogger):
             samples_seen=(self.status.state.get("samples_seen") or 0) + samples,
             step_time_s=record["step_time_s"],
             samples_per_s=(samples / seconds_per_step) if seconds_per_step else None,
+            tokens_per_s=(tokens / seconds_per_step) if tokens and seconds_per_step else None,
             eta_s=self.rate.eta_seconds(remaining),
             progress=round(100.0 * self.step / self.total_steps, 3) if self.total_steps else 100.0,
             **extra,

@@ -1,11 +1,14 @@
 """How many steps a run takes, per rank, under DDP. Pure arithmetic: no torch, no diffsynth.
 
-Each rank sees ceil(rows * repeat / world_size) samples per epoch (the distributed sampler pads the
-last round), groups them into batches, and takes one optimizer step per ``gradient_accumulation``
-batches (a partial group at the end of an epoch still steps). So
+Samples are batched by shape (``training/batches.py``): the videos' ``rows * repeat`` samples in batches
+of ``batch_size``, the images' in batches of ``image_batch_size``; the batches are dealt to the ranks in
+turn (padded so every rank runs the same number), and each rank takes one optimizer step per
+``gradient_accumulation`` batches (a partial group at the end of an epoch still steps). So
 
-    steps_per_epoch = ceil(ceil(ceil(rows * repeat / world_size) / batch_size) / gradient_accumulation)
-    total_steps     = steps_per_epoch * num_epochs
+    batches_per_epoch = ceil((ceil(videos * repeat / batch_size) + ceil(images * repeat / image_batch_size))
+                             / world_size)
+    steps_per_epoch   = ceil(batches_per_epoch / gradient_accumulation)
+    total_steps       = steps_per_epoch * num_epochs
 
 The users' dashboard showed 5,000 steps for 5,000 samples on 2 GPUs; each rank really runs 2,500.
 """
@@ -28,13 +31,21 @@ class StepPlan:
     batch_size: int
     gradient_accumulation: int
     num_epochs: int
+    images: int = 0                     # of the rows, how many are images (batched apart from the videos)
+    image_batch_size: int | None = None   # None: batch_size
 
     def __post_init__(self):
-        for name in ("repeat", "world_size", "batch_size", "gradient_accumulation", "num_epochs"):
+        if self.image_batch_size is None:
+            object.__setattr__(self, "image_batch_size", self.batch_size)
+        for name in ("repeat", "world_size", "batch_size", "gradient_accumulation", "num_epochs", "image_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.rows < 0:
-            raise ValueError(f"rows must not be negative, got {self.rows}")
+        if self.rows < 0 or not 0 <= self.images <= self.rows:
+            raise ValueError(f"rows must not be negative and images at most rows, got {self.rows}, {self.images}")
+
+    @property
+    def videos(self) -> int:
+        return self.rows - self.images
 
     @property
     def samples_per_epoch(self) -> int:
@@ -47,7 +58,9 @@ class StepPlan:
     @property
     def batches_per_epoch(self) -> int:
         """Batches each rank loads per epoch (what len() of the prepared data loader says)."""
-        return _ceil_div(self.samples_per_rank_per_epoch, self.batch_size)
+        video_batches = _ceil_div(self.videos * self.repeat, self.batch_size)
+        image_batches = _ceil_div(self.images * self.repeat, self.image_batch_size)
+        return _ceil_div(video_batches + image_batches, self.world_size)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -70,9 +83,12 @@ class StepPlan:
                 "total_steps": self.total_steps, "effective_batch": self.effective_batch}
 
     def describe(self) -> str:
-        return (f"{self.rows:,} rows x repeat {self.repeat} = {self.samples_per_epoch:,} samples/epoch; "
+        kinds = f" ({self.videos:,} videos + {self.images:,} images)" if self.images else ""
+        batch = (f"batches of {self.batch_size} videos / {self.image_batch_size} images" if self.images
+                 else f"batch {self.batch_size}")
+        return (f"{self.rows:,} rows{kinds} x repeat {self.repeat} = {self.samples_per_epoch:,} samples/epoch; "
                 f"{self.world_size} GPU(s) -> {self.samples_per_rank_per_epoch:,} samples per GPU per epoch; "
-                f"batch {self.batch_size} x accumulation {self.gradient_accumulation} -> "
+                f"{batch} x accumulation {self.gradient_accumulation} -> "
                 f"{self.steps_per_epoch:,} optimizer steps per GPU per epoch; "
                 f"{self.num_epochs} epoch(s) -> {self.total_steps:,} steps in total (per GPU)")
 

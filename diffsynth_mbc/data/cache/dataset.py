@@ -52,6 +52,12 @@ class CachedLatentDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.entries) * self.repeat
 
+    def batch_keys(self) -> list[str]:
+        """Each row's shape key (``video`` or ``image``): samples are batched only with samples of their key."""
+        from diffsynth_mbc.data.shapes import shape_key
+
+        return [shape_key(row.get("media_type"), row.get("file")) for row in self.entries]
+
     def _load(self, relative: str, row: dict, size_key: str) -> dict:
         path = self.cache_dir / relative
         rerun = "rerun `python -m diffsynth_mbc.cache` with the same settings: it encodes damaged entries again"

@@ -1,0 +1,42 @@
+"""What the fast step does on this machine: how many blocks recompute, whether blocks compile. Said in the
+status file (``compile``, ``recompute_blocks`` and their reasons) and printed by rank 0 beside the precision."""
+
+from __future__ import annotations
+
+from diffsynth_mbc.errors import OptionsError
+
+
+def step_choices(options, status, accelerator, num_blocks: int) -> tuple[int, bool]:
+    """(blocks that recompute, compile or not) for this GPU, each said in the status file and by rank 0."""
+    import torch
+
+    from diffsynth_mbc.training.step.checkpointing import recompute_blocks
+    from diffsynth_mbc.training.step.compile_policy import decide_compile
+
+    cuda = accelerator.device.type == "cuda"
+    capability = tuple(torch.cuda.get_device_capability(accelerator.device)) if cuda else None
+    triton_ok = False
+    if cuda:
+        from torch.utils._triton import has_triton
+        triton_ok = has_triton()
+    decision = decide_compile(options.compile, cuda, capability, triton_ok)
+    auto_blocks = auto_recompute_blocks(options, accelerator, num_blocks) if cuda else None
+    try:
+        recompute, why = recompute_blocks(options.gradient_checkpointing, num_blocks, auto_blocks)
+    except ValueError as exc:
+        raise OptionsError(str(exc)) from None
+    status.update(compile=decision.compile, compile_reason=decision.reason, recompute_blocks=recompute,
+                  gradient_checkpointing_reason=why)
+    return recompute, decision.compile
+
+
+def auto_recompute_blocks(options, accelerator, num_blocks: int) -> int | None:
+    """The memory model's fewest recomputed blocks for this GPU (``--gradient_checkpointing auto``)."""
+    if options.gradient_checkpointing != "auto":
+        return None
+    import torch
+
+    from diffsynth_mbc.doctor.memory import blocks_to_recompute, plan_from_options
+
+    total = torch.cuda.get_device_properties(accelerator.device).total_memory
+    return blocks_to_recompute(plan_from_options(options, accelerator.mixed_precision), total)
