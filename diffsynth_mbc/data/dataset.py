@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 
 from diffsynth.trainers.utils import VideoDataset
@@ -72,16 +73,15 @@ class MBCVideoDataset(VideoDataset):
         """Each row's shape key (``video`` or ``image``): samples are batched only with samples of their key."""
         return list(self._keys)
 
-    def _same_shape_rows(self, row: int):
-        """``row``, then the following rows of its shape key (wrapping around), at most MAX_CONSECUTIVE_BAD_ROWS."""
-        found = 0
-        for offset in range(len(self.data)):
-            candidate = (row + offset) % len(self.data)
-            if self._keys[candidate] == self._keys[row]:
-                yield candidate
-                found += 1
-                if found == MAX_CONSECUTIVE_BAD_ROWS:
-                    return
+    def _replacement_rows(self, row: int):
+        """``row``, then the following rows of its shape key (a replacement joins that row's batch), then, when
+        every row of that shape fails, the following rows of any shape (the module runs a batch of mixed shapes
+        one forward per shape); at most MAX_CONSECUTIVE_BAD_ROWS in all."""
+        rows, key = len(self.data), self._keys[row]
+        order = ((row + offset) % rows for offset in range(rows))
+        same = (r for r in order if self._keys[r] == key)
+        other = (r for r in ((row + offset) % rows for offset in range(rows)) if self._keys[r] != key)
+        return itertools.islice(itertools.chain(same, other), MAX_CONSECUTIVE_BAD_ROWS)
 
     def load_row(self, row: int) -> dict:
         file_name = self.data[row].get("video")
@@ -101,8 +101,7 @@ class MBCVideoDataset(VideoDataset):
         if not self.substitute_bad_media:
             return self.load_row(row)
         skipped = []
-        # The replacement must have the shape of the row it replaces: it joins that row's batch.
-        for candidate in self._same_shape_rows(row):
+        for candidate in self._replacement_rows(row):
             try:
                 sample = self.load_row(candidate)
             except MediaDecodeError as exc:
@@ -110,5 +109,5 @@ class MBCVideoDataset(VideoDataset):
                 continue
             sample["skipped"] = skipped
             return sample
-        raise MediaDecodeError(f"{len(skipped)} consecutive {self._keys[row]} rows from metadata row {row + 1} cannot be "
+        raise MediaDecodeError(f"{len(skipped)} rows from metadata row {row + 1} on cannot be "
                                f"decoded; last: {skipped[-1]['reason']}")

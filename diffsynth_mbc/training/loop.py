@@ -207,6 +207,11 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=options.weight_decay)
 
     status.update(phase="preparing (DDP / DeepSpeed)")
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
+        # Batches differ in size (videos / images), so the loader has no one batch_size for DeepSpeed to read;
+        # its micro-batch figure is bookkeeping here (the loss is each batch's mean): the video batch.
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = options.batch_size
     module, optimizer, loader = accelerator.prepare(module, optimizer, loader)
     # What the loop will really do: DeepSpeed's config may override the accumulation we asked for.
     accumulation = accelerator.gradient_accumulation_steps
