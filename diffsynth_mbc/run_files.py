@@ -36,7 +36,9 @@ STATUS_FIELDS = (
     "loss", "loss_avg", "lr", "grad_norm", "step_time_s", "samples_per_s",
     "elapsed_s", "eta_s", "progress",
     "started_at", "updated_at",
-    "gpu",  # {"name", "util_pct", "mem_used_mb", "mem_total_mb"} or None on CPU
+    # {"name", "util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb" (the
+    # allocator's peaks since the previous write), "run_peak_allocated_mb", "run_peak_reserved_mb"}; None on CPU
+    "gpu",
     "error",  # {"type", "message", "traceback_tail"} when status == "failed", else None
 )
 

@@ -14,28 +14,10 @@ import time
 from diffsynth.trainers.utils import ModelLogger
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc.gpu import GpuReader
 from diffsynth_mbc.training.eta import StepRateWindow
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.terminal_progress import TerminalProgress, progress_line
-
-
-def gpu_snapshot() -> dict | None:
-    """Name, utilisation and memory of this process's GPU; None on CPU. Never raises."""
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return None
-        device = torch.cuda.current_device()
-        free, total = torch.cuda.mem_get_info(device)
-        try:
-            util = torch.cuda.utilization(device)
-        except Exception:  # pynvml missing or not permitted
-            util = None
-        return {"name": torch.cuda.get_device_name(device), "util_pct": util,
-                "mem_used_mb": round((total - free) / 2**20), "mem_total_mb": round(total / 2**20),
-                "max_allocated_mb": round(torch.cuda.max_memory_allocated(device) / 2**20)}
-    except Exception:
-        return None
 
 
 class ProgressLogger(ModelLogger):
@@ -61,8 +43,10 @@ class ProgressLogger(ModelLogger):
         self._monotonic = monotonic
         self._wall_clock = wall_clock
         self._last_step_end = monotonic()
+        # GPU name, utilisation and memory (with the allocator's peak since the previous write) in every write.
+        self.status.gpu_reader = GpuReader()
         self.status.update(total_steps=self.total_steps, steps_per_epoch=steps_per_epoch, num_epochs=num_epochs,
-                           step=start_step, epoch=self.epoch, gpu=gpu_snapshot())
+                           step=start_step, epoch=self.epoch)
 
     # -- hooks --------------------------------------------------------------------------------
     def on_train_begin(self, **kwargs) -> None:
@@ -106,8 +90,6 @@ class ProgressLogger(ModelLogger):
             eta_s=self.rate.eta_seconds(remaining),
             progress=round(100.0 * self.step / self.total_steps, 3) if self.total_steps else 100.0,
             **extra,
-            # NVML and the allocator are queried only when the file is about to be rewritten.
-            **({"gpu": gpu_snapshot()} if self.status.write_due() else {}),
         )
         self.printer.step(self.status.state)
         if accelerator is not None and getattr(accelerator, "trackers", None):
