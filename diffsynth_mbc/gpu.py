@@ -1,8 +1,10 @@
-"""What a GPU can do for this training: architecture support of the installed torch, precision, attention kernel.
+"""What a GPU can do for this training: architecture support of the installed torch, precision, attention kernel;
+and what it is using (the status file's ``gpu`` fields, with the allocator's peaks).
 
-Pure logic over plain values (a capability tuple, an arch list), so it is tested without a GPU; the
-few functions that ask torch import it inside. Used by the training and cache entry points (refuse to
-start on a torch build without the device's kernels) and by ``python -m diffsynth_mbc.doctor``.
+Pure logic over plain values (a capability tuple, an arch list, allocator byte counts), so it is tested
+without a GPU; the few functions that ask torch import it inside. Used by the training and cache entry
+points (refuse to start on a torch build without the device's kernels), by the training's status file and
+by ``python -m diffsynth_mbc.doctor``.
 """
 
 from __future__ import annotations
@@ -149,3 +151,55 @@ def require_supported_gpu() -> None:
     problem = arch_problem(device["arch_list"], device["capability"], device["name"], device["torch"])
     if problem:
         raise UnsupportedGpuError(problem)
+
+
+MIB = 2**20
+
+
+class MemoryPeaks:
+    """The caching allocator's peaks as status fields (pure): each reading is the peak since the previous one
+    (the caller resets the allocator's counters after reading), and the run's peak is kept across readings."""
+
+    def __init__(self):
+        self.run_allocated = 0
+        self.run_reserved = 0
+
+    def fields(self, peak_allocated: int, peak_reserved: int) -> dict:
+        """Bytes since the last reading -> ``peak_allocated_mb``, ``peak_reserved_mb`` and the run's peaks."""
+        self.run_allocated = max(self.run_allocated, peak_allocated)
+        self.run_reserved = max(self.run_reserved, peak_reserved)
+        return {"peak_allocated_mb": round(peak_allocated / MIB), "peak_reserved_mb": round(peak_reserved / MIB),
+                "run_peak_allocated_mb": round(self.run_allocated / MIB),
+                "run_peak_reserved_mb": round(self.run_reserved / MIB)}
+
+
+class GpuReader:
+    """This process's GPU for the status file, read when the file is about to be written: name, utilisation
+    (NVML), memory in use on the device, and the allocator's peaks since the previous reading, whose counters
+    are then reset, so a short phase (a checkpoint, a validation) between two writes still shows its peak.
+    None on CPU. Never raises."""
+
+    def __init__(self):
+        self.peaks = MemoryPeaks()
+        self._available: bool | None = None
+
+    def __call__(self) -> dict | None:
+        try:
+            import torch
+
+            if self._available is None:
+                self._available = torch.cuda.is_available()
+            if not self._available:
+                return None
+            device = torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(device)
+            try:
+                util = torch.cuda.utilization(device)
+            except Exception:  # pynvml missing or not permitted
+                util = None
+            peaks = self.peaks.fields(torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+            torch.cuda.reset_peak_memory_stats(device)
+            return {"name": torch.cuda.get_device_name(device), "util_pct": util,
+                    "mem_used_mb": round((total - free) / MIB), "mem_total_mb": round(total / MIB), **peaks}
+        except Exception:
+            return None

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from diffsynth_mbc.gpu import arch_problem, attention_kernel, known_gpu, resolve_precision
+from diffsynth_mbc.gpu import GpuReader, MemoryPeaks, arch_problem, attention_kernel, known_gpu, resolve_precision
 from e2e_helpers import isolated_env
 
 CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]          # torch 2.11+ on PyPI
@@ -105,3 +105,33 @@ def test_fp16_on_the_cpu_is_refused_naming_the_flag(tmp_path):
     assert result.returncode == 2, result.stderr
     state = json.loads((tmp_path / "out" / "training_logs" / "training_gpu0.json").read_text())
     assert "--mixed_precision fp16 needs a CUDA GPU" in state["error"]["message"]
+
+
+def test_memory_peaks_since_the_last_write_and_for_the_run():
+    """Each reading is the allocator's peak since the previous one (it is reset after reading): a short checkpoint
+    between two writes shows its 31 GiB, and the next quiet interval its own 10 GiB, while the run's peak stays."""
+    peaks = MemoryPeaks()
+    gib = 2**30
+    assert peaks.fields(10 * gib, 12 * gib) == {"peak_allocated_mb": 10240, "peak_reserved_mb": 12288,
+                                                "run_peak_allocated_mb": 10240, "run_peak_reserved_mb": 12288}
+    assert peaks.fields(31 * gib, 33 * gib)["peak_allocated_mb"] == 31744
+    later = peaks.fields(10 * gib, 33 * gib)
+    assert later["peak_allocated_mb"] == 10240 and later["run_peak_allocated_mb"] == 31744
+    assert later["run_peak_reserved_mb"] == 33792
+
+
+def test_the_gpu_reader_reports_the_peak_since_the_previous_reading():
+    """On a GPU: a 2 GiB tensor freed between two readings shows in the first one only, and in the run's peak.
+    Without one: no GPU fields."""
+    torch = pytest.importorskip("torch")
+    reader = GpuReader()
+    if not torch.cuda.is_available():
+        assert reader() is None
+        return
+    reader()                                   # resets the allocator's peak
+    block = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    del block
+    first = reader()
+    assert first["peak_allocated_mb"] >= 2048 and first["mem_total_mb"] > 0 and first["name"]
+    second = reader()
+    assert second["peak_allocated_mb"] < 2048 <= second["run_peak_allocated_mb"]

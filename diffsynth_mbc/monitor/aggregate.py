@@ -90,7 +90,7 @@ def values_of(ranks: Iterable[dict], key: str) -> list[float]:
 def aggregate(ranks: list[dict], status: str, now: float) -> dict:
     if not ranks:
         return {"step": None, "total_steps": None, "progress": None, "elapsed_s": None, "eta_s": None,
-                "samples_per_s": None, "loss": None, "started_at": None, "updated_at": None}
+                "samples_per_s": None, "loss": None, "started_at": None, "updated_at": None, "overheads": None}
     steps = values_of(ranks, "step")
     totals = values_of(ranks, "total_steps")
     total = max(totals) if totals else None
@@ -137,4 +137,16 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
         "loss": sum(losses) / len(losses) if losses else None,
         "started_at": min(started) if started else None,
         "updated_at": max(updated) if updated else None,
+        "overheads": overheads_of(ranks),
     }
+
+
+def overheads_of(ranks: list[dict]) -> dict | None:
+    """The run's time between steps per kind (checkpoints, LoRA files, validation, samples): the tally of the
+    rank that spent the most on it (every rank takes part in each, the slowest holds the others up)."""
+    out: dict[str, dict] = {}
+    for r in ranks:
+        for kind, tally in (r.get("overheads") or {}).items():
+            if kind not in out or (tally.get("total_s") or 0.0) > (out[kind].get("total_s") or 0.0):
+                out[kind] = tally
+    return out or None

@@ -5,6 +5,7 @@ Pure logic; imports neither rich, torch nor diffsynth.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from pathlib import Path
@@ -25,8 +26,11 @@ EXIT_CODES = {
 
 _INT_FIELDS = ("schema_version", "rank", "local_rank", "world_size", "pid", "epoch", "num_epochs", "step",
                "total_steps", "steps_per_epoch", "samples_seen")
-_FLOAT_FIELDS = ("loss", "loss_avg", "lr", "grad_norm", "step_time_s", "samples_per_s", "elapsed_s", "eta_s",
-                 "progress", "started_at", "updated_at")
+_FLOAT_FIELDS = ("loss", "loss_avg", "lr", "grad_norm", "step_time_s", "step_time_avg_s", "samples_per_s", "elapsed_s",
+                 "eta_s", "eta_overheads_s", "progress", "started_at", "updated_at")
+_GPU_NUMBERS = ("util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb",
+                "run_peak_allocated_mb", "run_peak_reserved_mb")
+MAX_OVERHEAD_KINDS = 16   # kinds of overhead kept from one status file (the training writes 4)
 _STR_FIELDS = ("run_id", "hostname", "status", "phase")
 _COMPUTED = ("stalled", "age_s", "stall_after_s", "stalled_since", "median_step_time_s", "loss_trend",
              "history_lines", "file")
@@ -107,7 +111,7 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     name = f"training_gpu{file_rank}.json"
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in ("gpu", "error"):
+        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in ("gpu", "error", "overheads"):
             continue
         if key in _COMPUTED:
             continue
@@ -144,6 +148,7 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
         status = "unknown"
     out["status"] = status
     out["gpu"] = _normalize_gpu(raw.get("gpu"), name, notes)
+    out["overheads"] = _normalize_overheads(raw.get("overheads"), name, notes)
     out["error"] = _normalize_error(raw.get("error"))
     if out["rank"] is not None and out["rank"] != file_rank:
         notes.append(f"{name} says it is rank {out['rank']}; shown as rank {file_rank} (from the file name)")
@@ -159,12 +164,27 @@ def _normalize_gpu(value: Any, name: str, notes: list[str]) -> dict | None:
     if not isinstance(value, dict):
         notes.append(f"{name}: gpu is not an object ({_describe(value)})")
         return None
-    return {
-        "name": None if value.get("name") is None else printable(str(value.get("name"))),
-        "util_pct": to_float(value.get("util_pct")),
-        "mem_used_mb": to_float(value.get("mem_used_mb")),
-        "mem_total_mb": to_float(value.get("mem_total_mb")),
-    }
+    return {"name": None if value.get("name") is None else printable(str(value.get("name"))),
+            **{key: to_float(value.get(key)) for key in _GPU_NUMBERS}}
+
+
+def _normalize_overheads(value: Any, name: str, notes: list[str]) -> dict | None:
+    """``{kind: {count, total_s, last_s, mean_s}}`` (checkpoints, LoRA files, validation, samples), typed; a kind
+    whose count is not a whole number is left out."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        notes.append(f"{name}: overheads is not an object ({_describe(value)})")
+        return None
+    out = {}
+    for kind, tally in itertools.islice(value.items(), MAX_OVERHEAD_KINDS):
+        count = to_int(tally.get("count")) if isinstance(tally, dict) else None
+        if count is None or count < 0:
+            notes.append(f"{name}: overheads[{_describe(kind)}] is not a tally ({_describe(tally)})")
+            continue
+        out[printable(str(kind))[:40]] = {"count": count, **{key: to_float(tally.get(key))
+                                                             for key in ("total_s", "last_s", "mean_s")}}
+    return out
 
 
 def _normalize_error(value: Any) -> dict | None:

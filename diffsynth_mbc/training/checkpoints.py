@@ -36,6 +36,9 @@ from diffsynth_mbc.training.status_writer import RankStatusWriter
 KEEP_MARKER = "KEEP"
 _COMPLETE_NAME = re.compile(r"^step-(\d{8})$")
 TEMP_PREFIX = ".tmp-"
+# Fault injection for tests: every checkpoint save takes this many seconds longer on every rank (a slow shared
+# filesystem), to show on a real run that step times and the ETA keep checkpoints apart. Unset in normal use.
+SLOW_SAVE_ENV = "MBC_FAULT_SLOW_CHECKPOINT_S"
 
 # Settings a checkpoint must share with the run that resumes it (exact data position and weights).
 FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
@@ -210,6 +213,7 @@ class Checkpoints:
         self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         self.last_step = None
+        self.injected_delay_s = float(os.environ.get(SLOW_SAVE_ENV) or 0)
         unwrapped = accelerator.unwrap_model(module)
         trainable = {name for name, parameter in unwrapped.named_parameters() if parameter.requires_grad}
 
@@ -266,6 +270,7 @@ class Checkpoints:
         accelerator.wait_for_everyone()
         extra = {"exclude_frozen_parameters": True} if self.deepspeed else {}
         accelerator.save_state(str(temporary), **extra)
+        time.sleep(self.injected_delay_s)
         tensors = self.lora_tensors()
         accelerator.wait_for_everyone()
         final = self.root / name

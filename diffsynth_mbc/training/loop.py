@@ -248,6 +248,7 @@ def resume(run: Run) -> None:
 
 
 def start_progress(run: Run) -> None:
+    from diffsynth_mbc.training.eta import OverheadSchedule
     from diffsynth_mbc.training.progress import ProgressLogger
     from diffsynth_mbc.training.terminal_progress import TerminalProgress, launcher_streams
 
@@ -258,7 +259,9 @@ def start_progress(run: Run) -> None:
                                bar_stream=bar_stream)
     run.logger = ProgressLogger(options.output_path, run.status, steps_per_epoch=run.steps_per_epoch,
                                 num_epochs=options.num_epochs, samples_per_step=options.batch_size,
-                                start_step=position.step, printer=printer)
+                                start_step=position.step, printer=printer,
+                                overhead_schedule=OverheadSchedule.from_options(
+                                    options, validation=run.validator is not None, samples=run.sampler is not None))
     run.status.update(plan=run.plan.as_dict(), skipped_samples=position.skipped_samples,
                       skip_reasons=position.recent_skips, lr_scheduler=options.lr_scheduler,
                       max_grad_norm=options.max_grad_norm)
@@ -287,7 +290,7 @@ def train_epochs(run: Run) -> str:
     for epoch in range(run.position.epoch, run.options.num_epochs):
         if train_epoch(run, epoch) == "stopped":
             return "stopped"
-        run.checkpoints.save_lora(f"epoch-{epoch}.safetensors", run.position.step)
+        run.logger.timed("lora", run.checkpoints.save_lora, f"epoch-{epoch}.safetensors", run.position.step)
         run.logger.on_epoch_end(save_epoch_file=False)
     return "done"
 
@@ -352,19 +355,19 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     if position.batches_in_epoch >= len(run.loader):
         position.epoch, position.batches_in_epoch = epoch + 1, 0
     if run.validator and options.val_steps and position.step % options.val_steps == 0:
-        run.validator.run(position.step)
+        run.logger.timed("validation", run.validator.run, position.step)
         run.logger.on_validation(accelerator)
     maybe_sample(run)
     if stop_any:
-        run.checkpoints.save(position)
+        run.logger.timed("checkpoint", run.checkpoints.save, position)
         status.set_status(run_files.STATUS_STOPPED, phase=f"stopped at step {position.step} after a "
                           "stop request; resume with --resume latest")
         return "stopped"
     if run.schedule.due_by_steps(position.step) or time_due:
-        run.checkpoints.save(position)
+        run.logger.timed("checkpoint", run.checkpoints.save, position)
         run.schedule.saved()
     if options.save_steps and position.step % options.save_steps == 0:
-        run.checkpoints.save_lora(f"step-{position.step}.safetensors", position.step)
+        run.logger.timed("lora", run.checkpoints.save_lora, f"step-{position.step}.safetensors", position.step)
     return "continue"
 
 
@@ -375,12 +378,12 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
 def finish(run: Run) -> None:
     options, position = run.options, run.position
     if run.validator and (not options.val_steps or position.step % options.val_steps):
-        run.validator.run(position.step)
+        run.logger.timed("validation", run.validator.run, position.step)
         run.logger.on_validation(run.accelerator)
     maybe_sample(run)
-    run.checkpoints.save_lora("lora.safetensors", position.step)
+    run.logger.timed("lora", run.checkpoints.save_lora, "lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:
-        run.checkpoints.save(position)
+        run.logger.timed("checkpoint", run.checkpoints.save, position)
     run.accelerator.wait_for_everyone()
     run.logger.on_training_end()
 

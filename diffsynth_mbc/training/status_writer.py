@@ -3,7 +3,9 @@
 ``RankStatusWriter`` owns ``training_gpu{rank}.json`` (the current state, replaced atomically, at
 most every ``min_interval_s`` seconds and at once on every status change) and
 ``training_gpu{rank}.jsonl`` (one appended, flushed line per optimizer step). The cost of a step is
-constant however long the run: the JSON file is small and rewritten, the history only appended.
+constant however long the run: the JSON file is small and rewritten, the history only appended. Once
+torch is up, ``gpu_reader`` (``gpu.GpuReader``) is asked for the ``gpu`` fields right before each write
+of the status file (NVML and the allocator are queried only then), from the main thread only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -93,6 +96,7 @@ class RankStatusWriter:
         self._started_monotonic = monotonic()
         self._history = None
         self.keep_old_histories = keep_old_histories
+        self.gpu_reader: Callable[[], dict | None] | None = None
         if not continue_history:
             self._history_guard.run(self._set_aside_previous_history)
         self.state = {field: None for field in run_files.STATUS_FIELDS}
@@ -140,7 +144,14 @@ class RankStatusWriter:
             self.state["write_failures"] = self.write_failures
         is_final = self.state["status"] in run_files.TERMINAL_STATUSES
         if is_final or self._status_guard.due():
+            self._read_gpu()
             self._status_guard.run(lambda: atomic_write_json(self.status_file, self.state))
+
+    def _read_gpu(self) -> None:
+        """Fresh GPU fields for the write about to happen. Not from the stop-signal thread, which may write while
+        the main thread is inside a CUDA call or a collective: there the previous reading stays."""
+        if self.gpu_reader is not None and threading.current_thread() is threading.main_thread():
+            self.state["gpu"] = self.gpu_reader()
 
     # -- the per-step history ---------------------------------------------------------------
     def append_history(self, record: dict) -> None:

@@ -41,15 +41,24 @@ pytestmark = [
 
 
 def write_run(log_dir):
-    """Two ranks, 300 steps over two epochs, validation every 100 steps; rank 1 steps 1.5x slower."""
+    """Two ranks, 300 steps over two epochs, validation every 100 steps, a checkpoint after steps 100 and 200;
+    rank 1 steps 1.5x slower."""
     now = time.time()
     for rank, step_time in ((0, 2.0), (1, 3.0)):
-        lines = [F.history_line(s, rank, step_time_s=step_time, epoch=(s - 1) // EPOCH_STEPS,
-                                grad_norm=grad_norm_at(s, rank), samples=2) for s in range(1, STEPS + 1)]
+        lines = []
+        for s in range(1, STEPS + 1):
+            lines.append(F.history_line(s, rank, step_time_s=step_time, epoch=(s - 1) // EPOCH_STEPS,
+                                        grad_norm=grad_norm_at(s, rank), samples=2))
+            if s % 100 == 0 and s < STEPS:   # timed apart from the steps: never a point of a chart
+                lines.append(json.dumps({"kind": "overhead", "overhead": "checkpoint", "step": s, "seconds": 4.6,
+                                         "time": now}) + "\n")
         lines += [json.dumps({"step": s, "kind": "val", "val_loss": 0.3 - s / 10_000, "val_loss_by_quantile": {
             q: round(0.1 + float(q) / 2 - s / 10_000, 6) for q in ("0.1", "0.5", "0.9")}}) + "\n" for s in (100, 200, 300)]
         F.write_raw(log_dir / f"training_gpu{rank}.jsonl", "".join(lines))
-        F.write_status(log_dir, rank, world_size=2, step=STEPS, total_steps=1000, step_time_s=step_time, now=now)
+        F.write_status(log_dir, rank, world_size=2, step=STEPS, total_steps=1000, step_time_s=step_time, now=now,
+                       overheads={"checkpoint": {"count": 2, "total_s": 9.2, "last_s": 4.6, "mean_s": 4.6}},
+                       gpu={"name": "H100", "util_pct": 97.0, "mem_used_mb": 22000.0, "mem_total_mb": 81559.0,
+                            "peak_allocated_mb": 31027.0})
 
 
 def grad_norm_at(step, rank):
@@ -137,6 +146,8 @@ def test_every_metric_is_one_chart_with_both_ranks_drawn(page):
             assert pixels_of_colour(driver, chart_id, rgb) > 50, (chart_id, rank)
     table = driver.find_element(By.ID, "ranks-body").text
     assert "300 / 1000" in table and "slow" in table
+    assert "21.5 / 80 GB (peak 30.3)" in table
+    assert driver.find_element(By.ID, "sum-overheads").text == "checkpoints 2 × 4.6 s"
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == []  # no script errors
 

@@ -395,3 +395,39 @@ def test_validation_loss_per_timestep_quantile_is_kept_per_quantile(tmp_path):
     out = state_for(tmp_path)[0].metrics(points=100)["ranks"]["0"]
     assert {q: [p["value"] for p in points] for q, points in out["val_loss_by_quantile"].items()} == {
         "0.1": [0.2, 0.2], "0.9": [0.4, 0.4]}
+
+
+def test_time_between_steps_is_read_typed_and_the_slowest_rank_speaks_for_the_run(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=20)
+    slow = {"checkpoint": {"count": 2, "total_s": 9.2, "last_s": 4.7, "mean_s": 4.6},
+            "validation": {"count": "1", "total_s": 1.5, "last_s": 1.5, "mean_s": 1.5}}
+    F.write_status(tmp_path, 1, step=20, overheads=slow, gpu={
+        "name": "H100", "util_pct": 90.0, "mem_used_mb": 20000.0, "mem_total_mb": 81559.0,
+        "peak_allocated_mb": 31000, "peak_reserved_mb": 33000, "run_peak_allocated_mb": 40000,
+        "run_peak_reserved_mb": 42000})
+    F.write_status(tmp_path, 0, step=20, step_time_avg_s="1.0", eta_overheads_s=40.0,
+                   overheads={"checkpoint": {"count": 2, "total_s": 8.0, "last_s": 4.0, "mean_s": 4.0}})
+    # The time of each checkpoint in the history is no step: the step times stay the steps'.
+    F.write_raw(tmp_path / "training_gpu1.jsonl", (tmp_path / "training_gpu1.jsonl").read_text() + json.dumps(
+        {"kind": "overhead", "overhead": "checkpoint", "step": 20, "seconds": 4.7, "time": F.NOW}) + "\n")
+    snap = state_for(tmp_path)[0].refresh()
+    ranks = by_rank(snap)
+    assert ranks[1]["overheads"]["validation"] == {"count": 1, "total_s": 1.5, "last_s": 1.5, "mean_s": 1.5}
+    assert ranks[0]["step_time_avg_s"] == 1.0 and ranks[0]["eta_overheads_s"] == 40.0
+    assert ranks[1]["gpu"]["peak_allocated_mb"] == 31000.0 and ranks[1]["gpu"]["run_peak_reserved_mb"] == 42000.0
+    assert snap["overheads"] == slow | {"validation": ranks[1]["overheads"]["validation"]}
+    assert ranks[1]["median_step_time_s"] == 2.0 and ranks[1]["history_lines"] == 21
+    json.dumps(snap, allow_nan=False)
+
+
+def test_odd_overheads_are_noted_and_left_out(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=5)
+    F.write_status(tmp_path, 0, step=5, overheads={"checkpoint": {"count": "many"}, "\x1b[2Jlora": {"count": 1},
+                                                   **{f"k{i}": {"count": 1} for i in range(100)}})
+    F.write_status(tmp_path, 1, step=5, overheads=["not", "an", "object"])
+    snap = state_for(tmp_path)[0].refresh()
+    ranks = by_rank(snap)
+    assert ranks[1]["overheads"] is None and "overheads is not an object" in " ".join(snap["notes"])
+    assert "checkpoint" not in ranks[0]["overheads"] and "[2Jlora" in ranks[0]["overheads"]
+    assert len(ranks[0]["overheads"]) < 20      # bounded
+    assert any("is not a tally" in note for note in snap["notes"])
