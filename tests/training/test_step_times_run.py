@@ -28,6 +28,7 @@ def run(tmp_path_factory):
         "--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(root / "catalog"),
         "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"), "--output_path", str(root / "lora"),
         "--log_dir", str(root / "logs"), "--gradient_accumulation_steps", "1", "--num_epochs", "1",
+        "--dataset_repeat", "2", "--image_batch_size", "1",   # the 5-step plan these checks are written for
         "--checkpoint_steps", "2", "--val_metadata_path", str(val), "--val_base_path", str(root / "val" / "catalog"),
         "--val_steps", "3", "--val_samples", "2", "--val_timestep_quantiles", "0.5")
     env = isolated_env(work, OMP_NUM_THREADS=1, MBC_FAULT_SLOW_CHECKPOINT_S=DELAY_S)
