@@ -157,7 +157,7 @@ def changes_that_fit(plan: Plan, memory_bytes: int, native_bf16: bool,
             found.append((prefix + label, candidate))
     for i, (label_a, change_a) in enumerate(steps):
         for label_b, change_b in steps[i + 1:]:
-            candidate = base.but(**change_a, **change_b)
+            candidate = base.but(**{**change_a, **change_b})   # both may set the same field
             if fits(candidate, memory_bytes):
                 found.append((prefix + label_a + " + " + label_b, candidate))
     return found

@@ -76,3 +76,12 @@ def test_zero2_shards_only_the_lora_gradients_and_optimizer_state():
     sharded = dict(estimate(v100_plan(cached=True, zero2_world_size=2)))
     assert sharded["AdamW state (fp32 m, v), 1/2"] == single["AdamW state (fp32 m, v)"] // 2
     assert sharded["DiT weights"] == single["DiT weights"]
+
+
+def test_pairs_of_changes_that_set_the_same_field_are_combined():
+    """Without checkpointing, two suggestions both turn it on; pairing them used to raise TypeError."""
+    v100 = int(known_gpu("V100-32GB").memory_gib * GIB)
+    found = changes_that_fit(v100_plan(gradient_checkpointing=False), v100, native_bf16=False,
+                             attention_for=lambda p: attention_kernel((7, 0), p))
+    flags = [label for label, _ in found]
+    assert any("--cache" in label and "--use_gradient_checkpointing" in label for label in flags)
