@@ -105,17 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--max_nonfinite_steps", type=int,
                        help="a step with an inf/NaN loss or gradient norm is skipped and counted; this many in a "
                             "row stop the run (default 20)")
-    optim.add_argument("--use_gradient_checkpointing", type=_parse_bool,
-                       help="true/false (default true); false is --gradient_checkpointing none")
-    optim.add_argument("--gradient_checkpointing",
-                       help="all (every DiT block recomputes its activations in backward), none, N (the first N "
-                            "of the 30 blocks recompute, the rest keep theirs), or auto: the fewest recomputed "
-                            "blocks that fit under 90%% of the GPU's memory (the doctor's memory model; all "
-                            "without a GPU). Default: all, or none with --use_gradient_checkpointing false")
-    optim.add_argument("--compile", choices=_CHOICES["compile"],
-                       help="torch.compile each DiT block: auto (default: on CUDA GPUs where torch can compile "
-                            "for them, off on the CPU), on, off")
-    optim.add_argument("--use_gradient_checkpointing_offload", type=_parse_bool, help="true/false")
+    _add_memory_and_speed_arguments(optim)
     optim.add_argument("--max_timestep_boundary", type=float)
     optim.add_argument("--min_timestep_boundary", type=float)
     optim.add_argument("--find_unused_parameters", type=_parse_bool)
@@ -136,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "*.jsonl.old; keep the newest N of them (default 3)")
     _add_checkpoint_and_quality_arguments(parser)
     return parser
+
+
+def _add_memory_and_speed_arguments(optim) -> None:
+    optim.add_argument("--use_gradient_checkpointing", type=_parse_bool,
+                       help="true/false (default true); false is --gradient_checkpointing none")
+    optim.add_argument("--gradient_checkpointing",
+                       help="all (every DiT block recomputes its activations in backward), none, N (the first N "
+                            "of the 30 blocks recompute, the rest keep theirs), or auto: the fewest recomputed "
+                            "blocks that fit under 90%% of the GPU's memory (the doctor's memory model; all "
+                            "without a GPU). Default: all, or none with --use_gradient_checkpointing false")
+    optim.add_argument("--compile", choices=_CHOICES["compile"],
+                       help="torch.compile each DiT block: auto (default: on CUDA GPUs where torch can compile "
+                            "for them, off on the CPU), on, off")
+    optim.add_argument("--use_gradient_checkpointing_offload", type=_parse_bool, help="true/false")
 
 
 def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> None:
