@@ -1,9 +1,11 @@
-"""The projected run length: steps per GPU for clips and images, and the cache build."""
+"""The projected run length: steps per GPU for clips and images, the cache build, and the plan command's line."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import subprocess
+import sys
 
 import pytest
 
@@ -79,6 +81,24 @@ def test_the_full_run_on_v100s_and_h100s(tmp_path):
                                   "H100-80GB", "bf16", gpus=2, nodes=1, cached_launch=True, media=media)
     assert auto.plans["video"].recomputed_blocks == 0 and auto.speed["video"]["seconds_per_step"] == 0.27
     assert "gradient checkpointing auto: 0 of 30 blocks recomputed" in " ".join(auto.assumptions)
+
+
+def test_the_plan_command_prints_the_doctors_projected_line(tmp_path):
+    metadata = write_metadata(tmp_path / "metadata.csv", 800, 900)
+    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.plan", "--world_size", "4", "--nodes", "2",
+                             "--cached", "--assume", "V100S-32GB", "--config", FULL, "--dataset_metadata_path",
+                             str(metadata)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    options = full_options(metadata)
+    expected = estimates.estimate_run(options, known_gpu("V100S-32GB"), "V100S-32GB", "fp16", gpus=2, nodes=2,
+                                      cached_launch=True, media=(800, 900)).projection.line()
+    assert f"  {expected}\n" in result.stderr
+    assert "on 4 GPU(s) (2 node(s) x 2)" in expected and "after building the latent cache" in expected
+    unknown = subprocess.run([sys.executable, "-m", "diffsynth_mbc.plan", "--world_size", "1", "--config", FULL,
+                              "--dataset_metadata_path", str(metadata)], capture_output=True, text=True, timeout=120,
+                             cwd=REPO, env={"PATH": "/nonexistent", "PYTHONPATH": str(REPO)})
+    assert unknown.returncode == 0, unknown.stderr
+    assert "projected run length: unknown without a GPU" in unknown.stderr
 
 
 def test_estimates_read_only_the_options_the_training_has():
