@@ -1,10 +1,11 @@
-"""``python -m diffsynth_mbc.doctor [--config PRESET] [training flags] [--assume GPU] [--json] [--quick]``.
+"""``python -m diffsynth_mbc.doctor [--config PRESET] [training flags] [--assume GPU] [--json] [--quick] [--probe N]``.
 
 Answers "will this run work, how fast will it go and how long will it take" before a long job: GPUs and
 torch kernels, precision and attention kernel, NCCL, /dev/shm, open files, disks, model files, metadata,
 ffmpeg, the memory per GPU itemised against the GPU's memory (with the cheapest change that makes it
 fit), seconds per step from step times measured on an H100 (scaled to the GPU), and the run's
-projected length. Exit codes: 0 nothing failed (warnings allowed), 1 a check failed, 2 usage.
+projected length. ``--probe N`` measures instead: N real optimizer steps of this run on this machine.
+Exit codes: 0 nothing failed (warnings allowed), 1 a check failed (or the probe), 2 usage.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def parse(argv):
     parser.add_argument("--cached", action="store_true",
                         help="the run builds the latent cache first and trains from it (the launchers' --cached)")
     parser.add_argument("--deepspeed", action="store_true", help="the plan uses DeepSpeed ZeRO-2")
+    parser.add_argument("--probe", type=int, metavar="N",
+                        help="also run N real optimizer steps of this run on this machine (clips and images apart, "
+                             "in a temporary folder) and project the run's length from the measured step times")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     parser.add_argument("--quick", action="store_true",
                         help="skip the slow checks (NCCL bandwidth, decoding rows); the launchers run this")
@@ -39,6 +43,10 @@ def parse(argv):
         parser.print_help()
         print("\nEvery other flag is a training flag (python -m diffsynth_mbc.train --help), e.g. --config.")
         raise SystemExit(0)
+    if ours.probe is not None and ours.probe < 1:
+        raise OptionsError(f"--probe must be a positive number of steps, got {ours.probe}")
+    if ours.probe and ours.assume:
+        raise OptionsError("--probe measures this machine; leave out --assume")
     from diffsynth_mbc.training.options import resolve_options
 
     return ours, resolve_options(training_argv)
@@ -107,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):   # libraries' notices must not end up inside --json
             result = run_checks(ours, options)
+            if ours.probe:
+                from diffsynth_mbc.doctor.probe import probe_report
+
+                result["probe"] = probe_report(ours, options, result)
+                if result["probe"].get("error"):
+                    result["exit_code"] = 1
     except ValueError as exc:   # an unknown --assume name
         print(f"error: {exc}", file=sys.stderr)
         return 2

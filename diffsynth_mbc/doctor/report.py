@@ -1,5 +1,5 @@
 """How the doctor's result is shown: the table of checks, the memory items, the speed with where each figure
-comes from, the projected run length and the assumptions; or one brief line."""
+comes from, the projected run length, the probe's measurements and the assumptions; or one brief line."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def print_table(result: dict) -> None:
         for change in mem["changes_that_fit"][:4]:
             console.print(Text(f"fits with {change['flags']} (at {change['precision']}): "
                                f"{change['total_bytes'] / GIB:.1f} GiB"))
-    for line in speed_lines(result["speed"]):
+    for line in speed_lines(result["speed"]) + probe_lines(result.get("probe")):
         console.print(Text(line))
     if result.get("assumptions"):
         console.print(Text("assumed: " + "; ".join(result["assumptions"]), style="dim"))
@@ -60,6 +60,30 @@ def speed_lines(speed: dict) -> list[str]:
             lines += [f"    {source}" for source in figure["sources"]]
     if speed.get("projection"):
         lines.append(speed["projection"]["line"])
+    return lines
+
+
+def probe_lines(probe: dict | None) -> list[str]:
+    if not probe:
+        return []
+    if probe.get("error"):
+        return [f"probe: failed: {probe['error']}"]
+    lines = []
+    for kind, figure in probe.get("measured", {}).items():
+        if figure.get("max_allocated_mb") is not None:
+            memory_text = f", GPU peak {figure['max_allocated_mb'] / 1024:.1f} GiB allocated"
+        elif figure.get("peak_rss_mb") is not None:
+            memory_text = f", process peak {figure['peak_rss_mb'] / 1024:.1f} GiB resident"
+        else:
+            memory_text = ""
+        encode = (f", encoding {figure['encode_seconds_per_row']:.3f} s/row"
+                  if figure.get("encode_seconds_per_row") is not None else "")
+        lines.append(f"probe, {kind} batch: {figure['seconds_per_step']:.3f} s/step measured on this machine over "
+                     f"{figure['steps_timed']} steps of {figure['samples_per_step']:g} samples (after "
+                     f"{figure['warmup_steps']} warm-up: {', '.join(f'{s:.2f}' for s in figure['first_steps_s'])} s)"
+                     f"{memory_text}{encode}")
+    if probe.get("projection"):
+        lines.append(probe["projection"]["line"])
     return lines
 
 

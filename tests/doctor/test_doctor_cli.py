@@ -105,3 +105,5 @@ def test_usage_errors_are_exit_2():
     assert code == 2 and "unknown GPU 'GTX-480'" in err and "V100-32GB" in err
     code, _, err = doctor("--config", FULL, "--height", "700")
     assert code == 2 and "multiple of 32" in err
+    code, _, err = doctor("--config", FULL, "--assume", "V100-32GB", "--probe", "3")
+    assert code == 2 and "--probe measures this machine" in err
