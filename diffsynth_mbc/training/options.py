@@ -126,6 +126,13 @@ def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--max_nonfinite_steps", type=int,
                        help="a step with an inf/NaN loss or gradient norm is skipped and counted; this many in a "
                             "row stop the run (default 20)")
+    _add_memory_and_speed_arguments(optim)
+    optim.add_argument("--max_timestep_boundary", type=float)
+    optim.add_argument("--min_timestep_boundary", type=float)
+    optim.add_argument("--find_unused_parameters", type=_parse_bool)
+
+
+def _add_memory_and_speed_arguments(optim) -> None:
     optim.add_argument("--use_gradient_checkpointing", type=_parse_bool,
                        help="true/false (default true); false is --gradient_checkpointing none")
     optim.add_argument("--gradient_checkpointing",
@@ -137,9 +144,6 @@ def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
                        help="torch.compile each DiT block: auto (default: on CUDA GPUs where torch can compile "
                             "for them, off on the CPU), on, off")
     optim.add_argument("--use_gradient_checkpointing_offload", type=_parse_bool, help="true/false")
-    optim.add_argument("--max_timestep_boundary", type=float)
-    optim.add_argument("--min_timestep_boundary", type=float)
-    optim.add_argument("--find_unused_parameters", type=_parse_bool)
 
 
 def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> None:
