@@ -17,16 +17,14 @@ GIB = 1024 ** 3
 
 
 def resolve_compile(choice: str, capability: tuple[int, int] | None) -> tuple[bool, str]:
-    """``--compile auto|on|off`` -> (compiled, why); auto: on for CUDA GPUs torch's compiler supports (sm70+)."""
-    if choice == "on":
-        return True, "compile on (as asked)"
-    if choice == "off":
-        return False, "compile off (as asked)"
-    if capability is None:
-        return False, "compile auto: off without a GPU"
-    if capability >= (7, 0):
-        return True, "compile auto: on (assumed: torch's compiler supports sm70+; the training decides at start)"
-    return False, "compile auto: off (below sm70)"
+    """``--compile auto|on|off`` -> (compiled, why), as the training decides it at start; torch's Triton check
+    (which needs the GPU) is assumed to pass on sm70+, and said so."""
+    from diffsynth_mbc.training.step.compile_policy import decide_compile
+
+    triton_ok = capability is not None and capability >= (7, 0)
+    decision = decide_compile(choice, capability is not None, capability, triton_ok)
+    assumed = " (assumed: torch can compile for sm70+; the training decides at start)" if decision.compile else ""
+    return decision.compile, decision.reason + assumed
 
 
 def nodes_from_environment() -> int:

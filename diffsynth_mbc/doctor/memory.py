@@ -78,8 +78,11 @@ def tokens(height: int, width: int, num_frames: int) -> int:
 
 
 def default_image_batch(height: int, width: int, num_frames: int, batch_size: int = 1) -> int:
-    """``--image_batch_size`` when not given: as many images as ``batch_size`` clips have tokens (5 at 1280x704x17)."""
-    return max(1, tokens(height, width, num_frames) * batch_size // tokens(height, width, 1))
+    """``--image_batch_size`` when not given, as the training takes it (``training.batches``): as many images as
+    ``batch_size`` clips have tokens (5 at 1280x704x17)."""
+    from diffsynth_mbc.training.batches import default_image_batch_size
+
+    return default_image_batch_size(batch_size, num_frames)
 
 
 @dataclasses.dataclass(frozen=True)
