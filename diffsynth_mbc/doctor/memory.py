@@ -101,7 +101,10 @@ class Plan:
     attention: str = "cudnn"             # cudnn | flash | mem_efficient | math (diffsynth_mbc.gpu.attention_kernel)
     zero2_world_size: int = 1            # DeepSpeed ZeRO-2 shards grads and optimizer state over this many
     compiled: bool = False               # every DiT block torch.compile'd
-    lora_dtype: str = "base"             # base: the LoRA and its AdamW state in the training precision; fp32
+    # master (the training): LoRA weights and AdamW state fp32, computed in the training precision;
+    # fp32: the same storage computed in fp32 (peft's upcast; measured as built before); base: all in the
+    # training precision (measured for comparison)
+    lora_dtype: str = "master"
 
     def but(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -113,7 +116,7 @@ class Plan:
 
 def _lora_items(plan: Plan) -> list[tuple[str, int]]:
     count = lora_params(plan.lora_rank, list(plan.lora_targets))
-    fp32 = plan.lora_dtype == "fp32" or plan.precision == "no"
+    fp32 = plan.lora_dtype in ("fp32", "master") or plan.precision == "no"
     size, name = (4, "fp32") if fp32 else (BYTES[plan.precision], plan.precision)
     shard = max(1, plan.zero2_world_size)
     part = f", 1/{shard}" if shard > 1 else ""
