@@ -35,10 +35,10 @@ def test_the_probe_measures_clips_and_images_apart_and_projects_the_run(tmp_path
     assert probe["measured"]["image"]["distinct_rows"] == 2   # 4 rows wanted, 2 images: repeated
     projected = probe["projection"]
     assert projected["kind"] == "measured" and projected["videos"] == 3 and projected["images"] == 2
-    # the demo preset's 2 epochs x repeat 2 on one process
-    assert projected["video_steps_per_gpu"] == 12 and projected["image_steps_per_gpu"] == 8
+    # the demo preset's 2 epochs x repeat 3 on one process: 3 videos -> 18 steps, 2 images (batch 1) -> 12
+    assert projected["video_steps_per_gpu"] == 18 and projected["image_steps_per_gpu"] == 12
     assert projected["total_seconds"] == pytest.approx(
-        12 * probe["measured"]["video"]["seconds_per_step"] + 8 * probe["measured"]["image"]["seconds_per_step"], abs=1)
+        18 * probe["measured"]["video"]["seconds_per_step"] + 12 * probe["measured"]["image"]["seconds_per_step"], abs=1)
     assert projected["line"].startswith("projected run length: ") and " on 1 CPU process(es) " in projected["line"]
     # nothing was written where the run itself writes: the probe trained in a temporary folder
     assert not output.exists()
