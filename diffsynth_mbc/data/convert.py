@@ -180,10 +180,23 @@ def metadata_text(entries: list[cat.Entry], probed: dict[int, MediaInfo] | None)
     return _csv_text(METADATA_COLUMNS + PROBE_COLUMNS, rows)
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...), +cmd|..., @SUM(...)).
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(cell) -> str:
+    """``cell`` as text that a spreadsheet shows instead of evaluating: a leading formula character gets an
+    apostrophe in front (which spreadsheets hide). For rejects.csv, which people open in one; metadata.csv
+    stays raw, since DiffSynth reads it."""
+    text = str(cell)
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
+
+
 def rejects_text(rejects: list[cat.Reject]) -> str:
     order = {"train": 0, "val": 1}
     ordered = sorted(rejects, key=lambda r: (order.get(r.catalog, 2), r.row))
-    return _csv_text(REJECT_COLUMNS, ((r.row, r.file_path, r.reason, r.catalog, r.line) for r in ordered))
+    return _csv_text(REJECT_COLUMNS, ([spreadsheet_safe(cell) for cell in (r.row, r.file_path, r.reason, r.catalog,
+                                                                            r.line)] for r in ordered))
 
 
 def _probe_summary(entries: list[cat.Entry], outcome: ProbeOutcome, args: argparse.Namespace) -> dict:

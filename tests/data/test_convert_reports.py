@@ -1,0 +1,36 @@
+"""What the converter reports beyond the row accounting: rejects.csv safe to open in a spreadsheet,
+captions that are empty in all but name, captions the text encoder will cut."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from catalog_helpers import read_csv_records, write_catalog
+from diffsynth_mbc.data import convert as converter
+
+FORMULAS = ['=HYPERLINK("http://example.com/x","click").mp4', "+cmd|' /C calc'!A0", "@SUM(1+1)*cmd|' /C calc'!A0.png",
+            "-2+3+cmd|' /C calc'!A0.mp4", "\t=1+1.mp4"]
+
+
+def convert(*args) -> int:
+    return converter.main([str(a) for a in args])
+
+
+def test_rejects_csv_neutralises_formulas_and_metadata_stays_raw(tmp_path):
+    (tmp_path / "a.mp4").write_bytes(b"x")
+    rows = [(path, "a caption", "video") for path in FORMULAS] + [("a.mp4", "=SUM(A1:A9) is a caption", "video"),
+                                                                  ("b.mp4", "x", "=1+1")]
+    catalog = write_catalog(tmp_path / "c.csv", rows)
+    out = tmp_path / "out"
+    assert convert(catalog, "--base-path", tmp_path, "--output", out) == 0
+    rejects = read_csv_records(out / "rejects.csv")
+    assert [r["file_path"] for r in rejects[:len(FORMULAS)]] == ["'" + path for path in FORMULAS]
+    assert all(not cell.startswith(("=", "+", "-", "@", "\t", "\r")) for r in rejects for cell in r.values())
+    assert "'=1+1'" in rejects[-1]["reason"]          # inside the text, not at its start: left as it is
+    assert list(pd.read_csv(out / "metadata.csv")["prompt"]) == ["=SUM(A1:A9) is a caption"]
+
+
+def test_spreadsheet_safe_leaves_ordinary_cells_alone():
+    assert [converter.spreadsheet_safe(c) for c in ("media/a.mp4", 3, "missing file (x)", "", "안녕")] == \
+        ["media/a.mp4", "3", "missing file (x)", "", "안녕"]
+    assert converter.spreadsheet_safe("@x") == "'@x" and converter.spreadsheet_safe("\r=1") == "'\r=1"
