@@ -18,9 +18,9 @@ import hashlib
 import io
 import os
 import re
-import stat
 from dataclasses import dataclass, field
-from typing import Iterable
+
+from diffsynth_mbc.data import file_checks
 
 REQUIRED_COLUMNS = ("file_path", "caption", "media_type")
 MEDIA_TYPES = ("video", "image")
@@ -42,7 +42,7 @@ class Reason:
 
     MALFORMED_ROW = "malformed row"
     EMPTY_FILE_PATH = "empty file_path"
-    OUTSIDE_BASE_PATH = "path outside --base-path"
+    OUTSIDE_BASE_PATH = file_checks.OUTSIDE_BASE_PATH
     UNKNOWN_MEDIA_TYPE = "unknown media_type"
     UNSUPPORTED_EXTENSION = "unsupported extension"
     EXTENSION_CONTRADICTS = "extension contradicts media_type"
@@ -51,8 +51,8 @@ class Reason:
     CAPTION_CONTROL = "caption contains control characters"
     DUPLICATE = "duplicate of an earlier row"
     DUPLICATE_OF_VALIDATION = "duplicate of validation row"
-    MISSING_FILE = "missing file"
-    NOT_A_FILE = "not a readable file"
+    MISSING_FILE = file_checks.MISSING_FILE
+    NOT_A_FILE = file_checks.NOT_A_FILE
     UNREADABLE_MEDIA = "unreadable media"
     NOT_SELECTED = "not selected"
     NOT_IN_SUBSET = "not in subset"
@@ -251,71 +251,6 @@ _NUMBER_STARTS = frozenset("0123456789+-.iInN")
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
-def file_problems(paths: Iterable[str]) -> dict[str, tuple[str, str]]:
-    """Why each path that is not a regular file (nor a link to one) is not: path -> (Reason code, detail).
-
-    Paths left out of the answer are files. Each path gets its own reason: a symbolic link loop, a
-    folder or a permission problem is named as such and never hides the other files of its folder.
-    Lists each folder once instead of a stat per file when many files share a folder: on network
-    storage a listing costs a few round trips where 1,000 stats cost 1,000.
-    """
-    by_folder: dict[str, list[str]] = {}
-    for path in paths:
-        folder, _, name = path.rpartition(os.sep)
-        by_folder.setdefault(folder or os.sep, []).append(name)
-    problems: dict[str, tuple[str, str]] = {}
-    for folder, names in by_folder.items():
-        prefix = folder if folder.endswith(os.sep) else folder + os.sep
-        listing = _list_folder(folder) if len(names) >= 16 else None
-        for name in names:
-            if listing is not None and name in listing[1]:
-                continue
-            if listing is not None and name not in listing[0]:
-                problems[prefix + name] = (Reason.MISSING_FILE, prefix + name)
-                continue
-            problem = _file_problem(prefix + name)
-            if problem:
-                problems[prefix + name] = problem
-    return problems
-
-
-def _list_folder(folder: str) -> tuple[set[str], set[str]] | None:
-    """(every name, the regular files or links to one) from one listing of ``folder``; None when it cannot be
-    listed (each file is then checked on its own, which gives its own reason)."""
-    names: set[str] = set()
-    files: set[str] = set()
-    try:
-        with os.scandir(folder) as listing:
-            for entry in listing:
-                names.add(entry.name)
-                try:
-                    if entry.is_file():
-                        files.add(entry.name)
-                except OSError:   # a link loop, a permission problem: this entry's own reason, later
-                    pass
-    except FileNotFoundError:
-        return names, files   # no folder: every name is missing
-    except OSError:
-        return None
-    return names, files
-
-
-def _file_problem(path: str) -> tuple[str, str] | None:
-    """(Reason code, detail) when ``path`` is not a regular file or a link to one, else None."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        if os.path.islink(path):
-            return Reason.MISSING_FILE, f"{path}: symbolic link to {os.readlink(path)}, which does not exist"
-        return Reason.MISSING_FILE, path
-    except OSError as error:
-        return Reason.NOT_A_FILE, f"{path}: {error.strerror or error}"
-    if stat.S_ISREG(mode):
-        return None
-    kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
-    return Reason.NOT_A_FILE, f"{path}: {kind}"
-
-
 def validate_rows(
     catalog: Catalog,
     base_path: str,
@@ -326,7 +261,8 @@ def validate_rows(
     """Check each row; the first problem found is its reject reason.
 
     Order: field count, file_path, inside base path, media_type, extension, caption, duplicate
-    (of an earlier accepted row, then of an accepted validation row), file exists. ``base_path``
+    (of an earlier accepted row, then of an accepted validation row), file exists and its real path
+    (symbolic links followed) is inside the base path's real path. ``base_path``
     must be normalised (``normalise_base_path``). ``validation_paths`` maps resolved path to
     validation row number.
     """
@@ -384,7 +320,7 @@ def validate_rows(
         candidates.append(Entry(catalog_name, row, media_type, resolved, relative))
 
     if check_files:
-        problems = file_problems(e.resolved_path for e in candidates)
+        problems = file_checks.file_problems((e.resolved_path for e in candidates), base_path)
         for entry in candidates:
             if entry.resolved_path in problems:
                 result.reject(entry.source, *problems[entry.resolved_path])

@@ -40,3 +40,34 @@ def test_a_symlink_loop_rejects_only_its_own_row_with_the_real_reason(tmp_path, 
     assert got[n + 2] == f"missing file ({folder / 'dangling.mp4'}: symbolic link to gone.mp4, which does not exist)"
     assert got[n + 3] == f"not a readable file ({folder / 'dir.mp4'}: a folder)"
     assert got[n + 4] == f"missing file ({folder / 'none.mp4'})"
+
+
+@pytest.mark.parametrize("files_in_folder", [3, 20])
+@pytest.mark.parametrize("base_through_a_link", [False, True])
+def test_symlinks_that_leave_the_base_path_are_rejected_by_their_real_path(tmp_path, files_in_folder,
+                                                                           base_through_a_link):
+    base, elsewhere = tmp_path / "base", tmp_path / "elsewhere"
+    (base / "media").mkdir(parents=True)
+    elsewhere.mkdir()
+    names = [f"{i:02d}.mp4" for i in range(files_in_folder)]
+    for folder in (base / "media", elsewhere):
+        for name in names:
+            (folder / name).write_bytes(b"x")
+    os.symlink(elsewhere, base / "linked")                         # a folder inside the base pointing out of it
+    os.symlink("/etc/passwd", base / "media" / "passwd.mp4")        # a file pointing out of it
+    os.symlink(base / "media" / "00.mp4", base / "media" / "alias.mp4")   # a link that stays inside
+    os.symlink("../media", base / "media" / "back")                # a folder link that stays inside
+    rows = ([(f"media/{n}", "x", "video") for n in names] + [(f"linked/{n}", "x", "video") for n in names]
+            + [("media/passwd.mp4", "x", "video"), ("media/alias.mp4", "x", "video"), ("media/back/01.mp4", "x", "video")])
+    if base_through_a_link:                          # the base itself may be a link (a mount point's alias)
+        os.symlink(base, tmp_path / "base-alias")
+        base = tmp_path / "base-alias"
+    result = validate(rows, base)
+    n = files_in_folder
+    got = reasons(result)
+    assert sorted(got) == list(range(n + 1, 2 * n + 2))
+    real_base = os.path.realpath(base)
+    assert got[n + 1] == (f"path outside --base-path ({base / 'linked' / '00.mp4'} is {elsewhere / '00.mp4'} "
+                          f"through a symbolic link, outside {real_base})")
+    assert got[2 * n + 1].startswith(f"path outside --base-path ({base / 'media' / 'passwd.mp4'} is /etc/passwd ")
+    assert [e.row for e in result.accepted] == list(range(1, n + 1)) + [2 * n + 2, 2 * n + 3]
