@@ -18,7 +18,7 @@ import os
 
 from diffsynth.trainers.utils import VideoDataset
 
-from diffsynth_mbc.data.clip_reader import DECODERS, IrregularTiming, read_leading_frames
+from diffsynth_mbc.data.clip_reader import DECODERS, ReferenceReaderNeeded, read_leading_frames
 from diffsynth_mbc.data.shapes import shape_key
 
 MAX_CONSECUTIVE_BAD_ROWS = 20
@@ -61,7 +61,7 @@ class MBCVideoDataset(VideoDataset):
         try:
             frames = read_leading_frames(file_path, self.num_frames, self.time_division_factor,
                                          self.time_division_remainder)
-        except IrregularTiming:   # variable frame rate: DiffSynth's reader, whose frames are constant-rate
+        except ReferenceReaderNeeded:   # variable frame rate, > 8 bits, a mirrored picture: DiffSynth's reader
             return super().load_video(file_path)
         return [self.crop_and_resize(frame, *self.get_height_width(frame)) for frame in frames]
 
