@@ -247,6 +247,9 @@ def caption_reads_as_non_text(caption: str) -> str | None:
 
 
 _NUMBER_STARTS = frozenset("0123456789+-.iInN")
+# Characters that show nothing, which str.strip() keeps: zero-width space, joiners and marks, word joiner and
+# invisible operators, BOM, soft hyphen, Mongolian vowel separator, Hangul fillers.
+_INVISIBLE_ONLY = re.compile(r"[\s\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u180e\u115f\u1160\u3164\uffa0]*")
 # NUL and the other C0/C1 controls; tab and line breaks are ordinary caption text.
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
@@ -296,8 +299,9 @@ def validate_rows(
             result.reject(row, Reason.EXTENSION_CONTRADICTS,
                           f"'.{extension}' is {extension_media_type}, row says {media_type}")
             continue
-        if not row.caption.strip():
-            result.reject(row, Reason.EMPTY_CAPTION)
+        if _INVISIBLE_ONLY.fullmatch(row.caption):
+            invisible = "only zero-width or other invisible characters" if row.caption.strip() else ""
+            result.reject(row, Reason.EMPTY_CAPTION, invisible)
             continue
         control = _CONTROL_CHARACTER.search(row.caption)
         if control:

@@ -34,3 +34,16 @@ def test_spreadsheet_safe_leaves_ordinary_cells_alone():
     assert [converter.spreadsheet_safe(c) for c in ("media/a.mp4", 3, "missing file (x)", "", "안녕")] == \
         ["media/a.mp4", "3", "missing file (x)", "", "안녕"]
     assert converter.spreadsheet_safe("@x") == "'@x" and converter.spreadsheet_safe("\r=1") == "'\r=1"
+
+
+def test_a_caption_of_only_invisible_characters_is_rejected_as_empty(tmp_path):
+    for name in ("a.mp4", "b.mp4", "c.mp4", "d.mp4"):
+        (tmp_path / name).write_bytes(b"x")
+    catalog = write_catalog(tmp_path / "c.csv", [("a.mp4", "\u200b\u200b", "video"), ("b.mp4", " \u200b \ufeff\u2060 ", "video"),
+                                                 ("c.mp4", "\u3164", "video"), ("d.mp4", "\u200b뉴스\u200b", "video")])
+    out = tmp_path / "out"
+    assert convert(catalog, "--base-path", tmp_path, "--output", out) == 0
+    rejects = read_csv_records(out / "rejects.csv")
+    assert [(r["row"], r["reason"]) for r in rejects] == [
+        (row, "empty caption (only zero-width or other invisible characters)") for row in ("1", "2", "3")]
+    assert list(pd.read_csv(out / "metadata.csv")["prompt"]) == ["\u200b뉴스\u200b"]
