@@ -15,8 +15,9 @@ Only ``/samples/`` takes a path, and only one of the strict form above inside th
 everything else reads nothing but the run files of the log directory, so ``..`` in a URL only ever
 gets a 404. Bad query values get a 400 JSON error naming the
 parameter. No answer carries ``Access-Control-Allow-Origin`` unless ``--cors ORIGIN`` names the one
-origin (another local web page) allowed to read the run's data. Requests are served by a bounded
-thread pool with a per-connection timeout.
+origin (another local web page) allowed to read the run's data. A request for another host name gets 421,
+and a server bound to anything but loopback wants its token on every request (401 without it; see
+``access``). Requests are served by a bounded thread pool with a per-connection timeout.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from http import HTTPStatus
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 from diffsynth_mbc.monitor import samples
+from diffsynth_mbc.monitor.access import Access
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.status import json_safe
 
@@ -161,6 +163,7 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
 
     state: MonitorState
     page: bytes
+    access: Access
     quiet = True
     cors_origin: str | None = None   # Access-Control-Allow-Origin only when --cors names an origin
     timeout = CONNECTION_TIMEOUT_S   # a client that sends nothing is dropped after this long
@@ -181,6 +184,8 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(length))
         self.send_header("Cache-Control", cache)
         self.send_header("X-Content-Type-Options", "nosniff")
+        if getattr(self, "_token_from", None) == "query":   # the page's own requests then carry the cookie
+            self.send_header("Set-Cookie", self.access.set_cookie())
         if self.cors_origin:
             self.send_header("Access-Control-Allow-Origin", self.cors_origin)
             self.send_header("Vary", "Origin")
@@ -193,18 +198,37 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _json(self, code: int, obj) -> None:
+    def _json(self, code: int, obj, extra: dict | None = None) -> None:
         try:
             body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
         except ValueError:  # a non-finite number slipped through: send null instead
             body = json.dumps(json_safe(obj), allow_nan=False, separators=(",", ":")).encode()
-        self._send(code, body, "application/json; charset=utf-8")
+        self._send(code, body, "application/json; charset=utf-8", extra)
 
-    def _error(self, code: int, message: str, parameter: str | None = None) -> None:
-        obj = {"error": message, "status": code}
+    def _error(self, code: int, message: str, parameter: str | None = None, extra: dict | None = None) -> None:
+        obj = {"error": message, "status": int(code)}
         if parameter is not None:
             obj["parameter"] = parameter
-        self._json(code, obj)
+        self._json(code, obj, extra)
+
+    def parse_request(self) -> bool:
+        """The request line and headers, then who may ask: the Host it names (421), the token (401)."""
+        if not super().parse_request():
+            return False
+        self._token_from = None
+        problem = self.access.host_problem(self.headers.get("Host"))
+        if problem is not None:
+            self._error(HTTPStatus.MISDIRECTED_REQUEST, problem)
+            return False
+        if self.command == "OPTIONS":   # a CORS preflight carries no credentials, and its answer holds no data
+            return True
+        self._token_from = self.access.token_source(parse_qs(urlsplit(self.path).query), self.headers)
+        if self._token_from is None:
+            self._error(HTTPStatus.UNAUTHORIZED, "this server wants its token: open the URL it printed "
+                        "(http://HOST:PORT/?token=...) or send 'Authorization: Bearer TOKEN'",
+                        extra={"WWW-Authenticate": 'Bearer realm="mbc-monitor"'})
+            return False
+        return True
 
     def do_OPTIONS(self):  # noqa: N802 - http.server naming
         self.send_response(HTTPStatus.NO_CONTENT)
@@ -319,19 +343,33 @@ class MonitorServer:
     """The HTTP server, run in a daemon thread; ``stop`` shuts it down and closes the socket."""
 
     def __init__(self, state: MonitorState, host: str = "127.0.0.1", port: int = 0, quiet: bool = True,
-                 cors_origin: str | None = None):
+                 cors_origin: str | None = None, allow_hosts=()):
         handler = make_handler(state, dashboard_html(), quiet=quiet, cors_origin=cors_origin)
         server_cls = _Server
         if ":" in host:
             server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
         self.httpd = server_cls((host, port), handler)
+        self.access = handler.access = Access(host, self.httpd.server_address[1], allow_hosts)
         self._thread: threading.Thread | None = None
 
     @property
-    def url(self) -> str:
+    def token(self) -> str | None:
+        """The token every request must carry; None on a loopback bind."""
+        return self.access.token
+
+    @property
+    def address(self) -> str:
+        """The server's URL without its token (what may be shown again and again)."""
         host, port = self.httpd.server_address[:2]
+        if self.access.wildcard:
+            host = socket.gethostname()
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{port}/"
+
+    @property
+    def url(self) -> str:
+        """The URL to open: with ``?token=`` when the server wants one (print it once)."""
+        return self.address + (f"?token={quote(self.token)}" if self.token else "")
 
     def start(self) -> "MonitorServer":
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
