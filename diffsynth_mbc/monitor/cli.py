@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     if args.serve is not None:
         if args.once or args.json:
             parser.error("--serve cannot be combined with --once or --json")
-        from diffsynth_mbc.monitor.server import parse_serve
+        from diffsynth_mbc.monitor.access import parse_serve
 
         try:
             serve_addr = parse_serve(args.serve)

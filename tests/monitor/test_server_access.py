@@ -1,5 +1,5 @@
-"""Who the dashboard server answers, over real sockets: Host names (DNS rebinding) and the token of a server
-bound to every interface, read by a browser and by another monitor."""
+"""Who the dashboard server answers, over real sockets: Host names (DNS rebinding), the token of a server
+bound to every interface (read by a browser and by another monitor), and slow clients (slowloris)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,20 @@ import http.client
 import json
 import os
 import re
+import select
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import monitor_fixtures as F
+from diffsynth_mbc.monitor.access import MAX_CONNECTIONS_PER_CLIENT
+from diffsynth_mbc.monitor.server import MonitorServer
+from diffsynth_mbc.monitor.state import MonitorState
 from test_server import start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -134,3 +140,82 @@ def test_a_monitor_reads_another_through_the_token_in_its_url(everywhere, tmp_pa
     assert token not in text
     text, snap = monitor_json(f"http://127.0.0.1:{port}/")
     assert snap["ranks"] == [] and any("HTTP 401" in note and "token" in note for note in snap["notes"])
+
+
+def _trickle(sockets, stop, every_s):
+    """Send one more byte of a request head on every socket, every ``every_s`` seconds, until ``stop``."""
+    while not stop.wait(every_s):
+        for sock in list(sockets):
+            try:
+                sock.send(b"a")
+            except OSError:
+                sockets.remove(sock)
+
+
+def _closed_by_server(sock) -> bool:
+    """True when the server ended this connection (EOF, a reset, or its 503 answer)."""
+    ready, _, _ = select.select([sock], [], [], 0)
+    if not ready:
+        return False
+    try:
+        data = sock.recv(4096)
+    except OSError:
+        return True
+    return data == b"" or data.startswith(b"HTTP/1.0 503")
+
+
+@pytest.fixture
+def in_process(run_dir):
+    servers = []
+
+    def start(**options):
+        server = MonitorServer(MonitorState(run_dir), **options).start()
+        servers.append(server)
+        return server.httpd.server_address[1]
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_slow_clients_from_one_address_cannot_hold_every_worker(in_process):
+    # Once 40 connections trickling a byte now and then held all 32 workers (only a timeout per read).
+    port = in_process()
+    slow, stop = [], threading.Event()
+    trickler = threading.Thread(target=_trickle, args=(slow, stop, 1.0), daemon=True)
+    try:
+        for _ in range(40):
+            sock = socket.socket()
+            sock.bind(("127.0.0.2", 0))   # another loopback address: another client
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /api/training/status HTTP/1.1\r\nX-Slow: ")
+            slow.append(sock)
+        trickler.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        status, _, body = ask(port, "/api/training/status")
+        assert status == 200 and json.loads(body)["world_size"] == 2
+        assert time.monotonic() - t0 < 5
+        refused = [sock for sock in list(slow) if _closed_by_server(sock)]
+        assert len(refused) >= 40 - MAX_CONNECTIONS_PER_CLIENT
+    finally:
+        stop.set()
+        for sock in slow:
+            sock.close()
+
+
+def test_a_request_head_trickling_in_is_cut_off_at_the_deadline(in_process):
+    # A byte every 0.5 s never tripped the 5 s timeout per read: the head could take forever.
+    port = in_process(header_deadline_s=2.0)
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        t0 = time.monotonic()
+        sock.sendall(b"GET / HTTP/1.1\r\nX-Slow: ")
+        while time.monotonic() - t0 < 12 and not _closed_by_server(sock):
+            sock.send(b"a")
+            time.sleep(0.5)
+        cut_after = time.monotonic() - t0
+    finally:
+        sock.close()
+    assert 1.5 < cut_after < 8, cut_after
+    status, _, _ = ask(port, "/api/training/status")   # a request that comes at once is still answered
+    assert status == 200
