@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     log_dir = " + ".join([str(f) for f in folders] + [str(r) for r in remotes])
-    state = MonitorState(folders, remotes=remotes, stall_after=args.stall_after)
+    state = MonitorState(folders, remotes=remotes, stall_after=args.stall_after,
+                         backfill=not (args.once or args.json))   # one answer: no whole reads behind it
 
     if args.json:
         snap = state.refresh()
