@@ -49,7 +49,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loopback(run_dir):
-    srv = start_server(run_dir, "--no-view")
+    srv = start_server(run_dir, "--no-view", "--allow-host", "Node0.Example")
     yield srv
     stop_server(srv)
 
@@ -79,7 +79,8 @@ def test_a_rebinding_host_name_gets_421(loopback):
             assert status == 421, (path, host, status)
             assert b"node-a" not in body and b'"step"' not in body and b"<html" not in body.lower()
             assert json.loads(body)["status"] == 421 and "Set-Cookie" not in headers
-    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST", f"localhost.:{port}"):
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST", f"localhost.:{port}",
+                 f"node0.example:{port}"):   # the last one by --allow-host
         status, _, body = ask(port, "/api/training/status", {"Host": host})
         assert status == 200 and json.loads(body)["world_size"] == 2, host
     status, _, _ = ask(port, "/api/training/status", {"Host": f"attacker.example:{port}"}, method="HEAD")
