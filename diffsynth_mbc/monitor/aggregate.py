@@ -1,6 +1,13 @@
 """Deriving one run from its ranks: which run a folder shows, its world size, status and aggregates.
 
 Pure logic over the per-rank views built by ``state.MonitorState``.
+
+Aggregates
+    ``step``: the slowest rank's step; ``total_steps``: the largest; ``progress``: the slowest
+    rank's; ``eta_s``: the largest among active ranks (their own ``eta_s``, else remaining
+    steps x median step time); ``samples_per_s``: the sum over training ranks; ``loss``: the
+    mean of the ranks' last losses; ``elapsed_s``: now - earliest ``started_at`` while active,
+    else the largest ``elapsed_s``.
 """
 
 from __future__ import annotations

@@ -6,10 +6,13 @@ Pure logic; imports neither rich, torch nor diffsynth.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from diffsynth_mbc import run_files
 
@@ -33,7 +36,7 @@ _GPU_NUMBERS = ("util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", 
 MAX_OVERHEAD_KINDS = 16   # kinds of overhead kept from one status file (the training writes 4)
 _STR_FIELDS = ("run_id", "hostname", "status", "phase")
 _COMPUTED = ("stalled", "age_s", "stall_after_s", "stalled_since", "median_step_time_s", "loss_trend",
-             "history_lines", "file")
+             "history_lines", "history_complete", "file")
 
 
 def exit_code(status: str) -> int:
@@ -218,3 +221,61 @@ class StatusFile:
         self.size: int | None = None
         self.error: str | None = None
         self.remote = False  # read from another monitor's URL, not from a file
+
+
+def open_regular(path):
+    """Open a file for reading only if it is a regular file, without ever blocking (a FIFO named like a run
+    file would hang a plain open until someone writes to it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_status_file(sf: "StatusFile", warn: Callable[[str], None]) -> None:
+    """(Re-)read a status file unless unchanged since the last read; a bad read keeps the last good one."""
+    try:
+        with open_regular(sf.path) as handle:
+            st = os.fstat(handle.fileno())
+            if sf.data is not None and sf.error is None and sf.mtime_ns == (st.st_ino, st.st_mtime_ns) \
+                    and st.st_size == sf.size:
+                return  # unchanged since the last read
+            raw = handle.read(4 << 20)
+    except FileNotFoundError:
+        return  # replaced or removed between listing and opening; the next refresh sees it
+    except OSError as exc:
+        sf.error = f"{sf.path.name}: cannot read ({exc})"
+        return
+    name = sf.path.name
+    problem = None
+    obj = None
+    if not raw.strip():
+        problem = f"{name} is empty"
+    else:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            problem = f"{name} is not valid JSON ({str(exc)[:80]})"
+        except RecursionError:
+            problem = f"{name} is nested too deeply to be a status file"
+        else:
+            if not isinstance(obj, dict):
+                problem = f"{name} does not hold a JSON object"
+    sf.mtime_ns = (st.st_ino, st.st_mtime_ns)
+    sf.size = st.st_size
+    sf.mtime = st.st_mtime
+    if problem is not None:
+        sf.error = problem + ("; showing its last good read" if sf.data is not None else "")
+        return
+    sf.error = None
+    sf.data, sf.notes = normalize_status(obj, sf.rank)
+    version = sf.data.get("schema_version")
+    if version is not None and version > run_files.SCHEMA_VERSION:
+        warn(f"schema_version {version} is newer than this monitor's {run_files.SCHEMA_VERSION}; "
+                   "unknown fields are passed through, changed ones may show wrongly")
+    elif version is None and "schema_version" not in obj:
+        warn(f"{name} has no schema_version")

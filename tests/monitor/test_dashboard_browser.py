@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -264,3 +268,24 @@ def test_the_gallery_shows_a_playable_video_per_prompt_and_sample_step(browser, 
     finally:
         browser.get("about:blank")
         stop_server(srv)
+
+
+def test_the_page_opened_from_its_token_url_reads_the_api_through_its_cookie(browser, tmp_path):
+    # Bound to every interface, the server wants its token on every request: the page gets it once, in its URL.
+    log_dir = tmp_path / "training_logs"
+    log_dir.mkdir()
+    write_run(log_dir)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-m", "diffsynth_mbc.monitor", str(log_dir), "--serve", "0.0.0.0:0",
+                             "--no-view"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        match = re.search(r"http://[^/\s]+:(\d+)/\?token=([A-Za-z0-9_-]+)", proc.stdout.readline())
+        assert match
+        browser.get(f"http://127.0.0.1:{match.group(1)}/?token={match.group(2)}")
+        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        assert chart(browser, "loss")["points"] == [STEPS] * 4 and chart(browser, "grad_norm")["points"] == [STEPS] * 2
+        assert browser.execute_script("return document.cookie") == ""   # HttpOnly: no script on the page reads it
+    finally:
+        browser.get("about:blank")
+        proc.kill()
+        proc.wait()

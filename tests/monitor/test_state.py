@@ -431,3 +431,31 @@ def test_odd_overheads_are_noted_and_left_out(tmp_path):
     assert "checkpoint" not in ranks[0]["overheads"] and "[2Jlora" in ranks[0]["overheads"]
     assert len(ranks[0]["overheads"]) < 20      # bounded
     assert any("is not a tally" in note for note in snap["notes"])
+
+
+def test_a_long_history_is_answered_from_its_tail_and_read_whole_behind_it(tmp_path):
+    # Once the first refresh parsed every line of every history: 10 s before the first answer at 8 x 200,000 steps.
+    steps = 90_000   # about 9 MB: over history.TAIL_FIRST_ABOVE
+    F.make_run(tmp_path, world_size=1, ranks=[0], steps=steps)
+    assert (tmp_path / "training_gpu0.jsonl").stat().st_size > history.TAIL_FIRST_ABOVE
+    whole, _ = state_for(tmp_path, tail_first_above=None)
+    reference = whole.refresh()["ranks"][0]
+    assert reference["history_complete"] and reference["history_lines"] == steps
+
+    state, _ = state_for(tmp_path, backfill=False)   # what --once and --json do: one answer, no whole read
+    r0 = state.refresh()["ranks"][0]
+    assert r0["history_complete"] is False and r0["history_lines"] is None
+    assert r0["median_step_time_s"] == reference["median_step_time_s"] == 2.0 and r0["step"] == steps
+    assert len(r0["loss_trend"]) == series.TREND_POINTS
+    assert all(abs(a - b) < 0.01 for a, b in zip(r0["loss_trend"][1:], reference["loss_trend"][1:]))
+    ids = lambda answer: [r["step"] for r in answer["ranks"]["0"]["records"]]  # noqa: E731
+    assert ids(state.metrics(rank=0, since=10, limit=3)) == [11, 12, 13]       # before the tail: read from the start
+    assert ids(state.metrics(rank=0, since=steps - 3, limit=5)) == [steps - 2, steps - 1, steps]
+
+    downsampled = state.metrics(rank=0, points=100)["ranks"]["0"]   # needs the whole history: waits for it
+    assert sum(p["n"] for p in downsampled["loss"]) == steps and downsampled["lines"] == steps
+    assert downsampled["loss"] == whole.metrics(rank=0, points=100)["ranks"]["0"]["loss"]
+    F.write_history(tmp_path, 0, [steps + 1], append=True)
+    r0 = state.refresh()["ranks"][0]
+    assert r0["history_complete"] and r0["history_lines"] == steps + 1
+    assert r0["loss_trend"] == whole.refresh()["ranks"][0]["loss_trend"]
