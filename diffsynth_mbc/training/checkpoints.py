@@ -29,8 +29,15 @@ from diffsynth_mbc.training.checkpoint_integrity import (
     inventory,
     missing_rank_files,
 )
-from diffsynth_mbc.training.distributed import broadcast_from_main
-from diffsynth_mbc.training.lora_format import convert, file_metadata, training_scale
+from diffsynth_mbc.training.distributed import all_reduce_sum, broadcast_from_main
+from diffsynth_mbc.training.lora_format import (
+    NonFiniteLoraError,
+    convert,
+    describe_nonfinite,
+    file_metadata,
+    nonfinite_tensors,
+    training_scale,
+)
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 
 KEEP_MARKER = "KEEP"
@@ -242,20 +249,39 @@ class Checkpoints:
         options = self.options
         return convert(tensors, options.lora_format, scale=training_scale(options.lora_rank, options.lora_alpha))
 
-    def write_lora(self, target: Path, step: int, tensors: dict) -> None:
+    def checked_file_tensors(self, tensors: dict, target: Path) -> dict:
+        """The file's tensors, or NonFiniteLoraError on every rank if any holds NaN/inf (collective: all ranks call
+        it). Nothing is written then, so the last good checkpoint and LoRA files stay what they were."""
+        import torch
+
+        converted = self.file_tensors(tensors)
+        found = nonfinite_tensors(converted)
+        anywhere = int(all_reduce_sum(self.accelerator, torch.tensor([len(found)], device=self.accelerator.device)))
+        if anywhere:
+            last = find_latest(self.root)
+            raise NonFiniteLoraError(
+                f"refusing to write {target}: " + (describe_nonfinite(found, len(converted)) if found else
+                                                   "LoRA tensors hold NaN or infinite values on another rank")
+                + f". The LoRA is broken; nothing was written. Last good checkpoint: {last or 'none'}; lower "
+                "--learning_rate (or --lora_alpha) and continue from it with --resume latest")
+        return converted
+
+    def write_lora(self, target: Path, step: int, file_tensors: dict) -> None:
         options = self.options
-        atomic_save_safetensors(target, self.file_tensors(tensors), metadata=file_metadata(
+        atomic_save_safetensors(target, file_tensors, metadata=file_metadata(
             rank=options.lora_rank, alpha=options.lora_alpha, targets=options.lora_target_modules,
             base_model="Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""), step=step,
             run_id=str(self.status.state["run_id"]), layout=options.lora_format))
 
     def save_lora(self, file_name: str, step: int) -> None:
-        """Rank 0 writes the LoRA (``--lora_format``, loadable by DiffSynth and ComfyUI): temp file, then rename."""
+        """Rank 0 writes the LoRA (``--lora_format``, loadable by DiffSynth and ComfyUI): temp file, then rename.
+        A LoRA holding NaN or inf is never written (NonFiniteLoraError on every rank)."""
         self.status.update(phase=f"saving {file_name}")
         self.accelerator.wait_for_everyone()
-        tensors = self.lora_tensors()
+        target = Path(self.options.output_path) / file_name
+        file_tensors = self.checked_file_tensors(self.lora_tensors(), target)
         if self.accelerator.is_main_process:
-            self.write_lora(Path(self.options.output_path) / file_name, step, tensors)
+            self.write_lora(target, step, file_tensors)
         self.accelerator.wait_for_everyone()
 
     # -- full training state --------------------------------------------------------------------
@@ -266,18 +292,19 @@ class Checkpoints:
         # Named by run and step, so no rank ever deletes a folder another rank is writing into;
         # folders left by killed saves are removed by prune() after the next successful one.
         temporary = temp_path(self.root, position.step, self.status.state["run_id"])
+        # Checked before anything is written: a broken LoRA never becomes a checkpoint, nor prunes a good one.
+        file_tensors = self.checked_file_tensors(self.lora_tensors(), self.root / name)
         temporary.mkdir(parents=True, exist_ok=True)
         accelerator.wait_for_everyone()
         extra = {"exclude_frozen_parameters": True} if self.deepspeed else {}
         accelerator.save_state(str(temporary), **extra)
         time.sleep(self.injected_delay_s)
-        tensors = self.lora_tensors()
         accelerator.wait_for_everyone()
         final = self.root / name
         per_rank = self.gather_positions(position)
         problem = None
         if accelerator.is_main_process:
-            self.write_lora(temporary / "lora.safetensors", position.step, tensors)
+            self.write_lora(temporary / "lora.safetensors", position.step, file_tensors)
             files = inventory(temporary)
             missing = missing_rank_files(files, accelerator.num_processes)
             if missing:   # published only when every rank's state is in it

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import re
 
+from diffsynth_mbc.training.guards import NonFiniteError
+
 FORMATS = ("comfyui", "diffsynth")
 COMFYUI_PREFIX = "diffusion_model."
 _PREFIXES = ("pipe.dit.", "module.pipe.dit.", COMFYUI_PREFIX, "dit.")
@@ -31,6 +33,28 @@ _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
 
 class LoraFormatError(ValueError):
     """A file or tensor set that is not a LoRA we can convert; the message names the key."""
+
+
+class NonFiniteLoraError(NonFiniteError):
+    """A LoRA about to be written holds NaN or infinite values; the message names the tensors."""
+
+
+def nonfinite_tensors(tensors: dict) -> list[str]:
+    """``name (N NaN, M inf of T)`` for every tensor holding a NaN or infinite value, in key order."""
+    found = []
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if bool(tensor.isfinite().all()):
+            continue
+        nan = int(tensor.isnan().sum())
+        found.append(f"{name} ({nan} NaN, {int((~tensor.isfinite()).sum()) - nan} inf of {tensor.numel()})")
+    return found
+
+
+def describe_nonfinite(found: list[str], total: int, shown: int = 5) -> str:
+    """``3 of 40 tensors hold NaN or infinite values: a (...), b (...), ...``."""
+    more = f", and {len(found) - shown} more" if len(found) > shown else ""
+    return f"{len(found)} of {total} LoRA tensors hold NaN or infinite values: {', '.join(found[:shown])}{more}"
 
 
 def _without_prefix(key: str) -> str:
