@@ -30,6 +30,11 @@ from diffsynth_mbc.training.checkpoint_integrity import (
     missing_rank_files,
 )
 from diffsynth_mbc.training.distributed import all_reduce_sum, broadcast_from_main
+from diffsynth_mbc.training.fingerprint import (  # noqa: F401 - FINGERPRINT_KEYS: where readers looked for it
+    FINGERPRINT_KEYS,
+    apply_run_settings,
+    fingerprint_differences,
+)
 from diffsynth_mbc.training.lora_format import (
     NonFiniteLoraError,
     convert,
@@ -46,11 +51,6 @@ TEMP_PREFIX = ".tmp-"
 # Fault injection for tests: every checkpoint save takes this many seconds longer on every rank (a slow shared
 # filesystem), to show on a real run that step times and the ETA keep checkpoints apart. Unset in normal use.
 SLOW_SAVE_ENV = "MBC_FAULT_SLOW_CHECKPOINT_S"
-
-# Settings a checkpoint must share with the run that resumes it (exact data position and weights).
-FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
-                    "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
-                    "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size")
 
 
 def checkpoint_name(step: int) -> str:
@@ -144,12 +144,6 @@ def prune(root: str | Path, keep_last: int) -> list[Path]:
     return removed
 
 
-def fingerprint_differences(saved: dict, current: dict) -> list[str]:
-    """Human lines for every fingerprint key whose value differs: ``world_size: checkpoint 2, this run 4``."""
-    return [f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
-            for key in FINGERPRINT_KEYS if saved.get(key) != current.get(key)]
-
-
 class CheckpointSchedule:
     """Due every ``every_steps`` optimizer steps and/or every ``every_minutes``, whichever comes first."""
 
@@ -214,6 +208,7 @@ class Checkpoints:
 
         self.accelerator = accelerator
         self.module = module
+        self.scheduler = scheduler
         self.options = options
         self.status = status
         self.fingerprint = fingerprint
@@ -364,14 +359,21 @@ class Checkpoints:
         differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
         if differences and not self.options.force_resume:
             raise OptionsError(f"checkpoint {folder} was made with a different configuration:\n  "
-                               + "\n  ".join(differences) + "\npass --force_resume true to resume anyway "
-                               "(the data position will not be exact)")
+                               + "\n  ".join(differences) + "\nresume with the checkpoint's settings, or pass "
+                               "--force_resume true to resume with this run's (the continuation will not be "
+                               "the run the checkpoint came from)")
         self.status.update(phase=f"loading checkpoint {folder.name}")
         if self.deepspeed:
             self.accelerator.load_state(str(folder), load_module_strict=False)
         else:
             self.accelerator.load_state(str(folder), strict=False)
         self.verify_lora(folder / "lora.safetensors")
+        if differences:   # --force_resume: this run's settings, not the saved optimizer's, and said so
+            applied = apply_run_settings(self.scheduler, self.options)
+            if self.accelerator.is_main_process:
+                print(f"resuming from {folder} with --force_resume true despite:\n  " + "\n  ".join(differences)
+                      + "\nthe optimizer now uses this run's " + ", ".join(applied), file=sys.stderr)
+            self.status.update(resumed_with_changes=differences)
         rank_state = (manifest.get("per_rank") or [{}] * self.accelerator.num_processes)
         mine = rank_state[self.accelerator.process_index] if len(rank_state) > self.accelerator.process_index else {}
         return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],

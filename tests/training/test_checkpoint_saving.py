@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.checkpoint_integrity import damage
 from diffsynth_mbc.training.checkpoints import Checkpoints, Position, find_latest, read_manifest
@@ -13,27 +16,56 @@ from diffsynth_mbc.training.lora_format import NonFiniteLoraError
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 from diffsynth_mbc.training.options import resolve_options
 from diffsynth_mbc.training.status_writer import RankStatusWriter
+from diffsynth_mbc.training.step_plan import lr_factor
+
+
+TOTAL_STEPS = 10
+
+
+def build(tmp_path, *flags, data="media"):
+    """A run's Checkpoints as ``loop.prepare`` makes them, on one CPU process: model, optimizer, schedule."""
+    from accelerate import Accelerator
+
+    from diffsynth_mbc.training.fingerprint import run_fingerprint
+    from diffsynth_mbc.training.step_plan import lr_factor
+
+    options = resolve_options(["--demo", "--dataset_base_path", str(tmp_path / data), "--dataset_metadata_path",
+                               str(tmp_path / "m.csv"), "--output_path", str(tmp_path / "out"), "--lora_rank", "4",
+                               "--keep_checkpoints", "1", *flags])
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False), lora_rank=4, use_gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=options.learning_rate,
+                                  weight_decay=options.weight_decay)
+    module, optimizer = accelerator.prepare(module, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+        step, TOTAL_STEPS, options.warmup_steps, options.lr_scheduler))
+    status = RankStatusWriter(options.log_dir, "run-test", 0, 0, 1)
+    fingerprint = run_fingerprint(options, world_size=1, accumulation=1, rows=3, metadata_sha256="abc",
+                                  image_batch=5, precision=accelerator.mixed_precision)
+    return Checkpoints(accelerator, module, scheduler, options, status, fingerprint=fingerprint), optimizer
 
 
 @pytest.fixture
-def checkpoints(tmp_path):
-    from accelerate import Accelerator
+def runs(tmp_path):
     from accelerate.state import AcceleratorState
 
-    options = resolve_options(["--demo", "--dataset_base_path", str(tmp_path), "--dataset_metadata_path",
-                               str(tmp_path / "m.csv"), "--output_path", str(tmp_path / "out"), "--lora_rank", "4",
-                               "--keep_checkpoints", "1"])
-    accelerator = Accelerator(cpu=True)
-    module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False), lora_rank=4, use_gradient_checkpointing=False)
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    module, optimizer = accelerator.prepare(module, optimizer)
-    status = RankStatusWriter(options.log_dir, "run-test", 0, 0, 1)
+    made = []
+
+    def make(*flags, **kwargs):
+        made.append(build(tmp_path, *flags, **kwargs))
+        return made[-1]
     try:
-        yield Checkpoints(accelerator, module, scheduler, options, status, fingerprint={"lora_rank": 4})
+        yield make
     finally:
-        status.close()
+        for checkpoints, _optimizer in made:
+            checkpoints.status.close()
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
+def checkpoints(runs):
+    return runs()[0]
 
 
 def poison(checkpoints, value=float("nan")) -> str:
@@ -71,3 +103,57 @@ def test_an_infinite_value_is_named_too(checkpoints):
     with pytest.raises(NonFiniteLoraError, match=rf"{key} \(0 NaN, 1 inf of"):
         checkpoints.save_lora("epoch-0.safetensors", 1)
     assert not (checkpoints.root.parent / "epoch-0.safetensors").exists()
+
+
+def trained_for(checkpoints, optimizer, steps: int) -> Path:
+    """``steps`` real optimizer and schedule steps (gradients of ones), then a checkpoint."""
+    for _ in range(steps):
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                parameter.grad = torch.ones_like(parameter)
+        optimizer.step()
+        checkpoints.scheduler.step()
+    return checkpoints.save(Position(step=steps))
+
+
+def test_changed_optimisation_settings_or_media_are_refused_on_resume(runs):
+    trained_for(*runs("--learning_rate", "1e-3"), 3)
+    changed = runs("--learning_rate", "1e-2", "--lr_scheduler", "cosine", "--warmup_steps", "1", "--weight_decay",
+                   "0", "--max_grad_norm", "0.5", "--min_timestep_boundary", "0.2")[0]
+    with pytest.raises(OptionsError) as error:
+        changed.load("latest")
+    message = str(error.value)
+    for line in ("learning_rate: checkpoint 0.001, this run 0.01", "lr_scheduler: checkpoint 'constant', this run "
+                 "'cosine'", "warmup_steps: checkpoint 0, this run 1", "weight_decay: checkpoint 0.01, this run 0.0",
+                 "max_grad_norm: checkpoint 1.0, this run 0.5", "timestep_boundaries: checkpoint [0.0, 1.0]"):
+        assert line in message
+    assert "--force_resume true" in message
+    other_media = runs("--learning_rate", "1e-3", data="other-media")[0]
+    with pytest.raises(OptionsError, match=r"dataset_base_path: checkpoint '.*media', this run '.*other-media'"):
+        other_media.load("latest")
+
+
+def test_force_resume_applies_this_runs_settings_and_says_so(runs, capfd):
+    trained_for(*runs("--learning_rate", "1e-3"), 3)
+    checkpoints, optimizer = runs("--learning_rate", "1e-2", "--lr_scheduler", "cosine", "--weight_decay", "0",
+                                  "--force_resume", "true")
+    assert checkpoints.load("latest").step == 3
+    expected = 1e-2 * lr_factor(3, TOTAL_STEPS, 0, "cosine")
+    assert [group["lr"] for group in optimizer.param_groups] == [pytest.approx(expected)]
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.0]
+    checkpoints.scheduler.step()     # and the schedule goes on from this run's rate
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * lr_factor(4, TOTAL_STEPS, 0, "cosine"))
+    said = capfd.readouterr().err
+    assert "learning_rate: checkpoint 0.001, this run 0.01" in said
+    assert "the optimizer now uses this run's learning_rate 0.01 with the cosine schedule" in said
+    assert checkpoints.status.state["resumed_with_changes"]
+
+
+def test_the_same_settings_resume_with_the_saved_optimizer_state(runs):
+    first, optimizer = runs("--learning_rate", "1e-3", "--lr_scheduler", "cosine")
+    trained_for(first, optimizer, 3)
+    saved_lr = optimizer.param_groups[0]["lr"]
+    checkpoints, resumed = runs("--learning_rate", "1e-3", "--lr_scheduler", "cosine")
+    assert checkpoints.load("latest").step == 3
+    assert resumed.param_groups[0]["lr"] == pytest.approx(saved_lr)
+    assert checkpoints.status.state.get("resumed_with_changes") is None
