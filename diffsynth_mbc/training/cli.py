@@ -22,6 +22,7 @@ from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.gpu import UnsupportedGpuError
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
+from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError
 from diffsynth_mbc.training.guards import NonFiniteError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
 from diffsynth_mbc.training.status_writer import RankStatusWriter
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         status.fail(exc)
         print(f"[rank {rank}] error: {exc}", file=sys.stderr)
         return 2
-    except NonFiniteError as exc:
+    except (NonFiniteError, CheckpointWriteError) as exc:
         status.fail(exc)
         print(f"[rank {rank}] failed: {exc}", file=sys.stderr)
         return 1

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ from safetensors.torch import load_file
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.checkpoint_integrity import damage
+from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError, folder_bytes, human, write_failure
 from diffsynth_mbc.training.checkpoints import Checkpoints, Position, find_latest, read_manifest
 from diffsynth_mbc.training.lora_format import NonFiniteLoraError
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
@@ -105,15 +109,15 @@ def test_an_infinite_value_is_named_too(checkpoints):
     assert not (checkpoints.root.parent / "epoch-0.safetensors").exists()
 
 
-def trained_for(checkpoints, optimizer, steps: int) -> Path:
-    """``steps`` real optimizer and schedule steps (gradients of ones), then a checkpoint."""
+def trained_for(checkpoints, optimizer, steps: int, done: int = 0) -> Path:
+    """``steps`` more real optimizer and schedule steps (gradients of ones) after ``done``, then a checkpoint."""
     for _ in range(steps):
         for group in optimizer.param_groups:
             for parameter in group["params"]:
                 parameter.grad = torch.ones_like(parameter)
         optimizer.step()
         checkpoints.scheduler.step()
-    return checkpoints.save(Position(step=steps))
+    return checkpoints.save(Position(step=done + steps))
 
 
 def test_changed_optimisation_settings_or_media_are_refused_on_resume(runs):
@@ -157,3 +161,59 @@ def test_the_same_settings_resume_with_the_saved_optimizer_state(runs):
     assert checkpoints.load("latest").step == 3
     assert resumed.param_groups[0]["lr"] == pytest.approx(saved_lr)
     assert checkpoints.status.state.get("resumed_with_changes") is None
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 4 MiB tmpfs of this test's own: a disk that really fills up. Needs the right to mount."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here to fill a disk for real: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        # A writer that failed may still hold a file open until it is collected: detach lazily then.
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+def test_a_full_disk_names_the_folder_and_the_space_removes_the_partial_checkpoint_and_keeps_the_last(
+        runs, tiny_disk):
+    checkpoints, optimizer = runs("--checkpoint_dir", str(tiny_disk / "checkpoints"), "--keep_checkpoints", "3")
+    good = trained_for(checkpoints, optimizer, 2)
+    size = folder_bytes(good)
+    # Leave room for half a checkpoint: the next one starts writing and runs out part-way.
+    free = shutil.disk_usage(tiny_disk).free
+    (tiny_disk / "filler").write_bytes(b"\0" * (free - size // 2))
+    with pytest.raises(CheckpointWriteError) as error:
+        trained_for(checkpoints, optimizer, 2, done=2)
+    message = str(error.value)
+    assert message.startswith(f"could not write checkpoint step-00000004 in {tiny_disk / 'checkpoints'}: no space "
+                              "left on that filesystem")
+    assert f"a checkpoint needs about {human(size)}" in message and f"previous checkpoint {good} is intact" in message
+    assert sorted(p.name for p in (tiny_disk / "checkpoints").iterdir()) == ["step-00000002"]
+    assert damage(good, read_manifest(good)) is None and find_latest(tiny_disk / "checkpoints") == good
+
+
+@pytest.mark.parametrize("error", [
+    "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4308",
+    "RuntimeError: PytorchStreamWriter failed writing file data/0: file write failed",
+    "SafetensorError: Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space\" })",
+    OSError(errno.ENOSPC, "No space left on device"),
+])
+def test_what_writers_say_on_a_full_disk_is_called_no_space(tmp_path, error):
+    message = write_failure("step-00000008", tmp_path, error, free=1000, needed=3 * 2**20, previous=tmp_path / "s4")
+    assert message.startswith(f"could not write checkpoint step-00000008 in {tmp_path}: no space left")
+    assert "1000 bytes free, a checkpoint needs about 3.0 MiB" in message and "s4 is intact" in message
+
+
+def test_other_write_failures_are_not_called_a_full_disk(tmp_path):
+    message = write_failure("step-00000008", tmp_path, PermissionError(13, "Permission denied"), free=2**30,
+                            needed=2**20, previous=None)
+    assert "no space" not in message and "Permission denied" in message and "no earlier checkpoint" in message
+    # A torch write failure with plenty of room is not a full disk either.
+    assert "no space" not in write_failure("s", tmp_path, "RuntimeError: iostream error", free=2**30, needed=2**20,
+                                           previous=None)
