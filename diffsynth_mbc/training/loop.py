@@ -182,6 +182,7 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
 
     from diffsynth_mbc.data.cache.index import file_sha256
     from diffsynth_mbc.training.batches import IMAGE, VIDEO, ShapeGroupedBatchSampler, default_image_batch_size
+    from diffsynth_mbc.training.fingerprint import run_fingerprint
     from diffsynth_mbc.training.step_plan import StepPlan, lr_factor, steps_from_loader
 
     keys = dataset.batch_keys()
@@ -226,14 +227,10 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
               f"the plan said {plan.steps_per_epoch}; using the data loader's", file=sys.stderr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, total_steps, options.warmup_steps, options.lr_scheduler))
-    checkpoints = Checkpoints(accelerator, module, scheduler, options, status, fingerprint={
-        "world_size": accelerator.num_processes, "batch_size": options.batch_size,
-        "gradient_accumulation_steps": accumulation, "dataset_repeat": options.dataset_repeat,
-        "num_frames": options.num_frames, "height": options.height, "width": options.width,
-        "lora_rank": options.lora_rank, "lora_alpha": options.lora_alpha,
-        "lora_target_modules": options.lora_target_modules, "metadata_rows": dataset.rows,
-        "metadata_sha256": file_sha256(options.dataset_metadata_path), "seed": options.seed,
-        "num_epochs": options.num_epochs, "cache": bool(options.cache), "image_batch_size": image_batch})
+    checkpoints = Checkpoints(accelerator, module, scheduler, options, status, fingerprint=run_fingerprint(
+        options, world_size=accelerator.num_processes, accumulation=accumulation, rows=dataset.rows,
+        metadata_sha256=file_sha256(options.dataset_metadata_path), image_batch=image_batch,
+        precision=accelerator.mixed_precision))
     return Run(options=options, status=status, signals=signals, accelerator=accelerator, module=module,
                optimizer=optimizer, scheduler=scheduler, loader=loader, trainable=trainable, plan=plan,
                steps_per_epoch=steps_per_epoch, checkpoints=checkpoints, validator=validator, batches=batches)
