@@ -39,6 +39,9 @@ STATUS_FIELDS = (
     # eta_s: remaining steps x step_time_avg_s + the overheads still ahead at their mean (eta_overheads_s)
     "elapsed_s", "eta_s", "eta_overheads_s", "progress",
     "started_at", "updated_at",
+    # a resumed run: {"checkpoint", "step", "run_id"} it went on from (its run id, history, elapsed time and
+    # trackers continue); None for a fresh run
+    "resumed_from",
     # {kind: {"count", "total_s", "last_s", "mean_s"}} for the kinds in OVERHEAD_KINDS that happened
     "overheads",
     # {"name", "util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb" (the

@@ -112,6 +112,20 @@ def resolve_resume(resume: str, root: str | Path, world_size: int | None = None,
     return folder
 
 
+def resumed_run_id(resume: str | None, root: str | Path) -> str | None:
+    """The run id a ``--resume`` continues (the newest complete checkpoint's for ``latest``), read from its
+    manifest without checking the files: the load checks them, and corrects the id if it falls back."""
+    if not resume:
+        return None
+    if resume == "latest":
+        found = complete_checkpoints(root)
+        manifest = read_manifest(found[-1][1]) if found else None
+    else:
+        manifest = read_manifest(resume)
+    run_id = (manifest or {}).get("run_id")
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
 def publish(temp_folder: Path, manifest: dict) -> Path:
     """Write the manifest last, then rename the temp folder into place. Returns the final folder."""
     atomic_write_text(temp_folder / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
@@ -188,6 +202,9 @@ class Position:
     samples_seen: int = 0       # this rank's, including replaced bad files
     skipped_samples: int = 0    # this rank's bad files
     recent_skips: list = field(default_factory=list)
+    run_id: str | None = None   # the run a resumed position came from (its run id goes on)
+    elapsed_s: float = 0.0      # training time before this position, so a resumed run's clock goes on
+    checkpoint: str = ""        # the checkpoint folder it was loaded from
 
 
 def _attempt(write) -> str | None:
@@ -284,6 +301,7 @@ class Checkpoints(LoraFiles):
             "step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch,
             "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
             "run_id": self.status.state["run_id"], "created_at": time.time(),
+            "elapsed_s": self.status.state.get("elapsed_s") or 0.0,
             "fingerprint": self.fingerprint, "per_rank": per_rank,
             "world_size": self.accelerator.num_processes, "files": files})
         prune(self.root, self.options.keep_checkpoints)
@@ -359,4 +377,5 @@ class Checkpoints(LoraFiles):
         mine = rank_state[self.accelerator.process_index] if len(rank_state) > self.accelerator.process_index else {}
         return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],
                         samples_seen=mine.get("samples_seen", 0), skipped_samples=mine.get("skipped_samples", 0),
-                        recent_skips=mine.get("recent_skips", []))
+                        recent_skips=mine.get("recent_skips", []), run_id=manifest.get("run_id"),
+                        elapsed_s=float(manifest.get("elapsed_s") or 0.0), checkpoint=folder.name)

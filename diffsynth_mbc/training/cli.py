@@ -23,6 +23,7 @@ from diffsynth_mbc.gpu import UnsupportedGpuError
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError
+from diffsynth_mbc.training.checkpoints import resumed_run_id
 from diffsynth_mbc.training.guards import NonFiniteError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
 from diffsynth_mbc.training.status_writer import RankStatusWriter
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     rank, local_rank, world_size = rank_from_environment()
     try:
         options = resolve_options(argv)
-        run_id = options.run_id or default_run_id()
+        # A resumed run goes on under its own run id (history, elapsed time and trackers continue).
+        run_id = (options.run_id or resumed_run_id(options.resume, options.checkpoint_dir)
+                  or default_run_id())
+        check_run_id(run_id, "the run id")
     except OptionsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -83,6 +83,8 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     if options.resume:
         resume(run)
+    if options.report_to != "none":   # after a resume: the run id (the tracker's run name) goes on, so does its run
+        accelerator.init_trackers(status.state["run_id"])
     if validator:
         validator.attach(accelerator, run.module)
     run.sampler = make_sampler(options, status, accelerator, run.module) if options.sample_prompts else None
@@ -138,8 +140,6 @@ def start_accelerator(options, status: RankStatusWriter):
     run_id = broadcast_from_main(accelerator, status.state["run_id"])
     if run_id != status.state["run_id"]:
         status.update(run_id=run_id, phase=f"joined run {run_id}")
-    if options.report_to != "none":
-        accelerator.init_trackers(run_id)   # the run id is the tracker's run name (rank 0 only, inside)
     if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
         raise OptionsError(f"{accelerator.num_processes} processes were launched but accelerate set up no distributed "
                            "training, so gradients would never be averaged; check the accelerate config "
@@ -238,10 +238,15 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
 
 def resume(run: Run) -> None:
     """Restores weights, optimizer, scheduler and the RNG of every rank, and the data position."""
-    run.position = run.checkpoints.load(run.options.resume)
-    kept = truncate_history(run.status.history_file, run.position.step)
-    run.status.update(phase=f"resumed at step {run.position.step} (history: {kept} lines kept)",
-                      samples_seen=run.position.samples_seen, skipped_samples=run.position.skipped_samples)
+    run.position = position = run.checkpoints.load(run.options.resume)
+    kept = truncate_history(run.status.history_file, position.step)
+    run.status.elapsed_before_s = position.elapsed_s
+    lineage = {"checkpoint": position.checkpoint, "step": position.step, "run_id": position.run_id}
+    if position.run_id and position.run_id != run.status.state["run_id"]:   # fell back to another run's checkpoint
+        run.status.update(run_id=position.run_id)
+    run.status.update(phase=f"resumed from {position.checkpoint} of run {run.status.state['run_id']} "
+                            f"(history: {kept} lines kept)", resumed_from=lineage,
+                      samples_seen=position.samples_seen, skipped_samples=position.skipped_samples)
 
 
 def start_progress(run: Run) -> None:

@@ -94,6 +94,7 @@ class RankStatusWriter:
         self._monotonic = monotonic
         self._last_write = None
         self._started_monotonic = monotonic()
+        self.elapsed_before_s = 0.0     # a resumed run's training time before its checkpoint
         self._history = None
         self.keep_old_histories = keep_old_histories
         self.gpu_reader: Callable[[], dict | None] | None = None
@@ -138,7 +139,7 @@ class RankStatusWriter:
 
     def _write(self) -> None:
         self.state["updated_at"] = self._wall_clock()
-        self.state["elapsed_s"] = round(self._monotonic() - self._started_monotonic, 3)
+        self.state["elapsed_s"] = round(self.elapsed_before_s + self._monotonic() - self._started_monotonic, 3)
         self._last_write = self._monotonic()
         if self.write_failures:
             self.state["write_failures"] = self.write_failures
