@@ -131,16 +131,23 @@ def publish(temp_folder: Path, manifest: dict) -> Path:
     atomic_write_text(temp_folder / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     final = temp_folder.with_name(temp_folder.name[len(TEMP_PREFIX):].split(".")[0])
     if final.exists():
+        from diffsynth_mbc.training.checkpoint_owner import check_replaceable
+
+        check_replaceable(final, manifest.get("run_id"))   # never replace a folder another run wrote
         shutil.rmtree(final)
     os.replace(temp_folder, final)
     return final
 
 
-def prune(root: str | Path, keep_last: int) -> list[Path]:
-    """Remove complete checkpoints beyond the newest ``keep_last`` (never a KEEP one) and stale temp folders."""
+def prune(root: str | Path, keep_last: int, run_id: str | None = None) -> list[Path]:
+    """Remove complete checkpoints beyond the newest ``keep_last`` (never a KEEP one, and with ``run_id`` only
+    that run's own) and stale temp folders."""
+    from diffsynth_mbc.training.checkpoint_owner import owner
+
     root = Path(root)
     removed = []
-    checkpoints = complete_checkpoints(root)
+    checkpoints = [(step, folder) for step, folder in complete_checkpoints(root)
+                   if run_id is None or owner(folder) == run_id]
     for _step, folder in checkpoints[:max(0, len(checkpoints) - keep_last)]:
         if not (folder / KEEP_MARKER).exists():
             shutil.rmtree(folder, ignore_errors=True)
@@ -304,7 +311,7 @@ class Checkpoints(LoraFiles):
             "elapsed_s": self.status.state.get("elapsed_s") or 0.0,
             "fingerprint": self.fingerprint, "per_rank": per_rank,
             "world_size": self.accelerator.num_processes, "files": files})
-        prune(self.root, self.options.keep_checkpoints)
+        prune(self.root, self.options.keep_checkpoints, self.status.state["run_id"])
         return None
 
     def failure_message(self, name: str, temporary: Path, error) -> str:

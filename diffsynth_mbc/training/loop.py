@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position, truncate_history
+from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position
+from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.distributed import agree, all_reduce_sum, broadcast_from_main
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
@@ -83,6 +84,8 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     if options.resume:
         resume(run)
+    else:
+        claim_checkpoint_folder(run)
     if options.report_to != "none":   # after a resume: the run id (the tracker's run name) goes on, so does its run
         accelerator.init_trackers(status.state["run_id"])
     if validator:
@@ -234,19 +237,6 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     return Run(options=options, status=status, signals=signals, accelerator=accelerator, module=module,
                optimizer=optimizer, scheduler=scheduler, loader=loader, trainable=trainable, plan=plan,
                steps_per_epoch=steps_per_epoch, checkpoints=checkpoints, validator=validator, batches=batches)
-
-
-def resume(run: Run) -> None:
-    """Restores weights, optimizer, scheduler and the RNG of every rank, and the data position."""
-    run.position = position = run.checkpoints.load(run.options.resume)
-    kept = truncate_history(run.status.history_file, position.step)
-    run.status.elapsed_before_s = position.elapsed_s
-    lineage = {"checkpoint": position.checkpoint, "step": position.step, "run_id": position.run_id}
-    if position.run_id and position.run_id != run.status.state["run_id"]:   # fell back to another run's checkpoint
-        run.status.update(run_id=position.run_id)
-    run.status.update(phase=f"resumed from {position.checkpoint} of run {run.status.state['run_id']} "
-                            f"(history: {kept} lines kept)", resumed_from=lineage,
-                      samples_seen=position.samples_seen, skipped_samples=position.skipped_samples)
 
 
 def start_progress(run: Run) -> None:

@@ -36,7 +36,8 @@ DEFAULTS = {
     # checkpoints, resume, stopping
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
     "keep_old_histories": 3, "print_every_s": 30.0, "report_to": "none",
-    "resume": None, "force_resume": False, "stop_grace_s": 300.0, "allow_stale_cache": False, "decoder": "fast",
+    "resume": None, "force_resume": False, "start_over": False, "stop_grace_s": 300.0, "allow_stale_cache": False,
+    "decoder": "fast",
     # bad media and validation
     "max_bad_media_fraction": 0.01,
     "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
@@ -156,6 +157,9 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes)")
     ckpt.add_argument("--resume", help="'latest' or a checkpoint folder: continue at its exact step and data position")
     ckpt.add_argument("--force_resume", type=_parse_bool, help="resume even if the configuration differs")
+    ckpt.add_argument("--start_over", type=_parse_bool,
+                      help="a fresh run in a checkpoint folder holding another run's checkpoints: move them "
+                           "into CHECKPOINT_DIR/replaced-RUN_ID/ and start (default false: refused, naming them)")
     ckpt.add_argument("--stop_grace_s", type=float,
                       help="after Ctrl-C/SIGTERM, how long ranks may take to finish the step and save (default 300)")
     data_quality = parser.add_argument_group("bad media and validation")
