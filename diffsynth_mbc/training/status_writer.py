@@ -11,7 +11,6 @@ of the status file (NVML and the allocator are queried only then), from the main
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import socket
@@ -23,7 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from diffsynth_mbc import run_files
-from diffsynth_mbc.atomic import atomic_write_json
+from diffsynth_mbc.atomic import write_json_even_when_full
+from diffsynth_mbc.training.history_appender import HistoryAppender
 
 
 def error_record(exc: BaseException, tail_lines: int = 30) -> dict:
@@ -94,7 +94,7 @@ class RankStatusWriter:
         self._monotonic = monotonic
         self._last_write = None
         self._started_monotonic = monotonic()
-        self._history = None
+        self._history = HistoryAppender(self.history_file)
         self.keep_old_histories = keep_old_histories
         self.gpu_reader: Callable[[], dict | None] | None = None
         if not continue_history:
@@ -145,7 +145,7 @@ class RankStatusWriter:
         is_final = self.state["status"] in run_files.TERMINAL_STATUSES
         if is_final or self._status_guard.due():
             self._read_gpu()
-            self._status_guard.run(lambda: atomic_write_json(self.status_file, self.state))
+            self._status_guard.run(lambda: write_json_even_when_full(self.status_file, self.state))
 
     def _read_gpu(self) -> None:
         """Fresh GPU fields for the write about to happen. Not from the stop-signal thread, which may write while
@@ -164,19 +164,7 @@ class RankStatusWriter:
             self._history_guard.run(self._write_pending_history)
 
     def _write_pending_history(self) -> None:
-        try:
-            if self._history is None:
-                self._history = open(self.history_file, "a", encoding="utf-8")
-            while self._pending_history:
-                self._history.write(self._pending_history[0])
-                self._history.flush()
-                self._pending_history.popleft()
-        except OSError:
-            if self._history is not None:   # reopen next time: the folder may have been replaced
-                with contextlib.suppress(OSError):
-                    self._history.close()
-                self._history = None
-            raise
+        self._history.write_lines(self._pending_history)
 
     def _set_aside_previous_history(self) -> None:
         """A new run starts a new history; the previous one is kept beside it, never overwritten."""
@@ -200,6 +188,4 @@ class RankStatusWriter:
     def close(self) -> None:
         if self._pending_history:
             self._history_guard.run(self._write_pending_history)
-        if self._history is not None:
-            self._history.close()
-            self._history = None
+        self._history.close()
