@@ -100,6 +100,7 @@ class MonitorState:
         self._history: dict[int, HistoryFile] = {}
         self._warned: dict[str, None] = {}  # warn-once notes, in order
         self._runs_seen: dict[int, str | None] = {}   # rank -> the run id its files last belonged to
+        self._folders_seen: set[Path] = set()   # folders listed once: gone later means deleted, not "not yet"
         self._events: dict[str, None] = {}   # normal events worth a line, in order (a new run, ...)
         self._snapshot: dict | None = None
         self._refreshed_mono: float | None = None
@@ -131,11 +132,15 @@ class MonitorState:
         try:
             entries = list(os.scandir(folder))
         except FileNotFoundError:
+            if folder in self._folders_seen:
+                return (f"log directory {folder} vanished (deleted or unmounted?): nothing of it is shown until a "
+                        "run writes there again")
             return f"log directory {folder} does not exist (yet)"
         except NotADirectoryError:
             return f"{folder} is not a directory"
         except OSError as exc:
             return f"cannot list {folder}: {exc}"
+        self._folders_seen.add(folder)
         for entry in entries:
             rank = run_files.rank_of_status_file(entry.name)
             if rank is None or rank in seen:

@@ -24,6 +24,7 @@ from typing import Callable
 from diffsynth_mbc import run_files
 from diffsynth_mbc.atomic import write_json_even_when_full
 from diffsynth_mbc.training.history_appender import HistoryAppender
+from diffsynth_mbc.training.log_folder import LogFolderWatch
 
 
 def error_record(exc: BaseException, tail_lines: int = 30) -> dict:
@@ -87,6 +88,8 @@ class RankStatusWriter:
         self._pending_history: collections.deque[str] = collections.deque()
         self.history_lines_lost = 0
         self._status_guard.run(lambda: self.log_dir.mkdir(parents=True, exist_ok=True))
+        self._stream = stream
+        self._folder = LogFolderWatch(self.log_dir)
         self.status_file = run_files.status_path(self.log_dir, rank)
         self.history_file = run_files.history_path(self.log_dir, rank)
         self.min_interval_s = min_interval_s
@@ -146,6 +149,19 @@ class RankStatusWriter:
         if is_final or self._status_guard.due():
             self._read_gpu()
             self._status_guard.run(lambda: write_json_even_when_full(self.status_file, self.state))
+        if self._folder.replaced():
+            self._folder_replaced()
+
+    def _folder_replaced(self) -> None:
+        """The log folder was deleted (and recreated by the write above) or replaced: the history goes on in the
+        new one, the run's lock is taken there again, and the rank says so."""
+        lock = self._folder.retake_lock()
+        self._history_guard.run(self._write_pending_history)   # reopens the history there at once
+        self._warn(f"the log folder {self.log_dir} was deleted or replaced during the run; rank {self.state['rank']} "
+                   f"writes its status and history in the new one; {lock}")
+
+    def _warn(self, message: str) -> None:
+        print(f"warning: {message}", file=self._stream or sys.stderr, flush=True)
 
     def _read_gpu(self) -> None:
         """Fresh GPU fields for the write about to happen. Not from the stop-signal thread, which may write while
@@ -165,6 +181,9 @@ class RankStatusWriter:
 
     def _write_pending_history(self) -> None:
         self._history.write_lines(self._pending_history)
+        if self._history.replaced:
+            self._warn(f"rank {self.state['rank']}'s history {self._history.replaced}")
+            self._history.replaced = None
 
     def _set_aside_previous_history(self) -> None:
         """A new run starts a new history; the previous one is kept beside it, never overwritten."""
@@ -189,3 +208,4 @@ class RankStatusWriter:
         if self._pending_history:
             self._history_guard.run(self._write_pending_history)
         self._history.close()
+        self._folder.close()
