@@ -16,7 +16,9 @@ Stalled rank
     A rank whose status is ``starting``, ``loading`` or ``training`` and whose ``updated_at``
     is older than the stall threshold. The threshold is ``--stall-after`` when given, else the
     larger of 120 s and 10x the rank's median step time (last 101 steps of its history, else
-    its ``step_time_s``). ``stalled_since`` is its last ``updated_at``.
+    its ``step_time_s``). ``stalled_since`` is its last ``updated_at``. A rank blocked in a
+    collective keeps its file fresh with ``waiting`` (what for, since when; ``waiting_text``), so
+    when one rank hangs, only that one is stalled and a note names it.
 
 Missing rank
     A rank below ``world_size`` with no readable status file. It is listed in
@@ -53,6 +55,7 @@ from diffsynth_mbc.monitor.aggregate import (
     pick_run,
     run_status,
     slow_ranks,
+    waiting_notes,
     world_size_of,
 )
 from diffsynth_mbc.monitor.backfill import Backfill
@@ -65,6 +68,7 @@ from diffsynth_mbc.monitor.status import (
     StatusFile,
     normalize_status,
     read_status_file,
+    waiting_text,
 )
 
 
@@ -330,6 +334,7 @@ class MonitorState:
         if self._backfill.failure:
             notes.append(self._backfill.failure)
 
+        notes.extend(waiting_notes(ranks_out))
         status = run_status(ranks_out)
         agg = aggregate(ranks_out, status, now)
         errors = []
@@ -378,6 +383,10 @@ class MonitorState:
             "loss_trend": hf.loss.trend(TREND_POINTS) if hf.complete else hf.sampled_trend,
             "history_lines": hf.records if hf.complete else None,   # None: read from its tail so far
             "history_complete": hf.complete,
+            # what an active, fresh rank waits for (a stalled rank's last word on it is not news)
+            "waiting_text": waiting_text(data.get("waiting"), now)
+            if data.get("status") in run_files.ACTIVE_STATUSES and not stalled else None,
         })
         return data
+
 
