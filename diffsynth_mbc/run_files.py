@@ -48,6 +48,9 @@ STATUS_FIELDS = (
     # allocator's peaks since the previous write), "run_peak_allocated_mb", "run_peak_reserved_mb"}; None on CPU
     "gpu",
     "error",  # {"type", "message", "traceback_tail"} when status == "failed", else None
+    # {"for": "ranks in all-reduce (step agreement)", "since": unix time} while the rank has waited in a collective
+    # for longer than its write interval (a heartbeat keeps the file fresh meanwhile), else None
+    "waiting",
 )
 
 # Fields of each training_gpu{rank}.jsonl line (one per optimizer step; epoch from 0). Extra fields may

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position
+from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast_from_main, wait_for_everyone,
+                                                watch_gradient_all_reduce)
 from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
-from diffsynth_mbc.training.distributed import agree, all_reduce_sum, broadcast_from_main
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
@@ -140,7 +141,7 @@ def start_accelerator(options, status: RankStatusWriter):
     if accelerator.num_processes != status.state["world_size"]:
         status.update(world_size=accelerator.num_processes)
     # One run id for the whole run, rank 0's: nodes launched seconds or minutes apart each proposed their own.
-    run_id = broadcast_from_main(accelerator, status.state["run_id"])
+    run_id = broadcast_from_main(accelerator, status.state["run_id"], status, what="rank 0's run id")
     if run_id != status.state["run_id"]:
         status.update(run_id=run_id, phase=f"joined run {run_id}")
     if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
@@ -217,6 +218,7 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
         # its micro-batch figure is bookkeeping here (the loss is each batch's mean): the video batch.
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = options.batch_size
     module, optimizer, loader = accelerator.prepare(module, optimizer, loader)
+    watch_gradient_all_reduce(module, status)   # a rank waiting for the others' gradients says so
     # What the loop will really do: DeepSpeed's config may override the accumulation we asked for.
     accumulation = accelerator.gradient_accumulation_steps
     if accumulation != options.gradient_accumulation_steps:
@@ -342,7 +344,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         status.update(skipped_samples=position.skipped_samples, skip_reasons=position.recent_skips)
     # One small all-reduce per step keeps every rank's decisions identical.
     stop_any, time_due, bad_total, seen_total = agree(
-        accelerator, torch, run.signals.requested.is_set(), run.schedule.due_by_time(), bad, samples)
+        accelerator, torch, run.signals.requested.is_set(), run.schedule.due_by_time(), bad, samples, status=status)
     run.bad_media.account(bad_total, seen_total, position.recent_skips)
     if position.batches_in_epoch >= len(run.loader):
         position.epoch, position.batches_in_epoch = epoch + 1, 0
@@ -376,7 +378,7 @@ def finish(run: Run) -> None:
     run.logger.timed("lora", run.checkpoints.save_lora, "lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:
         run.logger.timed("checkpoint", run.checkpoints.save, position)
-    run.accelerator.wait_for_everyone()
+    wait_for_everyone(run.accelerator, run.status, "ranks to finish")
     run.logger.on_training_end()
 
 
