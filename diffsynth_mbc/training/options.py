@@ -48,6 +48,7 @@ DEFAULTS = {
     "cache": None, "val_cache": None,
 }
 
+MAX_SIDE = 4096   # pixels, each of --height and --width
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
             "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
@@ -299,6 +300,9 @@ def _check_names(options: dict) -> None:
     for key, allowed in _CHOICES.items():
         if options[key] not in allowed:
             raise OptionsError(f"--{key} must be one of {', '.join(str(a) for a in allowed if a)}, got {options[key]!r}")
+    for key in ("output_path", "log_dir", "checkpoint_dir"):
+        if options[key] and Path(options[key]).exists() and not Path(options[key]).is_dir():
+            raise OptionsError(f"--{key} {options[key]} is a file, not a folder")
     checkpointing = options["gradient_checkpointing"]
     if checkpointing not in ("all", "none", "auto") and not (checkpointing.isdigit()):
         raise OptionsError("--gradient_checkpointing must be all, none, auto or a number of blocks, got "
@@ -310,6 +314,9 @@ def validate(options: dict) -> None:
     _check_numbers(options)
     _check_names(options)
     for key in ("height", "width"):
+        if options[key] > MAX_SIDE:
+            raise OptionsError(f"--{key} {options[key]} is above {MAX_SIDE}, the largest side this trains "
+                               "(Wan2.2-TI2V-5B was trained at 1280x704)")
         if options[key] % 32:
             raise OptionsError(f"--{key} must be a multiple of 32 (Wan2.2 VAE x DiT patch), got {options[key]}")
     if options["num_frames"] % 4 != 1:

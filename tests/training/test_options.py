@@ -123,3 +123,26 @@ def test_presets_hold_the_users_settings():
         assert options.lora_rank == 32 and options.lora_target_modules == "q,k,v,o,ffn.0,ffn.2"
         assert options.learning_rate == 1e-4 and options.batch_size == 1 and options.num_epochs == epochs
         assert rows_note in (REPO / "configs" / name).read_text()
+
+
+def test_an_output_folder_that_is_a_file_and_absurd_sizes_are_usage_errors(tmp_path):
+    from diffsynth_mbc.errors import OptionsError
+    from diffsynth_mbc.training.options import resolve_options
+
+    base = ["--dataset_base_path", str(tmp_path), "--dataset_metadata_path", str(tmp_path / "m.csv")]
+    a_file = tmp_path / "lora.safetensors"
+    a_file.write_bytes(b"x")
+    for flag in ("--output_path", "--log_dir", "--checkpoint_dir"):
+        with pytest.raises(OptionsError, match=f"{flag} .* is a file, not a folder"):
+            resolve_options([*base, flag, str(a_file)])
+    with pytest.raises(OptionsError, match="--height 32000 is above 4096"):
+        resolve_options([*base, "--height", "32000", "--width", "32000"])
+
+
+def test_the_doctor_refuses_to_decode_a_row_that_would_not_fit_in_memory():
+    from diffsynth_mbc.doctor.checks import decode_memory_problem
+
+    problem = decode_memory_problem(4096, 4096, 17, available=4 * 2**30)
+    assert "at 4096x4096x17 needs about 3.2 GiB, more than half of the 4.0 GiB free" in problem
+    assert decode_memory_problem(1280, 704, 17, available=8 * 2**30) is None
+    assert decode_memory_problem(4096, 4096, 17, available=None) is None
