@@ -63,15 +63,16 @@ def check_replaceable(final: Path, run_id: str | None) -> None:
 
 def claim_folder(root: str | Path, run_id: str, start_over: bool, accelerator, status) -> None:
     """A fresh run's check of its checkpoint folder, on every rank alike: another run's checkpoints there are
-    refused (ValueError naming them), or with ``start_over`` moved aside by rank 0 while the others wait."""
+    refused (ValueError naming them), or with ``start_over`` moved aside by rank 0. Every rank looks before
+    any rank moves anything (a barrier between), so they all decide the same."""
     foreign = foreign_checkpoints(root, run_id)
     if foreign and not start_over:
         raise ValueError(refusal(root, foreign))
+    accelerator.wait_for_everyone()
     if foreign and accelerator.is_main_process:
         moved = set_aside(foreign)
         status.update(phase=f"--start_over: moved {len(moved)} checkpoint(s) of another run into "
                             f"{moved[0].parent}")
         print(f"note: --start_over: {len(moved)} checkpoint(s) of another run moved into {moved[0].parent}",
               file=sys.stderr)
-    if foreign:
-        accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()
