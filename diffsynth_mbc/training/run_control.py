@@ -25,14 +25,8 @@ from pathlib import Path
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.atomic import atomic_write_json
-
-LOCK_PREFIX = ".train"
-TRAINER_MODULES = ("diffsynth_mbc.train", "diffsynth_mbc.cache")
-
-
-def lock_name(machine_rank: int = 0) -> str:
-    """One lock per node of a run: node 0 keeps the historical name."""
-    return f"{LOCK_PREFIX}.lock" if machine_rank == 0 else f"{LOCK_PREFIX}.node{machine_rank}.lock"
+from diffsynth_mbc.training.processes import is_trainer
+from diffsynth_mbc.training.run_lock import LOCK_PREFIX, lock_name  # noqa: F401 - lock_name: the launchers' name
 
 
 def lock_holders(lock_file: str | os.PathLike) -> list[int]:
@@ -57,19 +51,6 @@ def lock_holders(lock_file: str | os.PathLike) -> list[int]:
         except OSError:   # gone meanwhile, or not ours to read
             continue
     return sorted(holders)
-
-
-def command_line(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return []
-
-
-def is_trainer(pid: int) -> bool:
-    """A rank process: `python -u -m diffsynth_mbc.train ...` (or the cache job) as accelerate starts it."""
-    argv = command_line(pid)
-    return any(argv[i] == "-m" and argv[i + 1] in TRAINER_MODULES for i in range(1, min(len(argv) - 1, 4)))
 
 
 def run_locks(folder: str | os.PathLike) -> list[Path]:
