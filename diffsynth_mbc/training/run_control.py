@@ -167,13 +167,57 @@ def stop_run(folder: str | os.PathLike, grace_s: float = 120.0, poll_s: float = 
           f"(checkpoint, then exit; SIGKILL after {grace_s:g} s)", file=out)
     _signal_all(targets, signal.SIGTERM, starts)
     if _wait_gone(starts, grace_s, poll_s):
+        report_ranks(run, out)
         print("stopped", file=out)
         return 0
-    left = _alive_of(starts)
-    print(f"still running after {grace_s:g} s: SIGKILL to {' '.join(map(str, left))}", file=out)
-    _signal_all(left, signal.SIGKILL, starts)
-    _wait_gone(starts, 15.0, poll_s)
+    kill_after_grace(run, starts, grace_s, poll_s, out)
+    marked = mark_dead_ranks(run.log_dir, 137, reason=f"killed by stop.sh after its grace of {grace_s:g} s",
+                             run_id=run.run_id) if run.log_dir else []
+    report_ranks(run, out)
+    if marked:
+        print(f"marked rank(s) {' '.join(map(str, marked))} failed: killed without a final status", file=out)
+    print("had to kill the run: exit 1", file=out)
     return 1
+
+
+def kill_after_grace(run: RunProcesses, starts: dict, grace_s: float, poll_s: float, out) -> None:
+    """SIGKILL the ranks still alive; the supervisor then ends the launch itself, or is killed too."""
+    ranks = [pid for pid in sorted(run.ranks) if alive(pid, starts[pid])]
+    if ranks:
+        print(f"still running after {grace_s:g} s: SIGKILL to ranks {' '.join(map(str, ranks))}", file=out)
+        _signal_all(ranks, signal.SIGKILL, starts)
+    if _wait_gone(starts, 20.0, poll_s):
+        return
+    left = _alive_of(starts)
+    print(f"{'still' if ranks else f'still running after {grace_s:g} s:'} SIGKILL to "
+          f"{' '.join(map(str, left))} (launcher, accelerate)", file=out)
+    _signal_all(left, signal.SIGKILL, starts)
+    _wait_gone(starts, 10.0, poll_s)
+
+
+def report_ranks(run: RunProcesses, out) -> None:
+    """What each rank of this host wrote last, so the user reads what happened, not what was asked."""
+    if not run.log_dir:
+        return
+    for rank, state in sorted(rank_states(run.log_dir, run.run_id).items()):
+        print(f"  rank {rank}: {state.get('status')} at step {state.get('step')} ({state.get('phase')})", file=out)
+
+
+def rank_states(log_dir: str | os.PathLike, run_id: str | None = None, host: str | None = None) -> dict:
+    """{rank: status} of this host's ranks (of ``run_id`` when given) in ``log_dir``."""
+    host = host or socket.gethostname()
+    states = {}
+    for path in sorted(Path(log_dir).glob("training_gpu*.json")):
+        rank = run_files.rank_of_status_file(path.name)
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if rank is None or not isinstance(state, dict) or state.get("hostname") != host:
+            continue
+        if run_id is None or state.get("run_id") == run_id:
+            states[rank] = state
+    return states
 
 
 def _signal_all(pids: list[int], sig: int, starts: dict | None = None) -> None:
@@ -196,31 +240,26 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str | None = None) -> list[int]:
+def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str | None = None,
+                    reason: str | None = None, run_id: str | None = None) -> list[int]:
     """Status files of this host still saying starting/loading/training whose process is gone: failed.
 
-    Called by the launcher once the launch has returned, so a rank killed with SIGKILL (which
-    writes nothing) is reported as failed at once instead of being called stalled minutes later.
+    Called by the supervisor once the launch has returned, and by ``stop_run`` after it had to kill, so a
+    rank killed with SIGKILL (which writes nothing) is reported as failed at once instead of being called
+    stalled minutes later, or left `training` forever.
     """
-    host = host or socket.gethostname()
     marked = []
-    for path in sorted(Path(log_dir).glob("training_gpu*.json")):
-        rank = run_files.rank_of_status_file(path.name)
-        try:
-            state = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if rank is None or not isinstance(state, dict) or state.get("hostname") != host:
-            continue
+    for rank, state in rank_states(log_dir, run_id, host).items():
         pid = state.get("pid")
         if state.get("status") not in run_files.ACTIVE_STATUSES or not isinstance(pid, int) or pid_alive(pid):
             continue
+        why = reason or f"killed?); the launch exited with code {launch_exit_code}"
         state.update(status=run_files.STATUS_FAILED, phase="process ended without a final status",
                      updated_at=time.time(),
                      error={"type": "RankDied", "traceback_tail": "",
-                            "message": f"rank {rank} (pid {pid}) ended without writing a final status "
-                                       f"(killed?); the launch exited with code {launch_exit_code}"})
-        atomic_write_json(path, state)
+                            "message": f"rank {rank} (pid {pid}) ended without writing a final status ({why}"
+                                       + (")" if reason else "")})
+        atomic_write_json(run_files.status_path(log_dir, rank), state)
         marked.append(rank)
     return marked
 
