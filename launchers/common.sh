@@ -111,6 +111,14 @@ mbc_free_port() {
 # mbc_launch PRESET [launcher flags] [train flags]
 mbc_launch() {
   local preset=$1; shift
+  # The command that resumes this run, shown when it is stopped: these flags without --resume/--detach.
+  local resume_command="bash ${MBC_LAUNCHER:-launchers/train_test.sh}" arg drop=0
+  for arg in "$@"; do
+    if ((drop)); then drop=0; continue; fi
+    case $arg in --resume) drop=1; continue ;; --resume=*|--detach|--dry-run) continue ;; esac
+    resume_command+=" $(printf '%q' "$arg")"
+  done
+  resume_command+=" --resume latest"
   local demo=0 deepspeed=0 multinode=0 detach=0 cached=0 dry_run=0 skip_doctor=0 gpus="" train_args=()
   while (($#)); do
     case $1 in
@@ -228,7 +236,7 @@ mbc_launch() {
   local log_file=${MBC_LOG_FILE:-$OUTPUT_PATH/train-$MBC_RUN_ID.log}
   # The owner of the run's processes from here on (diffsynth_mbc.training.supervisor): it starts accelerate
   # in a session of its own, hands the ranks the locks, stops them on Ctrl-C and marks dead ranks failed.
-  local supervise=("$PYTHON" -m diffsynth_mbc.supervise --log-dir "$LOG_DIR") lock
+  local supervise=("$PYTHON" -m diffsynth_mbc.supervise --log-dir "$LOG_DIR" --resume-command "$resume_command") lock
   for lock in "${MBC_LOCK_FILES[@]}"; do supervise+=(--lock "$lock"); done
 
   if [[ $cached == 1 ]]; then

@@ -12,7 +12,9 @@ the launcher's pid and its locks carry over. It
 - copies COMMAND's output to its own and appends it to ``--log-file``;
 - on SIGINT, SIGTERM or SIGHUP sends SIGTERM to the ranks (each finishes its step, checkpoints and
   writes ``stopped``); a second signal again (the ranks then exit at once); a third kills them;
-- when COMMAND ends, marks ranks that died without a final status failed and removes its records.
+- when COMMAND ends, marks ranks that died without a final status failed, ends with the run's last word
+  (a failed rank's cause, or the checkpoint and command that resume a stopped run) after whatever torch
+  printed, and removes its records.
 
 Linux only (reads /proc). No torch.
 """
@@ -28,18 +30,20 @@ import threading
 
 from diffsynth_mbc.training import run_lock
 from diffsynth_mbc.training.processes import children, is_trainer, start_time
-from diffsynth_mbc.training.run_control import mark_dead_ranks
+from diffsynth_mbc import run_files
+from diffsynth_mbc.training.run_control import mark_dead_ranks, rank_states
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Supervisor:
     def __init__(self, command: list[str], locks: list[str], log_dir: str, log_file: str | None = None,
-                 launcher_pid: int | None = None, out=None):
+                 launcher_pid: int | None = None, out=None, resume_command: str | None = None):
         self.command, self.locks, self.log_dir, self.log_file = command, locks, log_dir, log_file
         self.pid = os.getpid()
         self.launcher_pid = launcher_pid or self.pid
         self.out = out or sys.stdout.buffer
+        self.resume_command = resume_command
         self.child: subprocess.Popen | None = None
         self.signals_received = 0
         self._log = None
@@ -151,8 +155,33 @@ class Supervisor:
         marked = mark_dead_ranks(self.log_dir, code)
         if marked:
             self.say(f"marked rank(s) {' '.join(map(str, marked))} failed: their process ended without a final status")
+        for line in closing_lines(rank_states(self.log_dir, os.environ.get("MBC_RUN_ID") or None),
+                                  self.resume_command, self.log_file):
+            self.say(line)
         self.remove_records()
         return code
+
+
+def closing_lines(states: dict, resume_command: str | None, log_file: str | None) -> list[str]:
+    """The run's last word, after everything torch and accelerate printed: why it failed, or how to resume."""
+    failed = {rank: state for rank, state in states.items() if state.get("status") == run_files.STATUS_FAILED}
+    if failed:
+        lines = []
+        for rank, state in sorted(failed.items()):
+            error = state.get("error") or {}
+            message = " ".join(str(error.get("message") or state.get("phase") or "").split())
+            lines.append(f"failed: rank {rank} at step {state.get('step')}: {error.get('type', 'error')}: "
+                         f"{message[:600]}")
+        return lines + ([f"  log: {log_file}"] if log_file else [])
+    if states and all(state.get("status") == run_files.STATUS_STOPPED for state in states.values()):
+        state = states[min(states)]
+        checkpoint = state.get("last_checkpoint")
+        lines = [f"stopped at step {state.get('step')}/{state.get('total_steps')}"
+                 + (f"; resume from {checkpoint}" if checkpoint else "; no checkpoint was written")]
+        if resume_command and checkpoint:
+            lines.append(f"  resume: {resume_command}")
+        return lines
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", required=True, help="the run's log folder (per-rank status files)")
     parser.add_argument("--log-file", help="append the command's output here too")
     parser.add_argument("--launcher-pid", type=int, help="the launcher, when this is not it (default: this process)")
+    parser.add_argument("--resume-command", help="the command that resumes this run, shown when it was stopped")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     options = parser.parse_args(argv)
     command = options.command[1:] if options.command[:1] == ["--"] else options.command
     if not command:
         parser.error("no command given")
-    return Supervisor(command, options.lock, options.log_dir, options.log_file, options.launcher_pid).run()
+    return Supervisor(command, options.lock, options.log_dir, options.log_file, options.launcher_pid,
+                      resume_command=options.resume_command).run()

@@ -92,3 +92,50 @@ def test_ranks_hold_the_lock_and_stop_cleanly_when_their_launcher_is_killed(tmp_
     assert not lock_holders(output / ".train.lock"), "nothing of the run is left holding its lock"
     log, = output.glob("train-*.log")   # the ranks' last words went to the log once the launcher was gone
     assert f"stopped: {stopped_at}/" in log.read_text()
+
+
+def test_ctrl_c_exits_0_with_the_summary_last_naming_the_checkpoint_and_the_resume_command(tmp_path):
+    launcher = start_launcher(tmp_path, "--num_epochs", "5000")
+    log_dir = tmp_path / "runs/demo/training_logs"
+    try:
+        wait_until(ranks_training(log_dir, min_step=2), 180, "both ranks training", tmp_path)
+        os.killpg(launcher.pid, signal.SIGINT)   # what Ctrl-C in the launcher's terminal sends
+        code = launcher.wait(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            stop_tree(launcher.pid)
+    text = launcher_output(tmp_path)
+    assert code == 0, text[-3000:]
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    summary = text[text.rindex("\nstopped: "):]
+    assert "lora.safetensors" not in summary, summary      # a stopped run has not written it
+    checkpoint = read_status(log_dir, 0)["last_checkpoint"]
+    assert checkpoint and (tmp_path / checkpoint).is_dir()
+    last = text.strip().splitlines()[-2:]
+    assert last[0].startswith("stopped at step") and f"resume from {checkpoint}" in last[0], last
+    assert last[1] == f"  resume: bash launchers/train_test.sh --demo --num_epochs 5000 --resume latest", last
+
+
+def test_a_failed_run_ends_with_its_cause(tmp_path):
+    from diffsynth_mbc.data.demo import prepare
+
+    prepare(tmp_path / "broken", num_videos=6, num_images=5)
+    media = tmp_path / "broken" / "catalog" / "media"
+    for index in range(6):
+        (media / f"video_{index:03d}.mp4").write_bytes(b"garbage" * 50)
+    for image in media.glob("image_00[0-2].*"):
+        image.write_bytes(b"not an image")
+    launcher = start_launcher(tmp_path, "--skip_doctor", "--dataset_repeat", "3",
+                              "--dataset_base_path", str(tmp_path / "broken" / "catalog"),
+                              "--dataset_metadata_path", str(tmp_path / "broken" / "metadata" / "metadata.csv"))
+    try:
+        code = launcher.wait(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            stop_tree(launcher.pid)
+    text = launcher_output(tmp_path)
+    assert code != 0
+    last = text.strip().splitlines()[-3:]   # the cause on the last screen, after torch's ChildFailedError
+    assert any(line.startswith("failed: rank") and "TooMuchBadMedia" in line and "could not be decoded" in line
+               for line in last), text[-3000:]
+    assert last[-1].startswith("  log: ") and last[-1].endswith(".log")
