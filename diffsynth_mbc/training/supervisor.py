@@ -67,8 +67,9 @@ class Supervisor:
         piped = self.log_file is not None
         if piped:
             self._log = open(self.log_file, "ab")
+        # stdin stays the launcher's: rank 0 sizes its live bar by the terminal found there
         self.child = subprocess.Popen(self.command, env=self.environment(), start_new_session=True,
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if piped else None,
+                                      stdout=subprocess.PIPE if piped else None,
                                       stderr=subprocess.STDOUT if piped else None)
         self.write_records()
         copier = threading.Thread(target=self._copy_output, daemon=True) if piped else None
