@@ -39,12 +39,20 @@ STATUS_FIELDS = (
     # eta_s: remaining steps x step_time_avg_s + the overheads still ahead at their mean (eta_overheads_s)
     "elapsed_s", "eta_s", "eta_overheads_s", "progress",
     "started_at", "updated_at",
+    # a resumed run: {"checkpoint", "step", "run_id"} it went on from (its run id, history, elapsed time and
+    # trackers continue); None for a fresh run
+    "resumed_from",
+    # the launch (the launcher's run id) that started this process; equals run_id unless the run was resumed
+    "launch_id",
     # {kind: {"count", "total_s", "last_s", "mean_s"}} for the kinds in OVERHEAD_KINDS that happened
     "overheads",
     # {"name", "util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb" (the
     # allocator's peaks since the previous write), "run_peak_allocated_mb", "run_peak_reserved_mb"}; None on CPU
     "gpu",
     "error",  # {"type", "message", "traceback_tail"} when status == "failed", else None
+    # {"for": "ranks in all-reduce (step agreement)", "since": unix time} while the rank has waited in a collective
+    # for longer than its write interval (a heartbeat keeps the file fresh meanwhile), else None
+    "waiting",
 )
 
 # Fields of each training_gpu{rank}.jsonl line (one per optimizer step; epoch from 0). Extra fields may

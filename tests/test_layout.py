@@ -16,6 +16,7 @@ MAX_FUNCTION_LINES = 80
 TORCH_FREE = ["atomic.py", "errors.py", "run_files.py", "data/catalog.py", "data/selection.py", "data/cache/index.py",
               "models/model_files.py", "training/options.py", "training/step_plan.py", "training/eta.py",
               "training/step_timing.py", "training/checkpoints.py", "training/status_writer.py",
+              "training/history_appender.py", "training/log_folder.py",
               "training/run_control.py", "training/lora_format.py", "training/guards.py", "gpu.py", "doctor/memory.py",
               "doctor/speed.py", "doctor/projection.py", "doctor/estimates.py", "sample_prompts.py", "data/shapes.py",
               "training/batches.py", "training/step/compile_policy.py", "training/step/checkpointing.py",

@@ -181,6 +181,25 @@ def model_check(options) -> Check:
     return Check("model files", OK, f"{options.model_dir}: {len(files.dit_shards)} DiT shard(s), T5, VAE, tokenizer readable")
 
 
+DECODE_WORKING_COPIES = 4   # decoded RGB frames, the resized copy, the crop and the tensor a row becomes
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def decode_memory_problem(width: int, height: int, num_frames: int, available: int | None) -> str | None:
+    """Why decoding one row at this size would not fit in memory (checked before decoding), or None."""
+    needed = DECODE_WORKING_COPIES * width * height * 3 * num_frames
+    if available is not None and needed > available // 2:
+        return (f"decoding one row at {width}x{height}x{num_frames} needs about {needed / 2**30:.1f} GiB, more "
+                f"than half of the {available / 2**30:.1f} GiB free here")
+    return None
+
+
 def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]:
     """The metadata's rows as (videos, images), and whether the first rows decode at the training size."""
     from diffsynth_mbc.doctor.projection import count_media
@@ -195,6 +214,10 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
     counted = f"{path}: {rows:,} rows ({media[0]:,} videos, {media[1]:,} images)"
     if quick or options.cache:
         return Check("metadata", OK, counted), media
+    too_big = decode_memory_problem(options.width, options.height, options.num_frames, available_memory_bytes())
+    if too_big:
+        return Check("metadata", FAIL, f"{counted}; not decoded: {too_big}",
+                     "train at a smaller --height/--width/--num_frames"), media
     from diffsynth_mbc.data.dataset import MBCVideoDataset
 
     dataset = MBCVideoDataset(options.dataset_base_path, path, decoder=options.decoder, num_frames=options.num_frames,

@@ -157,3 +157,14 @@ def overheads_of(ranks: list[dict]) -> dict | None:
             if kind not in out or (tally.get("total_s") or 0.0) > (out[kind].get("total_s") or 0.0):
                 out[kind] = tally
     return out or None
+
+
+def waiting_notes(ranks: list[dict]) -> list[str]:
+    """'rank 1 is silent (stalled) while rank 0 waits for ranks in ...': the hung rank is the one named."""
+    stalled = [r["rank"] for r in ranks if r["stalled"]]
+    waiting = [r for r in ranks if r.get("waiting_text")]
+    if not stalled or not waiting:
+        return []
+    names = ", ".join(str(rank) for rank in stalled)
+    return [f"rank{'s' if len(stalled) > 1 else ''} {names} silent (stalled) while rank {r['rank']} is "
+            f"{r['waiting_text']}" for r in waiting]

@@ -32,7 +32,9 @@ Run status, first rule that matches
     stopped) > training / loading / starting (most advanced active status).
 
 Stall threshold
-    --stall-after S when given, else max(120 s, 10 x the rank's median step time).
+    --stall-after S when given, else max(120 s, 10 x the rank's median step time). A rank waiting
+    in a collective for the others keeps its file fresh and says what it waits for, so a hung
+    rank is the only one called stalled.
 
 Several runs in one directory
     The run_id with the newest started_at is shown; files of other runs are ignored and

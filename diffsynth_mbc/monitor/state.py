@@ -16,7 +16,9 @@ Stalled rank
     A rank whose status is ``starting``, ``loading`` or ``training`` and whose ``updated_at``
     is older than the stall threshold. The threshold is ``--stall-after`` when given, else the
     larger of 120 s and 10x the rank's median step time (last 101 steps of its history, else
-    its ``step_time_s``). ``stalled_since`` is its last ``updated_at``.
+    its ``step_time_s``). ``stalled_since`` is its last ``updated_at``. A rank blocked in a
+    collective keeps its file fresh with ``waiting`` (what for, since when; ``waiting_text``), so
+    when one rank hangs, only that one is stalled and a note names it.
 
 Missing rank
     A rank below ``world_size`` with no readable status file. It is listed in
@@ -53,6 +55,7 @@ from diffsynth_mbc.monitor.aggregate import (
     pick_run,
     run_status,
     slow_ranks,
+    waiting_notes,
     world_size_of,
 )
 from diffsynth_mbc.monitor.backfill import Backfill
@@ -65,6 +68,7 @@ from diffsynth_mbc.monitor.status import (
     StatusFile,
     normalize_status,
     read_status_file,
+    waiting_text,
 )
 
 
@@ -100,6 +104,7 @@ class MonitorState:
         self._history: dict[int, HistoryFile] = {}
         self._warned: dict[str, None] = {}  # warn-once notes, in order
         self._runs_seen: dict[int, str | None] = {}   # rank -> the run id its files last belonged to
+        self._folders_seen: set[Path] = set()   # folders listed once: gone later means deleted, not "not yet"
         self._events: dict[str, None] = {}   # normal events worth a line, in order (a new run, ...)
         self._snapshot: dict | None = None
         self._refreshed_mono: float | None = None
@@ -131,11 +136,15 @@ class MonitorState:
         try:
             entries = list(os.scandir(folder))
         except FileNotFoundError:
+            if folder in self._folders_seen:
+                return (f"log directory {folder} vanished (deleted or unmounted?): nothing of it is shown until a "
+                        "run writes there again")
             return f"log directory {folder} does not exist (yet)"
         except NotADirectoryError:
             return f"{folder} is not a directory"
         except OSError as exc:
             return f"cannot list {folder}: {exc}"
+        self._folders_seen.add(folder)
         for entry in entries:
             rank = run_files.rank_of_status_file(entry.name)
             if rank is None or rank in seen:
@@ -325,6 +334,7 @@ class MonitorState:
         if self._backfill.failure:
             notes.append(self._backfill.failure)
 
+        notes.extend(waiting_notes(ranks_out))
         status = run_status(ranks_out)
         agg = aggregate(ranks_out, status, now)
         errors = []
@@ -373,6 +383,10 @@ class MonitorState:
             "loss_trend": hf.loss.trend(TREND_POINTS) if hf.complete else hf.sampled_trend,
             "history_lines": hf.records if hf.complete else None,   # None: read from its tail so far
             "history_complete": hf.complete,
+            # what an active, fresh rank waits for (a stalled rank's last word on it is not news)
+            "waiting_text": waiting_text(data.get("waiting"), now)
+            if data.get("status") in run_files.ACTIVE_STATUSES and not stalled else None,
         })
         return data
+
 

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import stat
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +37,7 @@ _GPU_NUMBERS = ("util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", 
 MAX_OVERHEAD_KINDS = 16   # kinds of overhead kept from one status file (the training writes 4)
 _STR_FIELDS = ("run_id", "hostname", "status", "phase")
 _COMPUTED = ("stalled", "age_s", "stall_after_s", "stalled_since", "median_step_time_s", "loss_trend",
-             "history_lines", "history_complete", "file")
+             "history_lines", "history_complete", "file", "waiting_text")
 
 
 def exit_code(status: str) -> int:
@@ -114,7 +115,8 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     name = f"training_gpu{file_rank}.json"
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in ("gpu", "error", "overheads"):
+        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in ("gpu", "error", "overheads",
+                                                                                     "waiting"):
             continue
         if key in _COMPUTED:
             continue
@@ -153,6 +155,7 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     out["gpu"] = _normalize_gpu(raw.get("gpu"), name, notes)
     out["overheads"] = _normalize_overheads(raw.get("overheads"), name, notes)
     out["error"] = _normalize_error(raw.get("error"))
+    out["waiting"] = _normalize_waiting(raw.get("waiting"), name, notes)
     if out["rank"] is not None and out["rank"] != file_rank:
         notes.append(f"{name} says it is rank {out['rank']}; shown as rank {file_rank} (from the file name)")
     out["rank"] = file_rank
@@ -188,6 +191,25 @@ def _normalize_overheads(value: Any, name: str, notes: list[str]) -> dict | None
         out[printable(str(kind))[:40]] = {"count": count, **{key: to_float(tally.get(key))
                                                              for key in ("total_s", "last_s", "mean_s")}}
     return out
+
+
+def _normalize_waiting(value: Any, name: str, notes: list[str]) -> dict | None:
+    """``{"for": what the rank waits for, "since": unix time}`` (a rank blocked in a collective), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("for"), str) or to_float(value.get("since")) is None:
+        notes.append(f"{name}: waiting is not {{for, since}} ({_describe(value)})")
+        return None
+    return {"for": printable(value["for"])[:200], "since": to_float(value["since"])}
+
+
+def waiting_text(waiting: dict | None, now: float) -> str | None:
+    """'waiting for ranks in all-reduce (step agreement) since 14:02:11 (95 s)' for a rank's ``waiting``."""
+    if not waiting:
+        return None
+    since = waiting["since"]
+    return (f"waiting for {waiting['for']} since {time.strftime('%H:%M:%S', time.localtime(since))} "
+            f"({max(0.0, now - since):.0f} s)")
 
 
 def _normalize_error(value: Any) -> dict | None:

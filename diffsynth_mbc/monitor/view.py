@@ -168,7 +168,7 @@ def render_ranks(snap: dict, theme: Theme) -> RenderableType:
             str(rank),
             Text(printable(str(r.get("hostname") or "-"))),   # Text: what a file says is never markup
             _status_text(r, theme),
-            Text(printable(str(r.get("phase") or "-"))),
+            Text(phase_text(r)),
             step_text,
             fmt_num(r.get("loss")),
             Text(sparkline(r.get("loss_trend") or []), style=theme.spark),
@@ -254,8 +254,14 @@ def render_compact_ranks(snap: dict, theme: Theme) -> RenderableType:
                       fmt_num(r.get("loss")),
                       "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.2f}",
                       "-" if r.get("age_s") is None else fmt_duration(r["age_s"]),
-                      Text(printable(str(r.get("phase") or "-"))))
+                      Text(phase_text(r)))
     return table
+
+
+def phase_text(r: dict) -> str:
+    """The rank's phase, and what it waits for while blocked in a collective."""
+    phase = printable(str(r.get("phase") or "-"))
+    return f"{phase}: {r['waiting_text']}" if r.get("waiting_text") else phase
 
 
 def render(snap: dict, *, log_dir: str | None = None, theme: Theme = THEME, footer: str | None = None,

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position, truncate_history
-from diffsynth_mbc.training.distributed import agree, all_reduce_sum, broadcast_from_main
+from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position
+from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast_from_main, wait_for_everyone,
+                                                watch_gradient_all_reduce)
+from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
@@ -83,6 +85,10 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     if options.resume:
         resume(run)
+    else:
+        claim_checkpoint_folder(run)
+    if options.report_to != "none":   # after a resume: the run id (the tracker's run name) goes on, so does its run
+        accelerator.init_trackers(status.state["run_id"])
     if validator:
         validator.attach(accelerator, run.module)
     run.sampler = make_sampler(options, status, accelerator, run.module) if options.sample_prompts else None
@@ -135,11 +141,9 @@ def start_accelerator(options, status: RankStatusWriter):
     if accelerator.num_processes != status.state["world_size"]:
         status.update(world_size=accelerator.num_processes)
     # One run id for the whole run, rank 0's: nodes launched seconds or minutes apart each proposed their own.
-    run_id = broadcast_from_main(accelerator, status.state["run_id"])
+    run_id = broadcast_from_main(accelerator, status.state["run_id"], status, what="rank 0's run id")
     if run_id != status.state["run_id"]:
         status.update(run_id=run_id, phase=f"joined run {run_id}")
-    if options.report_to != "none":
-        accelerator.init_trackers(run_id)   # the run id is the tracker's run name (rank 0 only, inside)
     if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
         raise OptionsError(f"{accelerator.num_processes} processes were launched but accelerate set up no distributed "
                            "training, so gradients would never be averaged; check the accelerate config "
@@ -182,6 +186,7 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
 
     from diffsynth_mbc.data.cache.index import file_sha256
     from diffsynth_mbc.training.batches import IMAGE, VIDEO, ShapeGroupedBatchSampler, default_image_batch_size
+    from diffsynth_mbc.training.fingerprint import run_fingerprint
     from diffsynth_mbc.training.step_plan import StepPlan, lr_factor, steps_from_loader
 
     keys = dataset.batch_keys()
@@ -213,6 +218,7 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
         # its micro-batch figure is bookkeeping here (the loss is each batch's mean): the video batch.
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = options.batch_size
     module, optimizer, loader = accelerator.prepare(module, optimizer, loader)
+    watch_gradient_all_reduce(module, status)   # a rank waiting for the others' gradients says so
     # What the loop will really do: DeepSpeed's config may override the accumulation we asked for.
     accumulation = accelerator.gradient_accumulation_steps
     if accumulation != options.gradient_accumulation_steps:
@@ -226,25 +232,13 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
               f"the plan said {plan.steps_per_epoch}; using the data loader's", file=sys.stderr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, total_steps, options.warmup_steps, options.lr_scheduler))
-    checkpoints = Checkpoints(accelerator, module, scheduler, options, status, fingerprint={
-        "world_size": accelerator.num_processes, "batch_size": options.batch_size,
-        "gradient_accumulation_steps": accumulation, "dataset_repeat": options.dataset_repeat,
-        "num_frames": options.num_frames, "height": options.height, "width": options.width,
-        "lora_rank": options.lora_rank, "lora_alpha": options.lora_alpha,
-        "lora_target_modules": options.lora_target_modules, "metadata_rows": dataset.rows,
-        "metadata_sha256": file_sha256(options.dataset_metadata_path), "seed": options.seed,
-        "num_epochs": options.num_epochs, "cache": bool(options.cache), "image_batch_size": image_batch})
+    checkpoints = Checkpoints(accelerator, module, scheduler, options, status, fingerprint=run_fingerprint(
+        options, world_size=accelerator.num_processes, accumulation=accumulation, rows=dataset.rows,
+        metadata_sha256=file_sha256(options.dataset_metadata_path), image_batch=image_batch,
+        precision=accelerator.mixed_precision))
     return Run(options=options, status=status, signals=signals, accelerator=accelerator, module=module,
                optimizer=optimizer, scheduler=scheduler, loader=loader, trainable=trainable, plan=plan,
                steps_per_epoch=steps_per_epoch, checkpoints=checkpoints, validator=validator, batches=batches)
-
-
-def resume(run: Run) -> None:
-    """Restores weights, optimizer, scheduler and the RNG of every rank, and the data position."""
-    run.position = run.checkpoints.load(run.options.resume)
-    kept = truncate_history(run.status.history_file, run.position.step)
-    run.status.update(phase=f"resumed at step {run.position.step} (history: {kept} lines kept)",
-                      samples_seen=run.position.samples_seen, skipped_samples=run.position.skipped_samples)
 
 
 def start_progress(run: Run) -> None:
@@ -350,7 +344,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         status.update(skipped_samples=position.skipped_samples, skip_reasons=position.recent_skips)
     # One small all-reduce per step keeps every rank's decisions identical.
     stop_any, time_due, bad_total, seen_total = agree(
-        accelerator, torch, run.signals.requested.is_set(), run.schedule.due_by_time(), bad, samples)
+        accelerator, torch, run.signals.requested.is_set(), run.schedule.due_by_time(), bad, samples, status=status)
     run.bad_media.account(bad_total, seen_total, position.recent_skips)
     if position.batches_in_epoch >= len(run.loader):
         position.epoch, position.batches_in_epoch = epoch + 1, 0
@@ -384,7 +378,7 @@ def finish(run: Run) -> None:
     run.logger.timed("lora", run.checkpoints.save_lora, "lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:
         run.logger.timed("checkpoint", run.checkpoints.save, position)
-    run.accelerator.wait_for_everyone()
+    wait_for_everyone(run.accelerator, run.status, "ranks to finish")
     run.logger.on_training_end()
 
 

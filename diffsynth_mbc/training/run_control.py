@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffsynth_mbc import run_files
-from diffsynth_mbc.atomic import atomic_write_json
+from diffsynth_mbc.atomic import write_json_even_when_full
 from diffsynth_mbc.training.processes import (alive, environment_value, is_accelerate, is_launcher, is_trainer, parent,
                                               start_time)
 from diffsynth_mbc.training.run_lock import LOCK_PREFIX, lock_name, read_record, regular_lock_problem  # noqa: F401
@@ -215,7 +215,8 @@ def rank_states(log_dir: str | os.PathLike, run_id: str | None = None, host: str
             continue
         if rank is None or not isinstance(state, dict) or state.get("hostname") != host:
             continue
-        if run_id is None or state.get("run_id") == run_id:
+        # A resumed run goes on under its checkpoint's run id; its launch is named by launch_id.
+        if run_id is None or run_id in (state.get("run_id"), state.get("launch_id")):
             states[rank] = state
     return states
 
@@ -259,7 +260,12 @@ def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str
                      error={"type": "RankDied", "traceback_tail": "",
                             "message": f"rank {rank} (pid {pid}) ended without writing a final status ({why}"
                                        + (")" if reason else "")})
-        atomic_write_json(run_files.status_path(log_dir, rank), state)
+        path = run_files.status_path(log_dir, rank)
+        try:
+            write_json_even_when_full(path, state)
+        except OSError as exc:   # a full or vanished log folder: say so, the launcher still ends cleanly
+            print(f"warning: cannot mark rank {rank} failed in {path}: {exc}", file=sys.stderr)
+            continue
         marked.append(rank)
     return marked
 

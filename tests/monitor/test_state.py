@@ -146,6 +146,35 @@ def test_empty_and_missing_directory_are_no_data(tmp_path):
     assert "not a directory" in " ".join(state_for(tmp_path / "a-file")[0].refresh()["notes"])
 
 
+def test_a_log_folder_that_vanished_is_no_data_and_said_so(tmp_path):
+    """Deleted mid-run: neither the last status read ("training, step 115") nor its history is shown as live."""
+    log_dir = tmp_path / "logs"
+    F.make_run(log_dir, world_size=2, steps=115)
+    state, _ = state_for(log_dir)
+    assert state.refresh()["status"] == "training"
+    for path in log_dir.iterdir():
+        path.unlink()
+    log_dir.rmdir()
+    snap = state.refresh()
+    assert snap["status"] == "no_data" and snap["ranks"] == [] and exit_code(snap["status"]) == 4
+    assert any("vanished" in note for note in snap["notes"]), snap["notes"]
+    assert state.metrics(points=100)["ranks"] == {}
+
+
+def test_the_silent_rank_is_the_stalled_one_and_the_rank_waiting_for_it_says_so(tmp_path):
+    """Rank 1 stopped (its file stale); rank 0 blocked in the all-reduce keeps its file fresh, naming the wait."""
+    F.make_run(tmp_path, world_size=2, steps=115)
+    F.write_status(tmp_path, 0, step=115, updated_at=F.NOW - 1,
+                   waiting={"for": "ranks in all-reduce (step agreement)", "since": F.NOW - 95})
+    F.write_status(tmp_path, 1, step=115, updated_at=F.NOW - 96)
+    snap = state_for(tmp_path, stall_after=30)[0].refresh()
+    assert snap["status"] == "stalled" and snap["stalled_ranks"] == [1]
+    waiting = by_rank(snap)[0]["waiting_text"]
+    assert waiting.startswith("waiting for ranks in all-reduce (step agreement) since ") and waiting.endswith("(95 s)")
+    assert by_rank(snap)[1]["waiting_text"] is None
+    assert any(note.startswith("rank 1 silent (stalled) while rank 0 is waiting for") for note in snap["notes"])
+
+
 def test_torn_last_line_is_read_once_complete(tmp_path):
     F.write_history(tmp_path, 0, range(1, 11))
     path = F.write_status(tmp_path, 0, world_size=1, step=10)

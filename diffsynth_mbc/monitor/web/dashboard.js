@@ -130,7 +130,7 @@
     // epoch is 0-based in the run files; people count from 1
     const epoch = num(r.epoch) ? ((r.epoch + 1) + (num(r.num_epochs) ? " / " + r.num_epochs : "")) : "-";
     const cells = [
-      [null, rank], ["l", r.hostname || "-"], null, ["l", r.phase || "-"], [null, epoch],
+      [null, rank], ["l", r.hostname || "-"], null, ["l", (r.phase || "-") + (r.waiting_text ? ": " + r.waiting_text : "")], [null, epoch],
       [null, (num(r.step) ? r.step : "-") + " / " + (num(r.total_steps) ? r.total_steps : "-")],
       [null, fmt(r.loss, 4)], [null, fmt(r.lr, 3)], [null, num(r.step_time_s) ? r.step_time_s.toFixed(2) + " s" : "-"],
       [null, gpu ? (num(gpu.util_pct) ? Math.round(gpu.util_pct) + " %" : "-") : "cpu"], [null, mem],
