@@ -42,6 +42,8 @@ STATUS_FIELDS = (
     # a resumed run: {"checkpoint", "step", "run_id"} it went on from (its run id, history, elapsed time and
     # trackers continue); None for a fresh run
     "resumed_from",
+    # the launch (the launcher's run id) that started this process; equals run_id unless the run was resumed
+    "launch_id",
     # {kind: {"count", "total_s", "last_s", "mean_s"}} for the kinds in OVERHEAD_KINDS that happened
     "overheads",
     # {"name", "util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb" (the

@@ -39,15 +39,19 @@ mbc_new_run_id() {
   echo "run-$(date +%Y%m%d-%H%M%S)-$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')"
 }
 
-# mbc_lock FD FOLDER WHAT: one training per folder (per node of a run). The lock is an open file
-# descriptor that every process of the run inherits, so it is held while any of them lives and is
-# released by the kernel when all exit: a lock left by a crashed run is never taken for a live one.
+# mbc_lock FD FOLDER WHAT: one training per folder (per node of a run). The lock is taken exclusively
+# (no process of another run holds it, not even a rank whose launcher died), then turned into a shared
+# lock that every rank of this run takes too (diffsynth_mbc.training.run_lock): the folder stays locked
+# while any process of the run lives, and the kernel releases it when all have exited.
 mbc_lock() {
   local fd=$1 folder=$2 what=$3 lock pid_file
   lock=$folder/$(mbc_lock_name)
   pid_file=${lock%.lock}.pid
+  if [[ -L $lock || ( -e $lock && ! -f $lock ) ]]; then
+    mbc_die "$lock is not a regular file (a symbolic link or a device): remove it, then launch again"
+  fi
   eval "exec $fd>>\"\$lock\""
-  if ! flock -n "$fd"; then
+  if ! flock -n -x "$fd"; then
     echo "error: a training is already running on $folder (its $what): run $(sed -n 2p "$pid_file" 2>/dev/null || echo '?')," \
          "$("$PYTHON" -c 'import sys; from diffsynth_mbc.training.run_control import describe_holders as d; print(d(sys.argv[1]))' "$folder")." \
          "Not starting another; stop it with: bash launchers/stop.sh $folder" >&2
@@ -58,6 +62,11 @@ mbc_lock() {
     rm -f "$pid_file"
   fi
   printf '%s\n%s\n' "$$" "$MBC_RUN_ID" > "$pid_file"
+  if ! flock -n -s "$fd"; then   # another launch took it between the two: it runs, this one does not
+    echo "error: another training started on $folder (its $what) at the same moment; not starting this one" >&2
+    exit 75
+  fi
+  MBC_LOCK_FILES+=("$lock")
 }
 
 mbc_wait_for_file() {
@@ -102,6 +111,14 @@ mbc_free_port() {
 # mbc_launch PRESET [launcher flags] [train flags]
 mbc_launch() {
   local preset=$1; shift
+  # The command that resumes this run, shown when it is stopped: these flags without --resume/--detach.
+  local resume_command="bash ${MBC_LAUNCHER:-launchers/train_test.sh}" arg drop=0
+  for arg in "$@"; do
+    if ((drop)); then drop=0; continue; fi
+    case $arg in --resume) drop=1; continue ;; --resume=*|--detach|--dry-run) continue ;; esac
+    resume_command+=" $(printf '%q' "$arg")"
+  done
+  resume_command+=" --resume latest"
   local demo=0 deepspeed=0 multinode=0 detach=0 cached=0 dry_run=0 skip_doctor=0 gpus="" train_args=()
   while (($#)); do
     case $1 in
@@ -185,12 +202,10 @@ mbc_launch() {
   # One training per output, log and checkpoint folder (per node): a second run sharing any of them
   # would replace the first one's monitoring files or prune its checkpoints.
   export MBC_RUN_ID=${MBC_RUN_ID:-$(mbc_new_run_id)}
-  MBC_MULTINODE=$multinode
+  MBC_MULTINODE=$multinode MBC_LOCK_FILES=()
   mbc_lock 9 "$OUTPUT_PATH" "output folder"
   mbc_lock 8 "$LOG_DIR" "log folder"
   mbc_lock 7 "$CHECKPOINT_DIR" "checkpoint folder"
-  local pid_file=$OUTPUT_PATH/$(mbc_lock_name)
-  pid_file=${pid_file%.lock}.pid
 
   if [[ $demo == 1 && ${MACHINE_RANK:-0} != 0 && $multinode == 1 ]]; then
     mbc_wait_for_file runs/demo/metadata/metadata.csv 300 "node 0 to prepare the demo data"
@@ -219,6 +234,10 @@ mbc_launch() {
   fi
 
   local log_file=${MBC_LOG_FILE:-$OUTPUT_PATH/train-$MBC_RUN_ID.log}
+  # The owner of the run's processes from here on (diffsynth_mbc.training.supervisor): it starts accelerate
+  # in a session of its own, hands the ranks the locks, stops them on Ctrl-C and marks dead ranks failed.
+  local supervise=("$PYTHON" -m diffsynth_mbc.supervise --log-dir "$LOG_DIR" --resume-command "$resume_command") lock
+  for lock in "${MBC_LOCK_FILES[@]}"; do supervise+=(--lock "$lock"); done
 
   if [[ $cached == 1 ]]; then
     if [[ $detach == 1 ]]; then mbc_die "--cached with --detach: build the cache first, then detach the training"; fi
@@ -226,14 +245,15 @@ mbc_launch() {
     cache_settings=$("$PYTHON" -m diffsynth_mbc.plan --cache-commands --world_size "$world_size" --config "$preset" \
                      "${train_args[@]+"${train_args[@]}"}") || exit 2
     eval "$cache_settings"
-    local cache_launch=("${env_prefix[@]+"${env_prefix[@]}"}" "$PYTHON" -m accelerate.commands.launch "${accelerate_args[@]}")
+    local cache_launch=("${supervise[@]}" --launcher-pid $$ --log-file "$log_file" --
+                        "${env_prefix[@]+"${env_prefix[@]}"}" "$PYTHON" -m accelerate.commands.launch "${accelerate_args[@]}")
     echo "latent cache: $CACHE_DIR" | tee -a "$log_file" >&2
-    "${cache_launch[@]}" -m diffsynth_mbc.cache "${CACHE_ARGS[@]}" 2>&1 | tee -i -a "$log_file"
-    [[ ${PIPESTATUS[0]} == 0 ]] || { echo "error: building the latent cache failed (see $log_file)" >&2; exit 1; }
+    "${cache_launch[@]}" -m diffsynth_mbc.cache "${CACHE_ARGS[@]}" ||
+      { echo "error: building the latent cache failed (see $log_file)" >&2; exit 1; }
     train_args+=(--cache "$CACHE_DIR")
     if [[ -n $VAL_CACHE_DIR ]]; then
-      "${cache_launch[@]}" -m diffsynth_mbc.cache "${VAL_CACHE_ARGS[@]}" 2>&1 | tee -i -a "$log_file"
-      [[ ${PIPESTATUS[0]} == 0 ]] || { echo "error: building the validation cache failed (see $log_file)" >&2; exit 1; }
+      "${cache_launch[@]}" -m diffsynth_mbc.cache "${VAL_CACHE_ARGS[@]}" ||
+        { echo "error: building the validation cache failed (see $log_file)" >&2; exit 1; }
       train_args+=(--val_cache "$VAL_CACHE_DIR")
     fi
     mbc_next_rendezvous_port accelerate_args $demo $multinode
@@ -244,26 +264,18 @@ mbc_launch() {
   echo "log: $log_file   per-GPU status: $LOG_DIR/training_gpu*.json   watch: python -m diffsynth_mbc.monitor $LOG_DIR" >&2
 
   if [[ $detach == 1 ]]; then
-    # The background job marks ranks that died without a status (SIGKILL) as failed, as below.
-    setsid bash -c '"${@:3}"; code=$?; "$1" -m diffsynth_mbc.stop "$2" --mark-dead-ranks $code; exit $code' \
-      _ "$PYTHON" "$LOG_DIR" "${cmd[@]}" >>"$log_file" 2>&1 < /dev/null &
-    local pid=$!
-    printf '%s\n%s\n' "$pid" "$MBC_RUN_ID" > "$pid_file"
-    echo "started in the background: pid $pid   stop: bash launchers/stop.sh $OUTPUT_PATH" >&2
+    # In a session of its own, writing to the log file only; it holds the locks after this shell returns.
+    setsid "${supervise[@]}" -- "${cmd[@]}" >>"$log_file" 2>&1 < /dev/null &
+    echo "started in the background: pid $!   stop: bash launchers/stop.sh $OUTPUT_PATH" >&2
     return 0
   fi
   local terminal
   if [[ -t 1 ]] && { terminal=$(tty <&3); } 3>&1; then
-    # Everything below goes through tee, so rank 0 draws its live bar on this terminal directly (by its
+    # Everything below goes through the supervisor, so rank 0 draws its live bar on this terminal directly (by its
     # name: the ranks run in a session of their own, without /dev/tty) and appends its plain progress
     # lines to the log file instead.
     export MBC_PROGRESS_TTY=$terminal MBC_PROGRESS_LOG=$log_file
   fi
-  set +e
-  "${cmd[@]}" 2>&1 | tee -i -a "$log_file"
-  local code=${PIPESTATUS[0]}
-  "$PYTHON" -m diffsynth_mbc.stop "$LOG_DIR" --mark-dead-ranks "$code" 2>&1 | tee -i -a "$log_file"
-  set -e
-  rm -f "$OUTPUT_PATH"/.train*.pid "$LOG_DIR"/.train*.pid "$CHECKPOINT_DIR"/.train*.pid
-  return "$code"
+  # This process becomes the supervisor: same pid, same locks; the ranks watch it.
+  exec "${supervise[@]}" --log-file "$log_file" -- "${cmd[@]}"
 }

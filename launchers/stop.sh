@@ -2,6 +2,7 @@
 # Stop the training running on OUTPUT_PATH as Ctrl-C would (every rank checkpoints, writes `stopped`,
 # exits 0), then forcibly after --grace seconds (default 120).
 #   bash launchers/stop.sh runs/test/lora [--grace 300]
-# Exit codes: 0 stopped, 1 had to be killed, 2 usage, 3 nothing was running there.
+# Only the run's own launcher, accelerate and ranks are signalled (recorded pid and command line).
+# Exit codes: 0 stopped, 1 had to be killed, 2 usage or a lock that is not a regular file, 3 nothing was running there.
 set -euo pipefail
 exec "${PYTHON:-python}" -m diffsynth_mbc.stop "$@"

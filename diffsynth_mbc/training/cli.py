@@ -5,9 +5,12 @@ config), e.g. ``bash launchers/train_test.sh``. Every rank writes ``LOG_DIR/trai
 from its first instant (status ``starting``), then ``loading``, ``training`` and finally
 ``finished``, ``failed`` (with the error) or ``stopped``.
 
+Started by a launcher, each rank holds the run's folder locks itself and stops as on SIGTERM when its
+launcher dies (``diffsynth_mbc.training.run_lock``).
+
 Exit codes: 0 finished, or stopped cleanly by Ctrl-C/SIGTERM (the step finished and a checkpoint
-was saved); 1 failed; 2 bad options, model files or checkpoint; 130/143 stopped by a signal before
-training began, or by a second signal.
+was saved); 1 failed; 2 bad options, model files or checkpoint; 75 the folders belong to another run;
+130/143 stopped by a signal before training began, or by a second signal.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError
 from diffsynth_mbc.training.checkpoints import resumed_run_id
 from diffsynth_mbc.training.guards import NonFiniteError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
+from diffsynth_mbc.training.run_lock import RunLockError, follow_run_log, hold_run_locks, watch_launcher
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.stop_signals import StopSignals
 
@@ -49,20 +53,27 @@ def main(argv: list[str] | None = None) -> int:
     except OptionsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:   # before any file is written: the folders may be another run's
+        hold_run_locks()
+    except RunLockError as exc:
+        print(f"[rank {rank}] error: {exc}", file=sys.stderr)
+        return 75
     status = RankStatusWriter(options.log_dir, run_id, rank, local_rank, world_size,
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))
+    status.update(launch_id=os.environ.get("MBC_RUN_ID"))   # the launch that started this process
     signals = StopSignals(grace_s=options.stop_grace_s, on_stuck=lambda sig: status.set_status(
         run_files.STATUS_STOPPED, phase=f"stopped by signal {sig} while in: {status.state['phase']}"))
     signals.install()
+    watch = watch_launcher(lambda reason: (follow_run_log(), signals.request(reason)))
     try:
         from diffsynth_mbc.training.loop import train
 
         train(options, status, signals)
         return 0
     except KeyboardInterrupt:
-        status.set_status(run_files.STATUS_STOPPED, phase=f"stopped by signal {signals.received or 'SIGINT'} "
-                                                          f"during: {status.state['phase']}")
+        by = signals.describe() if signals.requested.is_set() else "SIGINT"
+        status.set_status(run_files.STATUS_STOPPED, phase=f"stopped by {by} during: {status.state['phase']}")
         print(f"[rank {rank}] stopped", file=sys.stderr)
         return signals.exit_code
     except (ModelFileError, OptionsError, UnsupportedGpuError) as exc:
@@ -79,5 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
+        if watch:
+            watch.stop()
         signals.finished()
         status.close()

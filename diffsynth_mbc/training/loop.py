@@ -355,7 +355,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     if stop_any:
         run.logger.timed("checkpoint", run.checkpoints.save, position)
         status.set_status(run_files.STATUS_STOPPED, phase=f"stopped at step {position.step} after a "
-                          "stop request; resume with --resume latest")
+                          f"stop request ({run.signals.describe()}); resume with --resume latest")
         return "stopped"
     if run.schedule.due_by_steps(position.step) or time_due:
         run.logger.timed("checkpoint", run.checkpoints.save, position)

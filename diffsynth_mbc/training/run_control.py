@@ -1,14 +1,16 @@
 """The processes of a run on this host: who holds a folder's lock, stopping a run, marking dead ranks.
 
-The launcher takes an flock on ``FOLDER/.train[.nodeR].lock`` in the output, log and checkpoint
-folders and every process of the run (launcher, tee, accelerate, ranks, data-loader workers) inherits
-that descriptor. So the processes holding the lock file open *are* the run on this host, whatever
-their parents, sessions or process groups are; a dead launcher's pid never stands in for them.
+Each of the output, log and checkpoint folders has a lock, ``FOLDER/.train[.nodeR].lock``, held by the
+launcher and by every rank of the run (``diffsynth_mbc.training.run_lock``), and a record beside it
+naming the run id, the launcher, the supervisor and accelerate. So the ranks are found through the lock
+even when their launcher is dead; and a process is signalled only when it is this run's launcher,
+accelerate or rank by its recorded pid (or its lock and run id) *and* its command line, never because it
+happens to hold a file of that name open: a lock that is a symbolic link or not a regular file is refused.
 
     python -m diffsynth_mbc.stop OUTPUT_PATH [--grace S]     (launchers/stop.sh)
 
 Stopping sends SIGTERM to each rank, which is the same as Ctrl-C: every rank checkpoints, writes
-``stopped`` and exits 0. Whatever still holds the lock after ``--grace`` seconds gets SIGKILL.
+``stopped`` and exits 0. What of the run is still alive after ``--grace`` seconds gets SIGKILL.
 Linux only (reads /proc). No torch.
 """
 
@@ -21,18 +23,14 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.atomic import write_json_even_when_full
-
-LOCK_PREFIX = ".train"
-TRAINER_MODULES = ("diffsynth_mbc.train", "diffsynth_mbc.cache")
-
-
-def lock_name(machine_rank: int = 0) -> str:
-    """One lock per node of a run: node 0 keeps the historical name."""
-    return f"{LOCK_PREFIX}.lock" if machine_rank == 0 else f"{LOCK_PREFIX}.node{machine_rank}.lock"
+from diffsynth_mbc.training.processes import (alive, environment_value, is_accelerate, is_launcher, is_trainer, parent,
+                                              start_time)
+from diffsynth_mbc.training.run_lock import LOCK_PREFIX, lock_name, read_record, regular_lock_problem  # noqa: F401
 
 
 def lock_holders(lock_file: str | os.PathLike) -> list[int]:
@@ -59,19 +57,6 @@ def lock_holders(lock_file: str | os.PathLike) -> list[int]:
     return sorted(holders)
 
 
-def command_line(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return []
-
-
-def is_trainer(pid: int) -> bool:
-    """A rank process: `python -u -m diffsynth_mbc.train ...` (or the cache job) as accelerate starts it."""
-    argv = command_line(pid)
-    return any(argv[i] == "-m" and argv[i + 1] in TRAINER_MODULES for i in range(1, min(len(argv) - 1, 4)))
-
-
 def run_locks(folder: str | os.PathLike) -> list[Path]:
     return sorted(Path(folder).glob(f"{LOCK_PREFIX}*.lock"))
 
@@ -91,34 +76,155 @@ def describe_holders(folder: str | os.PathLike) -> str:
     return ", ".join(parts)
 
 
-def stop_run(folder: str | os.PathLike, grace_s: float = 120.0, poll_s: float = 0.2, out=sys.stderr) -> int:
-    """Stop the run holding ``folder``'s locks: SIGTERM its ranks, SIGKILL what is left after the grace.
+@dataclass
+class RunProcesses:
+    """The processes of the run recorded beside a folder's locks, each checked by pid *and* command line."""
+    run_id: str | None = None
+    log_dir: str | None = None
+    launchers: set = field(default_factory=set)     # the launcher (bash, then the supervisor it became)
+    accelerate: set = field(default_factory=set)
+    ranks: set = field(default_factory=set)
+    strangers: list = field(default_factory=list)   # lock holders that are none of these: never signalled
 
-    Returns 0 when it stopped within the grace, 1 when it had to be killed, 3 when nothing ran there.
+    def members(self) -> list[int]:
+        return sorted(self.launchers | self.accelerate | self.ranks)
+
+    def describe(self) -> str:
+        parts = [f"{what} {' '.join(map(str, sorted(pids)))}" for what, pids in
+                 (("launcher", self.launchers), ("accelerate", self.accelerate), ("ranks", self.ranks)) if pids]
+        return ", ".join(parts)
+
+
+def _number(value) -> int | None:
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+def find_run(locks: list[Path]) -> RunProcesses:
+    """The launcher, accelerate and ranks of the run that the records beside ``locks`` name.
+
+    A launcher is the recorded pid holding the lock with a launcher's command line (or the recorded supervisor,
+    by pid and start time); accelerate the recorded pid, a child of that supervisor, running accelerate; a rank
+    a lock holder running the training with the record's run id in its environment whose parent is not
+    itself a rank (a data-loader worker is left to its rank)."""
+    holders = sorted({pid for lock in locks for pid in lock_holders(lock)})
+    run = RunProcesses()
+    for lock in locks:
+        record = read_record(lock)
+        run.run_id, run.log_dir = run.run_id or record["run_id"], run.log_dir or record.get("log_dir")
+        launcher = record["launcher"]
+        if launcher in holders and is_launcher(launcher):
+            run.launchers.add(launcher)
+        supervisor = _number(record.get("supervisor"))
+        if supervisor and alive(supervisor, _number(record.get("supervisor_start"))) and is_launcher(supervisor):
+            run.launchers.add(supervisor)
+            accelerate = _number(record.get("accelerate"))
+            if accelerate and parent(accelerate) == supervisor and is_accelerate(accelerate):
+                run.accelerate.add(accelerate)
+        if record["run_id"]:
+            run.ranks |= {pid for pid in holders if is_trainer(pid) and not is_trainer(parent(pid) or 0)
+                          and environment_value(pid, "MBC_RUN_ID") == record["run_id"]}
+    members = set(run.members())
+    run.strangers = [pid for pid in holders if pid not in members and parent(pid) not in members]
+    return run
+
+
+def _alive_of(starts: dict) -> list[int]:
+    return sorted(pid for pid, started in starts.items() if alive(pid, started))
+
+
+def _wait_gone(starts: dict, timeout_s: float, poll_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive_of(starts):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def stop_run(folder: str | os.PathLike, grace_s: float = 120.0, poll_s: float = 0.2, out=sys.stderr) -> int:
+    """Stop the run recorded on ``folder``: SIGTERM its ranks, SIGKILL what of the run is left after the grace.
+
+    Only this run's launcher, accelerate and ranks are ever signalled. Returns 0 when it stopped within the
+    grace, 1 when it had to be killed, 2 when a lock is not a regular file, 3 when nothing of a run ran there.
     """
     locks = run_locks(folder)
-    pids = sorted({pid for lock in locks for pid in lock_holders(lock)})
-    if not pids:
-        print(f"no training is running on {folder} (no process holds its lock)", file=out)
+    for lock in locks:
+        problem = regular_lock_problem(lock)
+        if problem:
+            print(f"error: refusing the lock {lock}: {problem}. A run's lock is a regular file the launcher "
+                  f"creates; nothing was signalled", file=out)
+            return 2
+    run = find_run(locks)
+    if run.strangers:
+        print(f"note: {' '.join(map(str, run.strangers))} hold(s) the lock but are not this run's launcher, "
+              f"accelerate or ranks: left alone", file=out)
+    if not run.members():
+        print(f"no training is running on {folder} (no process of a run holds its lock)", file=out)
         return 3
-    ranks = [pid for pid in pids if is_trainer(pid)] or pids
-    print(f"stopping the run on {folder}: SIGTERM to {' '.join(map(str, ranks))} "
+    starts = {pid: start_time(pid) for pid in run.members()}
+    targets = sorted(run.ranks or run.launchers)
+    print(f"stopping run {run.run_id} on {folder} ({run.describe()}): SIGTERM to {' '.join(map(str, targets))} "
           f"(checkpoint, then exit; SIGKILL after {grace_s:g} s)", file=out)
-    _signal_all(ranks, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not any(lock_holders(lock) for lock in locks):
-            print("stopped", file=out)
-            return 0
-        time.sleep(poll_s)
-    left = sorted({pid for lock in locks for pid in lock_holders(lock)})
-    print(f"still running after {grace_s:g} s: SIGKILL to {' '.join(map(str, left))}", file=out)
-    _signal_all(left, signal.SIGKILL)
+    _signal_all(targets, signal.SIGTERM, starts)
+    if _wait_gone(starts, grace_s, poll_s):
+        report_ranks(run, out)
+        print("stopped", file=out)
+        return 0
+    kill_after_grace(run, starts, grace_s, poll_s, out)
+    marked = mark_dead_ranks(run.log_dir, 137, reason=f"killed by stop.sh after its grace of {grace_s:g} s",
+                             run_id=run.run_id) if run.log_dir else []
+    report_ranks(run, out)
+    if marked:
+        print(f"marked rank(s) {' '.join(map(str, marked))} failed: killed without a final status", file=out)
+    print("had to kill the run: exit 1", file=out)
     return 1
 
 
-def _signal_all(pids: list[int], sig: int) -> None:
+def kill_after_grace(run: RunProcesses, starts: dict, grace_s: float, poll_s: float, out) -> None:
+    """SIGKILL the ranks still alive; the supervisor then ends the launch itself, or is killed too."""
+    ranks = [pid for pid in sorted(run.ranks) if alive(pid, starts[pid])]
+    if ranks:
+        print(f"still running after {grace_s:g} s: SIGKILL to ranks {' '.join(map(str, ranks))}", file=out)
+        _signal_all(ranks, signal.SIGKILL, starts)
+    if _wait_gone(starts, 20.0, poll_s):
+        return
+    left = _alive_of(starts)
+    print(f"{'still' if ranks else f'still running after {grace_s:g} s:'} SIGKILL to "
+          f"{' '.join(map(str, left))} (launcher, accelerate)", file=out)
+    _signal_all(left, signal.SIGKILL, starts)
+    _wait_gone(starts, 10.0, poll_s)
+
+
+def report_ranks(run: RunProcesses, out) -> None:
+    """What each rank of this host wrote last, so the user reads what happened, not what was asked."""
+    if not run.log_dir:
+        return
+    for rank, state in sorted(rank_states(run.log_dir, run.run_id).items()):
+        print(f"  rank {rank}: {state.get('status')} at step {state.get('step')} ({state.get('phase')})", file=out)
+
+
+def rank_states(log_dir: str | os.PathLike, run_id: str | None = None, host: str | None = None) -> dict:
+    """{rank: status} of this host's ranks (of ``run_id`` when given) in ``log_dir``."""
+    host = host or socket.gethostname()
+    states = {}
+    for path in sorted(Path(log_dir).glob("training_gpu*.json")):
+        rank = run_files.rank_of_status_file(path.name)
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if rank is None or not isinstance(state, dict) or state.get("hostname") != host:
+            continue
+        # A resumed run goes on under its checkpoint's run id; its launch is named by launch_id.
+        if run_id is None or run_id in (state.get("run_id"), state.get("launch_id")):
+            states[rank] = state
+    return states
+
+
+def _signal_all(pids: list[int], sig: int, starts: dict | None = None) -> None:
     for pid in pids:
+        if starts is not None and not alive(pid, starts.get(pid)):
+            continue   # gone, or its pid reused since: never signal a stranger
         try:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -135,30 +241,26 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str | None = None) -> list[int]:
+def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str | None = None,
+                    reason: str | None = None, run_id: str | None = None) -> list[int]:
     """Status files of this host still saying starting/loading/training whose process is gone: failed.
 
-    Called by the launcher once the launch has returned, so a rank killed with SIGKILL (which
-    writes nothing) is reported as failed at once instead of being called stalled minutes later.
+    Called by the supervisor once the launch has returned, and by ``stop_run`` after it had to kill, so a
+    rank killed with SIGKILL (which writes nothing) is reported as failed at once instead of being called
+    stalled minutes later, or left `training` forever.
     """
-    host = host or socket.gethostname()
     marked = []
-    for path in sorted(Path(log_dir).glob("training_gpu*.json")):
-        rank = run_files.rank_of_status_file(path.name)
-        try:
-            state = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if rank is None or not isinstance(state, dict) or state.get("hostname") != host:
-            continue
+    for rank, state in rank_states(log_dir, run_id, host).items():
         pid = state.get("pid")
         if state.get("status") not in run_files.ACTIVE_STATUSES or not isinstance(pid, int) or pid_alive(pid):
             continue
+        why = reason or f"killed?); the launch exited with code {launch_exit_code}"
         state.update(status=run_files.STATUS_FAILED, phase="process ended without a final status",
                      updated_at=time.time(),
                      error={"type": "RankDied", "traceback_tail": "",
-                            "message": f"rank {rank} (pid {pid}) ended without writing a final status "
-                                       f"(killed?); the launch exited with code {launch_exit_code}"})
+                            "message": f"rank {rank} (pid {pid}) ended without writing a final status ({why}"
+                                       + (")" if reason else "")})
+        path = run_files.status_path(log_dir, rank)
         try:
             write_json_even_when_full(path, state)
         except OSError as exc:   # a full or vanished log folder: say so, the launcher still ends cleanly

@@ -13,6 +13,9 @@ received by a small thread with ``sigwait``:
 Either way, if the main thread has not finished ``hard_grace_s`` after being interrupted, the
 thread calls ``on_stuck`` (which records the stop) and exits the process. A second signal records
 the stop and exits at once.
+
+``request(reason)`` asks for the same stop from inside the process (a rank whose launcher died): it
+names the reason and sends the process SIGTERM, so every path above applies unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class StopSignals:
         self.hard_grace_s = hard_grace_s
         self.graceful = False
         self.received: int | None = None
+        self.reason: str | None = None
         self.requested = threading.Event()
         self._finished = threading.Event()
 
@@ -48,6 +52,18 @@ class StopSignals:
         self._finished.set()
         if getattr(self, "_previous_mask", None) is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
+
+    def request(self, reason: str) -> None:
+        """Stop as on SIGTERM, for ``reason`` (shown in the status: "stopped ... (its launcher ... ended)")."""
+        if not self.requested.is_set():
+            self.reason = reason
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def describe(self) -> str:
+        """What asked for the stop: the reason given to ``request``, else the signal, else another rank."""
+        if self.reason:
+            return self.reason
+        return signal.Signals(self.received).name if self.received else "made on another rank"
 
     @property
     def exit_code(self) -> int:

@@ -50,9 +50,13 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
     if state.get("val_loss") is not None:
         lines.append(f"  validation loss: last {state['val_loss']:.4f} at step {state.get('val_step')}, "
                      f"best {best_val_loss:.4f}")
-    lines.append(f"  LoRA: {output_path}/lora.safetensors")
-    if state.get("last_checkpoint"):
-        lines.append(f"  last checkpoint: {state['last_checkpoint']}")
+    if state.get("status") == "stopped":   # no LoRA file yet: the checkpoint is what the run left
+        if state.get("last_checkpoint"):
+            lines.append(f"  resume from: {state['last_checkpoint']} (--resume latest)")
+    else:
+        lines.append(f"  LoRA: {output_path}/lora.safetensors")
+        if state.get("last_checkpoint"):
+            lines.append(f"  last checkpoint: {state['last_checkpoint']}")
     between = overheads_text(state.get("overheads"))
     if state.get("step_time_avg_s") is not None or between:
         lines.append(f"  time: {_number(state.get('step_time_avg_s'), '.2f')} s/step (the steps alone)"

@@ -1,0 +1,6 @@
+"""`python -m diffsynth_mbc.supervise`: run a launch as the owner of its processes (see ``diffsynth_mbc.training.supervisor``)."""
+
+from diffsynth_mbc.training.supervisor import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
