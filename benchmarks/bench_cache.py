@@ -143,8 +143,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     given = [f"--{name.replace('_', '-')}" for name in SETTING_FLAGS if getattr(args, name) is not None]
     if args.cases and (given or args.images):
         parser.error(f"--cases sets the step per case; drop {' '.join(given + ['--images'] * args.images)}")
-    if args.encode and (args.full_size or args.cases):
-        parser.error("--encode is the tiny demo's comparison; it does not combine with --full-size or --cases")
+    if args.encode and (args.full_size or args.cases or args.images or args.image_batch):
+        parser.error("--encode is the tiny demo's video comparison; it does not combine with --full-size, --cases, "
+                     "--images or --image-batch")
     checkpointing = args.gradient_checkpointing
     if checkpointing is not None and checkpointing not in ("all", "none") and not checkpointing.isdigit():
         parser.error(f"--gradient-checkpointing must be all, none or a number of blocks, got {checkpointing!r}")
@@ -310,7 +311,7 @@ def run_encode(args, argv: list[str]) -> dict:
         rows = []
         for source, label in (("encode", "video, encoded every step (VAE + T5 + DiT)"),
                               ("cache", "video, from the latent cache (DiT only)")):
-            feed = Feed(label, "video", 1, args.steps)
+            feed = Feed(label, "video", args.batch, args.steps)
             job = {"setting": dataclasses.asdict(setting_from(args)), "feed": dataclasses.asdict(feed),
                    "source": source, "data": folder}
             result = in_child(args, argv, job)
