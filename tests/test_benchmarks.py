@@ -31,6 +31,7 @@ def test_the_tiny_mode_prints_batched_and_one_by_one_images_per_second(tmp_path)
     assert len(rows) == 3, text
     ratio = re.search(r"images/s: ([\d.]+) with 5 per forward vs ([\d.]+) one per forward: ([\d.]+)x", text)
     assert ratio and all(float(value) > 0 for value in ratio.groups()), text
+    assert re.search(r"run by run: [\d.]+x; median [\d.]+x\)", text), text
     assert "flash" in text or "math" in text   # the attention kernel the profiler saw is named
     result = json.loads(out.read_text())
     assert result["images_ratio"]["images_per_forward"] == 5
