@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -63,6 +64,33 @@ def atomic_write_json(path: str | os.PathLike, obj, **dumps_kwargs) -> None:
     dumps_kwargs.setdefault("ensure_ascii", False)
     dumps_kwargs.setdefault("indent", 2)
     atomic_write_text(path, json.dumps(obj, **dumps_kwargs) + "\n")
+
+
+def write_json_even_when_full(path: str | os.PathLike, obj) -> None:
+    """``atomic_write_json``, or, when the disk is full (no room for the temp file), ``obj`` as compact JSON over
+    the existing file in place, within the blocks it already has: a status file still says how a run ended when
+    its log folder filled up. A reader may catch that rewrite half done (and keep its previous read); a rewrite
+    that would need more room than the file has is not tried, the original error is raised instead."""
+    try:
+        atomic_write_json(path, obj)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        data = (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError:
+            raise exc from None
+        try:
+            st = os.fstat(fd)
+            if len(data) > max(st.st_size, st.st_blocks * 512):
+                raise exc from None
+            view = memoryview(data)
+            while view:
+                view = view[os.pwrite(fd, view, len(data) - len(view)):]
+            os.ftruncate(fd, len(data))
+        finally:
+            os.close(fd)
 
 
 def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict | None = None) -> int:

@@ -1,8 +1,10 @@
-"""What a GPU can do for this training: architecture support of the installed torch, precision, attention kernel.
+"""What a GPU can do for this training: architecture support of the installed torch, precision, attention kernel;
+and what it is using (the status file's ``gpu`` fields, with the allocator's peaks).
 
-Pure logic over plain values (a capability tuple, an arch list), so it is tested without a GPU; the
-few functions that ask torch import it inside. Used by the training and cache entry points (refuse to
-start on a torch build without the device's kernels) and by ``python -m diffsynth_mbc.doctor``.
+Pure logic over plain values (a capability tuple, an arch list, allocator byte counts), so it is tested
+without a GPU; the few functions that ask torch import it inside. Used by the training and cache entry
+points (refuse to start on a torch build without the device's kernels), by the training's status file and
+by ``python -m diffsynth_mbc.doctor``.
 """
 
 from __future__ import annotations
@@ -20,33 +22,74 @@ class UnsupportedGpuError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """A GPU model as the doctor's ``--assume`` knows it (dense tensor-core peak TFLOPS, no sparsity)."""
+    """A GPU model: dense tensor-core peak TFLOPS (no sparsity), memory bandwidth and fp32 (CUDA-core) TFLOPS,
+    from NVIDIA's data sheets. ``None`` where unknown (a GPU not in ``KNOWN_GPUS``)."""
     name: str
     capability: tuple[int, int]
     memory_gib: float
-    fp16_tflops: float
+    fp16_tflops: float | None
     bf16_tflops: float | None   # None: no native bf16 (emulated, without tensor cores)
     nvlink: bool = False
+    bandwidth_gbs: float | None = None
+    fp32_tflops: float | None = None
 
     @property
     def native_bf16(self) -> bool:
         return self.capability >= (8, 0)
 
+    def tensor_tflops(self, precision: str) -> float | None:
+        """The matmul rate the training gets in ``precision`` (bf16, fp16, or no: fp32 without tensor cores)."""
+        if precision == "fp16":
+            return self.fp16_tflops
+        if precision == "bf16":
+            return self.bf16_tflops or self.fp32_tflops   # emulated bf16 runs on the CUDA cores
+        return self.fp32_tflops
+
 
 KNOWN_GPUS = {spec.name: spec for spec in (
-    GpuSpec("V100-16GB", (7, 0), 16, 125, None),
-    GpuSpec("V100-32GB", (7, 0), 32, 125, None),
-    GpuSpec("V100S-32GB", (7, 0), 32, 130, None),
-    GpuSpec("T4-16GB", (7, 5), 15, 65, None),
-    GpuSpec("RTX3090-24GB", (8, 6), 24, 71, 71),
-    GpuSpec("A10-24GB", (8, 6), 24, 125, 125),
-    GpuSpec("RTX4090-24GB", (8, 9), 24, 165, 165),
-    GpuSpec("L40S-48GB", (8, 9), 48, 362, 362),
-    GpuSpec("A100-40GB", (8, 0), 40, 312, 312, nvlink=True),
-    GpuSpec("A100-80GB", (8, 0), 80, 312, 312, nvlink=True),
-    GpuSpec("H100-80GB", (9, 0), 80, 989, 989, nvlink=True),
-    GpuSpec("H200-141GB", (9, 0), 141, 989, 989, nvlink=True),
+    GpuSpec("V100-16GB", (7, 0), 16, 125, None, True, 900, 15.7),        # SXM2
+    GpuSpec("V100-32GB", (7, 0), 32, 125, None, True, 900, 15.7),        # SXM2
+    GpuSpec("V100-PCIe-16GB", (7, 0), 16, 112, None, False, 900, 14),
+    GpuSpec("V100-PCIe-32GB", (7, 0), 32, 112, None, False, 900, 14),
+    GpuSpec("V100S-32GB", (7, 0), 32, 130, None, False, 1134, 16.4),     # PCIe
+    GpuSpec("T4-16GB", (7, 5), 15, 65, None, False, 320, 8.1),
+    GpuSpec("RTX3090-24GB", (8, 6), 24, 71, 71, False, 936, 35.6),
+    GpuSpec("A10-24GB", (8, 6), 24, 125, 125, False, 600, 31.2),
+    GpuSpec("RTXA6000-48GB", (8, 6), 48, 154.8, 154.8, False, 768, 38.7),
+    GpuSpec("RTX4090-24GB", (8, 9), 24, 165, 165, False, 1008, 82.6),
+    GpuSpec("L40-48GB", (8, 9), 48, 181, 181, False, 864, 90.5),
+    GpuSpec("L40S-48GB", (8, 9), 48, 362, 362, False, 864, 91.6),
+    GpuSpec("A100-40GB", (8, 0), 40, 312, 312, True, 1555, 19.5),
+    GpuSpec("A100-80GB", (8, 0), 80, 312, 312, True, 2039, 19.5),
+    GpuSpec("H100-PCIe-80GB", (9, 0), 80, 756, 756, False, 2000, 51),
+    GpuSpec("H100-NVL-94GB", (9, 0), 94, 835, 835, True, 3900, 60),
+    GpuSpec("H100-80GB", (9, 0), 80, 989, 989, True, 3350, 67),          # SXM
+    GpuSpec("H200-141GB", (9, 0), 141, 989, 989, True, 4800, 67),
 )}
+
+# torch.cuda.get_device_name() -> KNOWN_GPUS entries; the first pattern that matches wins, and among
+# several entries the one nearest in memory ("Tesla V100-SXM2-32GB", "NVIDIA H100 80GB HBM3", ...).
+_DEVICE_NAMES = (
+    (r"H100.*PCIe", ("H100-PCIe-80GB",)), (r"H100.*NVL", ("H100-NVL-94GB",)), (r"H100", ("H100-80GB",)),
+    (r"H200", ("H200-141GB",)), (r"A100", ("A100-40GB", "A100-80GB")), (r"V100S", ("V100S-32GB",)),
+    (r"V100.*PCIE", ("V100-PCIe-16GB", "V100-PCIe-32GB")), (r"V100", ("V100-16GB", "V100-32GB")),
+    (r"L40S", ("L40S-48GB",)), (r"\bL40\b", ("L40-48GB",)), (r"\bA10\b", ("A10-24GB",)), (r"\bT4\b", ("T4-16GB",)),
+    (r"RTX 4090", ("RTX4090-24GB",)), (r"RTX 3090", ("RTX3090-24GB",)), (r"RTX A6000", ("RTXA6000-48GB",)),
+)
+
+
+def spec_for_device(device_name: str, capability: tuple[int, int], memory_bytes: int) -> tuple[GpuSpec, str | None]:
+    """A found GPU as (spec, the KNOWN_GPUS entry its rates come from, or None when it is not known).
+
+    The spec keeps the device's own name, capability and memory; an unknown GPU has no rates (None).
+    """
+    memory_gib = memory_bytes / 1024 ** 3
+    for pattern, names in _DEVICE_NAMES:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            key = min(names, key=lambda n: abs(KNOWN_GPUS[n].memory_gib - memory_gib))
+            return dataclasses.replace(KNOWN_GPUS[key], name=device_name, capability=tuple(capability),
+                                       memory_gib=memory_gib), key
+    return GpuSpec(device_name, tuple(capability), memory_gib, None, None), None
 
 
 def known_gpu(name: str) -> GpuSpec:
@@ -113,19 +156,50 @@ def resolve_precision(choice: str, capability: tuple[int, int] | None) -> tuple[
     return choice, f"{choice} as asked" + (" (dynamic loss scaling)" if choice == "fp16" else "")
 
 
-def attention_kernel(capability: tuple[int, int] | None, precision: str) -> str:
-    """Which of PyTorch's SDPA kernels attention gets: 'flash', 'mem_efficient' or 'math' (stores the scores).
+def attention_kernel(capability: tuple[int, int] | None, precision: str, cudnn_version: int | None = None) -> str:
+    """Which of PyTorch's SDPA kernels attention gets: 'cudnn', 'flash', 'mem_efficient' or 'math'.
 
-    Flash attention needs sm80+ and fp16/bf16; the memory-efficient kernel runs from sm50 for fp16 and
-    fp32 but takes bf16 only from sm80. Anything else falls back to the math kernel.
+    PyTorch tries cuDNN attention first on sm90 and sm100/103 when its runtime cuDNN is newer than 9.15.0
+    (``check_prefer_cudnn_attention`` in its sdp_utils.cpp; the CUDA 13 wheels; measured on an H100 with
+    torch 2.11), else flash attention, which needs sm80+ and fp16/bf16. The memory-efficient kernel runs
+    from sm50 for fp16 and fp32 but takes bf16 only from sm80; anything else falls back to the math kernel,
+    which stores the full score matrices. ``cudnn_version`` (``torch.backends.cudnn.version()``): None
+    when not known, taken as new enough.
     """
     if capability is None:
         return "math"
     if precision in ("bf16", "fp16") and capability >= (8, 0):
-        return "flash"
+        prefers_cudnn = capability in ((9, 0), (10, 0), (10, 3))
+        return "cudnn" if prefers_cudnn and (cudnn_version is None or cudnn_version > 91500) else "flash"
     if precision in ("fp16", "no", "fp32"):
         return "mem_efficient"
     return "math"
+
+
+def nvidia_smi_device() -> tuple[GpuSpec, str | None, int] | None:
+    """(spec, the KNOWN_GPUS entry its rates come from, count) of this machine's first GPU as nvidia-smi lists
+    them; None without nvidia-smi or a GPU. Reads no torch, so a launcher can ask it in a blink."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        listing = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,compute_cap", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = [[field.strip() for field in line.split(",")] for line in listing.stdout.splitlines() if line.strip()]
+    if listing.returncode != 0 or not rows or len(rows[0]) < 3:
+        return None
+    name, memory_mib, capability = rows[0][:3]
+    try:
+        major, minor = (int(part) for part in capability.split("."))
+        memory_bytes = int(float(memory_mib)) * 2 ** 20
+    except ValueError:
+        return None
+    spec, rates_from = spec_for_device(name, (major, minor), memory_bytes)
+    return spec, rates_from, len(rows)
 
 
 def current_device() -> dict | None:
@@ -149,3 +223,55 @@ def require_supported_gpu() -> None:
     problem = arch_problem(device["arch_list"], device["capability"], device["name"], device["torch"])
     if problem:
         raise UnsupportedGpuError(problem)
+
+
+MIB = 2**20
+
+
+class MemoryPeaks:
+    """The caching allocator's peaks as status fields (pure): each reading is the peak since the previous one
+    (the caller resets the allocator's counters after reading), and the run's peak is kept across readings."""
+
+    def __init__(self):
+        self.run_allocated = 0
+        self.run_reserved = 0
+
+    def fields(self, peak_allocated: int, peak_reserved: int) -> dict:
+        """Bytes since the last reading -> ``peak_allocated_mb``, ``peak_reserved_mb`` and the run's peaks."""
+        self.run_allocated = max(self.run_allocated, peak_allocated)
+        self.run_reserved = max(self.run_reserved, peak_reserved)
+        return {"peak_allocated_mb": round(peak_allocated / MIB), "peak_reserved_mb": round(peak_reserved / MIB),
+                "run_peak_allocated_mb": round(self.run_allocated / MIB),
+                "run_peak_reserved_mb": round(self.run_reserved / MIB)}
+
+
+class GpuReader:
+    """This process's GPU for the status file, read when the file is about to be written: name, utilisation
+    (NVML), memory in use on the device, and the allocator's peaks since the previous reading, whose counters
+    are then reset, so a short phase (a checkpoint, a validation) between two writes still shows its peak.
+    None on CPU. Never raises."""
+
+    def __init__(self):
+        self.peaks = MemoryPeaks()
+        self._available: bool | None = None
+
+    def __call__(self) -> dict | None:
+        try:
+            import torch
+
+            if self._available is None:
+                self._available = torch.cuda.is_available()
+            if not self._available:
+                return None
+            device = torch.cuda.current_device()
+            free, total = torch.cuda.mem_get_info(device)
+            try:
+                util = torch.cuda.utilization(device)
+            except Exception:  # pynvml missing or not permitted
+                util = None
+            peaks = self.peaks.fields(torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+            torch.cuda.reset_peak_memory_stats(device)
+            return {"name": torch.cuda.get_device_name(device), "util_pct": util,
+                    "mem_used_mb": round((total - free) / MIB), "mem_total_mb": round(total / MIB), **peaks}
+        except Exception:
+            return None

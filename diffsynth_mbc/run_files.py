@@ -33,16 +33,55 @@ STATUS_FIELDS = (
     "status", "phase",
     # epoch counts from 0; step from 1 (the optimizer steps done)
     "epoch", "num_epochs", "step", "total_steps", "steps_per_epoch", "samples_seen",
-    "loss", "loss_avg", "lr", "grad_norm", "step_time_s", "samples_per_s",
-    "elapsed_s", "eta_s", "progress",
+    # step_time_s: the last step's data wait + forward/backward/optimizer, never a checkpoint or validation;
+    # step_time_avg_s: the same over the ETA's window of recent steps (warm-up left out)
+    "loss", "loss_avg", "lr", "grad_norm", "step_time_s", "step_time_avg_s", "samples_per_s",
+    # eta_s: remaining steps x step_time_avg_s + the overheads still ahead at their mean (eta_overheads_s)
+    "elapsed_s", "eta_s", "eta_overheads_s", "progress",
     "started_at", "updated_at",
-    "gpu",  # {"name", "util_pct", "mem_used_mb", "mem_total_mb"} or None on CPU
+    # a resumed run: {"checkpoint", "step", "run_id"} it went on from (its run id, history, elapsed time and
+    # trackers continue); None for a fresh run
+    "resumed_from",
+    # {kind: {"count", "total_s", "last_s", "mean_s"}} for the kinds in OVERHEAD_KINDS that happened
+    "overheads",
+    # {"name", "util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb" (the
+    # allocator's peaks since the previous write), "run_peak_allocated_mb", "run_peak_reserved_mb"}; None on CPU
+    "gpu",
     "error",  # {"type", "message", "traceback_tail"} when status == "failed", else None
+    # {"for": "ranks in all-reduce (step agreement)", "since": unix time} while the rank has waited in a collective
+    # for longer than its write interval (a heartbeat keeps the file fresh meanwhile), else None
+    "waiting",
 )
 
 # Fields of each training_gpu{rank}.jsonl line (one per optimizer step; epoch from 0). Extra fields may
-# appear, and validation lines carry {"kind": "val", "step", "val_loss", "val_samples", "time"}.
+# appear, and other lines carry a "kind": validation {"kind": "val", "step", "val_loss", "val_samples", "time"},
+# sample clips {"kind": "samples", ...}, and one line per overhead section
+# {"kind": "overhead", "overhead": KIND, "step", "seconds", "time"} (step: the last optimizer step done).
 HISTORY_FIELDS = ("step", "epoch", "loss", "lr", "step_time_s", "time")
+OVERHEAD_RECORD = "overhead"
+
+# What the training does between optimizer steps, timed apart from the steps: full checkpoints, LoRA files
+# (epoch-N, step-N, the final lora.safetensors), validation, sample clips. Labels as people read them.
+OVERHEAD_KINDS = ("checkpoint", "lora", "validation", "samples")
+OVERHEAD_LABELS = {"checkpoint": "checkpoints", "lora": "LoRA files", "validation": "validation",
+                   "samples": "samples"}
+
+
+def overheads_text(overheads) -> str:
+    """``checkpoints 3 x 4.6 s, validation 2 x 1.2 s`` from a status file's ``overheads`` ('' when none).
+
+    Shared by the training's terminal and the monitor; kinds it does not know are shown by their name."""
+    if not isinstance(overheads, dict):
+        return ""
+    parts = []
+    for kind in sorted(overheads, key=lambda k: (OVERHEAD_KINDS.index(k) if k in OVERHEAD_KINDS else 99, str(k))):
+        tally = overheads[kind]
+        if not isinstance(tally, dict) or not tally.get("count"):
+            continue
+        mean = tally.get("mean_s")
+        mean_text = f"{mean:.1f} s" if isinstance(mean, (int, float)) else "-"
+        parts.append(f"{OVERHEAD_LABELS.get(kind, kind)} {tally['count']} x {mean_text}")
+    return ", ".join(parts)
 
 _STATUS_NAME = re.compile(r"^training_gpu(\d+)\.json$")
 

@@ -198,15 +198,20 @@ mbc_launch() {
     "$PYTHON" -m diffsynth_mbc.demo prepare runs/demo
   fi
 
-  # The plan: rows, GPUs, steps per GPU per epoch, total steps.
-  "$PYTHON" -m diffsynth_mbc.plan --world_size "$world_size" --config "$preset" \
+  # The plan: rows, GPUs, steps per GPU per epoch, total steps, and the projected run length.
+  local nodes=1 plan_args=()
+  [[ $multinode == 1 ]] && nodes=$NUM_MACHINES
+  plan_args+=(--nodes "$nodes")
+  [[ $cached == 1 ]] && plan_args+=(--cached)
+  "$PYTHON" -m diffsynth_mbc.plan --world_size "$world_size" "${plan_args[@]+"${plan_args[@]}"}" --config "$preset" \
     "${train_args[@]+"${train_args[@]}"}" || exit 2
 
   # Quick preflight (torch kernels for this GPU, precision, memory estimate, disks, files): a failure stops
   # here, before any process starts; the full report: python -m diffsynth_mbc.doctor --config PRESET ...
   if [[ $skip_doctor == 0 ]]; then
-    local doctor_args=(--quick --brief --gpus "$gpus")
+    local doctor_args=(--quick --brief --gpus "$gpus" --nodes "$nodes")
     [[ $deepspeed == 1 ]] && doctor_args+=(--deepspeed)
+    [[ $cached == 1 ]] && doctor_args+=(--cached)
     if ! "$PYTHON" -m diffsynth_mbc.doctor "${doctor_args[@]}" --config "$preset" \
          "${train_args[@]+"${train_args[@]}"}"; then
       mbc_die "the preflight checks above failed (fix them, or pass --skip_doctor to launch anyway)"

@@ -34,8 +34,15 @@ def read_status(log_dir: Path, rank: int) -> dict:
     return json.loads((log_dir / f"training_gpu{rank}.json").read_text())
 
 
-def read_history(log_dir: Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / f"training_gpu{rank}.jsonl").read_text().splitlines()]
+def read_history(log_dir: Path, rank: int, overheads: bool = False) -> list[dict]:
+    """A rank's JSONL records: steps, validation, samples; the timing lines of checkpoints, LoRA files, validation
+    and samples ({"kind": "overhead"}) only with ``overheads``."""
+    records = [json.loads(line) for line in (log_dir / f"training_gpu{rank}.jsonl").read_text().splitlines()]
+    return [record for record in records if overheads or record.get("kind") != "overhead"]
+
+
+def read_overheads(log_dir: Path, rank: int) -> list[dict]:
+    return [record for record in read_history(log_dir, rank, overheads=True) if record.get("kind") == "overhead"]
 
 
 def cpu_launch_command(*train_args: str, num_processes: int = 2) -> list[str]:

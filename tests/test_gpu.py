@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from diffsynth_mbc.gpu import arch_problem, attention_kernel, known_gpu, resolve_precision
+from diffsynth_mbc.gpu import (GpuReader, MemoryPeaks, arch_problem, attention_kernel, known_gpu, resolve_precision,
+                               spec_for_device)
 from e2e_helpers import isolated_env
 
 CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]          # torch 2.11+ on PyPI
@@ -61,7 +62,30 @@ def test_attention_kernel_per_gpu_and_dtype():
     assert attention_kernel((7, 0), "fp16") == "mem_efficient"
     assert attention_kernel((7, 0), "bf16") == "math"          # the V100 bf16 trap: full score matrices
     assert attention_kernel((8, 0), "bf16") == "flash"
-    assert attention_kernel((9, 0), "fp16") == "flash"
+    assert attention_kernel((8, 9), "fp16") == "flash"
+    # sm90: PyTorch prefers cuDNN attention (what an H100 with torch 2.11 ran), unless its cuDNN is too old
+    assert attention_kernel((9, 0), "fp16") == attention_kernel((9, 0), "bf16") == "cudnn"
+    assert attention_kernel((9, 0), "bf16", cudnn_version=91002) == "flash"
+    assert attention_kernel((9, 0), "no") == "mem_efficient"            # fp32: no fused low-precision kernel
+    assert attention_kernel(None, "no") == "math"
+
+
+def test_found_gpus_get_their_rates_by_name():
+    spec, key = spec_for_device("Tesla V100S-PCIE-32GB", (7, 0), 32 << 30)
+    assert key == "V100S-32GB" and spec.name == "Tesla V100S-PCIE-32GB" and spec.fp16_tflops == 130
+    assert spec.tensor_tflops("fp16") == 130 and spec.tensor_tflops("bf16") == 16.4   # emulated bf16
+    assert spec_for_device("Tesla V100-SXM2-16GB", (7, 0), 16 << 30)[1] == "V100-16GB"
+    assert spec_for_device("Tesla V100-PCIE-32GB", (7, 0), 32 << 30)[1] == "V100-PCIe-32GB"
+    assert spec_for_device("NVIDIA A100-SXM4-80GB", (8, 0), 80 << 30)[1] == "A100-80GB"
+    assert spec_for_device("NVIDIA A100-PCIE-40GB", (8, 0), 40 << 30)[1] == "A100-40GB"
+    assert spec_for_device("NVIDIA H100 80GB HBM3", (9, 0), 80 << 30)[1] == "H100-80GB"
+    assert spec_for_device("NVIDIA H100 PCIe", (9, 0), 80 << 30)[1] == "H100-PCIe-80GB"
+    assert spec_for_device("NVIDIA H200", (9, 0), 141 << 30)[1] == "H200-141GB"
+    assert spec_for_device("NVIDIA L40S", (8, 9), 48 << 30)[1] == "L40S-48GB"
+    assert spec_for_device("NVIDIA A10", (8, 6), 24 << 30)[1] == "A10-24GB"
+    assert spec_for_device("NVIDIA GeForce RTX 4090", (8, 9), 24 << 30)[1] == "RTX4090-24GB"
+    unknown, key = spec_for_device("NVIDIA B200", (10, 0), 180 << 30)
+    assert key is None and unknown.fp16_tflops is None and unknown.memory_gib == 180
 
 
 def test_assume_names():
@@ -105,3 +129,33 @@ def test_fp16_on_the_cpu_is_refused_naming_the_flag(tmp_path):
     assert result.returncode == 2, result.stderr
     state = json.loads((tmp_path / "out" / "training_logs" / "training_gpu0.json").read_text())
     assert "--mixed_precision fp16 needs a CUDA GPU" in state["error"]["message"]
+
+
+def test_memory_peaks_since_the_last_write_and_for_the_run():
+    """Each reading is the allocator's peak since the previous one (it is reset after reading): a short checkpoint
+    between two writes shows its 31 GiB, and the next quiet interval its own 10 GiB, while the run's peak stays."""
+    peaks = MemoryPeaks()
+    gib = 2**30
+    assert peaks.fields(10 * gib, 12 * gib) == {"peak_allocated_mb": 10240, "peak_reserved_mb": 12288,
+                                                "run_peak_allocated_mb": 10240, "run_peak_reserved_mb": 12288}
+    assert peaks.fields(31 * gib, 33 * gib)["peak_allocated_mb"] == 31744
+    later = peaks.fields(10 * gib, 33 * gib)
+    assert later["peak_allocated_mb"] == 10240 and later["run_peak_allocated_mb"] == 31744
+    assert later["run_peak_reserved_mb"] == 33792
+
+
+def test_the_gpu_reader_reports_the_peak_since_the_previous_reading():
+    """On a GPU: a 2 GiB tensor freed between two readings shows in the first one only, and in the run's peak.
+    Without one: no GPU fields."""
+    torch = pytest.importorskip("torch")
+    reader = GpuReader()
+    if not torch.cuda.is_available():
+        assert reader() is None
+        return
+    reader()                                   # resets the allocator's peak
+    block = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    del block
+    first = reader()
+    assert first["peak_allocated_mb"] >= 2048 and first["mem_total_mb"] > 0 and first["name"]
+    second = reader()
+    assert second["peak_allocated_mb"] < 2048 <= second["run_peak_allocated_mb"]

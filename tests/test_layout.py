@@ -15,10 +15,12 @@ MAX_FUNCTION_LINES = 80
 # Pure logic: importable without torch (what it needs of torch, if anything, is imported inside functions).
 TORCH_FREE = ["atomic.py", "errors.py", "run_files.py", "data/catalog.py", "data/selection.py", "data/cache/index.py",
               "models/model_files.py", "training/options.py", "training/step_plan.py", "training/eta.py",
-              "training/checkpoints.py", "training/status_writer.py", "training/run_control.py",
-              "training/lora_format.py", "training/guards.py", "gpu.py", "doctor/memory.py", "sample_prompts.py",
-              "data/shapes.py", "training/batches.py", "training/step/compile_policy.py",
-              "training/step/checkpointing.py"]
+              "training/step_timing.py", "training/checkpoints.py", "training/status_writer.py",
+              "training/history_appender.py", "training/log_folder.py",
+              "training/run_control.py", "training/lora_format.py", "training/guards.py", "gpu.py", "doctor/memory.py",
+              "doctor/speed.py", "doctor/projection.py", "doctor/estimates.py", "sample_prompts.py", "data/shapes.py",
+              "training/batches.py", "training/step/compile_policy.py", "training/step/checkpointing.py",
+              "data/file_checks.py", "data/captions.py"]
 
 
 def modules(folder: str = "") -> list[Path]:
@@ -66,7 +68,8 @@ def test_pure_modules_import_no_torch_at_module_level():
 
 @pytest.mark.parametrize("module", ["diffsynth_mbc.monitor.cli", "diffsynth_mbc.monitor.server",
                                     "diffsynth_mbc.training.step_plan", "diffsynth_mbc.data.selection",
-                                    "diffsynth_mbc.training.checkpoints", "diffsynth_mbc.training.options"])
+                                    "diffsynth_mbc.training.checkpoints", "diffsynth_mbc.training.options",
+                                    "diffsynth_mbc.doctor.estimates", "diffsynth_mbc.training.plan"])
 def test_light_modules_load_without_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

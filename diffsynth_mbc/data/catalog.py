@@ -19,7 +19,8 @@ import io
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+
+from diffsynth_mbc.data import file_checks
 
 REQUIRED_COLUMNS = ("file_path", "caption", "media_type")
 MEDIA_TYPES = ("video", "image")
@@ -41,7 +42,7 @@ class Reason:
 
     MALFORMED_ROW = "malformed row"
     EMPTY_FILE_PATH = "empty file_path"
-    OUTSIDE_BASE_PATH = "path outside --base-path"
+    OUTSIDE_BASE_PATH = file_checks.OUTSIDE_BASE_PATH
     UNKNOWN_MEDIA_TYPE = "unknown media_type"
     UNSUPPORTED_EXTENSION = "unsupported extension"
     EXTENSION_CONTRADICTS = "extension contradicts media_type"
@@ -50,7 +51,8 @@ class Reason:
     CAPTION_CONTROL = "caption contains control characters"
     DUPLICATE = "duplicate of an earlier row"
     DUPLICATE_OF_VALIDATION = "duplicate of validation row"
-    MISSING_FILE = "missing file"
+    MISSING_FILE = file_checks.MISSING_FILE
+    NOT_A_FILE = file_checks.NOT_A_FILE
     UNREADABLE_MEDIA = "unreadable media"
     NOT_SELECTED = "not selected"
     NOT_IN_SUBSET = "not in subset"
@@ -245,33 +247,11 @@ def caption_reads_as_non_text(caption: str) -> str | None:
 
 
 _NUMBER_STARTS = frozenset("0123456789+-.iInN")
+# Characters that show nothing, which str.strip() keeps: zero-width space, joiners and marks, word joiner and
+# invisible operators, BOM, soft hyphen, Mongolian vowel separator, Hangul fillers.
+_INVISIBLE_ONLY = re.compile(r"[\s\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u180e\u115f\u1160\u3164\uffa0]*")
 # NUL and the other C0/C1 controls; tab and line breaks are ordinary caption text.
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
-
-
-def existing_files(paths: Iterable[str]) -> set[str]:
-    """The paths (absolute, normalised) that are regular files, or links to one.
-
-    Lists each folder once instead of a stat per file when many files share a folder: on
-    network storage a listing costs a few round trips where 1,000 stats cost 1,000.
-    """
-    by_folder: dict[str, list[str]] = {}
-    for path in paths:
-        folder, _, name = path.rpartition(os.sep)
-        by_folder.setdefault(folder or os.sep, []).append(name)
-    found: set[str] = set()
-    for folder, names in by_folder.items():
-        prefix = folder if folder.endswith(os.sep) else folder + os.sep
-        if len(names) < 16:
-            found.update(prefix + n for n in names if os.path.isfile(prefix + n))
-            continue
-        try:
-            with os.scandir(folder) as listing:
-                files = {entry.name for entry in listing if entry.is_file()}
-        except OSError:  # missing folder, or not a folder: none of its files exist
-            continue
-        found.update(prefix + n for n in names if n in files)
-    return found
 
 
 def validate_rows(
@@ -284,7 +264,8 @@ def validate_rows(
     """Check each row; the first problem found is its reject reason.
 
     Order: field count, file_path, inside base path, media_type, extension, caption, duplicate
-    (of an earlier accepted row, then of an accepted validation row), file exists. ``base_path``
+    (of an earlier accepted row, then of an accepted validation row), file exists and its real path
+    (symbolic links followed) is inside the base path's real path. ``base_path``
     must be normalised (``normalise_base_path``). ``validation_paths`` maps resolved path to
     validation row number.
     """
@@ -318,8 +299,9 @@ def validate_rows(
             result.reject(row, Reason.EXTENSION_CONTRADICTS,
                           f"'.{extension}' is {extension_media_type}, row says {media_type}")
             continue
-        if not row.caption.strip():
-            result.reject(row, Reason.EMPTY_CAPTION)
+        if _INVISIBLE_ONLY.fullmatch(row.caption):
+            invisible = "only zero-width or other invisible characters" if row.caption.strip() else ""
+            result.reject(row, Reason.EMPTY_CAPTION, invisible)
             continue
         control = _CONTROL_CHARACTER.search(row.caption)
         if control:
@@ -342,12 +324,12 @@ def validate_rows(
         candidates.append(Entry(catalog_name, row, media_type, resolved, relative))
 
     if check_files:
-        existing = existing_files(e.resolved_path for e in candidates)
+        problems = file_checks.file_problems((e.resolved_path for e in candidates), base_path)
         for entry in candidates:
-            if entry.resolved_path in existing:
-                result.accepted.append(entry)
+            if entry.resolved_path in problems:
+                result.reject(entry.source, *problems[entry.resolved_path])
             else:
-                result.reject(entry.source, Reason.MISSING_FILE, entry.resolved_path)
+                result.accepted.append(entry)
     else:
         result.accepted = candidates
     return result

@@ -10,13 +10,19 @@ Same frames as DiffSynth: the same count rule (the first ``num_frames``; a short
 (the caller resizes and crops with DiffSynth's own ``crop_and_resize``). The container's count is
 trusted only where it cannot change the result: a clip it calls short is counted by decoding it
 (short clips are cheap), and a clip that ends early falls back to the frames it really has.
-Pixel values differ from imageio's only by colour-conversion rounding (measured in the README).
+Frames are shown as ffmpeg shows them: a display matrix that turns the picture by a multiple of 90
+degrees (phone clips) is applied, which is an exact permutation of the pixels. Where PyAV cannot give
+ffmpeg's pixels (more than 8 bits per component, where swscale's conversion differs; a mirrored or
+odd-angle display matrix; variable frame rate) ``ReferenceReaderNeeded`` tells the caller to use
+DiffSynth's reader for that clip. Pixel values are the same as imageio's (measured in the README).
 
 PyAV (BSD; its wheels bundle FFmpeg's libraries) installs with pip everywhere the project does and
 needs no system FFmpeg; torchcodec would tie us to one torch release per version.
 """
 
 from __future__ import annotations
+
+import struct
 
 DECODERS = ("fast", "diffsynth")
 
@@ -25,9 +31,47 @@ class ClipReadError(ValueError):
     """The clip cannot be decoded; the message says why (the dataset adds the row and the file)."""
 
 
-class IrregularTiming(Exception):
+class ReferenceReaderNeeded(Exception):
+    """PyAV cannot give this clip's frames as DiffSynth's reader (ffmpeg) gives them; the caller uses that
+    reader instead. The message says why."""
+
+
+class IrregularTiming(ReferenceReaderNeeded):
     """Frames are not evenly spaced at the stream's frame rate (variable frame rate): DiffSynth's reader gets
     constant-rate frames from ffmpeg (repeating or dropping some), so the caller uses that reader instead."""
+
+
+_TURNS = {1: "ROTATE_90", 2: "ROTATE_180", 3: "ROTATE_270"}   # counterclockwise, as np.rot90 and ffmpeg
+
+
+def display_turns(frame) -> tuple[int, bool]:
+    """(quarter turns counterclockwise, exact) of the frame's display matrix, as ffmpeg applies it to show the
+    frame; ``exact`` is False for a mirrored matrix or an angle that is not a multiple of 90 degrees."""
+    rotation = float(frame.rotation or 0)
+    turns = round(rotation / 90)
+    exact = abs(rotation - 90 * turns) < 0.01
+    for data in frame.side_data:
+        if str(data.type).endswith("DISPLAYMATRIX"):
+            a, b, _, c, d, *_ = struct.unpack("<9i", bytes(data)[:36])
+            exact = exact and a * d - b * c > 0   # a negative determinant mirrors the picture
+    return turns % 4, exact
+
+
+def _converter(frame, path: str):
+    """frame -> RGB PIL image as ffmpeg would show it; ReferenceReaderNeeded where PyAV cannot match it."""
+    bits = max((component.bits for component in frame.format.components), default=8)
+    if bits > 8:
+        raise ReferenceReaderNeeded(f"{path}: {frame.format.name} has {bits} bits per component; PyAV's colour "
+                                    "conversion differs from ffmpeg's there")
+    turns, exact = display_turns(frame)
+    if not exact:
+        raise ReferenceReaderNeeded(f"{path}: mirrored or {frame.rotation}-degree display matrix")
+    if not turns:
+        return lambda decoded: decoded.to_image()
+    from PIL import Image
+
+    transpose = getattr(Image.Transpose, _TURNS[turns])
+    return lambda decoded: decoded.to_image().transpose(transpose)
 
 
 def frames_to_use(available: int, wanted: int, division: int = 4, remainder: int = 1) -> int:
@@ -55,15 +99,17 @@ def _open(path: str):
     return container, stream
 
 
-def _decode(container, stream, limit: int | None, times: list | None = None) -> list:
-    """The first ``limit`` decoded frames (all of them when None), as RGB PIL images; their times (s) go to
-    ``times``."""
+def _decode(container, stream, limit: int | None, times: list | None = None, path: str = "") -> list:
+    """The first ``limit`` decoded frames (all of them when None), as RGB PIL images shown as ffmpeg shows them;
+    their times (s) go to ``times``."""
     import av
 
     images = []
+    convert = None
     try:
         for frame in container.decode(stream):
-            images.append(frame.to_image())
+            convert = convert or _converter(frame, path)
+            images.append(convert(frame))
             if times is not None:
                 times.append(None if frame.pts is None else float(frame.pts * stream.time_base))
             if limit is not None and len(images) >= limit:
@@ -82,9 +128,9 @@ def read_leading_frames(path: str, num_frames: int, division: int = 4, remainder
     try:
         listed = stream.frames or 0
         if listed >= num_frames:
-            images = _decode(container, stream, num_frames, times)
+            images = _decode(container, stream, num_frames, times, path)
         else:   # no count, or a short clip: decode it all (short) to know how many frames it has
-            images = _decode(container, stream, None, times)
+            images = _decode(container, stream, None, times, path)
         rate = stream.guessed_rate or stream.average_rate
         start = stream.start_time * stream.time_base if stream.start_time is not None else None
     finally:
@@ -112,19 +158,32 @@ def evenly_spaced(times: list, fps: float | None, start: float | None, tolerance
 def probe_clip(path: str) -> tuple[int, int, int, float | None]:
     """(width, height, frame count, fps) from the container, decoding one frame to prove it is readable.
 
-    The count is the container's; where it has none, the packets are counted (no decoding).
+    The size is the displayed one (a display matrix's quarter turns applied, as DiffSynth's reader gets the
+    frames). The count is the container's; where it has none, the packets are counted (no decoding).
     """
     container, stream = _open(path)
     try:
-        first = _decode(container, stream, 1)
-        if not first:
-            raise ClipReadError("no decodable video frame")
+        first = _first_frame(container, stream)
         count = stream.frames or 0
         if count <= 0:
             container.seek(0)
             count = sum(1 for packet in container.demux(stream) if packet.size)
         rate = stream.average_rate or stream.guessed_rate
-        width, height = first[0].size
+        width, height = first.width, first.height
+        if display_turns(first)[0] % 2:
+            width, height = height, width
         return width, height, int(count), float(rate) if rate else None
     finally:
         container.close()
+
+
+def _first_frame(container, stream):
+    """The first decoded frame (PyAV's), or ClipReadError."""
+    import av
+
+    try:
+        for frame in container.decode(stream):
+            return frame
+    except av.FFmpegError as exc:
+        raise ClipReadError(f"cannot decode: {exc}") from None
+    raise ClipReadError("no decodable video frame")

@@ -3,11 +3,12 @@
     python -m diffsynth_mbc.convert CATALOG.csv --base-path DIR --output OUT_DIR \\
         [--val-catalog VAL.csv | --val-fraction F] [--subset N] [--seed S] \\
         [--media all|video|image] [--no-check-files] [--probe] [--workers N] \\
-        [--min-frames N] [--min-width W] [--min-height H]
+        [--min-frames N] [--min-width W] [--min-height H] [--tokenizer UMT5_DIR]
 
 Writes OUT_DIR/metadata.csv (video,prompt,media_type[,width,height,num_frames,fps]),
 metadata_val.csv (with a validation catalogue or --val-fraction), rejects.csv (every input row
-not written, with its reason) and summary.json. Each file is written to a temp file and renamed.
+not written, with its reason) and summary.json (with the captions longer than the text encoder's 512 tokens,
+which are also named in a warning). Each file is written to a temp file and renamed.
 Exit status: 0 when at least one row was written, 1 when none was, 2 for usage errors or a
 catalogue that cannot be read.
 """
@@ -28,6 +29,7 @@ from rich.table import Table
 
 from diffsynth_mbc.data import catalog as cat
 from diffsynth_mbc.data import selection
+from diffsynth_mbc.data.captions import TokenizerError, long_captions
 from diffsynth_mbc.data.output_set import OutputError, publish_output_set
 from diffsynth_mbc.data.probe import MediaInfo, default_workers, histogram, probe_files
 
@@ -71,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decoder", choices=("fast", "diffsynth"), default="fast",
                         help="with --probe: fast reads the frame count from the container (PyAV); diffsynth "
                              "counts by decoding the whole clip, as DiffSynth's reader does")
+    parser.add_argument("--tokenizer", help="the release's google/umt5-xxl folder: count caption tokens exactly, as "
+                                             "DiffSynth's prompter does (default: a stated over-estimate)")
     parser.add_argument("--workers", type=int, default=default_workers(),
                         help="parallel probes (default min(8, CPU count))")
     parser.add_argument("--min-frames", type=int, default=17, help="flag videos with fewer frames (default 17)")
@@ -180,10 +184,23 @@ def metadata_text(entries: list[cat.Entry], probed: dict[int, MediaInfo] | None)
     return _csv_text(METADATA_COLUMNS + PROBE_COLUMNS, rows)
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...), +cmd|..., @SUM(...)).
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(cell) -> str:
+    """``cell`` as text that a spreadsheet shows instead of evaluating: a leading formula character gets an
+    apostrophe in front (which spreadsheets hide). For rejects.csv, which people open in one; metadata.csv
+    stays raw, since DiffSynth reads it."""
+    text = str(cell)
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
+
+
 def rejects_text(rejects: list[cat.Reject]) -> str:
     order = {"train": 0, "val": 1}
     ordered = sorted(rejects, key=lambda r: (order.get(r.catalog, 2), r.row))
-    return _csv_text(REJECT_COLUMNS, ((r.row, r.file_path, r.reason, r.catalog, r.line) for r in ordered))
+    return _csv_text(REJECT_COLUMNS, ([spreadsheet_safe(cell) for cell in (r.row, r.file_path, r.reason, r.catalog,
+                                                                            r.line)] for r in ordered))
 
 
 def _probe_summary(entries: list[cat.Entry], outcome: ProbeOutcome, args: argparse.Namespace) -> dict:
@@ -308,11 +325,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
 
     _refuse_an_empty_split(plan, args)
+    captions = long_captions([(e.catalog, e.row, e.source.caption) for e in plan.train + plan.val], args.tokenizer)
     files = {METADATA_NAME: metadata_text(plan.train, probed)}
     if plan.split_mode is not None:
         files[METADATA_VAL_NAME] = metadata_text(plan.val, probed)
     files[REJECTS_NAME] = rejects_text(rejects)
     summary = build_summary(args, catalogs, plan, rejects, probe_summary, list(files) + [SUMMARY_NAME])
+    summary["captions"] = captions.summary()
     files[SUMMARY_NAME] = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
     # metadata_val.csv of an earlier run with validation does not belong to this one.
     removed = publish_output_set(Path(args.output), files, stale=[METADATA_VAL_NAME])
@@ -320,6 +339,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"removed stale {Path(args.output) / name}")
 
     print_summary_table(console, summary)
+    if captions.message():
+        console.print(f"[yellow]warning: {escape(captions.message())}[/yellow]")
     if not plan.train and not plan.val:
         console.print("[red]no rows written: see rejects.csv[/red]")
         return 1
@@ -343,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_request.code or 0)
     try:
         return run(args, console)
-    except (UsageError, cat.CatalogError, OutputError) as error:
+    except (UsageError, cat.CatalogError, OutputError, TokenizerError) as error:
         console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         return 2
 

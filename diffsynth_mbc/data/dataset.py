@@ -4,6 +4,9 @@ One file column (``video``) holds videos and images (images load as 1-frame clip
 cannot be decoded raises MediaDecodeError naming the metadata row and the file, instead of an
 anonymous decoder error (or DiffSynth's silent ``None`` for an unknown extension).
 
+Images load as DiffSynth loads them, except 16-bit greyscale (a 16-bit PNG opens in PIL's mode ``I;16``),
+which PIL's ``convert("RGB")`` clips at 255 (a gradient trains as a white frame): it is scaled to 8 bits.
+
 With ``substitute_bad_media`` a bad file is replaced by the next decodable row (deterministically,
 so a resumed run sees the same data) and the sample carries ``skipped``: one record per bad file,
 which the training loop counts and reports.
@@ -13,11 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 
+import numpy as np
 from diffsynth.trainers.utils import VideoDataset
+from PIL import Image
 
-from diffsynth_mbc.data.clip_reader import DECODERS, IrregularTiming, read_leading_frames
+from diffsynth_mbc.data.clip_reader import DECODERS, ReferenceReaderNeeded, read_leading_frames
 from diffsynth_mbc.data.shapes import shape_key
 
 MAX_CONSECUTIVE_BAD_ROWS = 20
@@ -25,6 +31,20 @@ MAX_CONSECUTIVE_BAD_ROWS = 20
 
 class MediaDecodeError(RuntimeError):
     pass
+
+
+# PIL's modes of 16-bit greyscale (PNG, TIFF); "I" is what older Pillow releases open a 16-bit PNG as.
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})
+
+
+def rgb_image(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB: PIL's ``convert("RGB")``, but 16-bit greyscale is scaled from 0..65535 to 0..255
+    (rounded) instead of clipped at 255."""
+    if image.mode not in _SIXTEEN_BIT_MODES:
+        return image.convert("RGB")
+    values = np.asarray(image).astype(np.int64)
+    grey = np.clip((values * 255 + 32767) // 65535, 0, 255).astype(np.uint8)
+    return Image.fromarray(grey, mode="L").convert("RGB")
 
 
 _NOTICES_SHOWN: set[str] = set()
@@ -60,9 +80,16 @@ class MBCVideoDataset(VideoDataset):
         try:
             frames = read_leading_frames(file_path, self.num_frames, self.time_division_factor,
                                          self.time_division_remainder)
-        except IrregularTiming:   # variable frame rate: DiffSynth's reader, whose frames are constant-rate
+        except ReferenceReaderNeeded:   # variable frame rate, > 8 bits, a mirrored picture: DiffSynth's reader
             return super().load_video(file_path)
         return [self.crop_and_resize(frame, *self.get_height_width(frame)) for frame in frames]
+
+    def load_image(self, file_path):
+        """DiffSynth's ``load_image`` (a 1-frame clip, resized and cropped), with 16-bit greyscale scaled, not
+        clipped (``rgb_image``)."""
+        with Image.open(file_path) as opened:
+            image = rgb_image(opened)
+        return [self.crop_and_resize(image, *self.get_height_width(image))]
 
     @property
     def rows(self) -> int:
@@ -72,16 +99,15 @@ class MBCVideoDataset(VideoDataset):
         """Each row's shape key (``video`` or ``image``): samples are batched only with samples of their key."""
         return list(self._keys)
 
-    def _same_shape_rows(self, row: int):
-        """``row``, then the following rows of its shape key (wrapping around), at most MAX_CONSECUTIVE_BAD_ROWS."""
-        found = 0
-        for offset in range(len(self.data)):
-            candidate = (row + offset) % len(self.data)
-            if self._keys[candidate] == self._keys[row]:
-                yield candidate
-                found += 1
-                if found == MAX_CONSECUTIVE_BAD_ROWS:
-                    return
+    def _replacement_rows(self, row: int):
+        """``row``, then the following rows of its shape key (a replacement joins that row's batch), then, when
+        every row of that shape fails, the following rows of any shape (the module runs a batch of mixed shapes
+        one forward per shape); at most MAX_CONSECUTIVE_BAD_ROWS in all."""
+        rows, key = len(self.data), self._keys[row]
+        order = ((row + offset) % rows for offset in range(rows))
+        same = (r for r in order if self._keys[r] == key)
+        other = (r for r in ((row + offset) % rows for offset in range(rows)) if self._keys[r] != key)
+        return itertools.islice(itertools.chain(same, other), MAX_CONSECUTIVE_BAD_ROWS)
 
     def load_row(self, row: int) -> dict:
         file_name = self.data[row].get("video")
@@ -101,8 +127,7 @@ class MBCVideoDataset(VideoDataset):
         if not self.substitute_bad_media:
             return self.load_row(row)
         skipped = []
-        # The replacement must have the shape of the row it replaces: it joins that row's batch.
-        for candidate in self._same_shape_rows(row):
+        for candidate in self._replacement_rows(row):
             try:
                 sample = self.load_row(candidate)
             except MediaDecodeError as exc:
@@ -110,5 +135,5 @@ class MBCVideoDataset(VideoDataset):
                 continue
             sample["skipped"] = skipped
             return sample
-        raise MediaDecodeError(f"{len(skipped)} consecutive {self._keys[row]} rows from metadata row {row + 1} cannot be "
+        raise MediaDecodeError(f"{len(skipped)} rows from metadata row {row + 1} on cannot be "
                                f"decoded; last: {skipped[-1]['reason']}")

@@ -18,7 +18,6 @@ from diffsynth_mbc.gpu import GpuSpec, arch_problem, attention_kernel, resolve_p
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 GIB = 1024 ** 3
 OPEN_FILES_WANTED = 4096
-MFU_ASSUMED = 0.35   # a realistic model-FLOPs utilisation for this DiT, for "how fast could it go"
 
 
 @dataclasses.dataclass
@@ -37,21 +36,25 @@ class Target:
     assumed: bool
     arch_list: list[str]
     torch_version: str
+    rates_from: str | None = None    # the KNOWN_GPUS entry whose TFLOPS and bandwidth apply; None: unknown
+    cudnn_version: int | None = None  # this machine's torch's cuDNN (decides cuDNN vs flash attention on sm90)
 
 
 def find_target(assume: str | None, gpus: int | None) -> Target:
     import torch
 
-    from diffsynth_mbc.gpu import current_device, known_gpu
+    from diffsynth_mbc.gpu import current_device, known_gpu, spec_for_device
 
     arch_list = (torch._C._cuda_getArchFlags() or "").split() if torch.version.cuda else []
     if assume:
-        return Target(known_gpu(assume), gpus or 1, True, arch_list, torch.__version__)
+        spec = known_gpu(assume)
+        return Target(spec, gpus or 1, True, arch_list, torch.__version__, spec.name)
     device = current_device()
     if device is None:
         return Target(None, 0, False, arch_list, torch.__version__)
-    spec = GpuSpec(device["name"], device["capability"], device["memory_bytes"] / GIB, 0, None)
-    return Target(spec, gpus or device["count"], False, device["arch_list"], torch.__version__)
+    spec, rates_from = spec_for_device(device["name"], device["capability"], device["memory_bytes"])
+    return Target(spec, gpus or device["count"], False, device["arch_list"], torch.__version__, rates_from,
+                  torch.backends.cudnn.version())
 
 
 def gpu_check(target: Target) -> Check:
@@ -60,8 +63,10 @@ def gpu_check(target: Target) -> Check:
                      "run the doctor on the training machine, or plan with --assume V100-32GB / A100-80GB / H100-80GB")
     spec = target.spec
     where = "assumed (not this machine's)" if target.assumed else "found"
+    rates = (f"rates of {target.rates_from}: {spec.fp16_tflops:g} TFLOPS fp16, {spec.bandwidth_gbs:g} GB/s"
+             if target.rates_from else "rates unknown (no speed estimate; --probe N measures it)")
     return Check("GPU", OK, f"{target.count} x {spec.name} {where}: {sm(spec.capability)}, {spec.memory_gib:.0f} GiB, "
-                            f"native bf16 {'yes' if spec.native_bf16 else 'no'}")
+                            f"native bf16 {'yes' if spec.native_bf16 else 'no'}; {rates}")
 
 
 def arch_check(target: Target) -> Check:
@@ -83,11 +88,12 @@ def precision_check(target: Target, choice: str) -> tuple[Check, str]:
         precision, why = resolve_precision(choice, capability)
     except ValueError as exc:
         return Check("precision", FAIL, str(exc), "--mixed_precision auto"), "no"
-    kernel = attention_kernel(capability, precision)
+    kernel = attention_kernel(capability, precision, target.cudnn_version)
     slow_bf16 = capability is not None and precision == "bf16" and capability < (8, 0)
     status = WARN if slow_bf16 or (capability is not None and kernel == "math") else OK
     fix = "--mixed_precision fp16 (or auto)" if status == WARN else ""
-    return Check("precision", status, f"{why}; attention kernel: {kernel}", fix), precision
+    return Check("precision", status, f"{why}; attention kernel: {kernel} (PyTorch's SDPA rule for "
+                                      f"{sm(capability) if capability else 'the CPU'}; not measured here)", fix), precision
 
 
 def nccl_check(target: Target, quick: bool) -> Check:
@@ -175,17 +181,43 @@ def model_check(options) -> Check:
     return Check("model files", OK, f"{options.model_dir}: {len(files.dit_shards)} DiT shard(s), T5, VAE, tokenizer readable")
 
 
-def metadata_check(options, quick: bool) -> tuple[Check, int | None]:
-    from diffsynth_mbc.training.plan import count_metadata_rows
+DECODE_WORKING_COPIES = 4   # decoded RGB frames, the resized copy, the crop and the tensor a row becomes
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def decode_memory_problem(width: int, height: int, num_frames: int, available: int | None) -> str | None:
+    """Why decoding one row at this size would not fit in memory (checked before decoding), or None."""
+    needed = DECODE_WORKING_COPIES * width * height * 3 * num_frames
+    if available is not None and needed > available // 2:
+        return (f"decoding one row at {width}x{height}x{num_frames} needs about {needed / 2**30:.1f} GiB, more "
+                f"than half of the {available / 2**30:.1f} GiB free here")
+    return None
+
+
+def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]:
+    """The metadata's rows as (videos, images), and whether the first rows decode at the training size."""
+    from diffsynth_mbc.doctor.projection import count_media
 
     path = options.dataset_metadata_path
     if not os.path.isfile(path):
         return Check("metadata", FAIL, f"not found: {path}", "python -m diffsynth_mbc.convert CATALOG.csv ..."), None
-    rows = count_metadata_rows(path)
+    media = count_media(path)
+    rows = sum(media)
     if rows == 0:
-        return Check("metadata", FAIL, f"{path}: no rows", "re-run the converter"), 0
+        return Check("metadata", FAIL, f"{path}: no rows", "re-run the converter"), media
+    counted = f"{path}: {rows:,} rows ({media[0]:,} videos, {media[1]:,} images)"
     if quick or options.cache:
-        return Check("metadata", OK, f"{path}: {rows:,} rows"), rows
+        return Check("metadata", OK, counted), media
+    too_big = decode_memory_problem(options.width, options.height, options.num_frames, available_memory_bytes())
+    if too_big:
+        return Check("metadata", FAIL, f"{counted}; not decoded: {too_big}",
+                     "train at a smaller --height/--width/--num_frames"), media
     from diffsynth_mbc.data.dataset import MBCVideoDataset
 
     dataset = MBCVideoDataset(options.dataset_base_path, path, decoder=options.decoder, num_frames=options.num_frames,
@@ -195,12 +227,12 @@ def metadata_check(options, quick: bool) -> tuple[Check, int | None]:
             sample = dataset[index]
         except Exception as exc:  # noqa: BLE001 - any decoding failure is the finding
             return Check("metadata", FAIL, f"{path}: row {index + 1} does not decode: {exc}",
-                         "re-run the converter with --probe"), rows
+                         "re-run the converter with --probe"), media
         if sample is None:
             return Check("metadata", FAIL, f"{path}: row {index + 1} does not decode",
-                         "re-run the converter with --probe"), rows
-    return Check("metadata", OK, f"{path}: {rows:,} rows; the first {min(3, rows)} decode at "
-                                 f"{options.width}x{options.height}x{options.num_frames}"), rows
+                         "re-run the converter with --probe"), media
+    return Check("metadata", OK, f"{counted}; the first {min(3, rows)} decode at "
+                                 f"{options.width}x{options.height}x{options.num_frames}"), media
 
 
 def ffmpeg_check() -> Check:

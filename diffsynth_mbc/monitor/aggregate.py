@@ -1,6 +1,13 @@
 """Deriving one run from its ranks: which run a folder shows, its world size, status and aggregates.
 
 Pure logic over the per-rank views built by ``state.MonitorState``.
+
+Aggregates
+    ``step``: the slowest rank's step; ``total_steps``: the largest; ``progress``: the slowest
+    rank's; ``eta_s``: the largest among active ranks (their own ``eta_s``, else remaining
+    steps x median step time); ``samples_per_s``: the sum over training ranks; ``loss``: the
+    mean of the ranks' last losses; ``elapsed_s``: now - earliest ``started_at`` while active,
+    else the largest ``elapsed_s``.
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ def values_of(ranks: Iterable[dict], key: str) -> list[float]:
 def aggregate(ranks: list[dict], status: str, now: float) -> dict:
     if not ranks:
         return {"step": None, "total_steps": None, "progress": None, "elapsed_s": None, "eta_s": None,
-                "samples_per_s": None, "loss": None, "started_at": None, "updated_at": None}
+                "samples_per_s": None, "loss": None, "started_at": None, "updated_at": None, "overheads": None}
     steps = values_of(ranks, "step")
     totals = values_of(ranks, "total_steps")
     total = max(totals) if totals else None
@@ -137,4 +144,27 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
         "loss": sum(losses) / len(losses) if losses else None,
         "started_at": min(started) if started else None,
         "updated_at": max(updated) if updated else None,
+        "overheads": overheads_of(ranks),
     }
+
+
+def overheads_of(ranks: list[dict]) -> dict | None:
+    """The run's time between steps per kind (checkpoints, LoRA files, validation, samples): the tally of the
+    rank that spent the most on it (every rank takes part in each, the slowest holds the others up)."""
+    out: dict[str, dict] = {}
+    for r in ranks:
+        for kind, tally in (r.get("overheads") or {}).items():
+            if kind not in out or (tally.get("total_s") or 0.0) > (out[kind].get("total_s") or 0.0):
+                out[kind] = tally
+    return out or None
+
+
+def waiting_notes(ranks: list[dict]) -> list[str]:
+    """'rank 1 is silent (stalled) while rank 0 waits for ranks in ...': the hung rank is the one named."""
+    stalled = [r["rank"] for r in ranks if r["stalled"]]
+    waiting = [r for r in ranks if r.get("waiting_text")]
+    if not stalled or not waiting:
+        return []
+    names = ", ".join(str(rank) for rank in stalled)
+    return [f"rank{'s' if len(stalled) > 1 else ''} {names} silent (stalled) while rank {r['rank']} is "
+            f"{r['waiting_text']}" for r in waiting]

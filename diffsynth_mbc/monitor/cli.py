@@ -2,6 +2,7 @@
 
     python -m diffsynth_mbc.monitor [LOG_DIR|URL ...] [--once] [--json] [--interval S]
                                     [--stall-after S] [--serve [HOST:]PORT] [--no-view] [--cors ORIGIN]
+                                    [--allow-host NAME ...]
 
 LOG_DIR (default ./training_logs) holds ``training_gpu{rank}.json`` (state) and
 ``training_gpu{rank}.jsonl`` (one line per optimizer step) written by every rank. Several
@@ -15,7 +16,11 @@ Modes
     --serve ADDR   serve the dashboard and /api/training/{status,metrics} over HTTP (127.0.0.1
                    unless a host is given; port 0 picks a free one; the URL is printed). The
                    live view runs beside it when stdout is a terminal, unless --no-view.
-                   Ctrl-C (or SIGTERM) stops both.
+                   Ctrl-C (or SIGTERM) stops both. Requests naming another host than
+                   loopback, the bound one (or --allow-host) get 421. Bound to anything but
+                   loopback (e.g. 0.0.0.0:7010 for other nodes), the server wants a token on
+                   every request: it is printed once, in the URL (http://HOST:PORT/?token=...);
+                   give that URL to the browser or to another monitor as a source.
 
 Exit codes (--once / --json)
     0 starting, loading, training, finished, stopped (a stop was asked for, it is no error);
@@ -27,7 +32,9 @@ Run status, first rule that matches
     stopped) > training / loading / starting (most advanced active status).
 
 Stall threshold
-    --stall-after S when given, else max(120 s, 10 x the rank's median step time).
+    --stall-after S when given, else max(120 s, 10 x the rank's median step time). A rank waiting
+    in a collective for the others keeps its file fresh and says what it waits for, so a hung
+    rank is the only one called stalled.
 
 Several runs in one directory
     The run_id with the newest started_at is shown; files of other runs are ignored and
@@ -88,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cors", metavar="ORIGIN", default=None,
                         help="with --serve: let web pages of ORIGIN (e.g. http://localhost:3000) read the API; "
                              "by default no other page can")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="with --serve: also answer requests for this host name (e.g. a DNS alias of this "
+                             "node); loopback names and the bound host are always answered")
     return parser
 
 
@@ -111,18 +121,24 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     serve_addr = None
+    if args.allow_host and args.serve is None:
+        parser.error("--allow-host needs --serve")
     if args.serve is not None:
         if args.once or args.json:
             parser.error("--serve cannot be combined with --once or --json")
-        from diffsynth_mbc.monitor.server import parse_serve
+        from diffsynth_mbc.monitor.access import parse_serve
 
         try:
             serve_addr = parse_serve(args.serve)
         except ValueError as exc:
             parser.error(str(exc))
-    folders, remotes = split_sources(args.sources)
+    try:
+        folders, remotes = split_sources(args.sources)
+    except ValueError as exc:
+        parser.error(str(exc))
     log_dir = " + ".join([str(f) for f in folders] + [str(r) for r in remotes])
-    state = MonitorState(folders, remotes=remotes, stall_after=args.stall_after)
+    state = MonitorState(folders, remotes=remotes, stall_after=args.stall_after,
+                         backfill=not (args.once or args.json))   # one answer: no whole reads behind it
 
     if args.json:
         snap = state.refresh()
@@ -146,15 +162,19 @@ def main(argv=None) -> int:
             from diffsynth_mbc.monitor.server import MonitorServer
 
             try:
-                server = MonitorServer(state, *serve_addr, cors_origin=args.cors).start()
+                server = MonitorServer(state, *serve_addr, cors_origin=args.cors, allow_hosts=args.allow_host).start()
             except OSError as exc:
                 print(f"cannot serve on {args.serve}: {exc}", file=sys.stderr)
                 return 2
+            if server.token:
+                print(f"warning: {args.serve} is reachable from other machines, without encryption; every request "
+                      "must carry the token in the URL below (keep it private; 127.0.0.1 with ssh -L is safer)",
+                      file=sys.stderr, flush=True)
             print(f"Serving the training dashboard at {server.url} (log dir {log_dir})", flush=True)
         if server is not None and (args.no_view or not sys.stdout.isatty()):
             while True:
                 time.sleep(3600)
-        _live(state, log_dir, args.interval, server.url if server else None)
+        _live(state, log_dir, args.interval, server.address if server else None)
     except (KeyboardInterrupt, _Stop):
         pass
     finally:

@@ -1,6 +1,8 @@
 """Reading a rank's JSONL history incrementally: only new bytes, bounded memory, a byte-offset index.
 
-Feeds ``Series`` for drawing and serves raw records after a step (``read_history_window``).
+Feeds ``Series`` for drawing and serves raw records after a step (``read_history_window``). A long history
+can be read tail first (``tail_first_above``): its last ``TAIL_BYTES`` give the recent step times at once,
+a few lines sampled across the file the loss trend, and the whole file is read later (``monitor.backfill``).
 """
 
 from __future__ import annotations
@@ -9,14 +11,13 @@ import bisect
 import json
 import math
 import os
-import stat
 import statistics
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from diffsynth_mbc.monitor.series import MAX_POINTS, Series
-from diffsynth_mbc.monitor.status import json_safe, to_float
+from diffsynth_mbc.monitor.series import MAX_POINTS, TREND_POINTS, Series
+from diffsynth_mbc.monitor.status import json_safe, open_regular, to_float
 
 INDEX_EVERY = 512  # JSONL lines between two entries of the byte-offset index
 READ_CHUNK = 4 << 20
@@ -24,6 +25,9 @@ MAX_LINE_BYTES = 1 << 20  # a "line" longer than this without a newline is garba
 RECENT_STEP_TIMES = 101
 MAX_EPOCH_MARKS = 1000  # epoch boundaries remembered for the charts
 MAX_VAL_QUANTILES = 16  # validation quantile series kept (val_loss_by_quantile keys)
+TAIL_FIRST_ABOVE = 8 << 20   # a history larger than this is first read from its tail (about 60,000 steps)
+TAIL_BYTES = 256 << 10       # the tail read first: about 2,000 steps
+SAMPLE_BYTES = 8 << 10       # read at each point of the sampled loss trend
 DRAWN_SERIES = ("loss", "lr", "grad_norm", "step_time_s", "samples_per_s")  # per training record
 
 
@@ -67,18 +71,28 @@ class HistoryFile:
     line). Keeps bounded down-sampled series, the recent step times and a sparse index of
     byte offsets (one per ``INDEX_EVERY`` lines, with the largest step seen before it) so that
     a window of raw records can be read without scanning the whole file.
+
+    With ``tail_first_above``, a file larger than that is read from its last ``tail_bytes`` on the
+    first poll: ``complete`` is then False, ``head_bytes`` are left unread, the series and counts cover
+    the tail only and ``sampled_trend`` is the loss across the whole file from lines sampled in it.
     """
 
-    def __init__(self, path: str | Path, max_points: int = MAX_POINTS, index_every: int = INDEX_EVERY):
+    def __init__(self, path: str | Path, max_points: int = MAX_POINTS, index_every: int = INDEX_EVERY,
+                 tail_first_above: int | None = None, tail_bytes: int = TAIL_BYTES):
         self.path = Path(path)
         self.max_points = max_points
         self.index_every = max(1, int(index_every))
+        self.tail_first_above = tail_first_above
+        self.tail_bytes = tail_bytes
         self.rereads = 0
         self._reset()
 
     def _reset(self) -> None:
         self.ident: tuple[int, int] | None = None
         self.offset = 0  # bytes consumed, always at a line boundary
+        self.head_bytes = 0   # bytes before the first one read (tail first); 0: read from the start
+        self.first_step: float | None = None   # step of the first record read
+        self.sampled_trend: list[float] = []
         self.lines = 0
         self.records = 0
         self.bad_lines = 0
@@ -98,6 +112,10 @@ class HistoryFile:
         self.step_times: deque[float] = deque(maxlen=RECENT_STEP_TIMES)
         self.last_step: float | None = None
         self.last_time: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.head_bytes == 0
 
     def median_step_time(self) -> float | None:
         return statistics.median(self.step_times) if self.step_times else None
@@ -123,6 +141,8 @@ class HistoryFile:
             self.ident = ident
             if st.st_size == self.offset:
                 return False
+            if self.lines == 0 and self.tail_first_above is not None and st.st_size > self.tail_first_above:
+                self._start_at_tail(handle, st.st_size)
             handle.seek(self.offset)
             carry = b""
             changed = False
@@ -143,6 +163,16 @@ class HistoryFile:
                     changed = True
             self.torn = bool(carry.strip())
         return changed
+
+    def _start_at_tail(self, handle, size: int) -> None:
+        """Skip to the first line that starts in the last ``tail_bytes``; sample the loss across the file."""
+        start = size - self.tail_bytes
+        if start <= 0:
+            return
+        handle.seek(start - 1)
+        handle.readline()   # past the end of the line that holds byte start - 1
+        self.offset = self.head_bytes = handle.tell()
+        self.sampled_trend = sample_loss_trend(handle, size)
 
     def _consume(self, buf: bytes, end: int) -> None:
         offset = self.offset
@@ -189,6 +219,8 @@ class HistoryFile:
             return
         if step.is_integer():
             step = int(step)
+        if self.first_step is None:
+            self.first_step = step
         self.records += 1
         if step > self._prefix_max:
             self._prefix_max = step
@@ -244,6 +276,8 @@ class HistoryFile:
         """(file identity, byte offset to start reading from, bytes known to be complete)."""
         if since is None or not self.index_keys:
             return self.ident, 0, self.offset
+        if not self.complete and (self.first_step is None or since < self.first_step):
+            return self.ident, 0, self.offset   # the records wanted begin in the part not read yet
         i = bisect.bisect_right(self.index_keys, since) - 1
         return self.ident, (self.index_offsets[i] if i >= 0 else 0), self.offset
 
@@ -259,6 +293,29 @@ class HistoryFile:
         if self.rereads:
             out.append(f"{name}: file was replaced or truncated {self.rereads} time(s); read again from the start")
         return out
+
+
+def sample_loss_trend(handle, size: int, points: int = TREND_POINTS) -> list[float]:
+    """The training loss across a history without reading it all: the mean loss of the lines in
+    ``SAMPLE_BYTES`` at the middle of each of ``points`` equal parts of the file."""
+    trend = []
+    for i in range(points):
+        start = size * (2 * i + 1) // (2 * points)
+        handle.seek(start)
+        chunk = handle.read(SAMPLE_BYTES)
+        lines = chunk.split(b"\n")[1:-1]   # the first is cut, the last may be torn
+        losses = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            loss = _fast_float(record.get("loss")) if type(record) is dict and record.get("kind") is None else None
+            if loss is not None:
+                losses.append(loss)
+        if losses:
+            trend.append(float(f"{sum(losses) / len(losses):.6g}"))
+    return trend
 
 
 def read_history_window(path: Path, ident: tuple[int, int] | None, start: int, since: float | None,
@@ -315,16 +372,3 @@ def _skip_rest_of_line(handle) -> bool:
             return False
         if chunk.endswith(b"\n"):
             return True
-
-
-def open_regular(path):
-    """Open a file for reading only if it is a regular file, without ever blocking (a FIFO named like a run
-    file would hang a plain open until someone writes to it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise

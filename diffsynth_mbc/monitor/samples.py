@@ -3,7 +3,8 @@
 The folder comes from the run's status files (``samples_dir``), which the monitor treats as untrusted:
 it must be named ``samples``, and a URL may only name ``step-NNNNNNNN/NN-slug.mp4|png`` inside it
 (checked on the text, then on the resolved path, so neither ``..``, an absolute path, an encoded
-escape nor a symlink leads anywhere else). Byte ranges follow RFC 9110 (one range per request).
+escape nor a symlink leads anywhere else). Byte ranges follow RFC 9110: one range per request; a Range header
+that is not one byte range is ignored (the whole file, 200).
 """
 
 from __future__ import annotations
@@ -68,21 +69,39 @@ def resolve_file(root: Path | None, url_path: str) -> tuple[Path, str] | None:
     return path, CONTENT_TYPES[name.group(3)]
 
 
+_RANGE = re.compile(r"[ \t]*bytes[ \t]*=[ \t]*(\d*)-(\d*)[ \t]*", re.IGNORECASE)
+_MAX_DIGITS = 18   # positions with more digits lie past any file; never handed to int() (its 4,300-digit limit)
+
+
+def _position(digits: str) -> int:
+    """A byte position as written; a number too long for any file becomes 10**18, without parsing it."""
+    digits = digits.lstrip("0") or "0"
+    return 10 ** _MAX_DIGITS if len(digits) > _MAX_DIGITS else int(digits)
+
+
 def byte_range(header: str | None, size: int) -> tuple[int, int] | None | str:
-    """``Range: bytes=a-b`` -> (first, last) inclusive; None without a header; "unsatisfiable" when it cannot be."""
+    """``Range: bytes=a-b`` -> (first, last) inclusive; "unsatisfiable" for a range that starts past the end
+    (or a zero-length suffix, or any range of an empty file); None for no header, and for a header to ignore.
+
+    RFC 9110 section 14.2: a range unit other than ``bytes``, a header that does not parse, a range whose last
+    position is before its first, and several ranges (this server sends no multipart answers) are ignored:
+    the answer is 200 with the whole file.
+    """
     if not header:
         return None
-    match = re.fullmatch(r"\s*bytes=(\d*)-(\d*)\s*", header)
+    match = _RANGE.fullmatch(header)
     if not match or (not match.group(1) and not match.group(2)):
-        return "unsatisfiable"
+        return None
     first, last = match.group(1), match.group(2)
     if not first:   # the last N bytes
-        count = int(last)
+        count = _position(last)
         if count == 0 or size == 0:
             return "unsatisfiable"
         return max(0, size - count), size - 1
-    start = int(first)
-    end = min(int(last), size - 1) if last else size - 1
-    if start >= size or end < start:
+    start = _position(first)
+    if last and _position(last) < start:
+        return None
+    if start >= size:
         return "unsatisfiable"
+    end = min(_position(last), size - 1) if last else size - 1
     return start, end

@@ -15,24 +15,31 @@ Only ``/samples/`` takes a path, and only one of the strict form above inside th
 everything else reads nothing but the run files of the log directory, so ``..`` in a URL only ever
 gets a 404. Bad query values get a 400 JSON error naming the
 parameter. No answer carries ``Access-Control-Allow-Origin`` unless ``--cors ORIGIN`` names the one
-origin (another local web page) allowed to read the run's data. Requests are served by a bounded
-thread pool with a per-connection timeout.
+origin (another local web page) allowed to read the run's data. A request for another host name gets 421,
+and a server bound to anything but loopback wants its token on every request (401 without it; see
+``access``). Requests are served by a bounded thread pool; a request's line and headers must arrive within
+a deadline (not only a timeout per read), and one client address holds at most a few connections at a time.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import socket
 import threading
+import time
 from http import HTTPStatus
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 from diffsynth_mbc.monitor import samples
+from diffsynth_mbc.monitor.access import (HEADER_DEADLINE_S, MAX_CONNECTIONS_PER_CLIENT, Access, ClientSlots,
+                                          DeadlineReader, refuse_busy)
+from diffsynth_mbc.monitor.access import parse_serve  # noqa: F401 - where callers found it
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.status import json_safe
 
@@ -45,35 +52,13 @@ DEFAULT_LIMIT = 1000
 MAX_POINTS_PARAM = 5000
 STATUS_MAX_AGE_S = 0.5
 WORKERS = 32                # threads serving requests; more clients wait in the listen backlog
-CONNECTION_TIMEOUT_S = 5.0  # requests within this long of the last refresh share it
+CONNECTION_TIMEOUT_S = 5.0  # longest wait for one read from a client
 
 
 class QueryError(ValueError):
     def __init__(self, parameter: str, message: str):
         super().__init__(message)
         self.parameter = parameter
-
-
-def parse_serve(value: str) -> tuple[str, int]:
-    """``PORT``, ``:PORT``, ``HOST:PORT`` or ``[V6HOST]:PORT`` -> (host, port); host defaults to 127.0.0.1."""
-    text = value.strip()
-    host = "127.0.0.1"
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0 or not text[end + 1:].startswith(":"):
-            raise ValueError(f"bad address {value!r}: expected [HOST]:PORT")
-        host, text = text[1:end], text[end + 2:]
-    elif ":" in text:
-        head, _, text = text.rpartition(":")
-        if head:
-            host = head
-    try:
-        port = int(text)
-    except ValueError:
-        raise ValueError(f"bad port in {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port out of range in {value!r}")
-    return host, port
 
 
 PAGE_PARTS = {  # marker in dashboard.html -> the file inlined there when the page is served
@@ -135,19 +120,32 @@ def _float_param(query: dict, name: str) -> float | None:
 
 
 class _Server(ThreadingHTTPServer):
-    """Requests are served by a bounded pool of threads; the listen backlog absorbs bursts, and a connection
-    that sends nothing (half-open) is dropped after the handler's timeout instead of holding a thread."""
+    """Requests are served by a bounded pool of threads; the listen backlog absorbs bursts. A connection
+    that sends nothing is dropped after the handler's timeout, one whose request head trickles in at the
+    handler's deadline, and a client address over its connection limit gets 503 without taking a thread."""
     daemon_threads = True
     allow_reuse_address = True
     block_on_close = False
     request_queue_size = 128
+    slots: ClientSlots
 
     def server_activate(self):
         super().server_activate()
         self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mbc-monitor-request")
 
     def process_request(self, request, client_address):
-        self._pool.submit(self.process_request_thread, request, client_address)
+        client = client_address[0]
+        if not self.slots.take(client):
+            refuse_busy(request)
+            self.shutdown_request(request)
+            return
+        self._pool.submit(self._serve_and_give_back, request, client_address)
+
+    def _serve_and_give_back(self, request, client_address):
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            self.slots.give_back(client_address[0])
 
     def server_close(self):
         super().server_close()
@@ -161,9 +159,11 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
 
     state: MonitorState
     page: bytes
+    access: Access
     quiet = True
     cors_origin: str | None = None   # Access-Control-Allow-Origin only when --cors names an origin
     timeout = CONNECTION_TIMEOUT_S   # a client that sends nothing is dropped after this long
+    header_deadline_s = HEADER_DEADLINE_S   # ... and one whose request line and headers take longer than this
     server_version = "mbc-monitor"
 
     def version_string(self):
@@ -181,6 +181,8 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(length))
         self.send_header("Cache-Control", cache)
         self.send_header("X-Content-Type-Options", "nosniff")
+        if getattr(self, "_token_from", None) == "query":   # the page's own requests then carry the cookie
+            self.send_header("Set-Cookie", self.access.set_cookie())
         if self.cors_origin:
             self.send_header("Access-Control-Allow-Origin", self.cors_origin)
             self.send_header("Vary", "Origin")
@@ -193,18 +195,45 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _json(self, code: int, obj) -> None:
+    def _json(self, code: int, obj, extra: dict | None = None) -> None:
         try:
             body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
         except ValueError:  # a non-finite number slipped through: send null instead
             body = json.dumps(json_safe(obj), allow_nan=False, separators=(",", ":")).encode()
-        self._send(code, body, "application/json; charset=utf-8")
+        self._send(code, body, "application/json; charset=utf-8", extra)
 
-    def _error(self, code: int, message: str, parameter: str | None = None) -> None:
-        obj = {"error": message, "status": code}
+    def _error(self, code: int, message: str, parameter: str | None = None, extra: dict | None = None) -> None:
+        obj = {"error": message, "status": int(code)}
         if parameter is not None:
             obj["parameter"] = parameter
-        self._json(code, obj)
+        self._json(code, obj, extra)
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()   # read through a deadline for the whole request head instead
+        self._reader = DeadlineReader(self.connection, self.timeout, time.monotonic() + self.header_deadline_s)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def parse_request(self) -> bool:
+        """The request line and headers, then who may ask: the Host it names (421), the token (401)."""
+        if not super().parse_request():
+            return False
+        self._reader.deadline = None   # the head is in: writing the answer has the usual timeout per send
+        self.connection.settimeout(self.timeout)
+        self._token_from = None
+        problem = self.access.host_problem(self.headers.get("Host"))
+        if problem is not None:
+            self._error(HTTPStatus.MISDIRECTED_REQUEST, problem)
+            return False
+        if self.command == "OPTIONS":   # a CORS preflight carries no credentials, and its answer holds no data
+            return True
+        self._token_from = self.access.token_source(parse_qs(urlsplit(self.path).query), self.headers)
+        if self._token_from is None:
+            self._error(HTTPStatus.UNAUTHORIZED, "this server wants its token: open the URL it printed "
+                        "(http://HOST:PORT/?token=...) or send 'Authorization: Bearer TOKEN'",
+                        extra={"WWW-Authenticate": 'Bearer realm="mbc-monitor"'})
+            return False
+        return True
 
     def do_OPTIONS(self):  # noqa: N802 - http.server naming
         self.send_response(HTTPStatus.NO_CONTENT)
@@ -319,19 +348,37 @@ class MonitorServer:
     """The HTTP server, run in a daemon thread; ``stop`` shuts it down and closes the socket."""
 
     def __init__(self, state: MonitorState, host: str = "127.0.0.1", port: int = 0, quiet: bool = True,
-                 cors_origin: str | None = None):
+                 cors_origin: str | None = None, allow_hosts=(), header_deadline_s: float = HEADER_DEADLINE_S,
+                 max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT):
+        if not header_deadline_s > 0:
+            raise ValueError(f"header_deadline_s must be positive, got {header_deadline_s}")
         handler = make_handler(state, dashboard_html(), quiet=quiet, cors_origin=cors_origin)
-        server_cls = _Server
+        handler.header_deadline_s = header_deadline_s
+        server_cls = type("_BoundServer", (_Server,), {"slots": ClientSlots(max_connections_per_client)})
         if ":" in host:
-            server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+            server_cls = type("_Server6", (server_cls,), {"address_family": socket.AF_INET6})
         self.httpd = server_cls((host, port), handler)
+        self.access = handler.access = Access(host, self.httpd.server_address[1], allow_hosts)
         self._thread: threading.Thread | None = None
 
     @property
-    def url(self) -> str:
+    def token(self) -> str | None:
+        """The token every request must carry; None on a loopback bind."""
+        return self.access.token
+
+    @property
+    def address(self) -> str:
+        """The server's URL without its token (what may be shown again and again)."""
         host, port = self.httpd.server_address[:2]
+        if self.access.wildcard:
+            host = socket.gethostname()
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{port}/"
+
+    @property
+    def url(self) -> str:
+        """The URL to open: with ``?token=`` when the server wants one (print it once)."""
+        return self.address + (f"?token={quote(self.token)}" if self.token else "")
 
     def start(self) -> "MonitorServer":
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},

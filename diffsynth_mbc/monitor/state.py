@@ -16,7 +16,9 @@ Stalled rank
     A rank whose status is ``starting``, ``loading`` or ``training`` and whose ``updated_at``
     is older than the stall threshold. The threshold is ``--stall-after`` when given, else the
     larger of 120 s and 10x the rank's median step time (last 101 steps of its history, else
-    its ``step_time_s``). ``stalled_since`` is its last ``updated_at``.
+    its ``step_time_s``). ``stalled_since`` is its last ``updated_at``. A rank blocked in a
+    collective keeps its file fresh with ``waiting`` (what for, since when; ``waiting_text``), so
+    when one rank hangs, only that one is stalled and a note names it.
 
 Missing rank
     A rank below ``world_size`` with no readable status file. It is listed in
@@ -33,17 +35,14 @@ Exit codes of ``--once``
     0 starting, loading, training, finished and stopped (a stop is asked for by someone, it is
     not an error); 1 failed; 3 stalled; 4 no data.
 
-Aggregates
-    ``step``: the slowest rank's step; ``total_steps``: the largest; ``progress``: the slowest
-    rank's; ``eta_s``: the largest among active ranks (their own ``eta_s``, else remaining
-    steps x median step time); ``samples_per_s``: the sum over training ranks; ``loss``: the
-    mean of the ranks' last losses; ``elapsed_s``: now - earliest ``started_at`` while active,
-    else the largest ``elapsed_s``.
+Long histories
+    A history over 8 MiB is read tail first: the status (median step time, a loss trend from lines
+    sampled across the file) is answered at once, and the whole file is read in the background
+    (``backfill``); the down-sampled series wait for it. ``history_complete`` says which a rank has.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -56,9 +55,11 @@ from diffsynth_mbc.monitor.aggregate import (
     pick_run,
     run_status,
     slow_ranks,
+    waiting_notes,
     world_size_of,
 )
-from diffsynth_mbc.monitor.history import INDEX_EVERY, HistoryFile, open_regular, read_history_window
+from diffsynth_mbc.monitor.backfill import Backfill
+from diffsynth_mbc.monitor.history import INDEX_EVERY, TAIL_FIRST_ABOVE, HistoryFile, read_history_window
 from diffsynth_mbc.monitor.series import MAX_POINTS, TREND_POINTS
 from diffsynth_mbc.monitor.status import (
     STALL_MIN_S,
@@ -66,11 +67,14 @@ from diffsynth_mbc.monitor.status import (
     STALL_STEP_FACTOR,
     StatusFile,
     normalize_status,
+    read_status_file,
+    waiting_text,
 )
 
 
 MISSING_NOTES_SHOWN = 16
 EVENTS_SHOWN = 8
+WHOLE_HISTORY_WAIT_S = 600.0   # longest a request for the down-sampled series waits for a whole read
 
 
 class MonitorState:
@@ -83,7 +87,8 @@ class MonitorState:
 
     def __init__(self, log_dir: str | Path | list, *, stall_after: float | None = None,
                  clock: Callable[[], float] = time.time, max_points: int = MAX_POINTS,
-                 index_every: int = INDEX_EVERY, remotes: list | None = None):
+                 index_every: int = INDEX_EVERY, remotes: list | None = None,
+                 tail_first_above: int | None = TAIL_FIRST_ABOVE, backfill: bool = True):
         self.log_dirs = [Path(d) for d in log_dir] if isinstance(log_dir, (list, tuple)) else [Path(log_dir)]
         self.log_dir = self.log_dirs[0] if self.log_dirs else None
         self.remotes = list(remotes or [])
@@ -91,11 +96,15 @@ class MonitorState:
         self.clock = clock
         self.max_points = max_points
         self.index_every = index_every
+        self.tail_first_above = tail_first_above
+        self.backfill = backfill   # read long histories whole in the background as soon as they are seen
+        self._backfill = Backfill(self._adopt)
         self._lock = threading.RLock()
         self._status: dict[int, StatusFile] = {}
         self._history: dict[int, HistoryFile] = {}
         self._warned: dict[str, None] = {}  # warn-once notes, in order
         self._runs_seen: dict[int, str | None] = {}   # rank -> the run id its files last belonged to
+        self._folders_seen: set[Path] = set()   # folders listed once: gone later means deleted, not "not yet"
         self._events: dict[str, None] = {}   # normal events worth a line, in order (a new run, ...)
         self._snapshot: dict | None = None
         self._refreshed_mono: float | None = None
@@ -127,11 +136,15 @@ class MonitorState:
         try:
             entries = list(os.scandir(folder))
         except FileNotFoundError:
+            if folder in self._folders_seen:
+                return (f"log directory {folder} vanished (deleted or unmounted?): nothing of it is shown until a "
+                        "run writes there again")
             return f"log directory {folder} does not exist (yet)"
         except NotADirectoryError:
             return f"{folder} is not a directory"
         except OSError as exc:
             return f"cannot list {folder}: {exc}"
+        self._folders_seen.add(folder)
         for entry in entries:
             rank = run_files.rank_of_status_file(entry.name)
             if rank is None or rank in seen:
@@ -148,52 +161,9 @@ class MonitorState:
             sf = self._status.get(rank)
             if sf is None or sf.path != Path(entry.path):
                 sf = StatusFile(rank, Path(entry.path))
-            self._read_status(sf)
+            read_status_file(sf, self._warn)
             seen[rank] = sf
         return None
-
-    def _read_status(self, sf: StatusFile) -> None:
-        try:
-            with open_regular(sf.path) as handle:
-                st = os.fstat(handle.fileno())
-                if sf.data is not None and sf.error is None and sf.mtime_ns == (st.st_ino, st.st_mtime_ns) \
-                        and st.st_size == sf.size:
-                    return  # unchanged since the last read
-                raw = handle.read(4 << 20)
-        except FileNotFoundError:
-            return  # replaced or removed between listing and opening; the next refresh sees it
-        except OSError as exc:
-            sf.error = f"{sf.path.name}: cannot read ({exc})"
-            return
-        name = sf.path.name
-        problem = None
-        obj = None
-        if not raw.strip():
-            problem = f"{name} is empty"
-        else:
-            try:
-                obj = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                problem = f"{name} is not valid JSON ({str(exc)[:80]})"
-            except RecursionError:
-                problem = f"{name} is nested too deeply to be a status file"
-            else:
-                if not isinstance(obj, dict):
-                    problem = f"{name} does not hold a JSON object"
-        sf.mtime_ns = (st.st_ino, st.st_mtime_ns)
-        sf.size = st.st_size
-        sf.mtime = st.st_mtime
-        if problem is not None:
-            sf.error = problem + ("; showing its last good read" if sf.data is not None else "")
-            return
-        sf.error = None
-        sf.data, sf.notes = normalize_status(obj, sf.rank)
-        version = sf.data.get("schema_version")
-        if version is not None and version > run_files.SCHEMA_VERSION:
-            self._warn(f"schema_version {version} is newer than this monitor's {run_files.SCHEMA_VERSION}; "
-                       "unknown fields are passed through, changed ones may show wrongly")
-        elif version is None and "schema_version" not in obj:
-            self._warn(f"{name} has no schema_version")
 
     def _warn(self, message: str) -> None:
         self._warned.setdefault(message, None)
@@ -218,8 +188,31 @@ class MonitorState:
         path = self._history_path(rank)
         hf = self._history.get(rank)
         if hf is None or hf.path != path:
-            hf = self._history[rank] = HistoryFile(path, max_points=self.max_points, index_every=self.index_every)
+            hf = self._history[rank] = HistoryFile(path, max_points=self.max_points, index_every=self.index_every,
+                                                   tail_first_above=self.tail_first_above)
         return hf
+
+    def _adopt(self, rank: int, whole: HistoryFile) -> None:
+        """Put a history read whole in the place of the one read tail first (unless the files changed)."""
+        with self._lock:
+            current = self._history.get(rank)
+            if current is None or current.path != whole.path or current.complete:
+                return
+            whole.poll()
+            whole.rereads += current.rereads
+            self._history[rank] = whole
+
+    def _wait_for_whole_histories(self, rank: int | None) -> None:
+        with self._lock:
+            snap = self.snapshot(max_age_s=0.5)
+            events = []
+            for r in sorted(r["rank"] for r in snap["ranks"]) if rank is None else [rank]:
+                hf = self._history_for(r)
+                hf.poll()
+                if not hf.complete:
+                    events.append(self._backfill.request(r, hf))
+        for event in events:
+            event.wait(WHOLE_HISTORY_WAIT_S)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -258,6 +251,8 @@ class MonitorState:
         down-sampled series (loss, lr, grad_norm, step_time_s, samples_per_s, val_loss: bucket
         mean, min, max) with at most that many points per series, and where each epoch began.
         """
+        if points is not None:
+            self._wait_for_whole_histories(rank)
         with self._lock:
             snap = self.snapshot(max_age_s=0.5)
             ranks = sorted(r["rank"] for r in snap["ranks"]) if rank is None else [rank]
@@ -315,6 +310,8 @@ class MonitorState:
             notes.extend(sf.notes)
             hf = self._history_for(rank)
             hf.poll()
+            if self.backfill and not hf.complete:
+                self._backfill.request(rank, hf)
             self._note_new_run(rank, sf.data.get("run_id"), hf)
             notes.extend(hf.notes())
             ranks_out.append(self._rank_view(sf, hf, now))
@@ -334,7 +331,10 @@ class MonitorState:
             notes.append(f"ignored files of run {key} (ranks {', '.join(map(str, sorted(ranks)))}): "
                          f"older than run {run_id}")
         notes.extend(self._warned)
+        if self._backfill.failure:
+            notes.append(self._backfill.failure)
 
+        notes.extend(waiting_notes(ranks_out))
         status = run_status(ranks_out)
         agg = aggregate(ranks_out, status, now)
         errors = []
@@ -380,8 +380,13 @@ class MonitorState:
             "stall_after_s": threshold,
             "stalled_since": updated if stalled else None,
             "median_step_time_s": median,
-            "loss_trend": hf.loss.trend(TREND_POINTS),
-            "history_lines": hf.records,
+            "loss_trend": hf.loss.trend(TREND_POINTS) if hf.complete else hf.sampled_trend,
+            "history_lines": hf.records if hf.complete else None,   # None: read from its tail so far
+            "history_complete": hf.complete,
+            # what an active, fresh rank waits for (a stalled rank's last word on it is not news)
+            "waiting_text": waiting_text(data.get("waiting"), now)
+            if data.get("status") in run_files.ACTIVE_STATUSES and not stalled else None,
         })
         return data
+
 

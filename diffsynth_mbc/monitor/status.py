@@ -5,10 +5,15 @@ Pure logic; imports neither rich, torch nor diffsynth.
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
+import os
 import re
+import stat
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from diffsynth_mbc import run_files
 
@@ -25,11 +30,14 @@ EXIT_CODES = {
 
 _INT_FIELDS = ("schema_version", "rank", "local_rank", "world_size", "pid", "epoch", "num_epochs", "step",
                "total_steps", "steps_per_epoch", "samples_seen")
-_FLOAT_FIELDS = ("loss", "loss_avg", "lr", "grad_norm", "step_time_s", "samples_per_s", "elapsed_s", "eta_s",
-                 "progress", "started_at", "updated_at")
+_FLOAT_FIELDS = ("loss", "loss_avg", "lr", "grad_norm", "step_time_s", "step_time_avg_s", "samples_per_s", "elapsed_s",
+                 "eta_s", "eta_overheads_s", "progress", "started_at", "updated_at")
+_GPU_NUMBERS = ("util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb",
+                "run_peak_allocated_mb", "run_peak_reserved_mb")
+MAX_OVERHEAD_KINDS = 16   # kinds of overhead kept from one status file (the training writes 4)
 _STR_FIELDS = ("run_id", "hostname", "status", "phase")
 _COMPUTED = ("stalled", "age_s", "stall_after_s", "stalled_since", "median_step_time_s", "loss_trend",
-             "history_lines", "file")
+             "history_lines", "history_complete", "file", "waiting_text")
 
 
 def exit_code(status: str) -> int:
@@ -107,7 +115,8 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     name = f"training_gpu{file_rank}.json"
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in ("gpu", "error"):
+        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in ("gpu", "error", "overheads",
+                                                                                     "waiting"):
             continue
         if key in _COMPUTED:
             continue
@@ -144,7 +153,9 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
         status = "unknown"
     out["status"] = status
     out["gpu"] = _normalize_gpu(raw.get("gpu"), name, notes)
+    out["overheads"] = _normalize_overheads(raw.get("overheads"), name, notes)
     out["error"] = _normalize_error(raw.get("error"))
+    out["waiting"] = _normalize_waiting(raw.get("waiting"), name, notes)
     if out["rank"] is not None and out["rank"] != file_rank:
         notes.append(f"{name} says it is rank {out['rank']}; shown as rank {file_rank} (from the file name)")
     out["rank"] = file_rank
@@ -159,12 +170,46 @@ def _normalize_gpu(value: Any, name: str, notes: list[str]) -> dict | None:
     if not isinstance(value, dict):
         notes.append(f"{name}: gpu is not an object ({_describe(value)})")
         return None
-    return {
-        "name": None if value.get("name") is None else printable(str(value.get("name"))),
-        "util_pct": to_float(value.get("util_pct")),
-        "mem_used_mb": to_float(value.get("mem_used_mb")),
-        "mem_total_mb": to_float(value.get("mem_total_mb")),
-    }
+    return {"name": None if value.get("name") is None else printable(str(value.get("name"))),
+            **{key: to_float(value.get(key)) for key in _GPU_NUMBERS}}
+
+
+def _normalize_overheads(value: Any, name: str, notes: list[str]) -> dict | None:
+    """``{kind: {count, total_s, last_s, mean_s}}`` (checkpoints, LoRA files, validation, samples), typed; a kind
+    whose count is not a whole number is left out."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        notes.append(f"{name}: overheads is not an object ({_describe(value)})")
+        return None
+    out = {}
+    for kind, tally in itertools.islice(value.items(), MAX_OVERHEAD_KINDS):
+        count = to_int(tally.get("count")) if isinstance(tally, dict) else None
+        if count is None or count < 0:
+            notes.append(f"{name}: overheads[{_describe(kind)}] is not a tally ({_describe(tally)})")
+            continue
+        out[printable(str(kind))[:40]] = {"count": count, **{key: to_float(tally.get(key))
+                                                             for key in ("total_s", "last_s", "mean_s")}}
+    return out
+
+
+def _normalize_waiting(value: Any, name: str, notes: list[str]) -> dict | None:
+    """``{"for": what the rank waits for, "since": unix time}`` (a rank blocked in a collective), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("for"), str) or to_float(value.get("since")) is None:
+        notes.append(f"{name}: waiting is not {{for, since}} ({_describe(value)})")
+        return None
+    return {"for": printable(value["for"])[:200], "since": to_float(value["since"])}
+
+
+def waiting_text(waiting: dict | None, now: float) -> str | None:
+    """'waiting for ranks in all-reduce (step agreement) since 14:02:11 (95 s)' for a rank's ``waiting``."""
+    if not waiting:
+        return None
+    since = waiting["since"]
+    return (f"waiting for {waiting['for']} since {time.strftime('%H:%M:%S', time.localtime(since))} "
+            f"({max(0.0, now - since):.0f} s)")
 
 
 def _normalize_error(value: Any) -> dict | None:
@@ -198,3 +243,61 @@ class StatusFile:
         self.size: int | None = None
         self.error: str | None = None
         self.remote = False  # read from another monitor's URL, not from a file
+
+
+def open_regular(path):
+    """Open a file for reading only if it is a regular file, without ever blocking (a FIFO named like a run
+    file would hang a plain open until someone writes to it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_status_file(sf: "StatusFile", warn: Callable[[str], None]) -> None:
+    """(Re-)read a status file unless unchanged since the last read; a bad read keeps the last good one."""
+    try:
+        with open_regular(sf.path) as handle:
+            st = os.fstat(handle.fileno())
+            if sf.data is not None and sf.error is None and sf.mtime_ns == (st.st_ino, st.st_mtime_ns) \
+                    and st.st_size == sf.size:
+                return  # unchanged since the last read
+            raw = handle.read(4 << 20)
+    except FileNotFoundError:
+        return  # replaced or removed between listing and opening; the next refresh sees it
+    except OSError as exc:
+        sf.error = f"{sf.path.name}: cannot read ({exc})"
+        return
+    name = sf.path.name
+    problem = None
+    obj = None
+    if not raw.strip():
+        problem = f"{name} is empty"
+    else:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            problem = f"{name} is not valid JSON ({str(exc)[:80]})"
+        except RecursionError:
+            problem = f"{name} is nested too deeply to be a status file"
+        else:
+            if not isinstance(obj, dict):
+                problem = f"{name} does not hold a JSON object"
+    sf.mtime_ns = (st.st_ino, st.st_mtime_ns)
+    sf.size = st.st_size
+    sf.mtime = st.st_mtime
+    if problem is not None:
+        sf.error = problem + ("; showing its last good read" if sf.data is not None else "")
+        return
+    sf.error = None
+    sf.data, sf.notes = normalize_status(obj, sf.rank)
+    version = sf.data.get("schema_version")
+    if version is not None and version > run_files.SCHEMA_VERSION:
+        warn(f"schema_version {version} is newer than this monitor's {run_files.SCHEMA_VERSION}; "
+                   "unknown fields are passed through, changed ones may show wrongly")
+    elif version is None and "schema_version" not in obj:
+        warn(f"{name} has no schema_version")

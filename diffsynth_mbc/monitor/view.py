@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from diffsynth_mbc.monitor.status import printable
+from diffsynth_mbc.run_files import overheads_text
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 
@@ -97,6 +98,9 @@ def _gpu_cells(gpu) -> tuple[str, str]:
         mem_text = f"{used / 1024:.1f}/{total / 1024:.0f} GB"
     else:
         mem_text = f"{used / 1024:.1f} GB"
+    peak = gpu.get("peak_allocated_mb")
+    if peak is not None and used is not None:   # the allocator's peak since the rank's previous write
+        mem_text += f" (peak {peak / 1024:.1f})"
     return util_text, mem_text
 
 
@@ -139,7 +143,8 @@ def render_header(snap: dict, log_dir: str | None, theme: Theme) -> RenderableTy
     grid.add_row("progress", bar, "samples/s", Text(fmt_num(rate, ".3g"), style=theme.value))
     grid.add_row("elapsed", Text(fmt_duration(snap.get("elapsed_s")), style=theme.value),
                  "ETA (slowest)", Text(fmt_duration(snap.get("eta_s")), style=theme.value))
-    grid.add_row("loss (mean)", Text(fmt_num(snap.get("loss")), style=theme.value), "", "")
+    grid.add_row("loss (mean)", Text(fmt_num(snap.get("loss")), style=theme.value),
+                 "between steps", Text(printable(overheads_text(snap.get("overheads")) or "-"), style=theme.value))
     title = escape(printable("diffsynth-mbc monitor" + (f" — {log_dir}" if log_dir else "")))
     return Panel(grid, title=title, title_align="left", border_style=theme.header_border, box=box.ROUNDED)
 
@@ -163,7 +168,7 @@ def render_ranks(snap: dict, theme: Theme) -> RenderableType:
             str(rank),
             Text(printable(str(r.get("hostname") or "-"))),   # Text: what a file says is never markup
             _status_text(r, theme),
-            Text(printable(str(r.get("phase") or "-"))),
+            Text(phase_text(r)),
             step_text,
             fmt_num(r.get("loss")),
             Text(sparkline(r.get("loss_trend") or []), style=theme.spark),
@@ -223,7 +228,11 @@ def render_compact_header(snap: dict, theme: Theme) -> RenderableType:
     if snap.get("missing_ranks"):
         second.append(f"  missing: {', '.join(map(str, snap['missing_ranks']))}", style=theme.status["missing"])
     second.append(Text(f"  run {printable(str(snap.get('run_id') or '-'))}", style=theme.label))
-    return Group(line, second)
+    between = overheads_text(snap.get("overheads"))
+    if not between:
+        return Group(line, second)
+    return Group(line, second, Text(printable(f"between steps: {between}"), style=theme.label, no_wrap=True,
+                                    overflow="ellipsis"))
 
 
 def render_compact_ranks(snap: dict, theme: Theme) -> RenderableType:
@@ -245,8 +254,14 @@ def render_compact_ranks(snap: dict, theme: Theme) -> RenderableType:
                       fmt_num(r.get("loss")),
                       "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.2f}",
                       "-" if r.get("age_s") is None else fmt_duration(r["age_s"]),
-                      Text(printable(str(r.get("phase") or "-"))))
+                      Text(phase_text(r)))
     return table
+
+
+def phase_text(r: dict) -> str:
+    """The rank's phase, and what it waits for while blocked in a collective."""
+    phase = printable(str(r.get("phase") or "-"))
+    return f"{phase}: {r['waiting_text']}" if r.get("waiting_text") else phase
 
 
 def render(snap: dict, *, log_dir: str | None = None, theme: Theme = THEME, footer: str | None = None,

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffsynth_mbc.atomic import atomic_save_safetensors, atomic_write_text
+from diffsynth_mbc.atomic import atomic_write_text
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoint_integrity import (
     MANIFEST,
@@ -29,18 +29,22 @@ from diffsynth_mbc.training.checkpoint_integrity import (
     inventory,
     missing_rank_files,
 )
+from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
 from diffsynth_mbc.training.distributed import broadcast_from_main
-from diffsynth_mbc.training.lora_format import convert, file_metadata, training_scale
+from diffsynth_mbc.training.fingerprint import (  # noqa: F401 - FINGERPRINT_KEYS: where readers looked for it
+    FINGERPRINT_KEYS,
+    apply_run_settings,
+    fingerprint_differences,
+)
+from diffsynth_mbc.training.lora_files import LoraFiles
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 
 KEEP_MARKER = "KEEP"
 _COMPLETE_NAME = re.compile(r"^step-(\d{8})$")
 TEMP_PREFIX = ".tmp-"
-
-# Settings a checkpoint must share with the run that resumes it (exact data position and weights).
-FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
-                    "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
-                    "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size")
+# Fault injection for tests: every checkpoint save takes this many seconds longer on every rank (a slow shared
+# filesystem), to show on a real run that step times and the ETA keep checkpoints apart. Unset in normal use.
+SLOW_SAVE_ENV = "MBC_FAULT_SLOW_CHECKPOINT_S"
 
 
 def checkpoint_name(step: int) -> str:
@@ -108,21 +112,42 @@ def resolve_resume(resume: str, root: str | Path, world_size: int | None = None,
     return folder
 
 
+def resumed_run_id(resume: str | None, root: str | Path) -> str | None:
+    """The run id a ``--resume`` continues (the newest complete checkpoint's for ``latest``), read from its
+    manifest without checking the files: the load checks them, and corrects the id if it falls back."""
+    if not resume:
+        return None
+    if resume == "latest":
+        found = complete_checkpoints(root)
+        manifest = read_manifest(found[-1][1]) if found else None
+    else:
+        manifest = read_manifest(resume)
+    run_id = (manifest or {}).get("run_id")
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
 def publish(temp_folder: Path, manifest: dict) -> Path:
     """Write the manifest last, then rename the temp folder into place. Returns the final folder."""
     atomic_write_text(temp_folder / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     final = temp_folder.with_name(temp_folder.name[len(TEMP_PREFIX):].split(".")[0])
     if final.exists():
+        from diffsynth_mbc.training.checkpoint_owner import check_replaceable
+
+        check_replaceable(final, manifest.get("run_id"))   # never replace a folder another run wrote
         shutil.rmtree(final)
     os.replace(temp_folder, final)
     return final
 
 
-def prune(root: str | Path, keep_last: int) -> list[Path]:
-    """Remove complete checkpoints beyond the newest ``keep_last`` (never a KEEP one) and stale temp folders."""
+def prune(root: str | Path, keep_last: int, run_id: str | None = None) -> list[Path]:
+    """Remove complete checkpoints beyond the newest ``keep_last`` (never a KEEP one, and with ``run_id`` only
+    that run's own) and stale temp folders."""
+    from diffsynth_mbc.training.checkpoint_owner import owner
+
     root = Path(root)
     removed = []
-    checkpoints = complete_checkpoints(root)
+    checkpoints = [(step, folder) for step, folder in complete_checkpoints(root)
+                   if run_id is None or owner(folder) == run_id]
     for _step, folder in checkpoints[:max(0, len(checkpoints) - keep_last)]:
         if not (folder / KEEP_MARKER).exists():
             shutil.rmtree(folder, ignore_errors=True)
@@ -132,12 +157,6 @@ def prune(root: str | Path, keep_last: int) -> list[Path]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
-
-
-def fingerprint_differences(saved: dict, current: dict) -> list[str]:
-    """Human lines for every fingerprint key whose value differs: ``world_size: checkpoint 2, this run 4``."""
-    return [f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
-            for key in FINGERPRINT_KEYS if saved.get(key) != current.get(key)]
 
 
 class CheckpointSchedule:
@@ -190,9 +209,21 @@ class Position:
     samples_seen: int = 0       # this rank's, including replaced bad files
     skipped_samples: int = 0    # this rank's bad files
     recent_skips: list = field(default_factory=list)
+    run_id: str | None = None   # the run a resumed position came from (its run id goes on)
+    elapsed_s: float = 0.0      # training time before this position, so a resumed run's clock goes on
+    checkpoint: str = ""        # the checkpoint folder it was loaded from
 
 
-class Checkpoints:
+def _attempt(write) -> str | None:
+    """Run ``write``; None, or what went wrong (a string every rank can be told)."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - a failed write on one rank: gathered, said, raised on every rank
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class Checkpoints(LoraFiles):
     """Saving and loading the full training state through accelerate, with only the LoRA weights.
 
     accelerate's ``save_state`` would write the whole 5B DiT; a pre-hook keeps only the trainable
@@ -204,12 +235,14 @@ class Checkpoints:
 
         self.accelerator = accelerator
         self.module = module
+        self.scheduler = scheduler
         self.options = options
         self.status = status
         self.fingerprint = fingerprint
         self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         self.last_step = None
+        self.injected_delay_s = float(os.environ.get(SLOW_SAVE_ENV) or 0)
         unwrapped = accelerator.unwrap_model(module)
         trainable = {name for name, parameter in unwrapped.named_parameters() if parameter.requires_grad}
 
@@ -221,72 +254,39 @@ class Checkpoints:
         accelerator.register_save_state_pre_hook(keep_only_trainable)
         accelerator.register_for_checkpointing(scheduler)
 
-    # -- LoRA files -----------------------------------------------------------------------------
-    def lora_tensors(self) -> dict:
-        """The trainable (LoRA) tensors in DiffSynth's training layout, taken from the parameters themselves.
-
-        Never ``accelerator.get_state_dict``: that gathers the whole 5B model to the CPU on every rank. DDP and
-        ZeRO-2 keep every parameter whole on every rank (ZeRO-2 shards only gradients and optimizer state).
-        """
-        model = self.accelerator.unwrap_model(self.module)
-        trainable = {name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
-        lora = model.lora_state_dict(trainable)
-        return {key: value.detach().to("cpu").contiguous() for key, value in lora.items()}
-
-    def file_tensors(self, tensors: dict) -> dict:
-        """What a LoRA file holds: ``--lora_format`` layout, alpha/rank folded in (see lora_format)."""
-        options = self.options
-        return convert(tensors, options.lora_format, scale=training_scale(options.lora_rank, options.lora_alpha))
-
-    def write_lora(self, target: Path, step: int, tensors: dict) -> None:
-        options = self.options
-        atomic_save_safetensors(target, self.file_tensors(tensors), metadata=file_metadata(
-            rank=options.lora_rank, alpha=options.lora_alpha, targets=options.lora_target_modules,
-            base_model="Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""), step=step,
-            run_id=str(self.status.state["run_id"]), layout=options.lora_format))
-
-    def save_lora(self, file_name: str, step: int) -> None:
-        """Rank 0 writes the LoRA (``--lora_format``, loadable by DiffSynth and ComfyUI): temp file, then rename."""
-        self.status.update(phase=f"saving {file_name}")
-        self.accelerator.wait_for_everyone()
-        tensors = self.lora_tensors()
-        if self.accelerator.is_main_process:
-            self.write_lora(Path(self.options.output_path) / file_name, step, tensors)
-        self.accelerator.wait_for_everyone()
-
     # -- full training state --------------------------------------------------------------------
     def save(self, position: Position) -> Path:
+        """Every rank's state into a temp folder, then rank 0 adds the LoRA and manifest and renames it into place.
+        A write that fails on any rank (a full disk) stops every rank with one message naming the folder and the
+        space needed; the partial folder is removed and the previous checkpoints stay (CheckpointWriteError)."""
         accelerator = self.accelerator
         name = checkpoint_name(position.step)
         self.status.update(phase=f"saving checkpoint {name}")
         # Named by run and step, so no rank ever deletes a folder another rank is writing into;
         # folders left by killed saves are removed by prune() after the next successful one.
         temporary = temp_path(self.root, position.step, self.status.state["run_id"])
-        temporary.mkdir(parents=True, exist_ok=True)
+        # Checked before anything is written: a broken LoRA never becomes a checkpoint, nor prunes a good one.
+        file_tensors = self.checked_file_tensors(self.lora_tensors(), self.root / name)
+        error = _attempt(lambda: temporary.mkdir(parents=True, exist_ok=True))
         accelerator.wait_for_everyone()
         extra = {"exclude_frozen_parameters": True} if self.deepspeed else {}
-        accelerator.save_state(str(temporary), **extra)
-        tensors = self.lora_tensors()
-        accelerator.wait_for_everyone()
+        error = error or _attempt(lambda: accelerator.save_state(str(temporary), **extra))
+        time.sleep(self.injected_delay_s)
+        errors = [error for error in self.gather_objects(error) if error]
+        if errors:
+            message = self.failure_message(name, temporary, errors[0]) if accelerator.is_main_process else None
+            raise CheckpointWriteError(broadcast_from_main(accelerator, message))
         final = self.root / name
         per_rank = self.gather_positions(position)
-        problem = None
+        problem = failure = None
         if accelerator.is_main_process:
-            self.write_lora(temporary / "lora.safetensors", position.step, tensors)
-            files = inventory(temporary)
-            missing = missing_rank_files(files, accelerator.num_processes)
-            if missing:   # published only when every rank's state is in it
-                problem = (f"checkpoint {name} is incomplete: {temporary / missing[0]} was not written (that rank "
-                           f"saved elsewhere?); {self.root} must be one folder shared by every node. Not published.")
-            else:
-                publish(temporary, {
-                    "step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch,
-                    "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
-                    "run_id": self.status.state["run_id"], "created_at": time.time(),
-                    "fingerprint": self.fingerprint, "per_rank": per_rank,
-                    "world_size": accelerator.num_processes, "files": files})
-                prune(self.root, self.options.keep_checkpoints)
-        problem = broadcast_from_main(accelerator, problem)
+            try:
+                problem = self.publish_state(temporary, position, per_rank, file_tensors)
+            except Exception as exc:  # noqa: BLE001 - a failed write (full disk): said with the folder, then raised
+                failure = self.failure_message(name, temporary, exc)
+        problem, failure = broadcast_from_main(accelerator, (problem, failure))
+        if failure:
+            raise CheckpointWriteError(failure)
         if problem:
             raise RuntimeError(problem)
         accelerator.wait_for_everyone()
@@ -294,6 +294,36 @@ class Checkpoints:
         self.status.update(phase=f"saved checkpoint {name}", last_checkpoint=str(final),
                            last_checkpoint_step=position.step)
         return final
+
+    def publish_state(self, temporary: Path, position: Position, per_rank: list, file_tensors: dict) -> str | None:
+        """Rank 0: the LoRA file, the manifest, the rename, pruning. Returns why it was not published, or None."""
+        name = checkpoint_name(position.step)
+        self.write_lora(temporary / "lora.safetensors", position.step, file_tensors)
+        files = inventory(temporary)
+        missing = missing_rank_files(files, self.accelerator.num_processes)
+        if missing:   # published only when every rank's state is in it
+            return (f"checkpoint {name} is incomplete: {temporary / missing[0]} was not written (that rank "
+                    f"saved elsewhere?); {self.root} must be one folder shared by every node. Not published.")
+        publish(temporary, {
+            "step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch,
+            "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
+            "run_id": self.status.state["run_id"], "created_at": time.time(),
+            "elapsed_s": self.status.state.get("elapsed_s") or 0.0,
+            "fingerprint": self.fingerprint, "per_rank": per_rank,
+            "world_size": self.accelerator.num_processes, "files": files})
+        prune(self.root, self.options.keep_checkpoints, self.status.state["run_id"])
+        return None
+
+    def failure_message(self, name: str, temporary: Path, error) -> str:
+        """Rank 0, after a failed write: remove the partial folder, then say why (free space measured after)."""
+        written = folder_bytes(temporary)
+        shutil.rmtree(temporary, ignore_errors=True)
+        previous = find_latest(self.root)
+        trainable = sum(p.numel() * p.element_size() for p in self.accelerator.unwrap_model(self.module).parameters()
+                        if p.requires_grad)
+        # The previous checkpoint's size, else the LoRA weights, AdamW's two moments and the LoRA file.
+        needed = folder_bytes(previous) or max(written, 4 * trainable)
+        return write_failure(name, self.root, error, free=free_bytes(self.root), needed=needed, previous=previous)
 
     def verify_lora(self, path: Path) -> None:
         """strict=False loads nothing silently if names drift: check every LoRA tensor arrived."""
@@ -310,12 +340,15 @@ class Checkpoints:
 
     def gather_positions(self, position: Position) -> list:
         """Every rank's own counters (collective: all ranks call it)."""
-        import torch.distributed as dist
+        return self.gather_objects({"samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
+                                    "recent_skips": position.recent_skips})
 
-        mine = {"samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
-                "recent_skips": position.recent_skips}
+    def gather_objects(self, mine) -> list:
+        """Every rank's ``mine``, in rank order (collective: all ranks call it)."""
         if self.accelerator.num_processes == 1:
             return [mine]
+        import torch.distributed as dist
+
         everyone = [None] * self.accelerator.num_processes
         # accelerate's gather_object returns its input unchanged on CPU ranks; this works on gloo and NCCL.
         dist.all_gather_object(everyone, mine)
@@ -332,16 +365,24 @@ class Checkpoints:
         differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
         if differences and not self.options.force_resume:
             raise OptionsError(f"checkpoint {folder} was made with a different configuration:\n  "
-                               + "\n  ".join(differences) + "\npass --force_resume true to resume anyway "
-                               "(the data position will not be exact)")
+                               + "\n  ".join(differences) + "\nresume with the checkpoint's settings, or pass "
+                               "--force_resume true to resume with this run's (the continuation will not be "
+                               "the run the checkpoint came from)")
         self.status.update(phase=f"loading checkpoint {folder.name}")
         if self.deepspeed:
             self.accelerator.load_state(str(folder), load_module_strict=False)
         else:
             self.accelerator.load_state(str(folder), strict=False)
         self.verify_lora(folder / "lora.safetensors")
+        if differences:   # --force_resume: this run's settings, not the saved optimizer's, and said so
+            applied = apply_run_settings(self.scheduler, self.options)
+            if self.accelerator.is_main_process:
+                print(f"resuming from {folder} with --force_resume true despite:\n  " + "\n  ".join(differences)
+                      + "\nthe optimizer now uses this run's " + ", ".join(applied), file=sys.stderr)
+            self.status.update(resumed_with_changes=differences)
         rank_state = (manifest.get("per_rank") or [{}] * self.accelerator.num_processes)
         mine = rank_state[self.accelerator.process_index] if len(rank_state) > self.accelerator.process_index else {}
         return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],
                         samples_seen=mine.get("samples_seen", 0), skipped_samples=mine.get("skipped_samples", 0),
-                        recent_skips=mine.get("recent_skips", []))
+                        recent_skips=mine.get("recent_skips", []), run_id=manifest.get("run_id"),
+                        elapsed_s=float(manifest.get("elapsed_s") or 0.0), checkpoint=folder.name)

@@ -22,8 +22,10 @@ from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.gpu import UnsupportedGpuError
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
+from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError
+from diffsynth_mbc.training.checkpoints import resumed_run_id
 from diffsynth_mbc.training.guards import NonFiniteError
-from diffsynth_mbc.training.options import resolve_options
+from diffsynth_mbc.training.options import check_run_id, resolve_options
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.stop_signals import StopSignals
 
@@ -31,6 +33,7 @@ from diffsynth_mbc.training.stop_signals import StopSignals
 def default_run_id() -> str:
     """Same on every rank of one launch: the launcher exports MBC_RUN_ID; else derived from the rendezvous."""
     if os.environ.get("MBC_RUN_ID"):
+        check_run_id(os.environ["MBC_RUN_ID"], "MBC_RUN_ID (environment)")
         return os.environ["MBC_RUN_ID"]
     return f"run-{os.environ.get('MASTER_PORT', '0')}-{time.strftime('%Y%m%d-%H%M')}"
 
@@ -39,10 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     rank, local_rank, world_size = rank_from_environment()
     try:
         options = resolve_options(argv)
+        # A resumed run goes on under its own run id (history, elapsed time and trackers continue).
+        run_id = (options.run_id or resumed_run_id(options.resume, options.checkpoint_dir)
+                  or default_run_id())
+        check_run_id(run_id, "the run id")
     except OptionsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    status = RankStatusWriter(options.log_dir, options.run_id or default_run_id(), rank, local_rank, world_size,
+    status = RankStatusWriter(options.log_dir, run_id, rank, local_rank, world_size,
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))
     signals = StopSignals(grace_s=options.stop_grace_s, on_stuck=lambda sig: status.set_status(
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         status.fail(exc)
         print(f"[rank {rank}] error: {exc}", file=sys.stderr)
         return 2
-    except NonFiniteError as exc:
+    except (NonFiniteError, CheckpointWriteError) as exc:
         status.fail(exc)
         print(f"[rank {rank}] failed: {exc}", file=sys.stderr)
         return 1

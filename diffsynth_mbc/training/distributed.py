@@ -1,30 +1,87 @@
-"""The few collectives the loop needs, through torch.distributed (the same on gloo and NCCL)."""
+"""The few collectives the loop needs, through torch.distributed (the same on gloo and NCCL).
+
+Each takes the rank's status writer (``status``), when there is one, and waits inside ``status.waiting(...)``: a
+rank blocked here for longer than its write interval keeps its status file fresh and says what it waits for,
+while a rank that stopped goes stale (``training.status_writer``). ``waiting_allreduce_hook`` does the same for
+DDP's gradient all-reduce, inside ``backward``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 
-def agree(accelerator, torch, stop_requested: bool, checkpoint_due: bool, bad: int, seen: int):
+STEP_AGREEMENT = "ranks in all-reduce (step agreement)"
+GRADIENTS = "ranks in the gradient all-reduce"
+
+
+def waiting(status, what: str):
+    """``status.waiting(what)``, or nothing without a status writer."""
+    return contextlib.nullcontext() if status is None else status.waiting(what)
+
+
+def agree(accelerator, torch, stop_requested: bool, checkpoint_due: bool, bad: int, seen: int, status=None):
     """All ranks learn: did any rank get a stop request / reach the checkpoint time; bad and seen in total."""
-    flags = all_reduce_sum(accelerator, torch.tensor([int(stop_requested), int(checkpoint_due), bad, seen],
-                                                     dtype=torch.int64, device=accelerator.device))
-    stop_any, due_any, bad_total, seen_total = (int(v) for v in flags.tolist())
+    with waiting(status, STEP_AGREEMENT):
+        flags = all_reduce_sum(accelerator, torch.tensor([int(stop_requested), int(checkpoint_due), bad, seen],
+                                                         dtype=torch.int64, device=accelerator.device))
+        stop_any, due_any, bad_total, seen_total = (int(v) for v in flags.tolist())
     return stop_any > 0, due_any > 0, bad_total, seen_total
 
 
-def all_reduce_sum(accelerator, tensor):
+def all_reduce_sum(accelerator, tensor, status=None, what: str = "ranks in all-reduce"):
     """Sum over ranks, in place (torch.distributed: the same on gloo and NCCL)."""
     if accelerator.num_processes > 1:
         import torch.distributed as dist
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        with waiting(status, what):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
-def broadcast_from_main(accelerator, value):
+def broadcast_from_main(accelerator, value, status=None, what: str = "rank 0's broadcast"):
     """Rank 0's value on every rank (any picklable object)."""
     if accelerator.num_processes == 1:
         return value
     import torch.distributed as dist
 
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    with waiting(status, what):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def wait_for_everyone(accelerator, status=None, what: str = "ranks at a barrier") -> None:
+    with waiting(status, what):
+        accelerator.wait_for_everyone()
+
+
+def waiting_allreduce_hook(status):
+    """A DDP comm hook: PyTorch's default all-reduce (sum, then divided by the world size), inside a wait of the
+    status writer from the moment a gradient bucket is ready until its all-reduce completes. On gloo that is
+    when the other ranks have sent theirs; NCCL completes the future once the work is queued on the GPU."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(process_group, bucket):
+        token = status.begin_wait(GRADIENTS)
+        try:
+            future = allreduce_hook(process_group, bucket)
+        except BaseException:
+            status.end_wait(token)
+            raise
+
+        def done(completed):
+            status.end_wait(token)
+            return completed.value()
+
+        return future.then(done)
+
+    return hook
+
+
+def watch_gradient_all_reduce(module, status) -> bool:
+    """Register ``waiting_allreduce_hook`` on a DDP-wrapped module; False where the module is not one."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(module, DistributedDataParallel):
+        return False
+    module.register_comm_hook(state=None, hook=waiting_allreduce_hook(status))
+    return True

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_save_safetensors
-from diffsynth_mbc.training.lora_format import FORMATS, LoraFormatError, convert, file_metadata, training_scale
+from diffsynth_mbc.training.lora_format import (
+    FORMATS,
+    LoraFormatError,
+    check_pairs,
+    convert,
+    describe_nonfinite,
+    file_metadata,
+    lora_pairs,
+    nonfinite_tensors,
+    training_scale,
+)
 
 BASE_MODEL = "Wan2.2-TI2V-5B"
 
@@ -55,24 +66,81 @@ def read_lora(source: str | Path) -> tuple[dict, dict, Path]:
     return tensors, facts, source
 
 
+def _rank(facts: dict, read_from: Path) -> int:
+    value = facts.get("lora_rank")
+    if value in (None, "", "None"):
+        raise ExportError(f"{read_from}: the file does not say its LoRA rank (no 'lora_rank' metadata), so its "
+                          "strength cannot be made right; give the checkpoint folder instead")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number < 1 or number != int(number):
+        raise ExportError(f"{read_from}: lora_rank {value!r} in its metadata is not a whole number of 1 or more")
+    return int(number)
+
+
+def _alpha(facts: dict, read_from: Path) -> float | None:
+    value = facts.get("lora_alpha")
+    if value in (None, "", "None"):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise ExportError(f"{read_from}: lora_alpha {value!r} in its metadata is not a finite number above 0")
+    return number
+
+
+def _check_output(output: Path, read_from: Path, source: Path) -> None:
+    """Never the input, never inside the checkpoint folder read from (its state files), never a folder."""
+    target = output.resolve()
+    if target == read_from.resolve():
+        raise ExportError(f"{output}: the output would overwrite the input; choose another --output")
+    folder = source if source.is_dir() else read_from.parent
+    if (folder / "checkpoint.json").is_file() and target.is_relative_to(folder.resolve()):
+        raise ExportError(f"{output}: the output would be written inside the checkpoint folder {folder} (and could "
+                          "replace its saved state); choose an --output outside it")
+    if target.is_dir():
+        raise ExportError(f"{output}: is a folder; give --output a file name")
+
+
+def _scale_and_alpha(pairs: dict, alphas: dict, rank: int, alpha: float | None, folded: bool,
+                     read_from: Path) -> tuple[float, float | None]:
+    """The scale still to fold into lora_B (besides per-module ``.alpha`` keys) and the alpha the output carries."""
+    if not alphas:
+        return (1.0 if folded else training_scale(rank, alpha)), alpha
+    if folded:
+        raise ExportError(f"{read_from}: its metadata says alpha/rank is folded in, yet it has .alpha keys "
+                          f"({sorted(alphas)[0]}.alpha, ...); it cannot say which strength is meant")
+    unlike = sorted(module for module in pairs if alphas.get(module) != alphas.get(min(pairs)))
+    if unlike:
+        raise ExportError(f"{read_from}: .alpha keys differ between modules or are missing ({min(pairs)}: "
+                          f"{alphas.get(min(pairs))}, {unlike[0]}: {alphas.get(unlike[0])})")
+    module_alpha = alphas[min(pairs)]
+    if alpha is not None and alpha != module_alpha:
+        raise ExportError(f"{read_from}: its metadata says lora_alpha {alpha:g} but its .alpha keys say "
+                          f"{module_alpha:g}; it cannot say which strength is meant")
+    return 1.0, module_alpha   # convert folds each .alpha / rank; the metadata alpha is not applied again
+
+
 def export(source: str | Path, target_format: str, output: str | Path) -> dict:
     tensors, facts, read_from = read_lora(source)
     output = Path(output)
-    if output.resolve() == read_from.resolve():
-        raise ExportError(f"{output}: the output would overwrite the input; choose another --output")
+    _check_output(output, read_from, Path(source))
     folded = str(facts.get("lora_scale_folded", "")).lower() == "true"
-    rank = facts.get("lora_rank")
-    if rank in (None, "", "None"):
-        raise ExportError(f"{read_from}: the file does not say its LoRA rank (no 'lora_rank' metadata), so its "
-                          "strength cannot be made right; give the checkpoint folder instead")
-    rank = int(float(rank))
-    alpha = facts.get("lora_alpha")
-    alpha = None if alpha in (None, "", "None") else float(alpha)
-    scale = 1.0 if folded else training_scale(rank, alpha)
+    rank, alpha = _rank(facts, read_from), _alpha(facts, read_from)
     try:
+        pairs, alphas = lora_pairs(tensors)
+        check_pairs(pairs, rank)
+        scale, alpha = _scale_and_alpha(pairs, alphas, rank, alpha, folded, read_from)
         converted = convert(tensors, target_format, scale=scale)
     except LoraFormatError as exc:
         raise ExportError(f"{read_from}: {exc}") from None
+    broken = nonfinite_tensors(converted)
+    if broken:
+        raise ExportError(f"{read_from}: {describe_nonfinite(broken, len(converted))}; nothing was written")
     step = facts.get("step")
     metadata = file_metadata(rank=rank, alpha=alpha, targets=str(facts.get("lora_target_modules", "")),
                              base_model=str(facts.get("base_model", BASE_MODEL)),
@@ -81,7 +149,8 @@ def export(source: str | Path, target_format: str, output: str | Path) -> dict:
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(output, converted, metadata=metadata)
     return {"input": str(read_from), "output": str(output), "format": target_format, "tensors": len(converted),
-            "scale_folded": scale, "rank": rank, "alpha": alpha if alpha is not None else rank}
+            "scale_folded": scale if not alphas else alpha / rank, "rank": rank,
+            "alpha": alpha if alpha is not None else rank}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position, truncate_history
-from diffsynth_mbc.training.distributed import agree, all_reduce_sum, broadcast_from_main
+from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position
+from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast_from_main, wait_for_everyone,
+                                                watch_gradient_all_reduce)
+from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
@@ -83,6 +85,10 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     if options.resume:
         resume(run)
+    else:
+        claim_checkpoint_folder(run)
+    if options.report_to != "none":   # after a resume: the run id (the tracker's run name) goes on, so does its run
+        accelerator.init_trackers(status.state["run_id"])
     if validator:
         validator.attach(accelerator, run.module)
     run.sampler = make_sampler(options, status, accelerator, run.module) if options.sample_prompts else None
@@ -135,11 +141,9 @@ def start_accelerator(options, status: RankStatusWriter):
     if accelerator.num_processes != status.state["world_size"]:
         status.update(world_size=accelerator.num_processes)
     # One run id for the whole run, rank 0's: nodes launched seconds or minutes apart each proposed their own.
-    run_id = broadcast_from_main(accelerator, status.state["run_id"])
+    run_id = broadcast_from_main(accelerator, status.state["run_id"], status, what="rank 0's run id")
     if run_id != status.state["run_id"]:
         status.update(run_id=run_id, phase=f"joined run {run_id}")
-    if options.report_to != "none":
-        accelerator.init_trackers(run_id)   # the run id is the tracker's run name (rank 0 only, inside)
     if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
         raise OptionsError(f"{accelerator.num_processes} processes were launched but accelerate set up no distributed "
                            "training, so gradients would never be averaged; check the accelerate config "
@@ -182,6 +186,7 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
 
     from diffsynth_mbc.data.cache.index import file_sha256
     from diffsynth_mbc.training.batches import IMAGE, VIDEO, ShapeGroupedBatchSampler, default_image_batch_size
+    from diffsynth_mbc.training.fingerprint import run_fingerprint
     from diffsynth_mbc.training.step_plan import StepPlan, lr_factor, steps_from_loader
 
     keys = dataset.batch_keys()
@@ -207,7 +212,13 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=options.weight_decay)
 
     status.update(phase="preparing (DDP / DeepSpeed)")
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
+        # Batches differ in size (videos / images), so the loader has no one batch_size for DeepSpeed to read;
+        # its micro-batch figure is bookkeeping here (the loss is each batch's mean): the video batch.
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = options.batch_size
     module, optimizer, loader = accelerator.prepare(module, optimizer, loader)
+    watch_gradient_all_reduce(module, status)   # a rank waiting for the others' gradients says so
     # What the loop will really do: DeepSpeed's config may override the accumulation we asked for.
     accumulation = accelerator.gradient_accumulation_steps
     if accumulation != options.gradient_accumulation_steps:
@@ -221,28 +232,17 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
               f"the plan said {plan.steps_per_epoch}; using the data loader's", file=sys.stderr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, total_steps, options.warmup_steps, options.lr_scheduler))
-    checkpoints = Checkpoints(accelerator, module, scheduler, options, status, fingerprint={
-        "world_size": accelerator.num_processes, "batch_size": options.batch_size,
-        "gradient_accumulation_steps": accumulation, "dataset_repeat": options.dataset_repeat,
-        "num_frames": options.num_frames, "height": options.height, "width": options.width,
-        "lora_rank": options.lora_rank, "lora_alpha": options.lora_alpha,
-        "lora_target_modules": options.lora_target_modules, "metadata_rows": dataset.rows,
-        "metadata_sha256": file_sha256(options.dataset_metadata_path), "seed": options.seed,
-        "num_epochs": options.num_epochs, "cache": bool(options.cache), "image_batch_size": image_batch})
+    checkpoints = Checkpoints(accelerator, module, scheduler, options, status, fingerprint=run_fingerprint(
+        options, world_size=accelerator.num_processes, accumulation=accumulation, rows=dataset.rows,
+        metadata_sha256=file_sha256(options.dataset_metadata_path), image_batch=image_batch,
+        precision=accelerator.mixed_precision))
     return Run(options=options, status=status, signals=signals, accelerator=accelerator, module=module,
                optimizer=optimizer, scheduler=scheduler, loader=loader, trainable=trainable, plan=plan,
                steps_per_epoch=steps_per_epoch, checkpoints=checkpoints, validator=validator, batches=batches)
 
 
-def resume(run: Run) -> None:
-    """Restores weights, optimizer, scheduler and the RNG of every rank, and the data position."""
-    run.position = run.checkpoints.load(run.options.resume)
-    kept = truncate_history(run.status.history_file, run.position.step)
-    run.status.update(phase=f"resumed at step {run.position.step} (history: {kept} lines kept)",
-                      samples_seen=run.position.samples_seen, skipped_samples=run.position.skipped_samples)
-
-
 def start_progress(run: Run) -> None:
+    from diffsynth_mbc.training.eta import OverheadSchedule
     from diffsynth_mbc.training.progress import ProgressLogger
     from diffsynth_mbc.training.terminal_progress import TerminalProgress, launcher_streams
 
@@ -253,7 +253,9 @@ def start_progress(run: Run) -> None:
                                bar_stream=bar_stream)
     run.logger = ProgressLogger(options.output_path, run.status, steps_per_epoch=run.steps_per_epoch,
                                 num_epochs=options.num_epochs, samples_per_step=options.batch_size,
-                                start_step=position.step, printer=printer)
+                                start_step=position.step, printer=printer,
+                                overhead_schedule=OverheadSchedule.from_options(
+                                    options, validation=run.validator is not None, samples=run.sampler is not None))
     run.status.update(plan=run.plan.as_dict(), skipped_samples=position.skipped_samples,
                       skip_reasons=position.recent_skips, lr_scheduler=options.lr_scheduler,
                       max_grad_norm=options.max_grad_norm)
@@ -282,7 +284,7 @@ def train_epochs(run: Run) -> str:
     for epoch in range(run.position.epoch, run.options.num_epochs):
         if train_epoch(run, epoch) == "stopped":
             return "stopped"
-        run.checkpoints.save_lora(f"epoch-{epoch}.safetensors", run.position.step)
+        run.logger.timed("lora", run.checkpoints.save_lora, f"epoch-{epoch}.safetensors", run.position.step)
         run.logger.on_epoch_end(save_epoch_file=False)
     return "done"
 
@@ -342,24 +344,24 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         status.update(skipped_samples=position.skipped_samples, skip_reasons=position.recent_skips)
     # One small all-reduce per step keeps every rank's decisions identical.
     stop_any, time_due, bad_total, seen_total = agree(
-        accelerator, torch, run.signals.requested.is_set(), run.schedule.due_by_time(), bad, samples)
+        accelerator, torch, run.signals.requested.is_set(), run.schedule.due_by_time(), bad, samples, status=status)
     run.bad_media.account(bad_total, seen_total, position.recent_skips)
     if position.batches_in_epoch >= len(run.loader):
         position.epoch, position.batches_in_epoch = epoch + 1, 0
     if run.validator and options.val_steps and position.step % options.val_steps == 0:
-        run.validator.run(position.step)
+        run.logger.timed("validation", run.validator.run, position.step)
         run.logger.on_validation(accelerator)
     maybe_sample(run)
     if stop_any:
-        run.checkpoints.save(position)
+        run.logger.timed("checkpoint", run.checkpoints.save, position)
         status.set_status(run_files.STATUS_STOPPED, phase=f"stopped at step {position.step} after a "
                           "stop request; resume with --resume latest")
         return "stopped"
     if run.schedule.due_by_steps(position.step) or time_due:
-        run.checkpoints.save(position)
+        run.logger.timed("checkpoint", run.checkpoints.save, position)
         run.schedule.saved()
     if options.save_steps and position.step % options.save_steps == 0:
-        run.checkpoints.save_lora(f"step-{position.step}.safetensors", position.step)
+        run.logger.timed("lora", run.checkpoints.save_lora, f"step-{position.step}.safetensors", position.step)
     return "continue"
 
 
@@ -370,13 +372,13 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
 def finish(run: Run) -> None:
     options, position = run.options, run.position
     if run.validator and (not options.val_steps or position.step % options.val_steps):
-        run.validator.run(position.step)
+        run.logger.timed("validation", run.validator.run, position.step)
         run.logger.on_validation(run.accelerator)
     maybe_sample(run)
-    run.checkpoints.save_lora("lora.safetensors", position.step)
+    run.logger.timed("lora", run.checkpoints.save_lora, "lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:
-        run.checkpoints.save(position)
-    run.accelerator.wait_for_everyone()
+        run.logger.timed("checkpoint", run.checkpoints.save, position)
+    wait_for_everyone(run.accelerator, run.status, "ranks to finish")
     run.logger.on_training_end()
 
 

@@ -20,7 +20,10 @@ only multiplied.
 
 from __future__ import annotations
 
+import math
 import re
+
+from diffsynth_mbc.training.guards import NonFiniteError
 
 FORMATS = ("comfyui", "diffsynth")
 COMFYUI_PREFIX = "diffusion_model."
@@ -31,6 +34,28 @@ _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
 
 class LoraFormatError(ValueError):
     """A file or tensor set that is not a LoRA we can convert; the message names the key."""
+
+
+class NonFiniteLoraError(NonFiniteError):
+    """A LoRA about to be written holds NaN or infinite values; the message names the tensors."""
+
+
+def nonfinite_tensors(tensors: dict) -> list[str]:
+    """``name (N NaN, M inf of T)`` for every tensor holding a NaN or infinite value, in key order."""
+    found = []
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if bool(tensor.isfinite().all()):
+            continue
+        nan = int(tensor.isnan().sum())
+        found.append(f"{name} ({nan} NaN, {int((~tensor.isfinite()).sum()) - nan} inf of {tensor.numel()})")
+    return found
+
+
+def describe_nonfinite(found: list[str], total: int, shown: int = 5) -> str:
+    """``3 of 40 tensors hold NaN or infinite values: a (...), b (...), ...``."""
+    more = f", and {len(found) - shown} more" if len(found) > shown else ""
+    return f"{len(found)} of {total} LoRA tensors hold NaN or infinite values: {', '.join(found[:shown])}{more}"
 
 
 def _without_prefix(key: str) -> str:
@@ -51,6 +76,21 @@ def split_lora_key(key: str) -> tuple[str, str]:
     return match.group("module"), "A" if part in ("lora_A", "lora_down") else "B"
 
 
+def _alpha_value(key: str, value) -> float:
+    """A per-module ``.alpha``: one finite number above 0."""
+    shown = value.tolist() if hasattr(value, "tolist") else value
+    if hasattr(value, "numel"):
+        number = float(value.item()) if value.numel() == 1 else math.nan
+    else:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise LoraFormatError(f"{key}: an alpha must be one finite number above 0, got {shown!r}")
+    return number
+
+
 def lora_pairs(tensors: dict) -> tuple[dict[str, dict], dict[str, float]]:
     """{module: {"A": tensor, "B": tensor}} and any per-module ``.alpha`` values found."""
     pairs: dict[str, dict] = {}
@@ -59,16 +99,35 @@ def lora_pairs(tensors: dict) -> tuple[dict[str, dict], dict[str, float]]:
         alpha = _ALPHA_KEY.match(key)
         if alpha:
             module = _without_prefix(alpha.group("module"))
-            alphas[module] = float(tensor.item() if hasattr(tensor, "item") else tensor)
+            alphas[module] = _alpha_value(key, tensor)
             continue
         module, part = split_lora_key(key)
         if part in pairs.setdefault(module, {}):
             raise LoraFormatError(f"two lora_{part} tensors for module {module!r} (key {key!r})")
         pairs[module][part] = tensor
+    for module in sorted(set(alphas) - set(pairs)):
+        raise LoraFormatError(f"{module}.alpha has no lora_A/lora_B pair")
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise LoraFormatError(f"module {module!r} has lora_{''.join(pair)} but not both lora_A and lora_B")
     return pairs, alphas
+
+
+def check_pairs(pairs: dict[str, dict], rank: int | None = None) -> None:
+    """Every pair is two matrices of one rank, ``rank`` when given; LoraFormatError naming the module if not."""
+    if not pairs:
+        raise LoraFormatError("no LoRA tensors (lora_A/lora_B pairs) in it")
+    for module in sorted(pairs):
+        down, up = pairs[module]["A"], pairs[module]["B"]
+        shapes = f"lora_A {tuple(down.shape)}, lora_B {tuple(up.shape)}"
+        if len(down.shape) != 2 or len(up.shape) != 2:
+            raise LoraFormatError(f"module {module!r}: {shapes}; both must be matrices")
+        if down.shape[0] != up.shape[1]:
+            raise LoraFormatError(f"module {module!r}: {shapes}: lora_A is of rank {down.shape[0]} but lora_B of "
+                                  f"rank {up.shape[1]}")
+        if rank is not None and down.shape[0] != rank:
+            raise LoraFormatError(f"module {module!r}: {shapes}: rank {down.shape[0]}, but the file says lora_rank "
+                                  f"{rank}")
 
 
 def convert(tensors: dict, target: str, scale: float = 1.0) -> dict:

@@ -7,6 +7,8 @@ Unknown keys in a preset are rejected with the key and file named.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from pathlib import Path
 
 import yaml
@@ -34,7 +36,8 @@ DEFAULTS = {
     # checkpoints, resume, stopping
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
     "keep_old_histories": 3, "print_every_s": 30.0, "report_to": "none",
-    "resume": None, "force_resume": False, "stop_grace_s": 300.0, "allow_stale_cache": False, "decoder": "fast",
+    "resume": None, "force_resume": False, "start_over": False, "stop_grace_s": 300.0, "allow_stale_cache": False,
+    "decoder": "fast",
     # bad media and validation
     "max_bad_media_fraction": 0.01,
     "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
@@ -45,6 +48,7 @@ DEFAULTS = {
     "cache": None, "val_cache": None,
 }
 
+MAX_SIDE = 4096   # pixels, each of --height and --width
 _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
             "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
@@ -126,6 +130,13 @@ def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--max_nonfinite_steps", type=int,
                        help="a step with an inf/NaN loss or gradient norm is skipped and counted; this many in a "
                             "row stop the run (default 20)")
+    _add_memory_and_speed_arguments(optim)
+    optim.add_argument("--max_timestep_boundary", type=float)
+    optim.add_argument("--min_timestep_boundary", type=float)
+    optim.add_argument("--find_unused_parameters", type=_parse_bool)
+
+
+def _add_memory_and_speed_arguments(optim) -> None:
     optim.add_argument("--use_gradient_checkpointing", type=_parse_bool,
                        help="true/false (default true); false is --gradient_checkpointing none")
     optim.add_argument("--gradient_checkpointing",
@@ -137,9 +148,6 @@ def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
                        help="torch.compile each DiT block: auto (default: on CUDA GPUs where torch can compile "
                             "for them, off on the CPU), on, off")
     optim.add_argument("--use_gradient_checkpointing_offload", type=_parse_bool, help="true/false")
-    optim.add_argument("--max_timestep_boundary", type=float)
-    optim.add_argument("--min_timestep_boundary", type=float)
-    optim.add_argument("--find_unused_parameters", type=_parse_bool)
 
 
 def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +158,9 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes)")
     ckpt.add_argument("--resume", help="'latest' or a checkpoint folder: continue at its exact step and data position")
     ckpt.add_argument("--force_resume", type=_parse_bool, help="resume even if the configuration differs")
+    ckpt.add_argument("--start_over", type=_parse_bool,
+                      help="a fresh run in a checkpoint folder holding another run's checkpoints: move them "
+                           "into CHECKPOINT_DIR/replaced-RUN_ID/ and start (default false: refused, naming them)")
     ckpt.add_argument("--stop_grace_s", type=float,
                       help="after Ctrl-C/SIGTERM, how long ranks may take to finish the step and save (default 300)")
     data_quality = parser.add_argument_group("bad media and validation")
@@ -224,54 +235,96 @@ def resolve_options(argv: list[str] | None = None) -> argparse.Namespace:
     return argparse.Namespace(**options)
 
 
-def validate(options: dict) -> None:
-    def positive(*keys):
-        for key in keys:
-            if not isinstance(options[key], int) or options[key] < 1:
-                raise OptionsError(f"--{key} must be a positive integer, got {options[key]!r}")
+# Every number the training reads, checked here and nowhere else: (lowest, highest, lowest allowed?, highest allowed?).
+# NaN and infinity are refused for every float: a NaN learning rate or alpha trains "fine" and writes a NaN LoRA.
+_INTEGERS = {   # key: (lowest, optional)
+    "height": (1, False), "width": (1, False), "num_frames": (1, False), "dataset_repeat": (1, False),
+    "lora_rank": (1, False), "num_epochs": (1, False), "batch_size": (1, False),
+    "gradient_accumulation_steps": (1, False), "max_nonfinite_steps": (1, False), "keep_checkpoints": (1, False),
+    "val_samples": (1, False), "dataset_num_workers": (0, False), "warmup_steps": (0, False),
+    "keep_old_histories": (0, False), "seed": (0, False), "image_batch_size": (1, True), "save_steps": (1, True),
+    "checkpoint_steps": (1, True), "val_steps": (1, True), "sample_steps": (1, True),
+}
+_FLOATS = {     # key: (low, high, low included, optional)
+    "learning_rate": (0.0, None, False, False), "lora_alpha": (0.0, None, False, True),
+    "weight_decay": (0.0, None, True, False), "max_grad_norm": (0.0, None, True, False),
+    "status_interval_s": (0.0, None, False, False), "print_every_s": (0.0, None, False, False),
+    "stop_grace_s": (0.0, None, False, False), "checkpoint_minutes": (0.0, None, False, True),
+    "max_bad_media_fraction": (0.0, 1.0, True, False),
+    "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
+}
+# A run id names files and folders (checkpoint temp folders, tracker runs, log lines): one plain name.
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TARGET_MODULE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
-    positive("height", "width", "num_frames", "dataset_repeat", "lora_rank", "num_epochs", "batch_size",
-             "gradient_accumulation_steps")
-    for key in ("height", "width"):
-        if options[key] % 32:
-            raise OptionsError(f"--{key} must be a multiple of 32 (Wan2.2 VAE x DiT patch), got {options[key]}")
-    if options["num_frames"] % 4 != 1:
-        raise OptionsError(f"--num_frames must be 4k+1 (1, 5, 9, 13, 17, ...), got {options['num_frames']}")
-    if options["image_batch_size"] is not None and (not isinstance(options["image_batch_size"], int)
-                                                    or options["image_batch_size"] < 1):
-        raise OptionsError(f"--image_batch_size must be a positive integer, got {options['image_batch_size']!r}")
+
+def check_run_id(value, source: str = "--run_id") -> None:
+    """A run id is one plain name: letters, digits, '.', '_', '-', starting with a letter or digit."""
+    if not isinstance(value, str) or not _RUN_ID.match(value):
+        raise OptionsError(f"{source} must be one plain name (letters, digits, '.', '_', '-', starting with a letter "
+                           f"or digit, at most 128 characters; no '/' or '..'), got {value!r}")
+
+
+def _check_numbers(options: dict) -> None:
+    for key, (lowest, optional) in _INTEGERS.items():
+        value = options[key]
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            what = "a positive integer" if lowest == 1 else "an integer of 0 or more"
+            raise OptionsError(f"--{key} must be {what}, got {value!r}")
+    for key, (low, high, low_included, optional) in _FLOATS.items():
+        value = options[key]
+        if value is None and optional:
+            continue
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not finite or value < low or (value == low and not low_included) or (high is not None and value > high):
+            bound = f"{'at least' if low_included else 'above'} {low:g}"
+            if high is not None:
+                bound = f"between {low:g} and {high:g}"
+            raise OptionsError(f"--{key} must be a finite number {bound}, got {value!r}")
+    steps = 1000   # DiffSynth's training schedule: a timestep is drawn from [int(min * 1000), int(max * 1000))
+    if int(options["min_timestep_boundary"] * steps) >= int(options["max_timestep_boundary"] * steps):
+        raise OptionsError(f"--min_timestep_boundary ({options['min_timestep_boundary']:g}) must be below "
+                           f"--max_timestep_boundary ({options['max_timestep_boundary']:g}) by at least 1/{steps}, "
+                           "so there is a timestep to draw")
+
+
+def _check_names(options: dict) -> None:
+    if options["run_id"] is not None:
+        check_run_id(options["run_id"])
+    targets = options["lora_target_modules"]
+    if not isinstance(targets, str) or not all(_TARGET_MODULE.match(name) for name in targets.split(",")):
+        raise OptionsError(f"--lora_target_modules must be a comma-separated list of module names (q,k,v,o,ffn.0, "
+                           f"...), got {targets!r}")
+    for key, allowed in _CHOICES.items():
+        if options[key] not in allowed:
+            raise OptionsError(f"--{key} must be one of {', '.join(str(a) for a in allowed if a)}, got {options[key]!r}")
+    for key in ("output_path", "log_dir", "checkpoint_dir"):
+        if options[key] and Path(options[key]).exists() and not Path(options[key]).is_dir():
+            raise OptionsError(f"--{key} {options[key]} is a file, not a folder")
     checkpointing = options["gradient_checkpointing"]
     if checkpointing not in ("all", "none", "auto") and not (checkpointing.isdigit()):
         raise OptionsError("--gradient_checkpointing must be all, none, auto or a number of blocks, got "
                            f"{checkpointing!r}")
-    if options["dataset_num_workers"] < 0 or options["warmup_steps"] < 0:
-        raise OptionsError("--dataset_num_workers and --warmup_steps must not be negative")
-    if options["save_steps"] is not None and options["save_steps"] < 1:
-        raise OptionsError(f"--save_steps must be a positive integer, got {options['save_steps']}")
-    if options["learning_rate"] <= 0:
-        raise OptionsError(f"--learning_rate must be positive, got {options['learning_rate']}")
-    for key, allowed in _CHOICES.items():
-        if options[key] not in allowed:
-            raise OptionsError(f"--{key} must be one of {', '.join(str(a) for a in allowed if a)}, got {options[key]!r}")
+
+
+def validate(options: dict) -> None:
+    """Every option checked once, here; OptionsError names the flag and the value."""
+    _check_numbers(options)
+    _check_names(options)
+    for key in ("height", "width"):
+        if options[key] > MAX_SIDE:
+            raise OptionsError(f"--{key} {options[key]} is above {MAX_SIDE}, the largest side this trains "
+                               "(Wan2.2-TI2V-5B was trained at 1280x704)")
+        if options[key] % 32:
+            raise OptionsError(f"--{key} must be a multiple of 32 (Wan2.2 VAE x DiT patch), got {options[key]}")
+    if options["num_frames"] % 4 != 1:
+        raise OptionsError(f"--num_frames must be 4k+1 (1, 5, 9, 13, 17, ...), got {options['num_frames']}")
     if not options["dataset_metadata_path"]:
         raise OptionsError("--dataset_metadata_path is required (metadata.csv from `python -m diffsynth_mbc.convert`)")
     if options["dataset_base_path"] is None:
         raise OptionsError("--dataset_base_path is required (the folder metadata paths are relative to)")
-    for key in ("checkpoint_steps", "val_steps"):
-        if options[key] is not None and options[key] < 1:
-            raise OptionsError(f"--{key} must be a positive integer, got {options[key]}")
-    if options["checkpoint_minutes"] is not None and options["checkpoint_minutes"] <= 0:
-        raise OptionsError(f"--checkpoint_minutes must be positive, got {options['checkpoint_minutes']}")
-    if options["print_every_s"] <= 0:
-        raise OptionsError(f"--print_every_s must be positive, got {options['print_every_s']}")
-    if options["max_nonfinite_steps"] < 1:
-        raise OptionsError(f"--max_nonfinite_steps must be at least 1, got {options['max_nonfinite_steps']}")
-    if options["keep_old_histories"] < 0:
-        raise OptionsError(f"--keep_old_histories must not be negative, got {options['keep_old_histories']}")
-    if options["keep_checkpoints"] < 1 or options["val_samples"] < 1:
-        raise OptionsError("--keep_checkpoints and --val_samples must be at least 1")
-    if not 0 <= options["max_bad_media_fraction"] <= 1:
-        raise OptionsError(f"--max_bad_media_fraction must be between 0 and 1, got {options['max_bad_media_fraction']}")
     try:
         quantiles = [float(q) for q in str(options["val_timestep_quantiles"]).split(",")]
     except ValueError:
@@ -279,11 +332,9 @@ def validate(options: dict) -> None:
     if not quantiles or not all(0 <= q < 1 for q in quantiles):
         raise OptionsError("--val_timestep_quantiles must be comma-separated numbers in [0, 1), got "
                            f"{options['val_timestep_quantiles']!r}")
-    if options["sample_steps"] is not None and (options["sample_steps"] < 1 or not options["sample_prompts"]):
+    if options["sample_steps"] is not None and not options["sample_prompts"]:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
-    if not options["lora_target_modules"] or not all(options["lora_target_modules"].split(",")):
-        raise OptionsError(f"--lora_target_modules must be a comma-separated list, got {options['lora_target_modules']!r}")

@@ -54,6 +54,30 @@ def print_cache_commands(options) -> None:
     print("VAL_CACHE_ARGS=(" + " ".join(shlex.quote(a) for a in val_arguments) + ")")
 
 
+def projected_line(options, world_size: int, cached: bool, assume: str | None = None, nodes: int | None = None) -> str:
+    """The doctor's projected run length for these options on this machine's GPUs (or ``assume``'s)."""
+    from diffsynth_mbc.doctor import estimates
+    from diffsynth_mbc.doctor.projection import count_media
+    from diffsynth_mbc.gpu import known_gpu, nvidia_smi_device, resolve_precision
+
+    if assume:
+        spec = known_gpu(assume)
+        rates_from = spec.name
+    else:
+        found = nvidia_smi_device()
+        if found is None:
+            return ("projected run length: unknown without a GPU (the speed model covers GPUs; "
+                    "python -m diffsynth_mbc.doctor --probe N measures this machine)")
+        spec, rates_from, _ = found
+    precision, _ = resolve_precision(options.mixed_precision, spec.capability)
+    nodes = nodes or estimates.nodes_from_environment()
+    run = estimates.estimate_run(options, spec, rates_from, precision, gpus=max(1, world_size // nodes), nodes=nodes,
+                                 cached_launch=cached, media=count_media(options.dataset_metadata_path))
+    if run.projection is None:
+        return f"projected run length: unknown: {run.speed['unknown']}"
+    return run.projection.line()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.plan", add_help=True, allow_abbrev=False)
     parser.add_argument("--world_size", type=int, required=True, help="total processes (GPUs) of the run")
@@ -62,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-commands", action="store_true",
                         help="print CACHE_DIR=..., CACHE_ARGS=(...) (and VAL_ CACHE_... for --val_metadata_path): "
                              "the arguments of `python -m diffsynth_mbc.cache` for the same preset and flags")
+    parser.add_argument("--cached", action="store_true",
+                        help="the run builds the latent cache first (the launchers' --cached): its time is projected too")
+    parser.add_argument("--nodes", type=int, help="nodes of the run (default: NUM_MACHINES, else 1); --world_size "
+                                                  "counts the GPUs of all of them")
+    parser.add_argument("--assume", help="project the run's length for this GPU (python -m diffsynth_mbc.doctor "
+                                         "--help lists them) instead of this machine's")
     known, train_argv = parser.parse_known_args(argv)
     try:
         options = resolve_options(train_argv)
@@ -92,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     precision = {"auto": "auto: bf16 on GPUs with native bf16 (A100, H100), fp16 with loss scaling below (V100)"}
     print(f"  precision {precision.get(options.mixed_precision, options.mixed_precision)} "
           "(the training prints what it chose)", file=sys.stderr)
+    try:
+        line = projected_line(options, known.world_size, known.cached, known.assume, known.nodes)
+    except ValueError as exc:   # an unknown --assume name, or a precision this GPU cannot take
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"  {line}", file=sys.stderr)
+    if not line.startswith("projected run length: unknown"):
+        print("  (where each figure comes from: python -m diffsynth_mbc.doctor with the same flags)", file=sys.stderr)
     return 0
 
 

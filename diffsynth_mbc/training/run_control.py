@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from diffsynth_mbc import run_files
-from diffsynth_mbc.atomic import atomic_write_json
+from diffsynth_mbc.atomic import write_json_even_when_full
 
 LOCK_PREFIX = ".train"
 TRAINER_MODULES = ("diffsynth_mbc.train", "diffsynth_mbc.cache")
@@ -159,7 +159,11 @@ def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str
                      error={"type": "RankDied", "traceback_tail": "",
                             "message": f"rank {rank} (pid {pid}) ended without writing a final status "
                                        f"(killed?); the launch exited with code {launch_exit_code}"})
-        atomic_write_json(path, state)
+        try:
+            write_json_even_when_full(path, state)
+        except OSError as exc:   # a full or vanished log folder: say so, the launcher still ends cleanly
+            print(f"warning: cannot mark rank {rank} failed in {path}: {exc}", file=sys.stderr)
+            continue
         marked.append(rank)
     return marked
 

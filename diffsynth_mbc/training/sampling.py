@@ -162,10 +162,12 @@ def maybe_sample(run) -> None:
     sampler = run.sampler
     if sampler is None or not sampler.due(run.position.step, run.logger.total_steps, run.first_step):
         return
-    sampler.run(run.position.step)
+    with run.logger.overhead("samples") as section:   # timed apart from the steps, on every rank (others wait)
+        sampler.run(run.position.step)
     last = run.status.state.get("last_samples")
     if last:
-        run.logger.printer.event(f"samples at step {last['step']}: {len(last['files']) // 2} clip(s) in {last['dir']}")
+        run.logger.printer.event(f"samples at step {last['step']}: {len(last['files']) // 2} clip(s) in {last['dir']} "
+                                 f"({section.seconds:.1f} s)")
 
 
 @contextlib.contextmanager

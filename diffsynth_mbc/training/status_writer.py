@@ -3,7 +3,14 @@
 ``RankStatusWriter`` owns ``training_gpu{rank}.json`` (the current state, replaced atomically, at
 most every ``min_interval_s`` seconds and at once on every status change) and
 ``training_gpu{rank}.jsonl`` (one appended, flushed line per optimizer step). The cost of a step is
-constant however long the run: the JSON file is small and rewritten, the history only appended.
+constant however long the run: the JSON file is small and rewritten, the history only appended. Once
+torch is up, ``gpu_reader`` (``gpu.GpuReader``) is asked for the ``gpu`` fields right before each write
+of the status file (NVML and the allocator are queried only then), from the main thread only.
+
+While the main thread waits for the other ranks (``with writer.waiting("ranks in all-reduce (step agreement)")``
+around a collective), a heartbeat thread keeps the file fresh once the wait outlasts ``min_interval_s``, with
+``waiting = {"for": ..., "since": T}``: a rank that stops (SIGSTOP, a hung process) goes stale while the ranks
+waiting for it stay fresh and say what they wait for, so the monitor calls only the silent one stalled.
 """
 
 from __future__ import annotations
@@ -14,13 +21,16 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
 from diffsynth_mbc import run_files
-from diffsynth_mbc.atomic import atomic_write_json
+from diffsynth_mbc.atomic import write_json_even_when_full
+from diffsynth_mbc.training.history_appender import HistoryAppender
+from diffsynth_mbc.training.log_folder import LogFolderWatch
 
 
 def error_record(exc: BaseException, tail_lines: int = 30) -> dict:
@@ -84,6 +94,8 @@ class RankStatusWriter:
         self._pending_history: collections.deque[str] = collections.deque()
         self.history_lines_lost = 0
         self._status_guard.run(lambda: self.log_dir.mkdir(parents=True, exist_ok=True))
+        self._stream = stream
+        self._folder = LogFolderWatch(self.log_dir)
         self.status_file = run_files.status_path(self.log_dir, rank)
         self.history_file = run_files.history_path(self.log_dir, rank)
         self.min_interval_s = min_interval_s
@@ -91,8 +103,15 @@ class RankStatusWriter:
         self._monotonic = monotonic
         self._last_write = None
         self._started_monotonic = monotonic()
-        self._history = None
+        self.elapsed_before_s = 0.0     # a resumed run's training time before its checkpoint
+        self._history = HistoryAppender(self.history_file)
         self.keep_old_histories = keep_old_histories
+        self.gpu_reader: Callable[[], dict | None] | None = None
+        self._lock = threading.RLock()       # the main thread, the heartbeat and the stop-signal thread write
+        self._waits: dict[int, tuple[str, float, float]] = {}   # token -> (what, since wall, since monotonic)
+        self._wait_tokens = 0
+        self._heartbeat: threading.Thread | None = None
+        self._closed = threading.Event()
         if not continue_history:
             self._history_guard.run(self._set_aside_previous_history)
         self.state = {field: None for field in run_files.STATUS_FIELDS}
@@ -107,11 +126,12 @@ class RankStatusWriter:
     # -- the current state ------------------------------------------------------------------
     def update(self, **fields) -> None:
         """Merge fields; write now if the status changed or enough time passed since the last write."""
-        status_changed = "status" in fields and fields["status"] != self.state["status"]
-        phase_changed = "phase" in fields and fields["phase"] != self.state["phase"]
-        self.state.update(fields)
-        if status_changed or phase_changed or self.write_due():
-            self._write()
+        with self._lock:
+            status_changed = "status" in fields and fields["status"] != self.state["status"]
+            phase_changed = "phase" in fields and fields["phase"] != self.state["phase"]
+            self.state.update(fields)
+            if status_changed or phase_changed or self.write_due():
+                self._write()
 
     def write_due(self) -> bool:
         """Whether the next update() rewrites the file even without a status change (the throttle)."""
@@ -126,7 +146,49 @@ class RankStatusWriter:
         self.set_status(run_files.STATUS_FAILED, phase=f"failed: {type(exc).__name__}", error=error_record(exc))
 
     def flush(self) -> None:
-        self._write()
+        with self._lock:
+            self._write()
+
+    # -- waiting for the other ranks --------------------------------------------------------
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """Around a collective: ``what`` the rank waits for ("ranks in all-reduce (step agreement)")."""
+        token = self.begin_wait(what)
+        try:
+            yield
+        finally:
+            self.end_wait(token)
+
+    def begin_wait(self, what: str) -> int:
+        """A wait that may end on another thread (a collective's completion callback); returns its token."""
+        with self._lock:
+            self._wait_tokens += 1
+            self._waits[self._wait_tokens] = (what, self._wall_clock(), self._monotonic())
+            if self._heartbeat is None:
+                self._heartbeat = threading.Thread(target=self._beat, name="status-heartbeat", daemon=True)
+                self._heartbeat.start()
+            return self._wait_tokens
+
+    def end_wait(self, token: int) -> None:
+        with self._lock:
+            self._waits.pop(token, None)
+            if not self._waits and self.state.get("waiting") is not None:
+                self.state["waiting"] = None
+                self._write()   # the file said it waited: say at once that it no longer does
+
+    def _beat(self) -> None:
+        """While a wait lasts longer than the write interval, rewrite the file with what the rank waits for."""
+        period = max(0.1, min(1.0, self.min_interval_s / 2))
+        while not self._closed.wait(period):
+            with self._lock:
+                if not self._waits:
+                    continue
+                what, since, started = min(self._waits.values(), key=lambda wait: wait[2])
+                if self._monotonic() - started < self.min_interval_s:
+                    continue   # a wait of the usual length: nothing worth a write
+                self.state["waiting"] = {"for": what, "since": since}
+                if self.write_due():
+                    self._write()
 
     @property
     def write_failures(self) -> int:
@@ -134,13 +196,33 @@ class RankStatusWriter:
 
     def _write(self) -> None:
         self.state["updated_at"] = self._wall_clock()
-        self.state["elapsed_s"] = round(self._monotonic() - self._started_monotonic, 3)
+        self.state["elapsed_s"] = round(self.elapsed_before_s + self._monotonic() - self._started_monotonic, 3)
         self._last_write = self._monotonic()
         if self.write_failures:
             self.state["write_failures"] = self.write_failures
         is_final = self.state["status"] in run_files.TERMINAL_STATUSES
         if is_final or self._status_guard.due():
-            self._status_guard.run(lambda: atomic_write_json(self.status_file, self.state))
+            self._read_gpu()
+            self._status_guard.run(lambda: write_json_even_when_full(self.status_file, self.state))
+        if self._folder.replaced():
+            self._folder_replaced()
+
+    def _folder_replaced(self) -> None:
+        """The log folder was deleted (and recreated by the write above) or replaced: the history goes on in the
+        new one, the run's lock is taken there again, and the rank says so."""
+        lock = self._folder.retake_lock()
+        self._history_guard.run(self._write_pending_history)   # reopens the history there at once
+        self._warn(f"the log folder {self.log_dir} was deleted or replaced during the run; rank {self.state['rank']} "
+                   f"writes its status and history in the new one; {lock}")
+
+    def _warn(self, message: str) -> None:
+        print(f"warning: {message}", file=self._stream or sys.stderr, flush=True)
+
+    def _read_gpu(self) -> None:
+        """Fresh GPU fields for the write about to happen. Not from the stop-signal thread, which may write while
+        the main thread is inside a CUDA call or a collective: there the previous reading stays."""
+        if self.gpu_reader is not None and threading.current_thread() is threading.main_thread():
+            self.state["gpu"] = self.gpu_reader()
 
     # -- the per-step history ---------------------------------------------------------------
     def append_history(self, record: dict) -> None:
@@ -153,19 +235,10 @@ class RankStatusWriter:
             self._history_guard.run(self._write_pending_history)
 
     def _write_pending_history(self) -> None:
-        try:
-            if self._history is None:
-                self._history = open(self.history_file, "a", encoding="utf-8")
-            while self._pending_history:
-                self._history.write(self._pending_history[0])
-                self._history.flush()
-                self._pending_history.popleft()
-        except OSError:
-            if self._history is not None:   # reopen next time: the folder may have been replaced
-                with contextlib.suppress(OSError):
-                    self._history.close()
-                self._history = None
-            raise
+        self._history.write_lines(self._pending_history)
+        if self._history.replaced:
+            self._warn(f"rank {self.state['rank']}'s history {self._history.replaced}")
+            self._history.replaced = None
 
     def _set_aside_previous_history(self) -> None:
         """A new run starts a new history; the previous one is kept beside it, never overwritten."""
@@ -187,8 +260,8 @@ class RankStatusWriter:
             path.unlink(missing_ok=True)
 
     def close(self) -> None:
+        self._closed.set()
         if self._pending_history:
             self._history_guard.run(self._write_pending_history)
-        if self._history is not None:
-            self._history.close()
-            self._history = None
+        self._history.close()
+        self._folder.close()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 import time
 
+from diffsynth_mbc.run_files import overheads_text
+
 
 def clock(seconds) -> str:
     if seconds is None:
@@ -25,8 +27,11 @@ def _number(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def progress_line(state: dict) -> str:
-    """``step 6/12 (50.0%) | epoch 1/2 | loss 0.1234 (avg 0.1300) | lr 1.00e-04 | 0.52 s/step | ...``"""
+def progress_line(state: dict, overheads: bool = True) -> str:
+    """``step 6/12 (50.0%) | epoch 1/2 | loss 0.1234 (avg 0.1300) | lr 1.00e-04 | 0.52 s/step | ...``
+
+    s/step is the steps' own time; with ``overheads``, what the run spent between them ends the line
+    (``checkpoints 3 x 4.6 s, validation 2 x 1.2 s``), once there was any."""
     step, total = state.get("step") or 0, state.get("total_steps") or 0
     percent = 100.0 * step / total if total else 0.0
     epoch, epochs = (state.get("epoch") or 0) + 1, state.get("num_epochs") or 1
@@ -35,7 +40,8 @@ def progress_line(state: dict) -> str:
              f"lr {_number(state.get('lr'), '.2e')}", f"{_number(state.get('step_time_s'), '.2f')} s/step",
              f"{_number(state.get('samples_per_s'), '.2f')} samples/s", f"elapsed {clock(state.get('elapsed_s'))}",
              f"ETA {clock(state.get('eta_s'))}"]
-    return " | ".join(parts)
+    between = overheads_text(state.get("overheads")) if overheads else ""
+    return " | ".join(parts + ([between] if between else []))
 
 
 def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss: float | None) -> list[str]:
@@ -47,6 +53,10 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
     lines.append(f"  LoRA: {output_path}/lora.safetensors")
     if state.get("last_checkpoint"):
         lines.append(f"  last checkpoint: {state['last_checkpoint']}")
+    between = overheads_text(state.get("overheads"))
+    if state.get("step_time_avg_s") is not None or between:
+        lines.append(f"  time: {_number(state.get('step_time_avg_s'), '.2f')} s/step (the steps alone)"
+                     + (f"; between steps: {between}" if between else ""))
     lines.append(f"  watch or inspect: python -m diffsynth_mbc.monitor {log_dir}")
     return lines
 
@@ -87,7 +97,7 @@ class TerminalProgress:
             self.best_val_loss = min(self.best_val_loss or state["val_loss"], state["val_loss"])
         if self._bar is not None:
             self._bar.update(self._task, total=state.get("total_steps"), completed=state.get("step") or 0,
-                             line=progress_line(state).split(" | ", 2)[-1])
+                             line=progress_line(state, overheads=False).split(" | ", 2)[-1])
         if (self._bar is None or self._lines_beside_bar) and self._monotonic() - self._last_line >= self.print_every_s:
             self._last_line = self._monotonic()
             self._write_line(progress_line(state))

@@ -46,7 +46,7 @@ class Validator:
                     with self.accelerator.autocast():
                         total[position] += model.sample_loss(dict(sample), timestep_quantile=quantile).double()
                 total[-1] += 1
-        total = all_reduce_sum(self.accelerator, total)
+        total = all_reduce_sum(self.accelerator, total, self.status, "ranks in all-reduce (validation loss)")
         samples = int(total[-1])
         if samples == 0:
             return None

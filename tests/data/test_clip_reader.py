@@ -9,8 +9,8 @@ import imageio_ffmpeg
 import numpy as np
 import pytest
 
-from diffsynth_mbc.data.clip_reader import (ClipReadError, IrregularTiming, evenly_spaced, frames_to_use, probe_clip,
-                                            read_leading_frames)
+from diffsynth_mbc.data.clip_reader import (ClipReadError, IrregularTiming, ReferenceReaderNeeded, evenly_spaced,
+                                            frames_to_use, probe_clip, read_leading_frames)
 from diffsynth_mbc.data.dataset import MBCVideoDataset, MediaDecodeError
 from diffsynth_mbc.data.probe import probe_video
 
@@ -18,9 +18,16 @@ NUM_FRAMES, SIZE = 17, 64
 FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
 
 
-def make_clip(path, frames, size="96x64", rate=8, pix_fmt="yuv420p", extra=()):
+def make_clip(path, frames, size="96x64", rate=8, pix_fmt="yuv420p", extra=(), codec="libx264"):
     subprocess.run([FFMPEG, "-y", "-loglevel", "error", "-f", "lavfi", "-i", f"testsrc2=size={size}:rate={rate}",
-                    "-frames:v", str(frames), *extra, "-c:v", "libx264", "-pix_fmt", pix_fmt, str(path)], check=True)
+                    "-frames:v", str(frames), *extra, "-c:v", codec, "-pix_fmt", pix_fmt, str(path)], check=True)
+    return path
+
+
+def with_display_matrix(source, path, rotation, hflip=False):
+    """A copy of ``source`` whose container tells players to turn (and mirror) the picture, as phones write."""
+    subprocess.run([FFMPEG, "-y", "-loglevel", "error", "-display_rotation", str(rotation),
+                    *(["-display_hflip"] if hflip else []), "-i", str(source), "-c", "copy", str(path)], check=True)
     return path
 
 
@@ -56,6 +63,29 @@ def test_a_variable_frame_rate_clip(tmp_path):
         read_leading_frames(str(clip), NUM_FRAMES)
     fast = dataset(tmp_path, "fast").load_video(str(clip))
     assert_same_frames(fast, dataset(tmp_path, "diffsynth").load_video(str(clip)))
+
+
+@pytest.mark.parametrize("rotation", [90, 180, -90])
+def test_a_rotated_clip_is_turned_as_diffsynth_turns_it(tmp_path, rotation):
+    clip = with_display_matrix(make_clip(tmp_path / "plain.mp4", 20), tmp_path / "clip.mp4", rotation)
+    turned = read_leading_frames(str(clip), NUM_FRAMES)        # applied here, no fallback to DiffSynth's reader
+    assert turned[0].size == ((96, 64) if rotation == 180 else (64, 96))
+    fast = dataset(tmp_path, "fast").load_video(str(clip))
+    assert_same_frames(fast, dataset(tmp_path, "diffsynth").load_video(str(clip)))
+    slow = probe_video(str(clip))
+    assert probe_clip(str(clip))[:2] == turned[0].size == (slow.width, slow.height)    # --probe: the displayed size
+
+
+def test_a_mirrored_clip_and_a_10_bit_clip_are_read_by_diffsynths_reader(tmp_path):
+    mirrored = with_display_matrix(make_clip(tmp_path / "plain.mp4", 20), tmp_path / "mirrored.mp4", 90, hflip=True)
+    ten_bit = make_clip(tmp_path / "ten.mp4", 20, pix_fmt="yuv420p10le", codec="libx265",
+                        extra=("-x265-params", "log-level=error"))
+    for clip in (mirrored, ten_bit):
+        with pytest.raises(ReferenceReaderNeeded):
+            read_leading_frames(str(clip), NUM_FRAMES)
+        fast = dataset(tmp_path, "fast").load_video(str(clip))
+        assert_same_frames(fast, dataset(tmp_path, "diffsynth").load_video(str(clip)))
+    assert probe_clip(str(mirrored))[:2] == (64, 96) and probe_clip(str(ten_bit)) == (96, 64, 20, 8.0)
 
 
 @pytest.mark.parametrize("size", ["97x61", "1281x721"])

@@ -36,35 +36,68 @@ def test_on_a_machine_without_a_gpu_it_says_so_and_checks_the_rest(tmp_path):
     checks = by_name(report)
     assert report["gpu"] is None and checks["GPU"]["status"] == "warn" and "no CUDA GPU" in checks["GPU"]["detail"]
     assert checks["memory"]["status"] == "skip" and "--assume" in checks["memory"]["detail"]
-    assert checks["metadata"]["status"] == "ok" and "3 rows; the first 3 decode at 64x64x9" in checks["metadata"]["detail"]
+    assert checks["metadata"]["status"] == "ok"
+    assert "3 rows (2 videos, 1 images); the first 3 decode at 64x64x9" in checks["metadata"]["detail"]
+    assert report["speed"] == {"unknown": "no GPU: the speed model covers GPUs (plan with --assume NAME, or measure "
+                                          "this machine with --probe N)"}
     assert checks["model files"]["status"] == "ok" and checks["ffmpeg"]["status"] == "ok"
     code, table, _ = doctor(*flags)
     assert code == 0 and "no CUDA GPU" in table and "memory" in table
 
 
-def test_planning_for_a_v100_the_encode_every_step_plan_does_not_fit_and_cache_fp16_does():
-    code, out, err = doctor("--config", FULL, "--assume", "V100-32GB", "--json")
-    assert code == 1, err   # the memory (and here the missing metadata) fail
+def test_planning_for_a_v100_without_recomputation_it_does_not_fit_and_says_what_does():
+    """The command that crashed with TypeError (two suggestions both set the checkpointing)."""
+    code, out, err = doctor("--config", FULL, "--assume", "V100-32GB", "--use_gradient_checkpointing", "false",
+                            "--json")
+    assert code == 1 and "Traceback" not in err, err   # the memory (and here the missing metadata) fail
     report = json.loads(out)
     assert report["gpu"]["name"] == "V100-32GB" and report["gpu"]["assumed"] and not report["gpu"]["native_bf16"]
     memory = report["memory"]
     assert memory["plan"]["tokens"] == 4400 and memory["plan"]["precision"] == "fp16"   # auto on sm_70
     assert memory["plan"]["attention"] == "mem_efficient" and not memory["plan"]["cached"]
+    assert memory["plan"]["recomputed_blocks"] == 0 and memory["plan"]["compiled"]    # compile auto: on
     assert not memory["fits"] and memory["total_bytes"] > memory["limit_bytes"]
     first = memory["changes_that_fit"][0]
-    assert first["cached"] and first["precision"] == "fp16" and first["flags"].startswith("--cache")
-    assert first["total_bytes"] < memory["limit_bytes"] / 1.5
-    assert by_name(report)["memory"]["status"] == "fail" and "--cache" in by_name(report)["memory"]["fix"]
-    assert report["speed"]["seconds_per_step"] > 0
+    assert first["flags"] == "--gradient_checkpointing all" and first["total_bytes"] < memory["limit_bytes"]
+    assert by_name(report)["memory"]["status"] == "fail"
+    assert "--gradient_checkpointing all" in by_name(report)["memory"]["fix"]
+    assert report["speed"]["video"]["seconds_per_step"] > 0 and report["speed"]["video"]["kind"] == "estimate"
+    assert "projection" not in report["speed"]   # no metadata, no run length
     # stable: the same question gives the same plan and verdict, in the same order of keys
-    again = json.loads(doctor("--config", FULL, "--assume", "V100-32GB", "--json")[1])
+    again = json.loads(doctor("--config", FULL, "--assume", "V100-32GB", "--use_gradient_checkpointing", "false",
+                              "--json")[1])
     assert again["memory"] == memory and list(again) == list(report) == sorted(report)
 
 
-def test_an_a100_runs_the_full_preset_as_configured():
+def test_auto_checkpointing_speed_and_run_length_for_the_full_run_on_two_v100s(tmp_path):
+    metadata = tmp_path / "metadata.csv"
+    metadata.write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 800 + "i.png,an image,image\n" * 900)
+    code, out, err = doctor("--config", FULL, "--assume", "V100S-32GB", "--gpus", "2", "--cached",
+                            "--gradient_checkpointing", "auto", "--dataset_metadata_path", str(metadata), "--json")
+    report = json.loads(out)
+    assert report["media"] == {"videos": 800, "images": 900}
+    memory = report["memory"]
+    assert memory["fits"] and memory["plan"]["cached"] and 0 < memory["plan"]["recomputed_blocks"] < 30
+    assert any(a.startswith("gradient checkpointing auto: ") for a in report["assumptions"])
+    speed = report["speed"]
+    assert speed["rates_from"] == "V100S-32GB" and speed["video"]["kind"] == speed["image"]["kind"] == "estimate"
+    assert any("scaled to V100S-32GB" in source for source in speed["video"]["sources"])
+    projected = speed["projection"]
+    assert projected["video_steps_per_gpu"] == 5 * 400 and projected["image_steps_per_gpu"] == 5 * 90
+    assert projected["cache_build_seconds"] > 0 and projected["line"].startswith("projected run length: ")
+    code, table, _ = doctor("--config", FULL, "--assume", "V100S-32GB", "--gpus", "2", "--cached",
+                            "--dataset_metadata_path", str(metadata))
+    assert "projected run length:" in table and "0.0 days" not in table and "scaled to V100S-32GB" in table
+
+
+def test_an_a100_runs_the_full_preset_as_configured_and_an_h100_gets_cudnn_attention():
     report = json.loads(doctor("--config", FULL, "--assume", "A100-80GB", "--json")[1])
     assert report["memory"]["fits"] and report["memory"]["plan"]["precision"] == "bf16"
     assert report["memory"]["plan"]["attention"] == "flash"
+    report = json.loads(doctor("--config", FULL, "--assume", "H100-80GB", "--json")[1])
+    assert report["memory"]["plan"]["attention"] == "cudnn"
+    assert report["speed"]["video"]["sources"][0].startswith("H100 LoRA in the training precision, compiled, 30 of "
+                                                             "30 blocks recomputed, cudnn attention: 0.39 s measured")
 
 
 def test_usage_errors_are_exit_2():
@@ -72,3 +105,5 @@ def test_usage_errors_are_exit_2():
     assert code == 2 and "unknown GPU 'GTX-480'" in err and "V100-32GB" in err
     code, _, err = doctor("--config", FULL, "--height", "700")
     assert code == 2 and "multiple of 32" in err
+    code, _, err = doctor("--config", FULL, "--assume", "V100-32GB", "--probe", "3")
+    assert code == 2 and "--probe measures this machine" in err

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -41,15 +45,24 @@ pytestmark = [
 
 
 def write_run(log_dir):
-    """Two ranks, 300 steps over two epochs, validation every 100 steps; rank 1 steps 1.5x slower."""
+    """Two ranks, 300 steps over two epochs, validation every 100 steps, a checkpoint after steps 100 and 200;
+    rank 1 steps 1.5x slower."""
     now = time.time()
     for rank, step_time in ((0, 2.0), (1, 3.0)):
-        lines = [F.history_line(s, rank, step_time_s=step_time, epoch=(s - 1) // EPOCH_STEPS,
-                                grad_norm=grad_norm_at(s, rank), samples=2) for s in range(1, STEPS + 1)]
+        lines = []
+        for s in range(1, STEPS + 1):
+            lines.append(F.history_line(s, rank, step_time_s=step_time, epoch=(s - 1) // EPOCH_STEPS,
+                                        grad_norm=grad_norm_at(s, rank), samples=2))
+            if s % 100 == 0 and s < STEPS:   # timed apart from the steps: never a point of a chart
+                lines.append(json.dumps({"kind": "overhead", "overhead": "checkpoint", "step": s, "seconds": 4.6,
+                                         "time": now}) + "\n")
         lines += [json.dumps({"step": s, "kind": "val", "val_loss": 0.3 - s / 10_000, "val_loss_by_quantile": {
             q: round(0.1 + float(q) / 2 - s / 10_000, 6) for q in ("0.1", "0.5", "0.9")}}) + "\n" for s in (100, 200, 300)]
         F.write_raw(log_dir / f"training_gpu{rank}.jsonl", "".join(lines))
-        F.write_status(log_dir, rank, world_size=2, step=STEPS, total_steps=1000, step_time_s=step_time, now=now)
+        F.write_status(log_dir, rank, world_size=2, step=STEPS, total_steps=1000, step_time_s=step_time, now=now,
+                       overheads={"checkpoint": {"count": 2, "total_s": 9.2, "last_s": 4.6, "mean_s": 4.6}},
+                       gpu={"name": "H100", "util_pct": 97.0, "mem_used_mb": 22000.0, "mem_total_mb": 81559.0,
+                            "peak_allocated_mb": 31027.0})
 
 
 def grad_norm_at(step, rank):
@@ -137,6 +150,8 @@ def test_every_metric_is_one_chart_with_both_ranks_drawn(page):
             assert pixels_of_colour(driver, chart_id, rgb) > 50, (chart_id, rank)
     table = driver.find_element(By.ID, "ranks-body").text
     assert "300 / 1000" in table and "slow" in table
+    assert "21.5 / 80 GB (peak 30.3)" in table
+    assert driver.find_element(By.ID, "sum-overheads").text == "checkpoints 2 × 4.6 s"
     errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == []  # no script errors
 
@@ -253,3 +268,24 @@ def test_the_gallery_shows_a_playable_video_per_prompt_and_sample_step(browser, 
     finally:
         browser.get("about:blank")
         stop_server(srv)
+
+
+def test_the_page_opened_from_its_token_url_reads_the_api_through_its_cookie(browser, tmp_path):
+    # Bound to every interface, the server wants its token on every request: the page gets it once, in its URL.
+    log_dir = tmp_path / "training_logs"
+    log_dir.mkdir()
+    write_run(log_dir)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-m", "diffsynth_mbc.monitor", str(log_dir), "--serve", "0.0.0.0:0",
+                             "--no-view"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        match = re.search(r"http://[^/\s]+:(\d+)/\?token=([A-Za-z0-9_-]+)", proc.stdout.readline())
+        assert match
+        browser.get(f"http://127.0.0.1:{match.group(1)}/?token={match.group(2)}")
+        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        assert chart(browser, "loss")["points"] == [STEPS] * 4 and chart(browser, "grad_norm")["points"] == [STEPS] * 2
+        assert browser.execute_script("return document.cookie") == ""   # HttpOnly: no script on the page reads it
+    finally:
+        browser.get("about:blank")
+        proc.kill()
+        proc.wait()

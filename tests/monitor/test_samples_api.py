@@ -85,9 +85,30 @@ def test_nothing_outside_the_samples_folder_is_served(served, path):
 def test_byte_range_rules():
     assert byte_range(None, 100) is None
     assert byte_range("bytes=0-0", 100) == (0, 0) and byte_range("bytes=90-200", 100) == (90, 99)
-    assert byte_range("bytes=-300", 100) == (0, 99)
-    for bad in ("bytes=100-", "bytes=5-1", "bytes=-", "items=0-1", "bytes=-0"):
-        assert byte_range(bad, 100) == "unsatisfiable", bad
+    assert byte_range("bytes=-300", 100) == (0, 99) and byte_range("Bytes = 5-", 100) == (5, 99)
+    for past_the_end in ("bytes=100-", "bytes=-0", "bytes=100-200", "bytes=" + "9" * 5000 + "-"):
+        assert byte_range(past_the_end, 100) == "unsatisfiable", past_the_end[:20]
+    assert byte_range("bytes=0-", 0) == "unsatisfiable"
+    assert byte_range("bytes=0-" + "9" * 5000, 100) == (0, 99) and byte_range("bytes=-" + "9" * 5000, 100) == (0, 99)
+    # RFC 9110: a header that is not one byte range is ignored (the whole file), not refused
+    for ignored in ("bytes=5-1", "bytes=-", "items=0-1", "bytes=0-1,5-9", "bytes=0-1, 3-4", "bytes=a-b", "bytes 0-1",
+                    "bytes=" + "9" * 5000 + "-1"):
+        assert byte_range(ignored, 100) is None, ignored[:20]
+
+
+@pytest.mark.parametrize("header", ["bytes=0-" + "9" * 5000, "items=0-99", "bytes=200-100", "bytes=0-1,4-8",
+                                    "bytes=-", "bytes=x-y"])
+def test_range_headers_that_are_not_one_byte_range_get_the_whole_file(served, header):
+    # a 5,000-digit position was a 500 (int()'s digit limit); an unknown unit, a reversed range and several
+    # ranges were 416, where RFC 9110 says to ignore the header
+    status, headers, body = request(served, "/samples/step-00000006/01-a-news-anchor.mp4", {"Range": header})
+    if header.startswith("bytes=0-9"):
+        assert status == 206 and body == VIDEO and headers["Content-Range"] == f"bytes 0-{len(VIDEO) - 1}/{len(VIDEO)}"
+    else:
+        assert status == 200 and body == VIDEO and "Content-Range" not in headers, header
+    status, headers, body = request(served, "/samples/step-00000006/01-a-news-anchor.mp4",
+                                    {"Range": "bytes=" + "9" * 5000 + "-"})
+    assert status == 416 and headers["Content-Range"] == f"bytes */{len(VIDEO)}" and body == b""
 
 
 def test_a_status_file_cannot_point_the_route_at_another_folder():

@@ -212,3 +212,20 @@ def test_serve_address_parsing():
     for bad in ("x", "70000", "host:", "[::1]7010"):
         with pytest.raises(ValueError):
             parse_serve(bad)
+
+
+def test_a_long_history_does_not_hold_up_the_first_answer(tmp_path):
+    # Once the first /status parsed the whole history first, and every other request waited behind it.
+    F.make_run(tmp_path, world_size=1, ranks=[0], steps=90_000, now=time.time())   # about 9 MB of history
+    srv = start_server(tmp_path, "--no-view")
+    try:
+        status, _, snap = srv.json("/api/training/status")
+        assert status == 200 and snap["ranks"][0]["history_complete"] is False   # answered from the tail
+        assert snap["ranks"][0]["median_step_time_s"] == 2.0 and len(snap["ranks"][0]["loss_trend"]) > 0
+        status, _, body = srv.json("/api/training/metrics?rank=0&points=50")     # waits for the whole read
+        assert status == 200 and sum(p["n"] for p in body["ranks"]["0"]["loss"]) == 90_000
+        time.sleep(0.6)   # past the status' 0.5 s cache
+        status, _, snap = srv.json("/api/training/status")
+        assert snap["ranks"][0]["history_complete"] is True and snap["ranks"][0]["history_lines"] == 90_000
+    finally:
+        stop_server(srv)

@@ -146,6 +146,35 @@ def test_empty_and_missing_directory_are_no_data(tmp_path):
     assert "not a directory" in " ".join(state_for(tmp_path / "a-file")[0].refresh()["notes"])
 
 
+def test_a_log_folder_that_vanished_is_no_data_and_said_so(tmp_path):
+    """Deleted mid-run: neither the last status read ("training, step 115") nor its history is shown as live."""
+    log_dir = tmp_path / "logs"
+    F.make_run(log_dir, world_size=2, steps=115)
+    state, _ = state_for(log_dir)
+    assert state.refresh()["status"] == "training"
+    for path in log_dir.iterdir():
+        path.unlink()
+    log_dir.rmdir()
+    snap = state.refresh()
+    assert snap["status"] == "no_data" and snap["ranks"] == [] and exit_code(snap["status"]) == 4
+    assert any("vanished" in note for note in snap["notes"]), snap["notes"]
+    assert state.metrics(points=100)["ranks"] == {}
+
+
+def test_the_silent_rank_is_the_stalled_one_and_the_rank_waiting_for_it_says_so(tmp_path):
+    """Rank 1 stopped (its file stale); rank 0 blocked in the all-reduce keeps its file fresh, naming the wait."""
+    F.make_run(tmp_path, world_size=2, steps=115)
+    F.write_status(tmp_path, 0, step=115, updated_at=F.NOW - 1,
+                   waiting={"for": "ranks in all-reduce (step agreement)", "since": F.NOW - 95})
+    F.write_status(tmp_path, 1, step=115, updated_at=F.NOW - 96)
+    snap = state_for(tmp_path, stall_after=30)[0].refresh()
+    assert snap["status"] == "stalled" and snap["stalled_ranks"] == [1]
+    waiting = by_rank(snap)[0]["waiting_text"]
+    assert waiting.startswith("waiting for ranks in all-reduce (step agreement) since ") and waiting.endswith("(95 s)")
+    assert by_rank(snap)[1]["waiting_text"] is None
+    assert any(note.startswith("rank 1 silent (stalled) while rank 0 is waiting for") for note in snap["notes"])
+
+
 def test_torn_last_line_is_read_once_complete(tmp_path):
     F.write_history(tmp_path, 0, range(1, 11))
     path = F.write_status(tmp_path, 0, world_size=1, step=10)
@@ -395,3 +424,67 @@ def test_validation_loss_per_timestep_quantile_is_kept_per_quantile(tmp_path):
     out = state_for(tmp_path)[0].metrics(points=100)["ranks"]["0"]
     assert {q: [p["value"] for p in points] for q, points in out["val_loss_by_quantile"].items()} == {
         "0.1": [0.2, 0.2], "0.9": [0.4, 0.4]}
+
+
+def test_time_between_steps_is_read_typed_and_the_slowest_rank_speaks_for_the_run(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=20)
+    slow = {"checkpoint": {"count": 2, "total_s": 9.2, "last_s": 4.7, "mean_s": 4.6},
+            "validation": {"count": "1", "total_s": 1.5, "last_s": 1.5, "mean_s": 1.5}}
+    F.write_status(tmp_path, 1, step=20, overheads=slow, gpu={
+        "name": "H100", "util_pct": 90.0, "mem_used_mb": 20000.0, "mem_total_mb": 81559.0,
+        "peak_allocated_mb": 31000, "peak_reserved_mb": 33000, "run_peak_allocated_mb": 40000,
+        "run_peak_reserved_mb": 42000})
+    F.write_status(tmp_path, 0, step=20, step_time_avg_s="1.0", eta_overheads_s=40.0,
+                   overheads={"checkpoint": {"count": 2, "total_s": 8.0, "last_s": 4.0, "mean_s": 4.0}})
+    # The time of each checkpoint in the history is no step: the step times stay the steps'.
+    F.write_raw(tmp_path / "training_gpu1.jsonl", (tmp_path / "training_gpu1.jsonl").read_text() + json.dumps(
+        {"kind": "overhead", "overhead": "checkpoint", "step": 20, "seconds": 4.7, "time": F.NOW}) + "\n")
+    snap = state_for(tmp_path)[0].refresh()
+    ranks = by_rank(snap)
+    assert ranks[1]["overheads"]["validation"] == {"count": 1, "total_s": 1.5, "last_s": 1.5, "mean_s": 1.5}
+    assert ranks[0]["step_time_avg_s"] == 1.0 and ranks[0]["eta_overheads_s"] == 40.0
+    assert ranks[1]["gpu"]["peak_allocated_mb"] == 31000.0 and ranks[1]["gpu"]["run_peak_reserved_mb"] == 42000.0
+    assert snap["overheads"] == slow | {"validation": ranks[1]["overheads"]["validation"]}
+    assert ranks[1]["median_step_time_s"] == 2.0 and ranks[1]["history_lines"] == 21
+    json.dumps(snap, allow_nan=False)
+
+
+def test_odd_overheads_are_noted_and_left_out(tmp_path):
+    F.make_run(tmp_path, world_size=2, steps=5)
+    F.write_status(tmp_path, 0, step=5, overheads={"checkpoint": {"count": "many"}, "\x1b[2Jlora": {"count": 1},
+                                                   **{f"k{i}": {"count": 1} for i in range(100)}})
+    F.write_status(tmp_path, 1, step=5, overheads=["not", "an", "object"])
+    snap = state_for(tmp_path)[0].refresh()
+    ranks = by_rank(snap)
+    assert ranks[1]["overheads"] is None and "overheads is not an object" in " ".join(snap["notes"])
+    assert "checkpoint" not in ranks[0]["overheads"] and "[2Jlora" in ranks[0]["overheads"]
+    assert len(ranks[0]["overheads"]) < 20      # bounded
+    assert any("is not a tally" in note for note in snap["notes"])
+
+
+def test_a_long_history_is_answered_from_its_tail_and_read_whole_behind_it(tmp_path):
+    # Once the first refresh parsed every line of every history: 10 s before the first answer at 8 x 200,000 steps.
+    steps = 90_000   # about 9 MB: over history.TAIL_FIRST_ABOVE
+    F.make_run(tmp_path, world_size=1, ranks=[0], steps=steps)
+    assert (tmp_path / "training_gpu0.jsonl").stat().st_size > history.TAIL_FIRST_ABOVE
+    whole, _ = state_for(tmp_path, tail_first_above=None)
+    reference = whole.refresh()["ranks"][0]
+    assert reference["history_complete"] and reference["history_lines"] == steps
+
+    state, _ = state_for(tmp_path, backfill=False)   # what --once and --json do: one answer, no whole read
+    r0 = state.refresh()["ranks"][0]
+    assert r0["history_complete"] is False and r0["history_lines"] is None
+    assert r0["median_step_time_s"] == reference["median_step_time_s"] == 2.0 and r0["step"] == steps
+    assert len(r0["loss_trend"]) == series.TREND_POINTS
+    assert all(abs(a - b) < 0.01 for a, b in zip(r0["loss_trend"][1:], reference["loss_trend"][1:]))
+    ids = lambda answer: [r["step"] for r in answer["ranks"]["0"]["records"]]  # noqa: E731
+    assert ids(state.metrics(rank=0, since=10, limit=3)) == [11, 12, 13]       # before the tail: read from the start
+    assert ids(state.metrics(rank=0, since=steps - 3, limit=5)) == [steps - 2, steps - 1, steps]
+
+    downsampled = state.metrics(rank=0, points=100)["ranks"]["0"]   # needs the whole history: waits for it
+    assert sum(p["n"] for p in downsampled["loss"]) == steps and downsampled["lines"] == steps
+    assert downsampled["loss"] == whole.metrics(rank=0, points=100)["ranks"]["0"]["loss"]
+    F.write_history(tmp_path, 0, [steps + 1], append=True)
+    r0 = state.refresh()["ranks"][0]
+    assert r0["history_complete"] and r0["history_lines"] == steps + 1
+    assert r0["loss_trend"] == whole.refresh()["ranks"][0]["loss_trend"]

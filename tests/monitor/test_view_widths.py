@@ -39,12 +39,14 @@ def screen(tmp_path, width, height) -> str:
 
 @pytest.mark.parametrize("width,height", [(80, 24), (200, 50)])
 def test_step_loss_and_eta_appear_whole(tmp_path, width, height):
-    F.make_run(tmp_path / "logs", world_size=2, steps=100)
-    F.write_status(tmp_path / "logs", 1, phase="loading a very long phase name " * 5)
+    overheads = {"checkpoint": {"count": 3, "total_s": 13.8, "last_s": 4.5, "mean_s": 4.6}}
+    F.make_run(tmp_path / "logs", world_size=2, steps=100, overheads=overheads)
+    F.write_status(tmp_path / "logs", 1, phase="loading a very long phase name " * 5, overheads=overheads)
     text = screen(tmp_path, width, height)
     lines = text.splitlines()
     assert lines and max(len(line) for line in lines) <= width
-    for whole in ("100/1000", "0.4293", "0.4383", "30m00s"):    # step, each rank's loss, ETA
+    # step, each rank's loss, ETA, the time between steps
+    for whole in ("100/1000", "0.4293", "0.4383", "30m00s", "checkpoints 3 x 4.6 s"):
         assert whole in text, text
     assert all("…" not in line or "phase" not in line for line in lines)
     if width < 110:

@@ -77,3 +77,10 @@ def test_truncate_history_drops_steps_after_the_checkpoint_and_torn_lines(tmp_pa
     path.write_text("\n".join(lines) + "\n" + '{"step": 8, "lo')
     assert truncate_history(path, 4) == 5
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 4]
+
+
+def test_settings_a_checkpoint_did_not_record_are_not_compared():
+    """Checkpoints saved before the optimisation settings were recorded still resume; recorded ones are compared."""
+    assert fingerprint_differences({"world_size": 2}, {"world_size": 2, "learning_rate": 1e-4}) == []
+    assert fingerprint_differences({"learning_rate": 1e-4}, {"learning_rate": 1e-2}) == [
+        "learning_rate: checkpoint 0.0001, this run 0.01"]

@@ -38,8 +38,12 @@ def test_progress_logger_inside_diffsynths_launch_training_task(tmp_path, monkey
                          gradient_accumulation_steps=accumulation)
     status.close()
 
-    history = [json.loads(line) for line in (tmp_path / "logs" / "training_gpu0.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "training_gpu0.jsonl").read_text().splitlines()]
+    history = [line for line in lines if "kind" not in line]
     assert [line["step"] for line in history] == list(range(1, steps_per_epoch + 1))   # optimizer steps, not micro-batches
+    # ModelLogger's own LoRA files (the epoch's, the end's) are timed apart from the steps.
+    assert [(line["overhead"], line["step"]) for line in lines if line.get("kind") == "overhead"] == [
+        ("lora", steps_per_epoch)] * 2
     assert all(line["loss"] is None for line in history)    # DiffSynth's loop does not pass the loss on
     state = json.loads((tmp_path / "logs" / "training_gpu0.json").read_text())
     assert state["status"] == "finished" and state["step"] == state["total_steps"] == steps_per_epoch

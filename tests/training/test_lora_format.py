@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.export import ExportError, export
+from diffsynth_mbc.training.export import main as export_main
 from diffsynth_mbc.training.lora_format import (LoraFormatError, convert, file_metadata, split_lora_key,
                                                  training_scale)
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
@@ -133,3 +135,74 @@ def test_key_rules():
     meta = file_metadata(rank=4, alpha=None, targets="q", base_model="m", step=3, run_id="r", layout="comfyui")
     assert meta["lora_alpha"] == "4" and meta["lora_scale_folded"] == "true"
     assert all(isinstance(v, str) for v in meta.values())
+
+
+META = {"lora_rank": str(RANK), "lora_alpha": str(ALPHA), "lora_target_modules": "q,k,v,o,ffn.0,ffn.2"}
+
+
+def broken_file(path, trained, case):
+    """A LoRA file with one thing wrong, as found in the wild; returns the text the refusal must hold."""
+    tensors, meta = dict(trained["tensors"]), dict(META)
+    first_b = sorted(k for k in tensors if "lora_B" in k)[0]
+    if case == "nan alpha":
+        meta["lora_alpha"], expected = "nan", "lora_alpha 'nan'"
+    elif case == "nan weight":
+        tensors[first_b] = tensors[first_b].clone()
+        tensors[first_b][0, 0] = float("nan")
+        expected = f"1 of {len(tensors)} LoRA tensors hold NaN or infinite values: diffusion_model."
+    elif case == "rank above the tensors":
+        meta["lora_rank"], expected = "16", "rank 4, but the file says lora_rank 16"
+    elif case == "A and B of different ranks":
+        tensors[first_b] = torch.zeros(tensors[first_b].shape[0], 8)
+        expected = "lora_A is of rank 4 but lora_B of rank 8"
+    elif case == "no tensors":
+        tensors, expected = {}, "no LoRA tensors"
+    elif case in ("garbage rank", "zero rank", "inf rank"):
+        meta["lora_rank"] = {"garbage rank": "four", "zero rank": "0", "inf rank": "inf"}[case]
+        expected = f"lora_rank {meta['lora_rank']!r} in its metadata is not a whole number"
+    elif case == "alpha keys disagreeing with the metadata":
+        tensors.update({f"{split_lora_key(k)[0]}.alpha": torch.tensor(8.0) for k in trained["tensors"]})
+        expected = "metadata says lora_alpha 12 but its .alpha keys say 8"
+    save_file(tensors, str(path), metadata=meta)
+    return expected
+
+
+@pytest.mark.parametrize("case", ["nan alpha", "nan weight", "rank above the tensors", "A and B of different ranks",
+                                  "no tensors", "garbage rank", "zero rank", "inf rank",
+                                  "alpha keys disagreeing with the metadata"])
+def test_export_refuses_a_broken_file_with_exit_2_and_writes_nothing(tmp_path, trained, case, capsys):
+    source, output = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    expected = broken_file(source, trained, case)
+    assert export_main([str(source), "--output", str(output)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {source}: ") and expected in error, error
+    assert not output.exists()
+
+
+def test_per_module_alpha_keys_are_folded_once(tmp_path, trained):
+    """ComfyUI-style files carry alpha as .alpha keys; with the same alpha in the metadata it is applied once."""
+    source = tmp_path / "alpha.safetensors"
+    alphas = {f"{split_lora_key(k)[0]}.alpha": torch.tensor(ALPHA) for k in trained["tensors"]}
+    save_file({**trained["tensors"], **alphas}, str(source), metadata=META)
+    result = export(source, "comfyui", tmp_path / "comfy.safetensors")
+    assert result["scale_folded"] == ALPHA / RANK and result["alpha"] == ALPHA
+    written = safe_open(str(tmp_path / "comfy.safetensors"), framework="pt").metadata()
+    assert written["lora_alpha"] == str(ALPHA) and written["lora_scale_folded"] == "true"
+    dit = base_dit()
+    assert comfyui_merge(dit, load_file(str(tmp_path / "comfy.safetensors"))) == set()
+    torch.testing.assert_close(dit_output(dit), trained["output"], rtol=1e-4, atol=1e-5)
+
+
+def test_export_never_writes_inside_the_checkpoint_it_reads(tmp_path, trained, capsys):
+    checkpoint = tmp_path / "checkpoints" / "step-00000004"
+    checkpoint.mkdir(parents=True)
+    save_file(trained["tensors"], str(checkpoint / "lora.safetensors"), metadata=META)
+    (checkpoint / "model.safetensors").write_bytes(b"the optimizer's own state")
+    (checkpoint / "checkpoint.json").write_text('{"step": 4, "fingerprint": {"lora_rank": 4, "lora_alpha": 12.0}}')
+    for source in (checkpoint, checkpoint / "lora.safetensors"):
+        assert export_main([str(source), "--output", str(checkpoint / "model.safetensors")]) == 2
+        assert "inside the checkpoint folder" in capsys.readouterr().err
+    assert (checkpoint / "model.safetensors").read_bytes() == b"the optimizer's own state"
+    assert export_main([str(checkpoint), "--output", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert export_main([str(checkpoint), "--output", str(tmp_path / "out.safetensors")]) == 0

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -36,9 +37,29 @@ def start_nodes(work, port, *args, log_dirs=(None, None), delay_s=2.5):
 
 
 def finish(nodes, timeout=300):
-    outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-3000:]
+    """Wait for every node; a node that fails ends the wait for all (the other one would wait for it until its
+    rendezvous timeout), and the assertion shows each node's output. Outputs are read all along, so a node
+    never blocks on a full pipe."""
+    outputs = [""] * len(nodes)
+
+    def read(index):
+        outputs[index] = nodes[index].communicate()[0]
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(nodes))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    while any(node.poll() is None for node in nodes):
+        if any(node.poll() not in (None, 0) for node in nodes) or time.monotonic() > deadline:
+            for node in nodes:
+                if node.poll() is None:
+                    kill_tree(node.pid)
+            break
+        time.sleep(0.2)
+    for reader in readers:
+        reader.join(timeout=60)
+    report = "\n".join(f"--- node {r} (exit {n.poll()}):\n{o[-3000:]}" for r, (n, o) in enumerate(zip(nodes, outputs)))
+    assert all(node.poll() == 0 for node in nodes), report
     return outputs
 
 

@@ -21,7 +21,9 @@ def run_demo(tmp_path, inject: str, *flags):
                                  "--dataset_base_path", str(root / "catalog"),
                                  "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"),
                                  "--output_path", str(root / "lora"), "--log_dir", str(root / "logs"),
-                                 "--gradient_accumulation_steps", "1", "--num_epochs", "1", *flags)
+                                 "--gradient_accumulation_steps", "1", "--num_epochs", "1",
+                                 # 5 steps per rank: the plan these checks are written for
+                                 "--dataset_repeat", "2", "--image_batch_size", "1", *flags)
     env = isolated_env(tmp_path, OMP_NUM_THREADS=1, MBC_FAULT_NONFINITE_LOSS=inject)
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     return root, result

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffsynth_mbc.training.checkpoints import complete_checkpoints
+from diffsynth_mbc.training.checkpoints import checkpoint_name, complete_checkpoints, read_manifest
 from diffsynth_mbc.data.demo import prepare
 from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, read_status
 
@@ -93,11 +93,13 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
     assert code == 0, output[-3000:]
 
     killed = tmp_path / "killed"
-    process = launch(tmp_path, train_flags(data_root, killed, **validation_flags(val_metadata)))
+    process = launch(tmp_path, train_flags(data_root, killed, report_to="tensorboard",
+                                           **validation_flags(val_metadata)))
     checkpoints = killed / "lora" / "checkpoints"
     wait_for(lambda: complete_checkpoints(checkpoints) and last_logged_step(killed / "logs") >= 7, process,
              what="step 7 after the first checkpoint")
     rank_pids = [read_status(killed / "logs", rank)["pid"] for rank in (0, 1)]
+    first_run_id = read_status(killed / "logs", 0)["run_id"]
     kill_tree(process.pid)
     process.wait(timeout=30)
     psutil.wait_procs([psutil.Process(pid) for pid in rank_pids if psutil.pid_exists(pid)], timeout=30)
@@ -107,9 +109,20 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
     logged_before_kill = last_logged_step(killed / "logs")
     assert logged_before_kill > resumed_from, "the kill must fall between checkpoints for this test to mean anything"
     assert not (killed / "lora" / "lora.safetensors").exists()
+    checkpoint_elapsed = read_manifest(checkpoints / checkpoint_name(resumed_from))["elapsed_s"]
 
-    code, output = run(tmp_path, train_flags(data_root, killed, resume="latest", **validation_flags(val_metadata)))
+    code, output = run(tmp_path, train_flags(data_root, killed, resume="latest", report_to="tensorboard",
+                                             **validation_flags(val_metadata)))
     assert code == 0, output[-3000:]
+    # The resumed run is the same run: its id, its clock and its tracker run go on.
+    assert checkpoint_elapsed > 0
+    for rank in (0, 1):
+        state = read_status(killed / "logs", rank)
+        assert state["run_id"] == first_run_id
+        assert state["resumed_from"] == {"checkpoint": checkpoint_name(resumed_from), "step": resumed_from,
+                                         "run_id": first_run_id}
+        assert state["elapsed_s"] > checkpoint_elapsed
+    assert [p.name for p in (killed / "lora" / "tracking").iterdir()] == [first_run_id]
 
     expected = load_file(str(straight / "lora" / "lora.safetensors"))
     actual = load_file(str(killed / "lora" / "lora.safetensors"))

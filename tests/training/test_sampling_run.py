@@ -56,7 +56,9 @@ def runs(tmp_path_factory):
                                      "--dataset_base_path", str(root / "demo" / "catalog"),
                                      "--dataset_metadata_path", str(root / "demo" / "metadata" / "metadata.csv"),
                                      "--output_path", str(base / "lora"), "--log_dir", str(base / "logs"),
-                                     "--gradient_accumulation_steps", "1", "--num_epochs", "1", *extra)
+                                     "--gradient_accumulation_steps", "1", "--num_epochs", "1",
+                                 # 5 steps per rank: the plan these checks are written for
+                                 "--dataset_repeat", "2", "--image_batch_size", "1", *extra)
         process = subprocess.Popen(command, cwd=root, env=isolated_env(root, OMP_NUM_THREADS=1),
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         out[f"{name}-seen"] = watch(base / "logs", process) if name == "with" else []

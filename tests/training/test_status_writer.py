@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from diffsynth_mbc import run_files
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.status_writer import RankStatusWriter
@@ -157,3 +159,56 @@ def test_set_aside_histories_do_not_pile_up(tmp_path):
     kept_runs = [json.loads(p.read_text())["run"] for p in old]
     assert kept_runs == [2, 3, 4]                  # the newest three previous runs
     assert json.loads(run_files.history_path(tmp_path, 0).read_text())["run"] == 5
+
+
+def test_gpu_fields_are_read_right_before_each_write_and_only_then(tmp_path):
+    """The allocator is asked (and its peak reset) once per write of the file, so each file shows the peak since
+    the previous one; throttled updates ask nothing; the stop-signal thread never asks."""
+    import threading
+
+    clock = FakeClock()
+    readings = []
+
+    def reader():
+        readings.append(clock.now)
+        return {"name": "GPU", "peak_allocated_mb": len(readings)}
+
+    writer = RankStatusWriter(tmp_path, "run", 0, 0, 1, min_interval_s=5, monotonic=clock, wall_clock=clock)
+    path = run_files.status_path(tmp_path, 0)
+    writer.gpu_reader = reader
+    writer.set_status("training", phase="training")
+    assert read(path)["gpu"] == {"name": "GPU", "peak_allocated_mb": 1}
+    clock.now += 1
+    writer.update(step=1)                    # throttled: no write, no reading
+    assert len(readings) == 1
+    clock.now += 5
+    writer.update(step=2)
+    assert read(path)["gpu"]["peak_allocated_mb"] == 2 and len(readings) == 2
+    other = threading.Thread(target=lambda: writer.set_status("stopped", phase="stopped by signal 15"))
+    other.start()
+    other.join()
+    assert read(path)["status"] == "stopped" and read(path)["gpu"]["peak_allocated_mb"] == 2
+    assert len(readings) == 2
+    writer.close()
+
+
+def test_a_rank_waiting_in_a_collective_keeps_its_file_fresh_and_says_for_what(tmp_path):
+    """While the main thread is blocked (here: sleeping inside the wait), a heartbeat thread rewrites the file;
+    once the wait ends, the file says at once that it no longer waits."""
+    import time
+
+    writer = RankStatusWriter(tmp_path, "run", 0, 0, 2, min_interval_s=0.2)
+    path = run_files.status_path(tmp_path, 0)
+    writer.set_status("training", phase="training epoch 1/1")
+    entered = time.time()
+    with writer.waiting("ranks in all-reduce (step agreement)"):
+        time.sleep(2.0)                                  # no update() from the main thread meanwhile
+        during = read(path)
+    assert during["waiting"]["for"] == "ranks in all-reduce (step agreement)"
+    assert during["waiting"]["since"] == pytest.approx(entered, abs=1.0)
+    assert during["updated_at"] >= entered + 0.5         # kept fresh by the heartbeat, not by the main thread
+    assert read(path)["waiting"] is None
+    with writer.waiting("ranks in all-reduce (step agreement)"):
+        pass                                             # a wait of the usual length writes nothing
+    assert read(path)["waiting"] is None
+    writer.close()

@@ -82,12 +82,12 @@ def lora_grads(module) -> dict:
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("recompute", [0, 1])
-def test_recomputing_some_blocks_gives_the_gradients_of_recomputing_all(entries, recompute):
+@pytest.mark.parametrize("recompute, offload", [(0, False), (1, False), (2, True)])
+def test_recomputing_some_blocks_gives_the_gradients_of_recomputing_all(entries, recompute, offload):
     videos, _ = entries
     results = []
     for blocks in (None, recompute):
-        module = make_module(recompute_blocks=blocks)
+        module = make_module(recompute_blocks=blocks, use_gradient_checkpointing_offload=offload and blocks is not None)
         assert module.blocks.recompute == (len(module.pipe.dit.blocks) if blocks is None else blocks)
         torch.manual_seed(5)
         module([dict(s) for s in videos]).backward()

@@ -69,3 +69,27 @@ def test_launcher_streams_only_when_asked_for_and_the_terminal_is_real(tmp_path)
     assert launcher_streams({"MBC_PROGRESS_TTY": str(tmp_path / "not-a-tty"), "MBC_PROGRESS_LOG": str(log)}) \
         == (None, None)  # a regular file is not a terminal: plain lines on stderr as before
     assert launcher_streams({"MBC_PROGRESS_TTY": "/nonexistent/tty", "MBC_PROGRESS_LOG": str(log)}) == (None, None)
+
+
+OVERHEADS = {"checkpoint": {"count": 3, "total_s": 13.8, "last_s": 4.5, "mean_s": 4.6},
+             "validation": {"count": 2, "total_s": 2.4, "last_s": 1.3, "mean_s": 1.2}}
+
+
+def test_overheads_are_shown_apart_from_the_step_time():
+    line = progress_line({**STATE, "overheads": OVERHEADS})
+    assert line.endswith("| 0.52 s/step | 3.80 samples/s | elapsed 1:02:05 | ETA 0:01:01 | "
+                         "checkpoints 3 x 4.6 s, validation 2 x 1.2 s")
+    assert progress_line({**STATE, "overheads": OVERHEADS}, overheads=False) == progress_line(STATE)
+    state = {**STATE, "status": "finished", "step": 12, "step_time_avg_s": 0.5, "overheads": OVERHEADS}
+    lines = summary_lines(state, output_path="out", log_dir="logs", best_val_loss=None)
+    assert "  time: 0.50 s/step (the steps alone); between steps: checkpoints 3 x 4.6 s, validation 2 x 1.2 s" in lines
+
+
+def test_the_live_bar_keeps_to_the_step_numbers():
+    terminal, now = io.StringIO(), Clock()
+    printer = TerminalProgress(enabled=True, print_every_s=30, stream=io.StringIO(), monotonic=now,
+                               bar_stream=terminal)
+    printer.step({**STATE, "overheads": OVERHEADS})
+    fields = printer._bar.tasks[0].fields["line"]
+    assert fields.endswith("ETA 0:01:01") and "checkpoints" not in fields
+    printer.finish({**STATE, "status": "finished"}, output_path="out", log_dir="logs")

@@ -9,11 +9,14 @@ import psutil
 import pytest
 import torch
 
+from diffsynth_mbc.training.batches import epoch_batches
 from diffsynth_mbc.training.step_plan import StepPlan
 from e2e_helpers import REPO, isolated_env, read_history, read_status
 
 pytestmark = pytest.mark.slow
-DEMO_ROWS, DEMO_REPEAT, DEMO_ACCUMULATION, DEMO_EPOCHS = 11, 2, 2, 2   # configs/train_demo.yaml
+DEMO_ROWS, DEMO_REPEAT, DEMO_ACCUMULATION, DEMO_EPOCHS = 11, 3, 2, 2   # configs/train_demo.yaml
+DEMO_KEYS = ["video"] * 6 + ["image"] * 5     # the demo catalogue's rows; images batch by 3 (9 frames)
+DEMO_SEED = 42
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +71,17 @@ def test_each_rank_writes_its_own_files(demo):
 
 def test_totals_match_the_formula_with_repeat_odd_rows_and_accumulation(demo):
     plan = StepPlan(DEMO_ROWS, DEMO_REPEAT, world_size=2, batch_size=1, gradient_accumulation=DEMO_ACCUMULATION,
-                    num_epochs=DEMO_EPOCHS)
+                    num_epochs=DEMO_EPOCHS, images=5, image_batch_size=3)
     assert plan.total_steps == 12
+    sizes = {"video": 1, "image": 3}
     for rank in (0, 1):
         state = read_status(demo["log_dir"], rank)
         assert state["total_steps"] == state["step"] == plan.total_steps
         assert state["steps_per_epoch"] == plan.steps_per_epoch
-        assert state["samples_seen"] == plan.samples_per_rank_per_epoch * DEMO_EPOCHS
+        # Each rank counts the samples of the batches dealt to it (images come 3 to a batch).
+        dealt = sum(len(batch) for epoch in range(DEMO_EPOCHS)
+                    for batch in epoch_batches(DEMO_KEYS, DEMO_REPEAT, sizes, 2, DEMO_SEED, epoch)[rank::2])
+        assert state["samples_seen"] == dealt
         assert state["progress"] == 100.0
     assert f"{plan.steps_per_epoch} optimizer steps per GPU per epoch" in demo["log"]
     assert f"{plan.total_steps} steps in total" in demo["log"]

@@ -89,6 +89,19 @@
     if (s.stalled_ranks && s.stalled_ranks.length) ranksText += " (stalled " + s.stalled_ranks.join(", ") + ")";
     if (s.slow_ranks && s.slow_ranks.length) ranksText += " (slow " + s.slow_ranks.join(", ") + ")";
     $("sum-ranks").textContent = ranksText;
+    $("sum-overheads").replaceChildren(...overheadLines(s.overheads).map((t) => el("div", null, t)));
+    if (!$("sum-overheads").childNodes.length) $("sum-overheads").textContent = "-";
+  }
+
+  const OVERHEAD_LABELS = {checkpoint: "checkpoints", lora: "LoRA files", validation: "validation", samples: "samples"};
+  function overheadLines(overheads) {
+    // "checkpoints 3 × 4.6 s": count and mean duration of each kind of work between steps
+    const lines = [];
+    for (const [kind, t] of Object.entries(overheads || {})) {
+      if (!t || !num(t.count) || !t.count) continue;
+      lines.push((OVERHEAD_LABELS[kind] || kind) + " " + t.count + " × " + (num(t.mean_s) ? t.mean_s.toFixed(1) + " s" : "-"));
+    }
+    return lines;
   }
 
   function rankRow(rank, r, slow) {
@@ -112,11 +125,12 @@
     const gpu = r.gpu || null;
     const mem = gpu && num(gpu.mem_used_mb)
       ? (gpu.mem_used_mb / 1024).toFixed(1) + (num(gpu.mem_total_mb) ? " / " + (gpu.mem_total_mb / 1024).toFixed(0) : "") + " GB"
+        + (num(gpu.peak_allocated_mb) ? " (peak " + (gpu.peak_allocated_mb / 1024).toFixed(1) + ")" : "")
       : "-";
     // epoch is 0-based in the run files; people count from 1
     const epoch = num(r.epoch) ? ((r.epoch + 1) + (num(r.num_epochs) ? " / " + r.num_epochs : "")) : "-";
     const cells = [
-      [null, rank], ["l", r.hostname || "-"], null, ["l", r.phase || "-"], [null, epoch],
+      [null, rank], ["l", r.hostname || "-"], null, ["l", (r.phase || "-") + (r.waiting_text ? ": " + r.waiting_text : "")], [null, epoch],
       [null, (num(r.step) ? r.step : "-") + " / " + (num(r.total_steps) ? r.total_steps : "-")],
       [null, fmt(r.loss, 4)], [null, fmt(r.lr, 3)], [null, num(r.step_time_s) ? r.step_time_s.toFixed(2) + " s" : "-"],
       [null, gpu ? (num(gpu.util_pct) ? Math.round(gpu.util_pct) + " %" : "-") : "cpu"], [null, mem],

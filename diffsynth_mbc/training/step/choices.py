@@ -20,7 +20,7 @@ def step_choices(options, status, accelerator, num_blocks: int) -> tuple[int, bo
         from torch.utils._triton import has_triton
         triton_ok = has_triton()
     decision = decide_compile(options.compile, cuda, capability, triton_ok)
-    auto_blocks = auto_recompute_blocks(options, accelerator, num_blocks) if cuda else None
+    auto_blocks = auto_recompute_blocks(options, accelerator, num_blocks, decision.compile) if cuda else None
     try:
         recompute, why = recompute_blocks(options.gradient_checkpointing, num_blocks, auto_blocks)
     except ValueError as exc:
@@ -30,13 +30,19 @@ def step_choices(options, status, accelerator, num_blocks: int) -> tuple[int, bo
     return recompute, decision.compile
 
 
-def auto_recompute_blocks(options, accelerator, num_blocks: int) -> int | None:
-    """The memory model's fewest recomputed blocks for this GPU (``--gradient_checkpointing auto``)."""
+def auto_recompute_blocks(options, accelerator, num_blocks: int, compiled: bool) -> int | None:
+    """``--gradient_checkpointing auto``: the doctor's memory model's fewest recomputed blocks for this GPU, for
+    the run's clip batch and image batch (the larger decides)."""
     if options.gradient_checkpointing != "auto":
         return None
     import torch
 
-    from diffsynth_mbc.doctor.memory import blocks_to_recompute, plan_from_options
+    from diffsynth_mbc.doctor import memory
+    from diffsynth_mbc.doctor.estimates import run_plans
+    from diffsynth_mbc.gpu import attention_kernel
 
+    capability = tuple(torch.cuda.get_device_capability(accelerator.device))
+    precision = accelerator.mixed_precision
+    plans = run_plans(options, precision, attention_kernel(capability, precision), bool(options.cache), compiled)
     total = torch.cuda.get_device_properties(accelerator.device).total_memory
-    return blocks_to_recompute(plan_from_options(options, accelerator.mixed_precision), total)
+    return min(num_blocks, memory.blocks_to_recompute(list(plans.values()), total))

@@ -1,8 +1,10 @@
 """Whether ``--compile auto|on|off`` compiles the DiT blocks on this machine. Pure: no torch import.
 
 ``auto`` compiles on a CUDA GPU that torch's own Triton check accepts (compute capability 7.0 or newer with a
-Triton build for NVIDIA: torch 2.10's Volta build passes it), and never on the CPU, where compiling costs the
-demo and the tests more than it gives back. ``on`` compiles wherever torch can (the CPU too, through its C++
+Triton build for NVIDIA), and never on the CPU, where compiling costs the demo and the tests more than it
+gives back. The V100 path was checked as far as it can be without one: torch 2.10.0 (requirements-volta.txt)
+requires triton 3.6.0, torch's check accepts capability 7.0, and the ptxas triton 3.6.0 ships (CUDA 12.8)
+assembles sm_70 code; the first compiled steps on a real V100 are the remaining proof. ``on`` compiles wherever torch can (the CPU too, through its C++
 backend); ``off`` never does. When a compile fails in the first step the training says so once and runs the
 blocks uncompiled (``blocks.BlockRunner.give_up_compiling``).
 """

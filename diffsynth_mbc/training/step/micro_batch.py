@@ -54,7 +54,8 @@ def forward_backward(run, batch, earlier_losses: list):
             return loss, None, False
         losses = torch.stack([*earlier_losses, loss.detach()])
         local_bad = torch.tensor([0 if bool(torch.isfinite(losses).all()) else 1], device=accelerator.device)
-        any_bad = int(all_reduce_sum(accelerator, local_bad).item()) > 0
+        any_bad = int(all_reduce_sum(accelerator, local_bad, run.status, "ranks in all-reduce (non-finite check)")
+                      .item()) > 0
         max_norm = options.max_grad_norm if options.max_grad_norm > 0 else math.inf   # inf: measure only
         grad_norm = accelerator.clip_grad_norm_(run.trainable, max_norm)
         grad_norm = None if grad_norm is None else float(grad_norm)

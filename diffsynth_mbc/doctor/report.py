@@ -1,0 +1,98 @@
+"""How the doctor's result is shown: the table of checks, the memory items, the speed with where each figure
+comes from, the projected run length, the probe's measurements and the assumptions; or one brief line."""
+
+from __future__ import annotations
+
+import sys
+
+from diffsynth_mbc.doctor import memory
+
+GIB = 1024 ** 3
+STATUS_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(stderr=False)
+    table = Table(title="diffsynth_mbc doctor", show_lines=False)
+    for column in ("check", "status", "found", "fix"):
+        table.add_column(column, overflow="fold")
+    for c in result["checks"]:
+        table.add_row(Text(c["name"]), Text(c["status"], style=STATUS_STYLE[c["status"]]), Text(c["detail"]),
+                      Text(c["fix"]))
+    console.print(table)
+    mem = result["memory"]
+    if mem:
+        plan = mem["plan"]
+        items = Table(title=f"memory per GPU, {mem['batch']} batch ({plan['tokens']} tokens x {plan['batch_size']}, "
+                            f"{plan['precision']}, {plan['recomputed_blocks']} of 30 blocks recomputed)")
+        items.add_column("item")
+        items.add_column("GiB", justify="right")
+        for row in mem["items"]:
+            items.add_row(Text(row["item"]), f"{row['bytes'] / GIB:.2f}")
+        items.add_row(Text("total", style="bold"), Text(f"{mem['total_bytes'] / GIB:.1f}", style="bold"))
+        items.add_row(Text(f"limit ({memory.FITS_BELOW:.0%} of the GPU)"), f"{mem['limit_bytes'] / GIB:.1f}")
+        console.print(items)
+        for change in mem["changes_that_fit"][:4]:
+            console.print(Text(f"fits with {change['flags']} (at {change['precision']}): "
+                               f"{change['total_bytes'] / GIB:.1f} GiB"))
+    for line in speed_lines(result["speed"]) + probe_lines(result.get("probe")):
+        console.print(Text(line))
+    if result.get("assumptions"):
+        console.print(Text("assumed: " + "; ".join(result["assumptions"]), style="dim"))
+
+
+def speed_lines(speed: dict) -> list[str]:
+    if not speed:
+        return []
+    if "unknown" in speed:
+        return [f"speed: unknown: {speed['unknown']}"]
+    lines = []
+    for kind in ("video", "image"):
+        if kind in speed:
+            figure = speed[kind]
+            mfu = f", MFU {figure['mfu']:.0%}" if figure["mfu"] is not None else ""
+            lines.append(f"speed, {kind} batch: {figure['seconds_per_step']:.2f} s/step ({figure['kind']}; "
+                         f"{figure['model_tflop_per_step']} TFLOP/step{mfu})")
+            lines += [f"    {source}" for source in figure["sources"]]
+    if speed.get("projection"):
+        lines.append(speed["projection"]["line"])
+    return lines
+
+
+def probe_lines(probe: dict | None) -> list[str]:
+    if not probe:
+        return []
+    if probe.get("error"):
+        return [f"probe: failed: {probe['error']}"]
+    lines = []
+    for kind, figure in probe.get("measured", {}).items():
+        if figure.get("max_allocated_mb") is not None:
+            memory_text = f", GPU peak {figure['max_allocated_mb'] / 1024:.1f} GiB allocated"
+        elif figure.get("peak_rss_mb") is not None:
+            memory_text = f", process peak {figure['peak_rss_mb'] / 1024:.1f} GiB resident"
+        else:
+            memory_text = ""
+        encode = (f", encoding {figure['encode_seconds_per_row']:.3f} s/row"
+                  if figure.get("encode_seconds_per_row") is not None else "")
+        lines.append(f"probe, {kind} batch: {figure['seconds_per_step']:.3f} s/step measured on this machine over "
+                     f"{figure['steps_timed']} steps of {figure['samples_per_step']:g} samples (after "
+                     f"{figure['warmup_steps']} warm-up: {', '.join(f'{s:.2f}' for s in figure['first_steps_s'])} s)"
+                     f"{memory_text}{encode}")
+    if probe.get("projection"):
+        lines.append(probe["projection"]["line"])
+    return lines
+
+
+def print_brief(result: dict) -> None:
+    counts = {}
+    for c in result["checks"]:
+        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    print("preflight: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())), file=sys.stderr)
+    for c in result["checks"]:
+        if c["status"] in ("warn", "fail"):
+            print(f"  {c['status']}: {c['name']}: {c['detail']}" + (f" (fix: {c['fix']})" if c["fix"] else ""),
+                  file=sys.stderr)

@@ -1,0 +1,63 @@
+"""What a checkpoint must share with the run that resumes it, and what ``--force_resume`` does about the rest.
+No torch.
+
+Every checkpoint records the run's settings (``run_fingerprint``). A resume compares them with its own
+(``fingerprint_differences``) and is refused, listing each difference, unless ``--force_resume true``. Some of
+them (the learning rate, weight decay, schedule) would otherwise come back from the checkpoint's saved optimizer
+and scheduler state and silently beat the flags given now; under ``--force_resume`` they are set from this run's
+options after loading (``apply_run_settings``), so what the run says it uses is what it uses.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Settings a checkpoint must share with the run that resumes it (exact data position, weights and optimisation).
+FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
+                    "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
+                    "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
+                    "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
+                    "mixed_precision", "timestep_boundaries")
+
+
+def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, metadata_sha256: str,
+                    image_batch: int, precision: str) -> dict:
+    """This run's values of every FINGERPRINT_KEYS setting (JSON types, so a saved one compares equal)."""
+    return {
+        "world_size": world_size, "batch_size": options.batch_size, "gradient_accumulation_steps": accumulation,
+        "dataset_repeat": options.dataset_repeat, "num_frames": options.num_frames, "height": options.height,
+        "width": options.width, "lora_rank": options.lora_rank, "lora_alpha": options.lora_alpha,
+        "lora_target_modules": options.lora_target_modules, "metadata_rows": rows,
+        "metadata_sha256": metadata_sha256, "seed": options.seed, "num_epochs": options.num_epochs,
+        "cache": bool(options.cache), "image_batch_size": image_batch,
+        # The media the metadata's relative paths point at: the same metadata over other files is other data.
+        "dataset_base_path": os.path.abspath(options.dataset_base_path),
+        "learning_rate": options.learning_rate, "lr_scheduler": options.lr_scheduler,
+        "warmup_steps": options.warmup_steps, "weight_decay": options.weight_decay,
+        "max_grad_norm": options.max_grad_norm, "mixed_precision": precision,
+        "timestep_boundaries": [options.min_timestep_boundary, options.max_timestep_boundary],
+    }
+
+
+def fingerprint_differences(saved: dict, current: dict) -> list[str]:
+    """Human lines for every fingerprint key whose value differs: ``world_size: checkpoint 2, this run 4``.
+
+    A key the checkpoint did not record (saved before it was compared) is not compared."""
+    return [f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
+            for key in FINGERPRINT_KEYS if key in saved and saved.get(key) != current.get(key)]
+
+
+def apply_run_settings(scheduler, options) -> list[str]:
+    """After loading a checkpoint under --force_resume: this run's learning rate, weight decay and schedule, not
+    the saved optimizer's and scheduler's. The current learning rate is recomputed from this run's schedule at
+    the restored step. Returns what the optimizer now uses, one line per setting."""
+    step = scheduler.last_epoch
+    for index, group in enumerate(scheduler.optimizer.param_groups):
+        group["weight_decay"] = options.weight_decay
+        group["initial_lr"] = options.learning_rate
+        scheduler.base_lrs[index] = options.learning_rate
+        group["lr"] = options.learning_rate * scheduler.lr_lambdas[index](step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return [f"learning_rate {options.learning_rate:g} with the {options.lr_scheduler} schedule and "
+            f"{options.warmup_steps} warm-up steps (at step {step}: {scheduler._last_lr[0]:g})",
+            f"weight_decay {options.weight_decay:g}", f"max_grad_norm {options.max_grad_norm:g}"]

@@ -1,0 +1,44 @@
+"""``python -m diffsynth_mbc.doctor --probe N`` on this machine: real optimizer steps of the demo run, measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diffsynth_mbc.data.demo import prepare
+from e2e_helpers import REPO, isolated_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_probe_measures_clips_and_images_apart_and_projects_the_run(tmp_path):
+    root = tmp_path / "demo"
+    prepare(root, num_videos=3, num_images=2)
+    output = tmp_path / "run"
+    flags = ["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(root / "catalog"),
+             "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"), "--output_path", str(output),
+             "--gradient_accumulation_steps", "1", "--image_batch_size", "1", "--checkpoint_steps", "1",
+             "--val_metadata_path", str(root / "metadata" / "metadata.csv"), "--val_steps", "1"]
+    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.doctor", *flags, "--quick", "--probe", "2", "--json"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=isolated_env(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout)["probe"]
+    assert "error" not in probe and probe["steps"] == 2 and not probe["cached"]
+    for kind in ("video", "image"):
+        figure = probe["measured"][kind]
+        assert figure["seconds_per_step"] > 0 and figure["steps_timed"] == 2 and figure["warmup_steps"] == 2
+        assert figure["samples_per_step"] == 1 and figure["peak_rss_mb"] > 100 and figure["max_allocated_mb"] is None
+        assert figure["mixed_precision"] == "no"   # the run's own choice on the CPU
+    assert probe["measured"]["image"]["distinct_rows"] == 2   # 4 rows wanted, 2 images: repeated
+    projected = probe["projection"]
+    assert projected["kind"] == "measured" and projected["videos"] == 3 and projected["images"] == 2
+    # the demo preset's 2 epochs x repeat 3 on one process: 3 videos -> 18 steps, 2 images (batch 1) -> 12
+    assert projected["video_steps_per_gpu"] == 18 and projected["image_steps_per_gpu"] == 12
+    assert projected["total_seconds"] == pytest.approx(
+        18 * probe["measured"]["video"]["seconds_per_step"] + 12 * probe["measured"]["image"]["seconds_per_step"], abs=1)
+    assert projected["line"].startswith("projected run length: ") and " on 1 CPU process(es) " in projected["line"]
+    # nothing was written where the run itself writes: the probe trained in a temporary folder
+    assert not output.exists()

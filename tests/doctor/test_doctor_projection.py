@@ -1,0 +1,109 @@
+"""The projected run length: steps per GPU for clips and images, the cache build, and the plan command's line."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from diffsynth_mbc.doctor import estimates, projection
+from diffsynth_mbc.doctor.projection import RunShape, count_media, duration
+from diffsynth_mbc.gpu import known_gpu
+from diffsynth_mbc.training.options import resolve_options
+from e2e_helpers import REPO
+
+FULL = str(REPO / "configs" / "train_full.yaml")
+
+
+def write_metadata(path, videos, images, media_type_column=True):
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["video", "prompt", "media_type"] if media_type_column else ["video", "prompt"])
+        for i in range(videos):
+            writer.writerow([f"v/{i}.mp4", "a clip, with a comma", "video"][:3 if media_type_column else 2])
+        for i in range(images):
+            writer.writerow([f"i/{i}.JPG", "an image", "image"][:3 if media_type_column else 2])
+    return path
+
+
+def test_media_are_counted_by_the_media_type_column_or_the_extension(tmp_path):
+    assert count_media(write_metadata(tmp_path / "a.csv", 3, 2)) == (3, 2)
+    assert count_media(write_metadata(tmp_path / "b.csv", 4, 1, media_type_column=False)) == (4, 1)
+
+
+def test_the_full_run_takes_200000_clip_steps_and_45090_image_steps_per_gpu_on_2_gpus():
+    shape = RunShape(80_000, 90_180, num_epochs=5, batch_size=1, image_batch=5, gpus_per_node=2)
+    assert (shape.video_steps, shape.image_steps) == (200_000, 45_090)
+    two_nodes = RunShape(80_000, 90_180, num_epochs=5, batch_size=1, image_batch=5, gpus_per_node=2, nodes=2,
+                         accumulation=2, repeat=2)
+    assert two_nodes.gpus == 4 and two_nodes.video_steps == 5 * 20_000 and two_nodes.image_steps == 5 * 4_509
+
+
+def test_the_length_is_steps_times_seconds_plus_the_cache_build():
+    shape = RunShape(10, 20, batch_size=1, image_batch=5, gpus_per_node=2)
+    run = projection.project(shape, 2.0, 1.0, encode_video_seconds=3.0, encode_image_seconds=0.5)
+    assert run.training_seconds == 5 * 2.0 + 2 * 1.0
+    assert run.cache_build_seconds == 5 * 3.0 + 10 * 0.5 and run.total_seconds == 12 + 20
+    line = run.line()
+    assert line.startswith("projected run length: 32 seconds (estimate): 10 videos (batch 1) + 20 images (batch 5)")
+    assert "5 video + 2 image optimizer steps per GPU at 2.00 / 1.00 s/step" in line
+    assert "after building the latent cache (20 seconds)" in line
+    assert projection.project(shape, 2.0, 1.0).cache_build_seconds is None
+
+
+@pytest.mark.parametrize("seconds, text", [(0.4, "0 seconds"), (59, "59 seconds"), (600, "10 minutes"),
+                                           (5400, "1.5 hours"), (86400 * 2.26, "2.3 days")])
+def test_durations_never_read_zero_days(seconds, text):
+    assert duration(seconds) == text
+
+
+def full_options(metadata, *flags):
+    return resolve_options(["--config", FULL, "--dataset_metadata_path", str(metadata), *flags])
+
+
+def test_the_full_run_on_v100s_and_h100s(tmp_path):
+    metadata = write_metadata(tmp_path / "metadata.csv", 80_000, 90_180)
+    media = count_media(metadata)
+    options = full_options(metadata)
+    v100 = estimates.estimate_run(options, known_gpu("V100S-32GB"), "V100S-32GB", "fp16", gpus=2, nodes=1,
+                                  cached_launch=True, media=media)
+    h100 = estimates.estimate_run(options, known_gpu("H100-80GB"), "H100-80GB", "bf16", gpus=2, nodes=1,
+                                  cached_launch=True, media=media)
+    assert v100.plans["video"].attention == "mem_efficient" and h100.plans["video"].attention == "cudnn"
+    assert v100.projection.cache_build_seconds > h100.projection.cache_build_seconds > 0
+    assert 5 * h100.projection.total_seconds < v100.projection.total_seconds
+    assert h100.speed["video"]["sources"][0] == ("H100 LoRA in the training precision, compiled, 30 of 30 blocks "
+                                                 "recomputed, cudnn attention: 0.39 s measured")
+    auto = estimates.estimate_run(full_options(metadata, "--gradient_checkpointing", "auto"), known_gpu("H100-80GB"),
+                                  "H100-80GB", "bf16", gpus=2, nodes=1, cached_launch=True, media=media)
+    assert auto.plans["video"].recomputed_blocks == 0 and auto.speed["video"]["seconds_per_step"] == 0.27
+    assert "gradient checkpointing auto: 0 of 30 blocks recomputed" in " ".join(auto.assumptions)
+
+
+def test_the_plan_command_prints_the_doctors_projected_line(tmp_path):
+    metadata = write_metadata(tmp_path / "metadata.csv", 800, 900)
+    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.plan", "--world_size", "4", "--nodes", "2",
+                             "--cached", "--assume", "V100S-32GB", "--config", FULL, "--dataset_metadata_path",
+                             str(metadata)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    options = full_options(metadata)
+    expected = estimates.estimate_run(options, known_gpu("V100S-32GB"), "V100S-32GB", "fp16", gpus=2, nodes=2,
+                                      cached_launch=True, media=(800, 900)).projection.line()
+    assert f"  {expected}\n" in result.stderr
+    assert "on 4 GPU(s) (2 node(s) x 2)" in expected and "after building the latent cache" in expected
+    unknown = subprocess.run([sys.executable, "-m", "diffsynth_mbc.plan", "--world_size", "1", "--config", FULL,
+                              "--dataset_metadata_path", str(metadata)], capture_output=True, text=True, timeout=120,
+                             cwd=REPO, env={"PATH": "/nonexistent", "PYTHONPATH": str(REPO)})
+    assert unknown.returncode == 0, unknown.stderr
+    assert "projected run length: unknown without a GPU" in unknown.stderr
+
+
+def test_estimates_read_only_the_options_the_training_has():
+    namespace = resolve_options(["--config", FULL])
+    assert isinstance(namespace, argparse.Namespace)
+    plans = estimates.run_plans(namespace, "fp16", "mem_efficient", True, True)
+    assert plans["video"].tokens == 4400 and plans["image"].tokens == 880 and plans["image"].batch_size == 5
+    assert estimates.run_plans(namespace, "fp16", "mem_efficient", True, True, media=(0, 7)).keys() == {"image"}

@@ -1,0 +1,86 @@
+"""A hung rank told from a healthy one, on a real 2-rank run (gloo): rank 1 is stopped with SIGSTOP; only it
+goes stale and is called stalled, while rank 0, blocked in a collective, keeps its file fresh and says what it
+waits for. SIGCONT lets the run go on."""
+
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from diffsynth_mbc.data.demo import prepare
+from diffsynth_mbc.monitor.state import MonitorState
+from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_status
+
+pytestmark = pytest.mark.slow
+STALL_AFTER_S = 5.0
+
+
+def wait_until(condition, process, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert process.poll() is None, f"the run ended before {what}: {process.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def status_or_none(log_dir, rank):
+    try:
+        return read_status(log_dir, rank)
+    except (OSError, ValueError):
+        return None
+
+
+def kill_tree(pid):
+    parent = psutil.Process(pid)
+    for process in parent.children(recursive=True) + [parent]:
+        try:
+            process.send_signal(signal.SIGCONT)
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_a_stopped_rank_is_the_only_stalled_one_and_the_other_names_its_wait(tmp_path):
+    data = tmp_path / "data"
+    prepare(data, num_videos=6, num_images=5)
+    log_dir = tmp_path / "run" / "logs"
+    flags = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": data / "catalog",
+             "dataset_metadata_path": data / "metadata" / "metadata.csv", "output_path": tmp_path / "run" / "lora",
+             "log_dir": log_dir, "num_epochs": 200, "checkpoint_steps": 100000, "status_interval_s": 1}
+    command = cpu_launch_command(*[item for key, value in flags.items() for item in (f"--{key}", str(value))])
+    run = subprocess.Popen(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped_pid = None
+    try:
+        wait_until(lambda: all((status_or_none(log_dir, r) or {}).get("step", 0) >= 3 for r in (0, 1)), run, 240,
+                   "both ranks to train")
+        stopped_pid = read_status(log_dir, 1)["pid"]            # the rank's pid, from its own status file
+        os.kill(stopped_pid, signal.SIGSTOP)
+        monitor = MonitorState(log_dir, stall_after=STALL_AFTER_S, backfill=False)
+        snap = wait_until(lambda: (lambda s: s if s["stalled_ranks"] else None)(monitor.refresh()), run, 120,
+                          "the monitor to see a stalled rank")
+        time.sleep(3)                                          # rank 0 stays fresh well past the threshold
+        snap = monitor.refresh()
+        ranks = {r["rank"]: r for r in snap["ranks"]}
+        assert snap["status"] == "stalled" and snap["stalled_ranks"] == [1], snap["notes"]
+        assert not ranks[0]["stalled"] and ranks[0]["age_s"] < STALL_AFTER_S
+        assert ranks[0]["waiting_text"].startswith("waiting for ranks in"), ranks[0]
+        assert ranks[1]["waiting_text"] is None
+        assert any(note.startswith("rank 1 silent (stalled) while rank 0 is waiting for") for note in snap["notes"])
+
+        os.kill(stopped_pid, signal.SIGCONT)
+        stopped_pid = None
+        wait_until(lambda: (lambda s: s["status"] == "training" and not s["stalled_ranks"]
+                            and all(r["waiting_text"] is None for r in s["ranks"]))(monitor.refresh()),
+                   run, 60, "the run to go on after SIGCONT")
+    finally:
+        if stopped_pid is not None:
+            os.kill(stopped_pid, signal.SIGCONT)
+        kill_tree(run.pid)
+        run.communicate(timeout=60)
