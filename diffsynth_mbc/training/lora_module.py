@@ -25,7 +25,8 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
     Each sample runs through the pipeline's own units (shape check, noise, VAE encode, prompt
     encode, TI2V first-frame fusion); the samples of one latent shape then go through the DiT in one
     forward with DiffSynth's objective per sample (``step.batch_loss``). The LoRA weights stay fp32 and
-    compute in the DiT's dtype (``step.lora_cast``); ``recompute_blocks`` of the DiT's blocks recompute
+    compute in the DiT's dtype (``step.lora_cast``; ``lora_compute="upcast"`` keeps peft's own forward, which
+    casts the activations up to the LoRA weights' fp32, for comparison); ``recompute_blocks`` of the DiT's blocks recompute
     their activations in backward (``None``: all of them, as DiffSynth's checkpointing does), and
     ``compile_blocks`` compiles each block. A sample with ``"cached": True``
     (from ``CachedLatentDataset``) skips the encoders: ``inputs_from_cache`` builds the same inputs from
@@ -36,13 +37,16 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
                  lora_rank: int = 32, lora_alpha: float | None = None, lora_dtype: torch.dtype = torch.float32,
                  use_gradient_checkpointing: bool = True, use_gradient_checkpointing_offload: bool = False,
                  max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0,
-                 recompute_blocks: int | None = None, compile_blocks: bool = False):
+                 recompute_blocks: int | None = None, compile_blocks: bool = False, lora_compute: str = "base"):
         super().__init__()
+        if lora_compute not in ("base", "upcast"):
+            raise ValueError(f"lora_compute must be 'base' or 'upcast', got {lora_compute!r}")
         pipe.scheduler.set_timesteps(1000, training=True)
         pipe.freeze_except([])
         pipe.dit = self.add_lora_to_model(pipe.dit, target_modules=lora_target_modules.split(","),
                                           lora_rank=lora_rank, lora_alpha=lora_alpha, upcast_dtype=lora_dtype)
-        compute_lora_in_base_dtype(pipe.dit)
+        if lora_compute == "base":
+            compute_lora_in_base_dtype(pipe.dit)
         self.pipe = pipe
         if recompute_blocks is None:
             recompute_blocks = len(pipe.dit.blocks) if use_gradient_checkpointing else 0

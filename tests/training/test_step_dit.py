@@ -125,6 +125,17 @@ def test_the_lora_computes_in_bf16_without_upcasting_the_activations():
     assert layer.lora_A["default"].weight.grad.dtype == torch.float32
 
 
+def test_upcast_lora_compute_keeps_pefts_own_forward_for_comparison():
+    module = make_module(dtype=torch.bfloat16, lora_compute="upcast")
+    layer = module.pipe.dit.blocks[0].self_attn.q
+    x = torch.randn(2, 64, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
+    with Fp32Allocations() as recorded:
+        layer(x).sum().backward()
+    assert [n for n in recorded.sizes if n >= x.numel()]   # peft casts the activations up to fp32
+    with pytest.raises(ValueError, match="lora_compute"):
+        make_module(lora_compute="fp8")
+
+
 def test_fp32_master_weights_keep_updates_that_bf16_weights_would_lose(entries):
     videos, _ = entries
     module = make_module(dtype=torch.bfloat16)

@@ -1,0 +1,45 @@
+"""benchmarks/bench_cache.py runs the training's step at tiny size and prints what it measured; --full-size
+refuses without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cache.py"
+
+
+def bench(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **env})
+
+
+def test_the_tiny_mode_prints_batched_and_one_by_one_images_per_second(tmp_path):
+    out = tmp_path / "result.json"
+    done = bench("--height", "64", "--width", "64", "--runs", "1", "--steps", "1", "--warmup", "0",
+                 "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = done.stdout
+    assert re.search(r"case\s+s/step\s+samples/s\s+tokens/s\s+MFU", text), text
+    rows = {label: line for label in ("1 video 64x64x17 per forward", "5 images 64x64x1, one per forward",
+                                      "5 images 64x64x1 in one forward")
+            for line in text.splitlines() if label in line and re.search(r"\d+\.\d{4}", line)}
+    assert len(rows) == 3, text
+    ratio = re.search(r"images/s: ([\d.]+) with 5 per forward vs ([\d.]+) one per forward: ([\d.]+)x", text)
+    assert ratio and all(float(value) > 0 for value in ratio.groups()), text
+    assert re.search(r"run by run: [\d.]+x; median [\d.]+x\)", text), text
+    assert "flash" in text or "math" in text   # the attention kernel the profiler saw is named
+    result = json.loads(out.read_text())
+    assert result["images_ratio"]["images_per_forward"] == 5
+    assert [row["samples_per_step"] for row in result["rows"]] == [1, 1, 5]
+
+
+def test_full_size_refuses_without_cuda():
+    done = bench("--full-size", CUDA_VISIBLE_DEVICES="")
+    assert done.returncode == 2
+    assert "--full-size needs a CUDA GPU" in done.stderr and "without --full-size" in done.stderr
+    assert done.stdout == ""
