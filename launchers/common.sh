@@ -69,6 +69,16 @@ mbc_lock() {
   MBC_LOCK_FILES+=("$lock")
 }
 
+# mbc_forget_records: the .train*.pid files of the locked folders that still name this launcher.
+mbc_forget_records() {
+  local lock pid_file
+  for lock in "${MBC_LOCK_FILES[@]+"${MBC_LOCK_FILES[@]}"}"; do
+    pid_file=${lock%.lock}.pid
+    [[ $(head -n 1 "$pid_file" 2>/dev/null) == "$$" ]] && rm -f "$pid_file"
+  done
+  return 0
+}
+
 mbc_wait_for_file() {
   local file=$1 timeout=$2 what=$3 waited=0
   until [[ -s $file ]]; do
@@ -102,6 +112,16 @@ mbc_count_gpus() {
   else
     echo 0
   fi
+}
+
+mbc_port_free() {   # mbc_port_free PORT: nothing listens on PORT on this machine
+  "$PYTHON" -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the rendezvous store binds: TIME_WAIT is not "in use"
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)' "$1"
 }
 
 mbc_free_port() {
@@ -153,6 +173,11 @@ mbc_launch() {
       mbc_die "--multinode needs MASTER_ADDR, NUM_MACHINES and MACHINE_RANK in the environment"
     [[ $NUM_MACHINES =~ ^[1-9][0-9]*$ && $MACHINE_RANK =~ ^[0-9]+$ && $MACHINE_RANK -lt $NUM_MACHINES ]] ||
       mbc_die "NUM_MACHINES must be a positive number and MACHINE_RANK one of 0..NUM_MACHINES-1"
+    # Node 0 serves the rendezvous on MASTER_PORT: taken by another program, every node would wait silently.
+    if [[ $MACHINE_RANK == 0 ]] && ! mbc_port_free "${MASTER_PORT:-29500}"; then
+      mbc_die "MASTER_PORT ${MASTER_PORT:-29500} is already in use on this machine (node 0 serves the rendezvous" \
+              "there): start every node with another MASTER_PORT"
+    fi
   fi
   if [[ $demo == 1 ]]; then
     preset=$MBC_ROOT/configs/train_demo.yaml
@@ -203,6 +228,9 @@ mbc_launch() {
   # would replace the first one's monitoring files or prune its checkpoints.
   export MBC_RUN_ID=${MBC_RUN_ID:-$(mbc_new_run_id)}
   MBC_MULTINODE=$multinode MBC_LOCK_FILES=()
+  # Until the supervisor takes over, a launch that stops (a folder already locked, a failed preflight, a
+  # failed cache build) removes the run records it wrote, so the next launch finds no "stale lock" of it.
+  trap mbc_forget_records EXIT
   mbc_lock 9 "$OUTPUT_PATH" "output folder"
   mbc_lock 8 "$LOG_DIR" "log folder"
   mbc_lock 7 "$CHECKPOINT_DIR" "checkpoint folder"
@@ -261,10 +289,11 @@ mbc_launch() {
   local cmd=("${env_prefix[@]+"${env_prefix[@]}"}" "$PYTHON" -m accelerate.commands.launch "${accelerate_args[@]}"
              -m diffsynth_mbc.train --config "$preset" "${train_args[@]+"${train_args[@]}"}")
   echo "run $MBC_RUN_ID: ${cmd[*]}" | tee -a "$log_file" >&2
-  echo "log: $log_file   per-GPU status: $LOG_DIR/training_gpu*.json   watch: python -m diffsynth_mbc.monitor $LOG_DIR" >&2
+  echo "log: $log_file   per-GPU status: $LOG_DIR/training_gpu*.json   watch: python -m diffsynth_mbc.monitor $(printf %q "$LOG_DIR")" >&2
 
   if [[ $detach == 1 ]]; then
     # In a session of its own, writing to the log file only; it holds the locks after this shell returns.
+    trap - EXIT   # the detached supervisor owns the records now
     setsid "${supervise[@]}" -- "${cmd[@]}" >>"$log_file" 2>&1 < /dev/null &
     echo "started in the background: pid $!   stop: bash launchers/stop.sh $OUTPUT_PATH" >&2
     return 0

@@ -91,6 +91,8 @@ def test_a_failing_preflight_check_stops_the_launch_before_any_process_starts(tm
     assert "fail: precision: --mixed_precision fp16 needs a CUDA GPU" in result.stderr
     assert "preflight checks above failed" in result.stderr and "--skip_doctor" in result.stderr
     assert not list((tmp_path / "runs" / "demo").glob("training_logs/training_gpu*.json"))   # nothing launched
+    # ... and it leaves no run record behind (the next launch used to report a "stale lock" it had left)
+    assert not list((tmp_path / "runs" / "demo").rglob(".train*.pid"))
     skipped = launcher(tmp_path, "--demo", "--mixed_precision", "fp16", "--skip_doctor", timeout=300)
     assert "preflight" not in skipped.stderr   # launched anyway: the training itself refuses, with the same words
     assert read_status(tmp_path / "runs" / "demo" / "training_logs", 0)["status"] == "failed"
@@ -198,3 +200,36 @@ def test_a_rank_killed_with_sigkill_is_marked_failed_not_left_training(tmp_path)
     assert dead["status"] == "failed" and dead["error"]["type"] == "RankDied", dead
     assert "rank 1" in dead["error"]["message"]
     assert read_status(log_dir, 0)["status"] not in ("starting", "loading", "training")
+
+
+def test_node_0_refuses_a_master_port_another_program_listens_on(tmp_path):
+    """Every node used to wait silently, with no status file, when node 0's rendezvous port was taken."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--multinode"],
+                                cwd=tmp_path, env=isolated_env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                                               NUM_MACHINES=2, MACHINE_RANK=0),
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"MASTER_PORT {port} is already in use on this machine" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_printed_watch_command_works_when_pasted_with_spaces_and_quotes_in_the_path(tmp_path):
+    """The launcher printed `watch: python -m diffsynth_mbc.monitor $LOG_DIR` unquoted: pasted into a shell, a
+    log folder with a space or a quote in its name broke it."""
+    import re
+    import sys
+
+    log_dir = "logs of Kim's run"
+    result = launcher(tmp_path, "--demo", "--log_dir", log_dir, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    command = re.search(r"watch: (python -m diffsynth_mbc\.monitor .*)$", result.stderr, re.M).group(1)
+    pasted = subprocess.run(["bash", "-c", command.replace("python", sys.executable, 1) + " --once --json"],
+                            cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert pasted.returncode == 0, pasted.stderr
+    assert json.loads(pasted.stdout)["status"] == "finished"
