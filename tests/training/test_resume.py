@@ -62,11 +62,15 @@ def kill_tree(pid):
     """SIGKILL the launcher and every process under it, as a reboot would (torchrun starts each rank in a
     session of its own, so killing the launcher's process group would leave the ranks running)."""
     parent = psutil.Process(pid)
-    for process in parent.children(recursive=True) + [parent]:
+    processes = parent.children(recursive=True) + [parent]
+    for process in processes:
         try:
             process.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+    # A killed process lets go of its files (the run's locks among them) only once it has exited, which on a
+    # loaded machine takes a moment: wait, as a reboot's next start would.
+    psutil.wait_procs(processes[:-1], timeout=60)   # the launcher itself is the caller's to wait for
 
 
 def last_logged_step(log_dir):
