@@ -230,3 +230,21 @@ def test_the_block_runner_describes_its_plan():
     assert "the first 12 of 30 blocks" in BlockRunner(blocks, 12).describe()
     assert "no block" in BlockRunner(blocks, 0).describe()
     assert BlockRunner(blocks, 99).recompute == 30
+
+
+def test_the_terminal_says_the_first_steps_compile_and_how_long_they_took():
+    import io
+
+    from diffsynth_mbc.training.step.blocks import CompileTimer
+
+    stream = io.StringIO()
+    timer = CompileTimer(enabled=True, stream=stream, steps=2)
+    for _ in range(3):
+        timer.step_started()
+        timer.step_finished()
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "compiling the DiT blocks: the first steps take longer ..."
+    assert lines[1].startswith("compiled: the first 2 steps took ") and len(lines) == 2
+    quiet = io.StringIO()
+    CompileTimer(enabled=False, stream=quiet).step_started()
+    assert quiet.getvalue() == ""

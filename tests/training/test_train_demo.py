@@ -92,6 +92,9 @@ def test_history_has_one_line_per_optimizer_step(demo):
         history = read_history(demo["log_dir"], rank)
         assert [line["step"] for line in history] == list(range(1, 13))
         assert all(line["loss"] is not None and line["lr"] > 0 for line in history)
+        # throughput in tokens too: a 9-frame 64x64 clip is 3 x 2 x 2 = 12 DiT tokens, an image 4
+        assert all(line["tokens"] > 0 and line["tokens"] % 4 == 0 for line in history)
+        assert read_status(demo["log_dir"], rank)["tokens_per_s"] > 0
         assert [line["epoch"] for line in history] == [0] * 6 + [1] * 6
 
 
