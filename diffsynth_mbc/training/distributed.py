@@ -85,3 +85,21 @@ def watch_gradient_all_reduce(module, status) -> bool:
         return False
     module.register_comm_hook(state=None, hook=waiting_allreduce_hook(status))
     return True
+
+
+EPOCH_START = "ranks at the start of the epoch (the data loader syncs its random state)"
+
+
+def iterate_waiting_at_start(loader, status=None):
+    """Iterate ``loader``; its first batch inside a wait: accelerate's prepared loader broadcasts rank 0's random
+    state when an epoch's iteration starts, a collective like the others."""
+    iterator = iter(loader)
+    with waiting(status, EPOCH_START):
+        first = next(iterator, _END)
+    if first is _END:
+        return
+    yield first
+    yield from iterator
+
+
+_END = object()

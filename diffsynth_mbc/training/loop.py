@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position
-from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast_from_main, wait_for_everyone,
-                                                watch_gradient_all_reduce)
+from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast_from_main, iterate_waiting_at_start,
+                                                wait_for_everyone, watch_gradient_all_reduce)
 from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
@@ -301,7 +301,7 @@ def train_epoch(run: Run, epoch: int) -> str:
     # Resuming mid-epoch: skip the batches already trained on without decoding them.
     epoch_batches = accelerator.skip_first_batches(run.loader, skip) if skip else run.loader
     losses, samples_in_step, bad_in_step, tokens_in_step = [], 0, 0, 0
-    for batch in epoch_batches:
+    for batch in iterate_waiting_at_start(epoch_batches, run.status):
         for sample in batch:
             for bad in sample.pop("skipped", ()):
                 bad_in_step += 1

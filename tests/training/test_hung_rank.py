@@ -70,7 +70,7 @@ def test_a_stopped_rank_is_the_only_stalled_one_and_the_other_names_its_wait(tmp
         ranks = {r["rank"]: r for r in snap["ranks"]}
         assert snap["status"] == "stalled" and snap["stalled_ranks"] == [1], (snap["notes"], {r: (v.get("phase"), v.get("age_s"), v.get("waiting_text"), v.get("step")) for r, v in ranks.items()})
         assert not ranks[0]["stalled"] and ranks[0]["age_s"] < STALL_AFTER_S
-        assert ranks[0]["waiting_text"].startswith("waiting for ranks in"), ranks[0]
+        assert ranks[0]["waiting_text"].startswith("waiting for ranks "), ranks[0]
         assert ranks[1]["waiting_text"] is None
         assert any(note.startswith("rank 1 silent (stalled) while rank 0 is waiting for") for note in snap["notes"])
 
