@@ -25,14 +25,18 @@ def prepare(root: str | Path, num_videos: int = 6, num_images: int = 5, seed: in
     return root / "metadata" / "metadata.csv"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.demo", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="write the demo catalogue and its DiffSynth metadata")
     prep.add_argument("root", help="folder for catalog/ and metadata/ (e.g. runs/demo)")
     prep.add_argument("--videos", type=int, default=6)
     prep.add_argument("--images", type=int, default=5)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     metadata = prepare(args.root, num_videos=args.videos, num_images=args.images)
     print(f"demo metadata: {metadata}", file=sys.stderr)
     return 0

@@ -20,7 +20,7 @@ from diffsynth_mbc.doctor.checks import FAIL, GIB, Check
 from diffsynth_mbc.errors import OptionsError
 
 
-def parse(argv):
+def build_parser():
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.doctor", add_help=False,
                                      description=__doc__.split("\n\n")[1])
     parser.add_argument("--assume", help="plan for a GPU that is not here: " + ", ".join(checks_known_gpus()))
@@ -38,6 +38,11 @@ def parse(argv):
     parser.add_argument("--brief", action="store_true",
                         help="one summary line, plus a line for each warning or failure (the launchers use this)")
     parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+def parse(argv):
+    parser = build_parser()
     ours, training_argv = parser.parse_known_args(argv)
     if ours.help:
         parser.print_help()

@@ -153,7 +153,7 @@ def export(source: str | Path, target_format: str, output: str | Path) -> dict:
             "alpha": alpha if alpha is not None else rank}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.export", allow_abbrev=False,
                                      description="Convert a LoRA file or checkpoint folder into a file ComfyUI or "
                                                  "DiffSynth loads at the trained strength.")
@@ -161,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=FORMATS, default="comfyui",
                         help="comfyui: diffusion_model.<module>.lora_A/B.weight (default); diffsynth: <module>...")
     parser.add_argument("--output", required=True, help="the file to write (never the input)")
-    options = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
     try:
         result = export(options.source, options.format, options.output)
     except (ExportError, OSError) as exc:

@@ -78,7 +78,7 @@ def projected_line(options, world_size: int, cached: bool, assume: str | None = 
     return run.projection.line()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.plan", add_help=True, allow_abbrev=False)
     parser.add_argument("--world_size", type=int, required=True, help="total processes (GPUs) of the run")
     parser.add_argument("--paths-only", action="store_true",
@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
                                                   "counts the GPUs of all of them")
     parser.add_argument("--assume", help="project the run's length for this GPU (python -m diffsynth_mbc.doctor "
                                          "--help lists them) instead of this machine's")
-    known, train_argv = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    known, train_argv = build_parser().parse_known_args(argv)
     try:
         options = resolve_options(train_argv)
         if known.cache_commands:

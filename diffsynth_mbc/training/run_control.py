@@ -270,7 +270,7 @@ def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str
     return marked
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.stop", allow_abbrev=False,
                                      description="Stop the training running on OUTPUT_PATH gracefully (as Ctrl-C: "
                                                  "checkpoint, status 'stopped'), then forcibly after --grace seconds.")
@@ -278,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace", type=float, default=120.0, help="seconds to wait before SIGKILL (default 120)")
     parser.add_argument("--mark-dead-ranks", metavar="EXIT_CODE", type=int, default=None,
                         help=argparse.SUPPRESS)   # used by the launchers on the log folder after a launch ends
-    options = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
     if options.mark_dead_ranks is not None:
         marked = mark_dead_ranks(options.output_path, options.mark_dead_ranks)
         if marked:

@@ -185,7 +185,7 @@ def closing_lines(states: dict, resume_command: str | None, log_file: str | None
     return []
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.supervise", allow_abbrev=False,
                                      description="Run a launch command as the owner of its processes (used by "
                                                  "launchers/common.sh).")
@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher-pid", type=int, help="the launcher, when this is not it (default: this process)")
     parser.add_argument("--resume-command", help="the command that resumes this run, shown when it was stopped")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     options = parser.parse_args(argv)
     command = options.command[1:] if options.command[:1] == ["--"] else options.command
     if not command:
