@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Shared by train_test.sh and train_full.sh: plan, lock, log, launch. Not meant to be run directly.
 #
-# Launcher flags (everything else goes to `python -m diffsynth_mbc.train`):
+# Launcher flags (everything else goes to `python -m diffsynth_mbc.train`; every flag, launcher or training,
+# is shown with underscores and works with dashes too: --learning_rate or --learning-rate):
 #   --demo        tiny random TI2V-architecture model on a synthetic catalogue, 2 CPU processes
 #                 (also chosen when there is no GPU and no --model_dir/MODEL_DIR)
 #   --deepspeed   DeepSpeed ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml) instead of DDP
@@ -10,7 +11,7 @@
 #   --cached      encode every clip and caption once first (python -m diffsynth_mbc.cache; resumable,
 #                 finished entries are skipped), then train the DiT from that latent cache
 #   --detach      run in the background (log file only); prints the pid and returns
-#   --dry-run     validate every flag, print the command that would run, start nothing
+#   --dry_run     validate every flag, print the command that would run, start nothing
 #   --skip_doctor launch even when the quick preflight checks (python -m diffsynth_mbc.doctor --quick) fail
 #   --help        this text, then the training's own flags
 # Stop a run: bash launchers/stop.sh OUTPUT_PATH [--grace S]   (checkpoint, `stopped`; SIGKILL after S s)
@@ -24,6 +25,20 @@ PYTHON=${PYTHON:-python}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning:torch.cuda,ignore::FutureWarning:torch.jit._script}
 
 mbc_die() { echo "error: $*" >&2; exit 2; }
+
+# The launcher's own flags, as mbc_canonical spells them: anything else must be a training flag.
+MBC_LAUNCHER_FLAGS=(--demo --deepspeed --multinode --gpus --cached --detach --dry_run --skip_doctor --help)
+
+# mbc_canonical ARG: a flag as --help spells it, with underscores (--dry-run: --dry_run; --gpus=2 as it is);
+# anything that is not a long flag as it is.
+mbc_canonical() {
+  local arg=$1 name value=""
+  [[ $arg == --?* ]] || { printf '%s\n' "$arg"; return; }
+  name=${arg%%=*}
+  [[ $arg == *=* ]] && value="=${arg#*=}"
+  name=${name#--}
+  printf -- '--%s%s\n' "${name//-/_}" "$value"
+}
 
 mbc_usage() {
   echo "usage: bash $1 [launcher flags] [training flags]"
@@ -135,20 +150,20 @@ mbc_launch() {
   local resume_command="bash ${MBC_LAUNCHER:-launchers/train_test.sh}" arg drop=0
   for arg in "$@"; do
     if ((drop)); then drop=0; continue; fi
-    case $arg in --resume) drop=1; continue ;; --resume=*|--detach|--dry-run) continue ;; esac
+    case $(mbc_canonical "$arg") in --resume) drop=1; continue ;; --resume=*|--detach|--dry_run) continue ;; esac
     resume_command+=" $(printf '%q' "$arg")"
   done
   resume_command+=" --resume latest"
   local demo=0 deepspeed=0 multinode=0 detach=0 cached=0 dry_run=0 skip_doctor=0 gpus="" train_args=()
   while (($#)); do
-    case $1 in
+    case $(mbc_canonical "$1") in
       --demo) demo=1 ;;
       --deepspeed) deepspeed=1 ;;
       --multinode) multinode=1 ;;
       --detach) detach=1 ;;
       --cached) cached=1 ;;
-      --dry-run) dry_run=1 ;;
-      --skip_doctor|--skip-doctor) skip_doctor=1 ;;
+      --dry_run) dry_run=1 ;;
+      --skip_doctor) skip_doctor=1 ;;
       --gpus) [[ $# -ge 2 ]] || mbc_die "--gpus needs a number"; gpus=$2; shift ;;
       --gpus=*) gpus=${1#--gpus=} ;;
       -h|--help) mbc_usage "${MBC_LAUNCHER:-launchers/train_test.sh}"; exit 0 ;;
@@ -156,11 +171,14 @@ mbc_launch() {
     esac
     shift
   done
+  # A flag neither the launcher nor the training knows: one line with the closest real ones, before anything starts.
+  "$PYTHON" -c 'import sys; from diffsynth_mbc.flags import check_launcher_args as c; sys.exit(c(sys.argv[1:]))' \
+    "${MBC_LAUNCHER:-launchers/train_test.sh}" "${MBC_LAUNCHER_FLAGS[@]}" -- "${train_args[@]+"${train_args[@]}"}" || exit 2
   # Relative paths (presets, runs/) are taken from the folder the launcher is started in.
   [[ -f $preset ]] || preset=$MBC_ROOT/$preset
 
   local model_given=0
-  for arg in "${train_args[@]+"${train_args[@]}"}"; do [[ $arg == --model_dir* || $arg == --model_id* ]] && model_given=1; done
+  for arg in "${train_args[@]+"${train_args[@]}"}"; do arg=$(mbc_canonical "$arg"); [[ $arg == --model_dir* || $arg == --model_id* ]] && model_given=1; done
   [[ -n "${MODEL_DIR:-}" ]] && { model_given=1; train_args+=(--model_dir "$MODEL_DIR"); }
   if [[ $demo == 0 && $model_given == 0 && $(mbc_count_gpus) == 0 ]]; then
     echo "no GPU and no --model_dir/MODEL_DIR: running the built-in demo (pass --demo to choose it explicitly)" >&2
@@ -220,6 +238,8 @@ mbc_launch() {
     echo "would run: ${env_prefix[*]+"${env_prefix[*]}"} $PYTHON -m accelerate.commands.launch ${accelerate_args[*]}" \
          "-m diffsynth_mbc.train --config $preset ${train_args[*]+"${train_args[*]}"}"
     echo "output: $OUTPUT_PATH   logs: $LOG_DIR   checkpoints: $CHECKPOINT_DIR"
+    echo "launcher flags: demo=$demo deepspeed=$deepspeed multinode=$multinode gpus=$gpus cached=$cached" \
+         "detach=$detach skip_doctor=$skip_doctor"
     return 0
   fi
   mkdir -p "$OUTPUT_PATH" "$LOG_DIR" "$CHECKPOINT_DIR"

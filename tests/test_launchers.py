@@ -30,7 +30,7 @@ def test_help_prints_the_launcher_flags_then_the_training_flags(tmp_path):
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert "command not found" not in result.stderr and "running the built-in demo" not in result.stderr
-    assert text.index("--cached") < text.index("--dry-run") < text.index("usage: python -m diffsynth_mbc.train")
+    assert text.index("--cached") < text.index("--dry_run") < text.index("usage: python -m diffsynth_mbc.train")
     assert "--learning_rate" in text and "launchers/stop.sh" in text
 
 

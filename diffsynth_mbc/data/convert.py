@@ -1,12 +1,12 @@
 """Turn an MBC catalogue into metadata that DiffSynth 1.1.8's VideoDataset reads directly.
 
-    python -m diffsynth_mbc.convert CATALOG.csv --base-path DIR --output OUT_DIR \\
-        [--val-catalog VAL.csv | --val-fraction F] [--subset N] [--seed S] \\
-        [--media all|video|image] [--no-check-files] [--probe] [--workers N] \\
-        [--min-frames N] [--min-width W] [--min-height H] [--tokenizer UMT5_DIR]
+    python -m diffsynth_mbc.convert CATALOG.csv --base_path DIR --output OUT_DIR \\
+        [--val_catalog VAL.csv | --val_fraction F] [--subset N] [--seed S] \\
+        [--media all|video|image] [--no_check_files] [--probe] [--workers N] \\
+        [--min_frames N] [--min_width W] [--min_height H] [--tokenizer UMT5_DIR]
 
 Writes OUT_DIR/metadata.csv (video,prompt,media_type[,width,height,num_frames,fps]),
-metadata_val.csv (with a validation catalogue or --val-fraction), rejects.csv (every input row
+metadata_val.csv (with a validation catalogue or --val_fraction), rejects.csv (every input row
 not written, with its reason) and summary.json (with the captions longer than the text encoder's 512 tokens,
 which are also named in a warning). Each file is written to a temp file and renamed.
 Exit status: 0 when at least one row was written, 1 when none was, 2 for usage errors or a
@@ -32,6 +32,7 @@ from diffsynth_mbc.data import selection
 from diffsynth_mbc.data.captions import TokenizerError, long_captions
 from diffsynth_mbc.data.output_set import OutputError, publish_output_set
 from diffsynth_mbc.data.probe import MediaInfo, default_workers, histogram, probe_files
+from diffsynth_mbc.flags import FlagParser
 
 METADATA_NAME = "metadata.csv"
 METADATA_VAL_NAME = "metadata_val.csv"
@@ -49,7 +50,7 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,
         prog="python -m diffsynth_mbc.convert",
         description="Convert an MBC catalogue (file_path,caption,media_type) into DiffSynth metadata.",
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--val-fraction", type=float,
                      help="split this fraction (0 < F < 1) of the training rows off as validation, per media type")
     parser.add_argument("--subset", type=int, help="keep N training rows, video/image ratio preserved")
-    parser.add_argument("--seed", type=int, default=0, help="seed for --subset and --val-fraction (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for --subset and --val_fraction (default 0)")
     parser.add_argument("--media", choices=("all", "video", "image"), default="all",
                         help="keep only this media type (default all)")
     parser.add_argument("--no-check-files", action="store_true",
@@ -87,19 +88,19 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if args.subset is not None and args.subset < 1:
         raise UsageError(f"--subset must be at least 1, got {args.subset}")
     if args.val_fraction is not None and not 0 < args.val_fraction < 1:
-        raise UsageError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
+        raise UsageError(f"--val_fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     for name in ("min_frames", "min_width", "min_height"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
     if not args.no_check_files and not os.path.isdir(args.base_path):
-        raise UsageError(f"--base-path {args.base_path}: not a folder (use --no-check-files if it is not mounted here)")
+        raise UsageError(f"--base_path {args.base_path}: not a folder (use --no_check_files if it is not mounted here)")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError(f"--output {args.output}: exists and is not a folder")
     inputs = [args.catalog] + ([args.val_catalog] if args.val_catalog else [])
     if args.val_catalog and _same_file(args.catalog, args.val_catalog):
-        raise UsageError(f"--val-catalog {args.val_catalog} is the training catalogue itself")
+        raise UsageError(f"--val_catalog {args.val_catalog} is the training catalogue itself")
     for name in OUTPUT_NAMES:
         output_path = os.path.join(args.output, name)
         for input_path in inputs:
@@ -243,7 +244,7 @@ def build_summary(args, catalogs: dict[str, cat.Catalog], plan: selection.Conver
         "seed": args.seed,
         "media": args.media,
         "files_checked": not args.no_check_files,
-        "note": None if not args.no_check_files else "file existence was not checked (--no-check-files)",
+        "note": None if not args.no_check_files else "file existence was not checked (--no_check_files)",
         "inputs": {name: {"path": os.path.abspath(c.path), "sha256": c.sha256, "columns": c.columns}
                    for name, c in catalogs.items()},
         "base_path": cat.normalise_base_path(args.base_path),
@@ -350,9 +351,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
 def _refuse_an_empty_split(plan, args) -> None:
     if plan.split_mode is None or not (plan.train or plan.val) or (plan.train and plan.val):
         return
-    given = f"--val-fraction {args.val_fraction}" if plan.split_mode == "fraction" else f"--val-catalog {args.val_catalog}"
+    given = f"--val_fraction {args.val_fraction}" if plan.split_mode == "fraction" else f"--val_catalog {args.val_catalog}"
     raise UsageError(f"{given} leaves {len(plan.train)} training and {len(plan.val)} validation rows; an empty "
-                     "split is refused (nothing was written). Use a smaller --val-fraction or more rows.")
+                     "split is refused (nothing was written). Use a smaller --val_fraction or more rows.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,20 +13,21 @@ from pathlib import Path
 
 from diffsynth_mbc.data import convert
 from diffsynth_mbc.data.demo_data import make_demo_catalog
+from diffsynth_mbc.flags import FlagParser
 
 
 def prepare(root: str | Path, num_videos: int = 6, num_images: int = 5, seed: int = 0) -> Path:
     root = Path(root)
     catalog = make_demo_catalog(root / "catalog", num_videos=num_videos, num_images=num_images,
                                 width=64, height=64, num_frames=9, seed=seed)
-    code = convert.main([str(catalog), "--base-path", str(root / "catalog"), "--output", str(root / "metadata")])
+    code = convert.main([str(catalog), "--base_path", str(root / "catalog"), "--output", str(root / "metadata")])
     if code != 0:
         raise RuntimeError(f"converting the demo catalogue {catalog} failed with exit code {code}")
     return root / "metadata" / "metadata.csv"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.demo", allow_abbrev=False)
+    parser = FlagParser(prog="python -m diffsynth_mbc.demo", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="write the demo catalogue and its DiffSynth metadata")
     prep.add_argument("root", help="folder for catalog/ and metadata/ (e.g. runs/demo)")

@@ -1,4 +1,4 @@
-"""Choosing rows of a validated catalogue and accounting for every one: --media, --subset, --val-fraction,
+"""Choosing rows of a validated catalogue and accounting for every one: --media, --subset, --val_fraction,
 the conversion plan and the check that written + rejected == input. Pure logic, like ``catalog``.
 """
 
@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 from diffsynth_mbc.data.catalog import (MEDIA_TYPES, Catalog, Entry, Reason, Reject, normalise_base_path, validate_rows)
 
 # ---------------------------------------------------------------------------------------------
-# Selection: --media, --subset, --val-fraction
+# Selection: --media, --subset, --val_fraction
 
 
 def select_media(entries: Sequence[Entry], media: str) -> tuple[list[Entry], list[Entry]]:
@@ -138,7 +138,7 @@ def plan_conversion(
     """Validate, filter by --media, take --subset, split off validation rows.
 
     Order for the training catalogue: validate (every row, incl. duplicates of validation rows),
-    --media, --subset (of what is left), then --val-fraction (of the subset). The validation
+    --media, --subset (of what is left), then --val_fraction (of the subset). The validation
     catalogue is validated and filtered by --media but never subset. Every row not kept becomes
     a Reject, so written + rejected == input rows per catalogue.
     """

@@ -10,7 +10,6 @@ Exit codes: 0 nothing failed (warnings allowed), 1 a check failed (or the probe)
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -18,11 +17,13 @@ import sys
 from diffsynth_mbc.doctor import checks, estimates, memory
 from diffsynth_mbc.doctor.checks import FAIL, GIB, Check
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.training.options import build_parser as training_parser
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.doctor", add_help=False,
-                                     description=__doc__.split("\n\n")[1])
+    parser = FlagParser(prog="python -m diffsynth_mbc.doctor", add_help=False, passes_on_to=training_parser,
+                        description=__doc__.split("\n\n")[1])
     parser.add_argument("--assume", help="plan for a GPU that is not here: " + ", ".join(checks_known_gpus()))
     parser.add_argument("--gpus", type=int, help="GPUs per node (default: those found, or 1 with --assume)")
     parser.add_argument("--nodes", type=int, help="nodes of the run (default: NUM_MACHINES, else 1)")

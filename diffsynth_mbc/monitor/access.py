@@ -3,7 +3,7 @@
 - **Host names** (DNS rebinding): a web page on any site can point a name of its own at 127.0.0.1 and read
   what a local server answers for that name. The server answers only requests whose ``Host`` names
   loopback (``localhost``, ``127.0.0.1``, ``[::1]``), the address or name it was bound to, or a name
-  given with ``--allow-host``; bound to every interface (``0.0.0.0``, ``::``) also this machine's host
+  given with ``--allow_host``; bound to every interface (``0.0.0.0``, ``::``) also this machine's host
   names and any IP address (an address typed in a browser involves no DNS). Other names get 421.
 - **Token**: a server bound to anything but loopback has no other protection, so it makes a random token,
   printed once in its URL (``http://HOST:PORT/?token=...``), and every request must carry it: in the

@@ -1,8 +1,8 @@
 """Watch a training run from its per-rank files: a live terminal view, a JSON probe, a dashboard server.
 
     python -m diffsynth_mbc.monitor [LOG_DIR|URL ...] [--once] [--json] [--interval S]
-                                    [--stall-after S] [--serve [HOST:]PORT] [--no-view] [--cors ORIGIN]
-                                    [--allow-host NAME ...]
+                                    [--stall_after S] [--serve [HOST:]PORT] [--no_view] [--cors ORIGIN]
+                                    [--allow_host NAME ...]
 
 LOG_DIR (default ./training_logs) holds ``training_gpu{rank}.json`` (state) and
 ``training_gpu{rank}.jsonl`` (one line per optimizer step) written by every rank. Several
@@ -15,9 +15,9 @@ Modes
     --json         print the aggregate as one JSON object and exit with the run's exit code.
     --serve ADDR   serve the dashboard and /api/training/{status,metrics} over HTTP (127.0.0.1
                    unless a host is given; port 0 picks a free one; the URL is printed). The
-                   live view runs beside it when stdout is a terminal, unless --no-view.
+                   live view runs beside it when stdout is a terminal, unless --no_view.
                    Ctrl-C (or SIGTERM) stops both. Requests naming another host than
-                   loopback, the bound one (or --allow-host) get 421. Bound to anything but
+                   loopback, the bound one (or --allow_host) get 421. Bound to anything but
                    loopback (e.g. 0.0.0.0:7010 for other nodes), the server wants a token on
                    every request: it is printed once, in the URL (http://HOST:PORT/?token=...);
                    give that URL to the browser or to another monitor as a source.
@@ -32,7 +32,7 @@ Run status, first rule that matches
     stopped) > training / loading / starting (most advanced active status).
 
 Stall threshold
-    --stall-after S when given, else max(120 s, 10 x the rank's median step time). A rank waiting
+    --stall_after S when given, else max(120 s, 10 x the rank's median step time). A rank waiting
     in a collective for the others keeps its file fresh and says what it waits for, so a hung
     rank is the only one called stalled.
 
@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 
+from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.monitor.sources import split_sources
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.status import exit_code
@@ -71,7 +72,7 @@ def _positive(value: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     paragraphs = __doc__.split("\n\n")
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,
         prog="python -m diffsynth_mbc.monitor",
         description=paragraphs[0],
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     serve_addr = None
     if args.allow_host and args.serve is None:
-        parser.error("--allow-host needs --serve")
+        parser.error("--allow_host needs --serve")
     if args.serve is not None:
         if args.once or args.json:
             parser.error("--serve cannot be combined with --once or --json")

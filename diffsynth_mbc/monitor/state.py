@@ -14,7 +14,7 @@ Which run is shown
 
 Stalled rank
     A rank whose status is ``starting``, ``loading`` or ``training`` and whose ``updated_at``
-    is older than the stall threshold. The threshold is ``--stall-after`` when given, else the
+    is older than the stall threshold. The threshold is ``--stall_after`` when given, else the
     larger of 120 s and 10x the rank's median step time (last 101 steps of its history, else
     its ``step_time_s``). ``stalled_since`` is its last ``updated_at``. A rank blocked in a
     collective keeps its file fresh with ``waiting`` (what for, since when; ``waiting_text``), so

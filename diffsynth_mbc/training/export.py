@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_save_safetensors
+from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.lora_format import (
     FORMATS,
     LoraFormatError,
@@ -154,9 +155,9 @@ def export(source: str | Path, target_format: str, output: str | Path) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.export", allow_abbrev=False,
-                                     description="Convert a LoRA file or checkpoint folder into a file ComfyUI or "
-                                                 "DiffSynth loads at the trained strength.")
+    parser = FlagParser(prog="python -m diffsynth_mbc.export", allow_abbrev=False,
+                        description="Convert a LoRA file or checkpoint folder into a file ComfyUI or "
+                                    "DiffSynth loads at the trained strength.")
     parser.add_argument("source", help="a LoRA .safetensors file or a checkpoint folder (CHECKPOINTS/step-N)")
     parser.add_argument("--format", choices=FORMATS, default="comfyui",
                         help="comfyui: diffusion_model.<module>.lora_A/B.weight (default); diffsynth: <module>...")

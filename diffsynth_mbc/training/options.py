@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.flags import FlagParser
 
 DEFAULTS = {
     # data (DiffSynth names)
@@ -57,7 +58,7 @@ _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="python -m diffsynth_mbc.train", argument_default=argparse.SUPPRESS, allow_abbrev=False,
         description="LoRA fine-tuning of Wan2.2-TI2V-5B through DiffSynth. Start it with `accelerate launch`.",
         epilog="Example: accelerate launch --config_file configs/accelerate/ddp.yaml -m diffsynth_mbc.train "

@@ -1,7 +1,7 @@
 """Print the step plan of a training before it starts: ``python -m diffsynth_mbc.plan --world_size N [train flags]``.
 
 Reads the same preset and flags as ``diffsynth_mbc.training.loop`` and counts the metadata rows the way
-DiffSynth's loader will, and prints the plan on stderr. ``--paths-only`` reads no data and prints
+DiffSynth's loader will, and prints the plan on stderr. ``--paths_only`` reads no data and prints
 the output and log folders as shell assignments for the launchers.
 """
 
@@ -11,9 +11,10 @@ import argparse
 import shlex
 import sys
 
+from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.step_plan import StepPlan
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.training.options import resolve_options
+from diffsynth_mbc.training.options import build_parser as training_parser, resolve_options
 
 
 def count_metadata_rows(path: str) -> int:
@@ -79,7 +80,8 @@ def projected_line(options, world_size: int, cached: bool, assume: str | None = 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.plan", add_help=True, allow_abbrev=False)
+    parser = FlagParser(prog="python -m diffsynth_mbc.plan", add_help=True, allow_abbrev=False,
+                        passes_on_to=training_parser)
     parser.add_argument("--world_size", type=int, required=True, help="total processes (GPUs) of the run")
     parser.add_argument("--paths-only", action="store_true",
                         help="only validate the flags and print OUTPUT_PATH=... LOG_DIR=... CHECKPOINT_DIR=... (reads no data)")

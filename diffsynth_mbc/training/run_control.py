@@ -28,6 +28,7 @@ from pathlib import Path
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.atomic import write_json_even_when_full
+from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.processes import (alive, environment_value, is_accelerate, is_launcher, is_trainer, parent,
                                               start_time)
 from diffsynth_mbc.training.run_lock import LOCK_PREFIX, lock_name, read_record, regular_lock_problem  # noqa: F401
@@ -271,9 +272,9 @@ def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.stop", allow_abbrev=False,
-                                     description="Stop the training running on OUTPUT_PATH gracefully (as Ctrl-C: "
-                                                 "checkpoint, status 'stopped'), then forcibly after --grace seconds.")
+    parser = FlagParser(prog="python -m diffsynth_mbc.stop", allow_abbrev=False,
+                        description="Stop the training running on OUTPUT_PATH gracefully (as Ctrl-C: "
+                                    "checkpoint, status 'stopped'), then forcibly after --grace seconds.")
     parser.add_argument("output_path", help="the run's output folder (or its log or checkpoint folder)")
     parser.add_argument("--grace", type=float, default=120.0, help="seconds to wait before SIGKILL (default 120)")
     parser.add_argument("--mark-dead-ranks", metavar="EXIT_CODE", type=int, default=None,

@@ -1,6 +1,6 @@
 """The launcher's last stage: it runs ``accelerate launch`` and owns the run's processes, signals and end.
 
-    python -m diffsynth_mbc.supervise --lock FILE [--lock FILE ...] --log-dir DIR [--log-file F] -- COMMAND...
+    python -m diffsynth_mbc.supervise --lock FILE [--lock FILE ...] --log_dir DIR [--log_file F] -- COMMAND...
 
 ``launchers/common.sh`` locks the folders (``diffsynth_mbc.training.run_lock``), then ``exec``s this, so
 the launcher's pid and its locks carry over. It
@@ -9,7 +9,7 @@ the launcher's pid and its locks carry over. It
   lock files, its pid and its start time (each rank takes the locks and watches this process);
 - records itself and accelerate beside each lock (``.train.pid``), which ``stop.sh`` checks before it
   signals anything;
-- copies COMMAND's output to its own and appends it to ``--log-file``;
+- copies COMMAND's output to its own and appends it to ``--log_file``;
 - on SIGINT, SIGTERM or SIGHUP sends SIGTERM to the ranks (each finishes its step, checkpoints and
   writes ``stopped``); a second signal again (the ranks then exit at once); a third kills them;
 - when COMMAND ends, marks ranks that died without a final status failed, ends with the run's last word
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 
+from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training import run_lock
 from diffsynth_mbc.training.processes import children, is_trainer, start_time
 from diffsynth_mbc import run_files
@@ -186,9 +187,9 @@ def closing_lines(states: dict, resume_command: str | None, log_file: str | None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.supervise", allow_abbrev=False,
-                                     description="Run a launch command as the owner of its processes (used by "
-                                                 "launchers/common.sh).")
+    parser = FlagParser(prog="python -m diffsynth_mbc.supervise", allow_abbrev=False,
+                        description="Run a launch command as the owner of its processes (used by "
+                                    "launchers/common.sh).")
     parser.add_argument("--lock", action="append", default=[], help="a lock file of the run (repeatable)")
     parser.add_argument("--log-dir", required=True, help="the run's log folder (per-rank status files)")
     parser.add_argument("--log-file", help="append the command's output here too")

@@ -262,7 +262,7 @@ def test_exit_1_when_nothing_is_written_but_files_explain_why(tmp_path, capsys):
     (b"file_path,caption\na.mp4,x\n", [], "missing required column 'media_type'"),
     ("file_path,caption,media_type\na.mp4,한국,video\n".encode("euc-kr"), [], "not UTF-8 (line 2"),
     (b'file_path,caption,media_type\na.mp4,"open,video\n', [], "malformed CSV at line 2"),
-    (b"file_path,caption,media_type\n", ["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1"),
+    (b"file_path,caption,media_type\n", ["--val-fraction", "1.5"], "--val_fraction must be between 0 and 1"),
     (b"file_path,caption,media_type\n", ["--subset", "0"], "--subset must be at least 1"),
     (b"file_path,caption,media_type\n", ["--val-fraction", "0.1", "--val-catalog", "v.csv"], "not allowed with"),
     (b"file_path,caption,media_type\n", ["--media", "audio"], "invalid choice"),

@@ -102,7 +102,7 @@ def test_help_documents_exit_codes_and_rules(capsys):
         monitor.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for text in ("--stall-after", "--serve", "1 failed; 3 stalled; 4 no data", "stopped", "newest started_at",
+    for text in ("--stall_after", "--serve", "1 failed; 3 stalled; 4 no data", "stopped", "newest started_at",
                  "max(120 s, 10 x"):
         assert text in out, text
 

@@ -54,13 +54,14 @@ from diffsynth_mbc.data.cache.index import (
     encoder_identities,
     file_sha256,
 )
+from diffsynth_mbc.flags import FlagParser
 
 # ---------------------------------------------------------------------------------------------
 # Options
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,
         prog="python -m diffsynth_mbc.cache",
         description="Encode every metadata row once (VAE latents + text embeddings) for training the DiT "
