@@ -74,7 +74,7 @@ def arch_check(target: Target) -> Check:
         return Check("torch kernels", SKIP, f"torch {target.torch_version}: no GPU to check against")
     if not target.arch_list:
         return Check("torch kernels", FAIL, f"torch {target.torch_version} is a CPU-only build",
-                     "install a CUDA build of torch (README, 'Before the first real run')")
+                     "install a CUDA build of torch (docs/install.md)")
     problem = arch_problem(target.arch_list, target.spec.capability, target.spec.name, target.torch_version)
     if problem:
         detail, _, fix = problem.partition(" Fix: ")
