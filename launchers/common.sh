@@ -14,16 +14,52 @@
 #   --skip_doctor launch even when the quick preflight checks (python -m diffsynth_mbc.doctor --quick) fail
 #   --help        this text, then the training's own flags
 # Stop a run: bash launchers/stop.sh OUTPUT_PATH [--grace S]   (checkpoint, `stopped`; SIGKILL after S s)
-# Environment: PYTHON (default: python), MBC_LOG_FILE, MBC_RUN_ID, NCCL_* (see configs/nccl_pcie.env).
+# Environment: PYTHON (default: the active venv's python, else the project's .venv, else python3; checked first),
+#   MBC_LOG_FILE, MBC_RUN_ID, NCCL_* (see configs/nccl_pcie.env).
 set -euo pipefail
 
 MBC_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PYTHON=${PYTHON:-python}
 # Known third-party deprecation notices, printed by every process of every run (torch's pynvml and
 # torch.jit.script FutureWarnings); only these, by category and module. Anything already set wins.
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning:torch.cuda,ignore::FutureWarning:torch.jit._script}
 
 mbc_die() { echo "error: $*" >&2; exit 2; }
+
+# mbc_find_python: the Python every step runs, found before anything is locked or written: $PYTHON when set,
+# else the active venv's, else the project's .venv (used without activating it), else python3 from PATH. Each
+# is asked only whether the project's packages are installed (nothing is imported); when none has them, one
+# line says how to create or activate the venv.
+mbc_find_python() {
+  local candidates=() candidate missing tried=()
+  if [[ -n ${PYTHON:-} ]]; then
+    candidates=("$PYTHON")
+  else
+    [[ -n ${VIRTUAL_ENV:-} ]] && candidates+=("$VIRTUAL_ENV/bin/python")
+    candidates+=("$MBC_ROOT/.venv/bin/python" python3 python)
+  fi
+  for candidate in "${candidates[@]}"; do
+    command -v "$candidate" >/dev/null 2>&1 || continue
+    if missing=$("$candidate" -c 'import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' \
+                 diffsynth_mbc rich torch accelerate yaml 2>/dev/null) && [[ -z $missing ]]; then
+      PYTHON=$candidate
+      # The ranks and tools started from here find the same environment.
+      [[ $candidate == */bin/python ]] && PATH=${candidate%/python}:$PATH
+      return 0
+    fi
+    tried+=("$candidate lacks ${missing:-its packages}")
+  done
+  local venv=$MBC_ROOT/.venv
+  if [[ -n ${PYTHON:-} ]]; then
+    mbc_die "PYTHON=$PYTHON cannot run this project (${tried[0]:-not found}): point PYTHON at the project's venv" \
+            "($venv/bin/python) or leave it unset"
+  fi
+  local found
+  found=$(IFS=';'; echo "${tried[*]+"${tried[*]}"}")
+  mbc_die "no Python here has the project's packages (${found:-no python3 on PATH}): activate its venv" \
+          "(source $venv/bin/activate), or create it: python3 -m venv $venv && $venv/bin/pip install -e $MBC_ROOT"
+}
+mbc_find_python
 
 mbc_usage() {
   echo "usage: bash $1 [launcher flags] [training flags]"

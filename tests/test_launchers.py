@@ -233,3 +233,63 @@ def test_the_printed_watch_command_works_when_pasted_with_spaces_and_quotes_in_t
                             cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert pasted.returncode == 0, pasted.stderr
     assert json.loads(pasted.stdout)["status"] == "finished"
+
+
+def a_copy_of_the_launchers(tmp_path):
+    """The launchers and presets in a project folder of their own (no .venv yet), the package on PYTHONPATH."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "launchers", project / "launchers")
+    shutil.copytree(REPO / "configs", project / "configs")
+    return project
+
+
+def without_the_venv(tmp_path, project_env_python=None):
+    """An environment as a fresh login gives it: no venv active, no PYTHON, and on PATH only the system's python3
+    (which lacks the project's packages) and the system's tools."""
+    system_python = "/usr/bin/python3"
+    probe = subprocess.run([system_python, "-c", "import rich, torch"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("the system python3 has rich and torch: it cannot stand for a python without the packages")
+    shims = tmp_path / "system-bin"
+    shims.mkdir()
+    for name in ("python3", "python"):
+        (shims / name).symlink_to(system_python)
+    env = isolated_env(tmp_path, PATH=f"{shims}{os.pathsep}/usr/bin{os.pathsep}/bin", PYTHONPATH=str(REPO))
+    for name in ("PYTHON", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    return env
+
+
+def test_without_the_venv_the_launcher_says_in_one_line_how_to_activate_it_and_locks_nothing(tmp_path):
+    """The launcher ran the system python: ModuleNotFoundError for rich, after it had taken the run's locks."""
+    project = a_copy_of_the_launchers(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = without_the_venv(tmp_path)
+    result = subprocess.run(["bash", str(project / "launchers" / "train_test.sh"), "--demo"], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "python3 lacks" in lines[0] and "rich" in lines[0], lines[0]
+    assert f"source {project}/.venv/bin/activate" in lines[0] and f"python3 -m venv {project}/.venv" in lines[0]
+    assert list(work.iterdir()) == []   # no lock, no run record, no demo data
+    stop = subprocess.run(["bash", str(project / "launchers" / "stop.sh"), "runs/demo/lora"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 2 and "source" in stop.stderr and "Traceback" not in stop.stderr, stop.stderr
+
+
+def test_without_the_venv_active_the_launcher_uses_the_projects_venv(tmp_path):
+    import sys
+
+    project = a_copy_of_the_launchers(tmp_path)
+    venv_python = project / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')   # the environment the tests run in
+    venv_python.chmod(0o755)
+    result = subprocess.run(["bash", str(project / "launchers" / "train_test.sh"), "--demo", "--dry-run"],
+                            cwd=tmp_path, env=without_the_venv(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"{venv_python} -m accelerate.commands.launch" in result.stdout
