@@ -293,3 +293,21 @@ def test_without_the_venv_active_the_launcher_uses_the_projects_venv(tmp_path):
                             cwd=tmp_path, env=without_the_venv(tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"{venv_python} -m accelerate.commands.launch" in result.stdout
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_at_start_naming_the_package(tmp_path):
+    """--report_to wandb without wandb trained on silently (accelerate's one warning in the log)."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    result = launcher(tmp_path, "--demo", "--dry-run", "--report_to", "wandb")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--report_to wandb" in result.stderr and "pip install wandb" in result.stderr, result.stderr
+    assert "would run" not in result.stdout and not (tmp_path / "runs").exists()
+    # The training refuses on its own too (started without the launcher), before any process group or model.
+    train = subprocess.run([sys.executable, "-m", "diffsynth_mbc.train", "--config", DEMO_PRESET,
+                            "--report_to", "wandb"], cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True,
+                           text=True, timeout=120)
+    assert train.returncode == 2 and "pip install wandb" in train.stderr, train.stderr[-2000:]
