@@ -10,7 +10,8 @@
 #   --cached      encode every clip and caption once first (python -m diffsynth_mbc.cache; resumable,
 #                 finished entries are skipped), then train the DiT from that latent cache
 #   --detach      run in the background (log file only); prints the pid and returns
-#   --dry-run     validate every flag, print the command that would run, start nothing
+#   --dry-run     validate every flag, check every path the run reads (relative ones are taken from the
+#                 current folder, the presets' too), print the command that would run, start nothing
 #   --skip_doctor launch even when the quick preflight checks (python -m diffsynth_mbc.doctor --quick) fail
 #   --help        this text, then the training's own flags
 # Stop a run: bash launchers/stop.sh OUTPUT_PATH [--grace S]   (checkpoint, `stopped`; SIGKILL after S s)
@@ -192,7 +193,8 @@ mbc_launch() {
     esac
     shift
   done
-  # Relative paths (presets, runs/) are taken from the folder the launcher is started in.
+  # Relative paths (in the presets too: data/..., models/..., runs/...) are taken from the folder the launcher is
+  # started in, as every flag's; the launch lists what each resolved to and refuses a missing one.
   [[ -f $preset ]] || preset=$MBC_ROOT/$preset
 
   local model_given=0
@@ -252,12 +254,21 @@ mbc_launch() {
   paths=$("$PYTHON" -m diffsynth_mbc.plan --paths-only --world_size "$world_size" --config "$preset" \
           "${train_args[@]+"${train_args[@]}"}") || exit 2
   eval "$paths"
+  # Every path the run reads, resolved (relative ones against the current folder) and checked before anything is
+  # written: from another folder a preset's data/... and models/... are missing, named here with that folder.
+  local reads read_args=(--check-paths --project-root "$MBC_ROOT")
+  [[ $cached == 1 ]] && read_args+=(--cached)
+  reads=$("$PYTHON" -m diffsynth_mbc.plan "${read_args[@]}" --world_size "$world_size" --config "$preset" \
+          "${train_args[@]+"${train_args[@]}"}") || exit 2
+  [[ $demo == 1 || -f $config ]] || mbc_die "the accelerate config $config is missing (a damaged checkout?)"
   if [[ $dry_run == 1 ]]; then
     echo "would run: ${env_prefix[*]+"${env_prefix[*]}"} $PYTHON -m accelerate.commands.launch ${accelerate_args[*]}" \
          "-m diffsynth_mbc.train --config $preset ${train_args[*]+"${train_args[*]}"}"
     echo "output: $OUTPUT_PATH   logs: $LOG_DIR   checkpoints: $CHECKPOINT_DIR"
+    echo "$reads"
     return 0
   fi
+  echo "$reads" >&2
   mkdir -p "$OUTPUT_PATH" "$LOG_DIR" "$CHECKPOINT_DIR"
 
   # One training per output, log and checkpoint folder (per node): a second run sharing any of them

@@ -73,6 +73,8 @@ def test_every_training_flag_passes_through_the_plan_step(flag, value, capsys):
 
 
 def test_training_flags_reach_the_training_command(tmp_path):
+    for cache in ("cache/mbc", "cache/val"):   # a dry run checks that the folders the training reads are there
+        (tmp_path / cache).mkdir(parents=True)
     result = launcher(tmp_path, "--demo", "--dry-run", "--cache", "cache/mbc", "--val_cache", "cache/val",
                       "--learning_rate", "0.01", "--lora_alpha", "8", "--output_path", "runs/x/lora")
     assert result.returncode == 0, result.stderr
@@ -101,11 +103,68 @@ def test_a_failing_preflight_check_stops_the_launch_before_any_process_starts(tm
 
 @pytest.mark.parametrize("preset,output", [("train_test.sh", "runs/test/lora"), ("train_full.sh", "runs/full/lora")])
 def test_presets_keep_their_logs_under_their_own_output_folder(tmp_path, preset, output):
-    result = subprocess.run(["bash", str(REPO / "launchers" / preset), "--dry-run", "--gpus", "2"], cwd=tmp_path,
+    media = a_preset_s_files(tmp_path)
+    result = subprocess.run(["bash", str(REPO / "launchers" / preset), "--dry-run", "--gpus", "2",
+                             "--dataset_base_path", str(media)], cwd=tmp_path,
                             env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert f"output: {output}   logs: {output}/training_logs   checkpoints: {output}/checkpoints" in result.stdout
+
+
+def a_preset_s_files(folder):
+    """What train_test.yaml and train_full.yaml read, relative to ``folder``: metadata, model folder; the media."""
+    for name in ("data/mbc_test/metadata.csv", "data/mbc_full/metadata.csv", "data/mbc_full/metadata_val.csv"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("file_path,caption,media_type\na.mp4,a clip,video\n")
+    (folder / "models" / "Wan2.2-TI2V-5B").mkdir(parents=True)
+    (folder / "media").mkdir()
+    return folder / "media"
+
+
+def test_a_dry_run_from_another_folder_names_the_missing_path_and_the_folder_it_was_resolved_against(tmp_path):
+    """From another folder `train_full.sh --dry-run` said "would run ..." (exit 0); the launch failed on
+    data/mbc_full/metadata.csv."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_full.sh"), "--dry-run", "--gpus", "2"],
+                            cwd=elsewhere, env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "would run" not in result.stdout
+    assert (f"error: --dataset_metadata_path data/mbc_full/metadata.csv: no such file: "
+            f"{elsewhere}/data/mbc_full/metadata.csv (resolved against the current folder {elsewhere})") \
+        in result.stderr, result.stderr
+    assert not list(elsewhere.iterdir())
+
+
+def test_a_dry_run_prints_every_path_the_run_reads_resolved(tmp_path):
+    media = a_preset_s_files(tmp_path)
+    (tmp_path / "prompts.txt").write_text("a cat\n")
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_full.sh"), "--dry-run", "--gpus", "2",
+                             "--dataset_base_path", str(media), "--sample_prompts", "prompts.txt"], cwd=tmp_path,
+                            env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"relative paths are taken from the current folder, {tmp_path}" in result.stdout
+    for key, path in (("dataset_metadata_path", "data/mbc_full/metadata.csv"), ("dataset_base_path", "media"),
+                      ("model_dir", "models/Wan2.2-TI2V-5B"), ("val_metadata_path", "data/mbc_full/metadata_val.csv"),
+                      ("sample_prompts", "prompts.txt")):
+        line, = [line for line in result.stdout.splitlines() if line.strip().startswith(f"--{key} ")]
+        assert line.split()[-1] == str(tmp_path / path), line
+    (tmp_path / "data/mbc_full/metadata_val.csv").unlink()   # each of them is checked, the validation's too
+    again = subprocess.run(["bash", str(REPO / "launchers" / "train_full.sh"), "--dry-run", "--gpus", "2",
+                            "--dataset_base_path", str(media)], cwd=tmp_path,
+                           env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "--val_metadata_path data/mbc_full/metadata_val.csv: no such file" in again.stderr
+
+
+def test_the_demo_says_where_it_writes(tmp_path):
+    result = launcher(tmp_path, "--demo", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert f"demo: writes its catalogue and metadata under {tmp_path}/runs/demo, the run under {tmp_path}/runs/demo/lora" \
+        in result.stdout
 
 
 def hold_lock(folder, run_id):
