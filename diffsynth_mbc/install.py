@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from diffsynth_mbc.flags import FlagParser
+
 ROOT = Path(__file__).resolve().parents[1]
 VOLTA_CONSTRAINTS = "requirements-volta.txt"
 SMI_QUERY = ["nvidia-smi", "--query-gpu=compute_cap,name", "--format=csv,noheader"]
@@ -124,14 +126,14 @@ def commands(choice: Choice, venv: str, extras: str = "dev", python: str = sys.e
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="bash install.sh", description="Create a virtual environment and install diffsynth-mbc with the "
         "torch build this machine's GPUs can run (Volta: requirements-volta.txt's pins; else the newest allowed).")
     parser.add_argument("--torch", default="auto", choices=CHOICES,
                         help="auto: ask nvidia-smi (default); volta or default: choose, e.g. on a machine without the GPUs")
     parser.add_argument("--venv", default=".venv", help="the virtual environment to create or reuse (default: .venv)")
     parser.add_argument("--extras", default="dev", help="extras to install (default: dev, which the tests need; '' for none)")
-    parser.add_argument("--dry_run", "--dry-run", action="store_true",
+    parser.add_argument("--dry_run", action="store_true",
                         help="say what would be chosen and print the commands, run nothing")
     return parser
 

@@ -11,15 +11,16 @@
 #   --cached      encode every clip and caption once first (python -m diffsynth_mbc.cache; resumable,
 #                 finished entries are skipped), then train the DiT from that latent cache
 #   --detach      run in the background (log file only); prints the pid and returns
-#   --dry_run     validate every flag, print the command that would run, start nothing
+#   --dry_run     validate every flag, check every path the run reads (relative ones are taken from the
+#                 current folder, the presets' too), print the command that would run, start nothing
 #   --skip_doctor launch even when the quick preflight checks (python -m diffsynth_mbc.doctor --quick) fail
 #   --help        this text, then the training's own flags
 # Stop a run: bash launchers/stop.sh OUTPUT_PATH [--grace S]   (checkpoint, `stopped`; SIGKILL after S s)
-# Environment: PYTHON (default: python), MBC_LOG_FILE, MBC_RUN_ID, NCCL_* (see configs/nccl_pcie.env).
+# Environment: PYTHON (default: the active venv's python, else the project's .venv, else python3; checked first),
+#   MBC_LOG_FILE, MBC_RUN_ID, NCCL_* (see configs/nccl_pcie.env).
 set -euo pipefail
 
 MBC_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PYTHON=${PYTHON:-python}
 # Known third-party deprecation notices, printed by every process of every run (torch's pynvml and
 # torch.jit.script FutureWarnings); only these, by category and module. Anything already set wins.
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning:torch.cuda,ignore::FutureWarning:torch.jit._script}
@@ -39,6 +40,41 @@ mbc_canonical() {
   name=${name#--}
   printf -- '--%s%s\n' "${name//-/_}" "$value"
 }
+# mbc_find_python: the Python every step runs, found before anything is locked or written: $PYTHON when set,
+# else the active venv's, else the project's .venv (used without activating it), else python3 from PATH. Each
+# is asked only whether the project's packages are installed (nothing is imported); when none has them, one
+# line says how to create or activate the venv.
+mbc_find_python() {
+  local candidates=() candidate missing tried=()
+  if [[ -n ${PYTHON:-} ]]; then
+    candidates=("$PYTHON")
+  else
+    [[ -n ${VIRTUAL_ENV:-} ]] && candidates+=("$VIRTUAL_ENV/bin/python")
+    candidates+=("$MBC_ROOT/.venv/bin/python" python3 python)
+  fi
+  for candidate in "${candidates[@]}"; do
+    command -v "$candidate" >/dev/null 2>&1 || continue
+    if missing=$("$candidate" -c 'import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' \
+                 diffsynth_mbc rich torch accelerate yaml 2>/dev/null) && [[ -z $missing ]]; then
+      PYTHON=$candidate
+      # The ranks and tools started from here find the same environment.
+      [[ $candidate == */bin/python ]] && PATH=${candidate%/python}:$PATH
+      return 0
+    fi
+    tried+=("$candidate lacks ${missing:-its packages}")
+  done
+  local venv=$MBC_ROOT/.venv
+  if [[ -n ${PYTHON:-} ]]; then
+    mbc_die "PYTHON=$PYTHON cannot run this project (${tried[0]:-not found}): point PYTHON at the project's venv" \
+            "($venv/bin/python) or leave it unset"
+  fi
+  local found
+  found=$(IFS=';'; echo "${tried[*]+"${tried[*]}"}")
+  mbc_die "no Python here has the project's packages (${found:-no python3 on PATH}): activate its venv" \
+          "(source $venv/bin/activate), or create it: bash $MBC_ROOT/install.sh"
+}
+mbc_find_python
 
 mbc_usage() {
   echo "usage: bash $1 [launcher flags] [training flags]"
@@ -174,7 +210,8 @@ mbc_launch() {
   # A flag neither the launcher nor the training knows: one line with the closest real ones, before anything starts.
   "$PYTHON" -c 'import sys; from diffsynth_mbc.flags import check_launcher_args as c; sys.exit(c(sys.argv[1:]))' \
     "${MBC_LAUNCHER:-launchers/train_test.sh}" "${MBC_LAUNCHER_FLAGS[@]}" -- "${train_args[@]+"${train_args[@]}"}" || exit 2
-  # Relative paths (presets, runs/) are taken from the folder the launcher is started in.
+  # Relative paths (in the presets too: data/..., models/..., runs/...) are taken from the folder the launcher is
+  # started in, as every flag's; the launch lists what each resolved to and refuses a missing one.
   [[ -f $preset ]] || preset=$MBC_ROOT/$preset
 
   local model_given=0
@@ -234,14 +271,23 @@ mbc_launch() {
   paths=$("$PYTHON" -m diffsynth_mbc.plan --paths-only --world_size "$world_size" --config "$preset" \
           "${train_args[@]+"${train_args[@]}"}") || exit 2
   eval "$paths"
+  # Every path the run reads, resolved (relative ones against the current folder) and checked before anything is
+  # written: from another folder a preset's data/... and models/... are missing, named here with that folder.
+  local reads read_args=(--check-paths --project-root "$MBC_ROOT")
+  [[ $cached == 1 ]] && read_args+=(--cached)
+  reads=$("$PYTHON" -m diffsynth_mbc.plan "${read_args[@]}" --world_size "$world_size" --config "$preset" \
+          "${train_args[@]+"${train_args[@]}"}") || exit 2
+  [[ $demo == 1 || -f $config ]] || mbc_die "the accelerate config $config is missing (a damaged checkout?)"
   if [[ $dry_run == 1 ]]; then
     echo "would run: ${env_prefix[*]+"${env_prefix[*]}"} $PYTHON -m accelerate.commands.launch ${accelerate_args[*]}" \
          "-m diffsynth_mbc.train --config $preset ${train_args[*]+"${train_args[*]}"}"
     echo "output: $OUTPUT_PATH   logs: $LOG_DIR   checkpoints: $CHECKPOINT_DIR"
     echo "launcher flags: demo=$demo deepspeed=$deepspeed multinode=$multinode gpus=$gpus cached=$cached" \
          "detach=$detach skip_doctor=$skip_doctor"
+    echo "$reads"
     return 0
   fi
+  echo "$reads" >&2
   mkdir -p "$OUTPUT_PATH" "$LOG_DIR" "$CHECKPOINT_DIR"
 
   # One training per output, log and checkpoint folder (per node): a second run sharing any of them

@@ -5,4 +5,5 @@
 # Only the run's own launcher, accelerate and ranks are signalled (recorded pid and command line).
 # Exit codes: 0 stopped, 1 had to be killed, 2 usage or a lock that is not a regular file, 3 nothing was running there.
 set -euo pipefail
-exec "${PYTHON:-python}" -m diffsynth_mbc.stop "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # finds the project's Python
+exec "$PYTHON" -m diffsynth_mbc.stop "$@"

@@ -50,3 +50,13 @@ def cpu_launch_command(*train_args: str, num_processes: int = 2) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(free_port()), "-m", "diffsynth_mbc.train", *train_args]
+
+
+def a_preset_s_files(folder):
+    """What train_test.yaml and train_full.yaml read, relative to ``folder``: metadata, model folder; the media."""
+    for name in ("data/mbc_test/metadata.csv", "data/mbc_full/metadata.csv", "data/mbc_full/metadata_val.csv"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("file_path,caption,media_type\na.mp4,a clip,video\n")
+    (folder / "models" / "Wan2.2-TI2V-5B").mkdir(parents=True)
+    (folder / "media").mkdir()
+    return folder / "media"

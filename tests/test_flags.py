@@ -9,17 +9,18 @@ import subprocess
 
 import pytest
 
+from diffsynth_mbc import install
 from diffsynth_mbc.data import convert, demo
 from diffsynth_mbc.data.cache import cli as cache_cli
 from diffsynth_mbc.doctor import cli as doctor_cli
 from diffsynth_mbc.monitor import cli as monitor_cli
 from diffsynth_mbc.training import export, options, plan, run_control, supervisor
-from e2e_helpers import REPO, isolated_env
+from e2e_helpers import REPO, a_preset_s_files, isolated_env
 
 # Every `python -m diffsynth_mbc.X` and the function that builds its parser.
 ENTRY_POINTS = {
     "convert": convert.build_parser, "monitor": monitor_cli.build_parser, "doctor": doctor_cli.build_parser,
-    "export": export.build_parser, "cache": cache_cli.build_parser, "plan": plan.build_parser,
+    "install": install.build_parser, "export": export.build_parser, "cache": cache_cli.build_parser, "plan": plan.build_parser,
     "stop": run_control.build_parser, "supervise": supervisor.build_parser, "train": options.build_parser,
     "demo": demo.build_parser,
 }
@@ -196,14 +197,16 @@ def test_both_spellings_of_every_launcher_flag_read_the_same(tmp_path):
     help_text = launcher(tmp_path, "--help", **env).stdout
     shown = re.findall(r"^  (--[a-z_-]+)", help_text.split("Training flags")[0], re.M)
     assert set(shown) == {flag for flag, *_ in LAUNCHER_FLAGS} | {"--demo", "--dry_run", "--help"}, shown
+    a_preset_s_files(tmp_path)   # a launch, dry or not, checks every path it reads
     outputs = []
     for dashes in (False, True):
         flat = [part for flag, *value in LAUNCHER_FLAGS for part in (spelled(flag, dashes), *value)]
-        result = launcher(tmp_path, spelled("--dry_run", dashes), *flat, **env)
+        result = launcher(tmp_path, spelled("--dry_run", dashes), *flat, "--dataset_base_path",
+                          "media", **env)
         assert result.returncode == 0, result.stderr
         outputs.append(result.stdout)
     assert outputs[0] == outputs[1]
-    plain = launcher(tmp_path, "--dry_run", "--gpus", "2", **env)
+    plain = launcher(tmp_path, "--dry_run", "--gpus", "2", "--dataset_base_path", "media", **env)
     assert plain.returncode == 0, plain.stderr
     assert "launcher flags: demo=0 deepspeed=1 multinode=1 gpus=3 cached=1 detach=1 skip_doctor=1" in outputs[0]
     assert "launcher flags: demo=0 deepspeed=0 multinode=0 gpus=2 cached=0 detach=0 skip_doctor=0" in plain.stdout
@@ -224,7 +227,9 @@ def test_the_launcher_refuses_an_unknown_flag_in_one_line_before_anything_starts
 
 def test_the_launcher_sees_a_dashed_model_folder(tmp_path):
     """--model-dir is --model_dir: without a GPU the launcher must not fall back to the demo over it."""
-    result = launcher(tmp_path, "--dry_run", "--gpus", "1", "--model-dir", "models/Wan2.2-TI2V-5B", NUM_GPUS="0")
+    a_preset_s_files(tmp_path)
+    result = launcher(tmp_path, "--dry_run", "--gpus", "1", "--model-dir", "models/Wan2.2-TI2V-5B",
+                      "--dataset_base_path", "media", NUM_GPUS="0")
     assert result.returncode == 0, result.stderr
     assert "running the built-in demo" not in result.stderr and "demo=0" in result.stdout
     assert "--model-dir models/Wan2.2-TI2V-5B" in result.stdout.splitlines()[0]

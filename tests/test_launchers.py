@@ -14,7 +14,7 @@ import pytest
 from diffsynth_mbc.training import plan
 from diffsynth_mbc.training.options import build_parser
 from diffsynth_mbc.training.run_control import lock_holders
-from e2e_helpers import REPO, isolated_env, read_status
+from e2e_helpers import REPO, a_preset_s_files, isolated_env, read_status
 
 LAUNCHER = str(REPO / "launchers" / "train_test.sh")
 DEMO_PRESET = str(REPO / "configs" / "train_demo.yaml")
@@ -73,6 +73,8 @@ def test_every_training_flag_passes_through_the_plan_step(flag, value, capsys):
 
 
 def test_training_flags_reach_the_training_command(tmp_path):
+    for cache in ("cache/mbc", "cache/val"):   # a dry run checks that the folders the training reads are there
+        (tmp_path / cache).mkdir(parents=True)
     result = launcher(tmp_path, "--demo", "--dry-run", "--cache", "cache/mbc", "--val_cache", "cache/val",
                       "--learning_rate", "0.01", "--lora_alpha", "8", "--output_path", "runs/x/lora")
     assert result.returncode == 0, result.stderr
@@ -101,11 +103,58 @@ def test_a_failing_preflight_check_stops_the_launch_before_any_process_starts(tm
 
 @pytest.mark.parametrize("preset,output", [("train_test.sh", "runs/test/lora"), ("train_full.sh", "runs/full/lora")])
 def test_presets_keep_their_logs_under_their_own_output_folder(tmp_path, preset, output):
-    result = subprocess.run(["bash", str(REPO / "launchers" / preset), "--dry-run", "--gpus", "2"], cwd=tmp_path,
+    media = a_preset_s_files(tmp_path)
+    result = subprocess.run(["bash", str(REPO / "launchers" / preset), "--dry-run", "--gpus", "2",
+                             "--dataset_base_path", str(media)], cwd=tmp_path,
                             env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert f"output: {output}   logs: {output}/training_logs   checkpoints: {output}/checkpoints" in result.stdout
+
+
+def test_a_dry_run_from_another_folder_names_the_missing_path_and_the_folder_it_was_resolved_against(tmp_path):
+    """From another folder `train_full.sh --dry-run` said "would run ..." (exit 0); the launch failed on
+    data/mbc_full/metadata.csv."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_full.sh"), "--dry-run", "--gpus", "2"],
+                            cwd=elsewhere, env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "would run" not in result.stdout
+    assert (f"error: --dataset_metadata_path data/mbc_full/metadata.csv: no such file: "
+            f"{elsewhere}/data/mbc_full/metadata.csv (resolved against the current folder {elsewhere})") \
+        in result.stderr, result.stderr
+    assert not list(elsewhere.iterdir())
+
+
+def test_a_dry_run_prints_every_path_the_run_reads_resolved(tmp_path):
+    media = a_preset_s_files(tmp_path)
+    (tmp_path / "prompts.txt").write_text("a cat\n")
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_full.sh"), "--dry-run", "--gpus", "2",
+                             "--dataset_base_path", str(media), "--sample_prompts", "prompts.txt"], cwd=tmp_path,
+                            env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"relative paths are taken from the current folder, {tmp_path}" in result.stdout
+    for key, path in (("dataset_metadata_path", "data/mbc_full/metadata.csv"), ("dataset_base_path", "media"),
+                      ("model_dir", "models/Wan2.2-TI2V-5B"), ("val_metadata_path", "data/mbc_full/metadata_val.csv"),
+                      ("sample_prompts", "prompts.txt")):
+        line, = [line for line in result.stdout.splitlines() if line.strip().startswith(f"--{key} ")]
+        assert line.split()[-1] == str(tmp_path / path), line
+    (tmp_path / "data/mbc_full/metadata_val.csv").unlink()   # each of them is checked, the validation's too
+    again = subprocess.run(["bash", str(REPO / "launchers" / "train_full.sh"), "--dry-run", "--gpus", "2",
+                            "--dataset_base_path", str(media)], cwd=tmp_path,
+                           env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "--val_metadata_path data/mbc_full/metadata_val.csv: no such file" in again.stderr
+
+
+def test_the_demo_says_where_it_writes(tmp_path):
+    result = launcher(tmp_path, "--demo", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert f"demo: writes its catalogue and metadata under {tmp_path}/runs/demo, the run under {tmp_path}/runs/demo/lora" \
+        in result.stdout
 
 
 def hold_lock(folder, run_id):
@@ -233,3 +282,81 @@ def test_the_printed_watch_command_works_when_pasted_with_spaces_and_quotes_in_t
                             cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert pasted.returncode == 0, pasted.stderr
     assert json.loads(pasted.stdout)["status"] == "finished"
+
+
+def a_copy_of_the_launchers(tmp_path):
+    """The launchers and presets in a project folder of their own (no .venv yet), the package on PYTHONPATH."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "launchers", project / "launchers")
+    shutil.copytree(REPO / "configs", project / "configs")
+    return project
+
+
+def without_the_venv(tmp_path, project_env_python=None):
+    """An environment as a fresh login gives it: no venv active, no PYTHON, and on PATH only the system's python3
+    (which lacks the project's packages) and the system's tools."""
+    system_python = "/usr/bin/python3"
+    probe = subprocess.run([system_python, "-c", "import rich, torch"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("the system python3 has rich and torch: it cannot stand for a python without the packages")
+    shims = tmp_path / "system-bin"
+    shims.mkdir()
+    for name in ("python3", "python"):
+        (shims / name).symlink_to(system_python)
+    env = isolated_env(tmp_path, PATH=f"{shims}{os.pathsep}/usr/bin{os.pathsep}/bin", PYTHONPATH=str(REPO))
+    for name in ("PYTHON", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    return env
+
+
+def test_without_the_venv_the_launcher_says_in_one_line_how_to_activate_it_and_locks_nothing(tmp_path):
+    """The launcher ran the system python: ModuleNotFoundError for rich, after it had taken the run's locks."""
+    project = a_copy_of_the_launchers(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = without_the_venv(tmp_path)
+    result = subprocess.run(["bash", str(project / "launchers" / "train_test.sh"), "--demo"], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "python3 lacks" in lines[0] and "rich" in lines[0], lines[0]
+    assert f"source {project}/.venv/bin/activate" in lines[0] and f"bash {project}/install.sh" in lines[0]
+    assert list(work.iterdir()) == []   # no lock, no run record, no demo data
+    stop = subprocess.run(["bash", str(project / "launchers" / "stop.sh"), "runs/demo/lora"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 2 and "source" in stop.stderr and "Traceback" not in stop.stderr, stop.stderr
+
+
+def test_without_the_venv_active_the_launcher_uses_the_projects_venv(tmp_path):
+    import sys
+
+    project = a_copy_of_the_launchers(tmp_path)
+    venv_python = project / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')   # the environment the tests run in
+    venv_python.chmod(0o755)
+    result = subprocess.run(["bash", str(project / "launchers" / "train_test.sh"), "--demo", "--dry-run"],
+                            cwd=tmp_path, env=without_the_venv(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"{venv_python} -m accelerate.commands.launch" in result.stdout
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_at_start_naming_the_package(tmp_path):
+    """--report_to wandb without wandb trained on silently (accelerate's one warning in the log)."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    result = launcher(tmp_path, "--demo", "--dry-run", "--report_to", "wandb")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--report_to wandb" in result.stderr and "pip install wandb" in result.stderr, result.stderr
+    assert "would run" not in result.stdout and not (tmp_path / "runs").exists()
+    # The training refuses on its own too (started without the launcher), before any process group or model.
+    train = subprocess.run([sys.executable, "-m", "diffsynth_mbc.train", "--config", DEMO_PRESET,
+                            "--report_to", "wandb"], cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True,
+                           text=True, timeout=120)
+    assert train.returncode == 2 and "pip install wandb" in train.stderr, train.stderr[-2000:]

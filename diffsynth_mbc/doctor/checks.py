@@ -235,15 +235,34 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
                                  f"{options.width}x{options.height}x{options.num_frames}"), media
 
 
-def ffmpeg_check() -> Check:
+def ffmpeg_needed_by(options) -> list[str]:
+    """What in this run calls ffmpeg: writing sample clips, DiffSynth's own reader. The fast decoder (PyAV) needs
+    it only for the odd clip it cannot show as ffmpeg does."""
+    needed = []
+    if options is not None and getattr(options, "sample_prompts", None):
+        needed.append("--sample_prompts (the sample clips are written with ffmpeg)")
+    if options is not None and getattr(options, "decoder", "fast") == "diffsynth":
+        needed.append("--decoder diffsynth")
+    return needed
+
+
+def ffmpeg_check(options=None) -> Check:
     try:
         import imageio_ffmpeg
 
-        exe = imageio_ffmpeg.get_ffmpeg_exe()
+        exe, why = imageio_ffmpeg.get_ffmpeg_exe(), ""   # IMAGEIO_FFMPEG_EXE comes back as given: looked up below
     except Exception as exc:  # noqa: BLE001
-        exe = shutil.which("ffmpeg")
-        if not exe:
-            return Check("ffmpeg", FAIL, f"no ffmpeg ({exc})", "pip install imageio-ffmpeg")
+        exe, why = shutil.which("ffmpeg"), str(exc)
+    if not exe or not shutil.which(exe):
+        problem = f"no ffmpeg at {exe} (not an executable)" if exe else f"no ffmpeg ({why})"
+        needed = ffmpeg_needed_by(options)
+        if needed:
+            return Check("ffmpeg", FAIL, f"{problem}; needed by {', '.join(needed)}",
+                         "pip install imageio-ffmpeg (or unset IMAGEIO_FFMPEG_EXE)")
+        return Check("ffmpeg", WARN, f"{problem}; this run does not need it (no --sample_prompts, PyAV decoder), "
+                                     "but a clip that needs ffmpeg's reader (one PyAV cannot show as ffmpeg does) "
+                                     "will not decode",
+                     "pip install imageio-ffmpeg")
     try:
         import av
 

@@ -100,7 +100,7 @@ def run_checks(ours, options) -> dict:
     rows = sum(media) if media else None
     found = [checks.gpu_check(target), checks.arch_check(target), precision_check,
              checks.nccl_check(target, ours.quick), checks.shm_check(options), checks.open_files_check(),
-             *checks.disk_checks(options, rows), checks.model_check(options), metadata_check, checks.ffmpeg_check()]
+             *checks.disk_checks(options, rows), checks.model_check(options), metadata_check, checks.ffmpeg_check(options)]
     memory_check, memory_detail, speed, assumptions = estimate_run(options, ours, target, precision, media)
     found.append(memory_check)
     exit_code = 1 if any(c.status == FAIL for c in found) else 0

@@ -259,6 +259,24 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TARGET_MODULE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
 
+# --report_to: the packages accelerate starts each tracker with (any one of them) and how to install them. A tracker
+# accelerate cannot start is dropped with one warning in the log and the run trains on untracked: refused instead.
+TRACKER_PACKAGES = {"tensorboard": (("tensorboard", "tensorboardX"), "pip install -e '.[tensorboard]'"),
+                    "wandb": (("wandb",), "pip install wandb")}
+
+
+def check_tracker(name: str) -> None:
+    """The --report_to tracker's package is installed (looked up, not imported: no torch here)."""
+    import importlib.util
+
+    if name not in TRACKER_PACKAGES:
+        return
+    packages, install = TRACKER_PACKAGES[name]
+    if not any(importlib.util.find_spec(package) is not None for package in packages):
+        raise OptionsError(f"--report_to {name} needs the {packages[0]} package, which is not installed here: "
+                           f"{install} (or leave --report_to out)")
+
+
 def check_run_id(value, source: str = "--run_id") -> None:
     """A run id is one plain name: letters, digits, '.', '_', '-', starting with a letter or digit."""
     if not isinstance(value, str) or not _RUN_ID.match(value):
@@ -304,6 +322,7 @@ def _check_names(options: dict) -> None:
     for key in ("output_path", "log_dir", "checkpoint_dir"):
         if options[key] and Path(options[key]).exists() and not Path(options[key]).is_dir():
             raise OptionsError(f"--{key} {options[key]} is a file, not a folder")
+    check_tracker(options["report_to"])
     checkpointing = options["gradient_checkpointing"]
     if checkpointing not in ("all", "none", "auto") and not (checkpointing.isdigit()):
         raise OptionsError("--gradient_checkpointing must be all, none, auto or a number of blocks, got "

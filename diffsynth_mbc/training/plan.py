@@ -55,6 +55,46 @@ def print_cache_commands(options) -> None:
     print("VAL_CACHE_ARGS=(" + " ".join(shlex.quote(a) for a in val_arguments) + ")")
 
 
+def paths_read(options, cached: bool = False) -> list[tuple[str, str, str]]:
+    """(option, value, "file" or "folder") of every path the run reads, as given (relative ones not yet resolved).
+    The preset itself is read (and checked) with the options; the demo's catalogue is made by the launcher and a
+    cache that --cached builds is written, not read: none of them is listed."""
+    wanted = []
+    if not options.demo:
+        wanted += [("dataset_metadata_path", "file"), ("dataset_base_path", "folder"), ("model_dir", "folder"),
+                   ("val_metadata_path", "file"), ("val_base_path", "folder")]
+    if not cached:
+        wanted += [("cache", "folder"), ("val_cache", "folder")]
+    wanted += [("sample_prompts", "file")]
+    return [(key, str(getattr(options, key)), kind) for key, kind in wanted if getattr(options, key, None)]
+
+
+def check_paths(options, cached: bool, project_root: str | None) -> int:
+    """Print each path the run reads and what it resolved to; 2 naming the first missing one and the folder it
+    was resolved against (and the project root, when the path is there instead)."""
+    from pathlib import Path
+
+    here, read = Path.cwd(), paths_read(options, cached)
+    if read:
+        print(f"reads (relative paths are taken from the current folder, {here}):")
+    for key, value, kind in read:
+        resolved = (here / value).resolve()
+        present = resolved.is_file() if kind == "file" else resolved.is_dir()
+        print(f"  --{key:<22} {resolved}{'' if present else f'   MISSING ({kind})'}")
+        if present:
+            continue
+        where = "" if Path(value).is_absolute() else f" (resolved against the current folder {here})"
+        hint = ""
+        if project_root and not Path(value).is_absolute() and (Path(project_root) / value).exists():
+            hint = f"; it is there under the project folder: run from {project_root}, or give an absolute path"
+        print(f"error: --{key} {value}: no such {kind}: {resolved}{where}{hint}", file=sys.stderr)
+        return 2
+    if options.demo:
+        data, run = (here / options.dataset_base_path).parent.resolve(), (here / options.output_path).resolve()
+        print(f"demo: writes its catalogue and metadata under {data}, the run under {run}")
+    return 0
+
+
 def projected_line(options, world_size: int, cached: bool, assume: str | None = None, nodes: int | None = None) -> str:
     """The doctor's projected run length for these options on this machine's GPUs (or ``assume``'s)."""
     from diffsynth_mbc.doctor import estimates
@@ -92,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the run builds the latent cache first (the launchers' --cached): its time is projected too")
     parser.add_argument("--nodes", type=int, help="nodes of the run (default: NUM_MACHINES, else 1); --world_size "
                                                   "counts the GPUs of all of them")
+    parser.add_argument("--check-paths", action="store_true",
+                        help="print every path the run reads, resolved; exit 2 naming the first missing one")
+    parser.add_argument("--project-root", help="with --check_paths: also say when a missing relative path is there")
     parser.add_argument("--assume", help="project the run's length for this GPU (python -m diffsynth_mbc.doctor "
                                          "--help lists them) instead of this machine's")
     return parser
@@ -104,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         if known.cache_commands:
             print_cache_commands(options)
             return 0
+        if known.check_paths:
+            return check_paths(options, known.cached, known.project_root)
         if known.paths_only:
             print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
             print(f"LOG_DIR={shlex.quote(options.log_dir)}")
