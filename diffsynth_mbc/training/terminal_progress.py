@@ -125,7 +125,9 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
             lines.append(f"  last checkpoint: {state['last_checkpoint']}")
     between = overheads_text(state.get("overheads"))
     if state.get("step_time_avg_s") is not None or between:
+        rate = state.get("samples_per_s")
         lines.append(f"  time: {_number(state.get('step_time_avg_s'), '.2f')} s/step (the steps alone)"
+                     + (f", {rate:.2f} samples/s per GPU" if rate is not None else "")
                      + (f"; between steps: {between}" if between else ""))
     lines.append(f"  watch or inspect: python -m diffsynth_mbc.monitor {log_dir}")
     return lines

@@ -82,7 +82,17 @@ def test_overheads_are_shown_apart_from_the_step_time():
     assert progress_line({**STATE, "overheads": OVERHEADS}, overheads=False) == progress_line(STATE)
     state = {**STATE, "status": "finished", "step": 12, "step_time_avg_s": 0.5, "overheads": OVERHEADS}
     lines = summary_lines(state, output_path="out", log_dir="logs", best_val_loss=None)
-    assert "  time: 0.50 s/step (the steps alone); between steps: checkpoints 3 x 4.6 s, validation 2 x 1.2 s" in lines
+    assert ("  time: 0.50 s/step (the steps alone), 3.80 samples/s per GPU; between steps: checkpoints 3 x 4.6 s, "
+            "validation 2 x 1.2 s") in lines
+
+
+def test_the_summary_of_a_finished_run_says_its_throughput():
+    """It used to give s/step alone; the monitor showed samples/s "-" for the same finished run."""
+    state = {**STATE, "status": "finished", "step": 12, "step_time_avg_s": 0.5}
+    lines = summary_lines(state, output_path="out", log_dir="logs", best_val_loss=None)
+    assert "  time: 0.50 s/step (the steps alone), 3.80 samples/s per GPU" in lines
+    lines = summary_lines({**state, "samples_per_s": None}, output_path="out", log_dir="logs", best_val_loss=None)
+    assert "  time: 0.50 s/step (the steps alone)" in lines
 
 
 def bar_as_drawn(state: dict, width: int) -> str:
