@@ -311,7 +311,8 @@ def test_real_command_line(demo, tmp_path):
 def test_the_table_piped_to_a_file_is_never_cut(demo, tmp_path):
     """Not a terminal, rich drew the table at 80 columns and broke every long reason over several lines."""
     rows = [("media/video_000.mp4", "ok", "video"), ("media/image_002.png", "x", "video"),
-            ("media/nope.mp4", "x", "video"), ("media/video_001.mp4", "x", "clip"), ("media/image_001.jpg", "", "image")]
+            ("media/nope.mp4", "x", "video"), ("media/video_001.mp4", "x", "clip"),
+            ("media/image_001.jpg", "", "image")]
     catalog = tmp_path / "catalog.csv"
     write_catalog(catalog, rows)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
