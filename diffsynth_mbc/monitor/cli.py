@@ -54,7 +54,7 @@ import sys
 import threading
 import time
 
-from diffsynth_mbc.monitor.sources import follow_folder, split_sources
+from diffsynth_mbc.monitor.sources import split_sources
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.status import exit_code
 
@@ -138,6 +138,8 @@ def main(argv=None) -> int:
         folders, remotes = split_sources(args.sources)
     except ValueError as exc:
         parser.error(str(exc))
+    from diffsynth_mbc.monitor.sources import follow_folder
+
     try:
         followed = [follow_folder(folder) for folder in folders]
     except ValueError as exc:
