@@ -344,11 +344,12 @@ mbc_launch() {
     echo "latent cache: $CACHE_DIR" | tee -a "$log_file" >&2
     "${cache_launch[@]}" -m diffsynth_mbc.cache "${CACHE_ARGS[@]}" ||
       { echo "error: building the latent cache failed (see $log_file)" >&2; exit 1; }
-    train_args+=(--cache "$CACHE_DIR")
+    local given=" ${train_args[*]+"${train_args[*]}"} "   # a --cache/--val_cache DIR given already names the cache
+    [[ $given == *" --cache "* || $given == *" --cache="* ]] || train_args+=(--cache "$CACHE_DIR")
     if [[ -n $VAL_CACHE_DIR ]]; then
       "${cache_launch[@]}" -m diffsynth_mbc.cache "${VAL_CACHE_ARGS[@]}" ||
         { echo "error: building the validation cache failed (see $log_file)" >&2; exit 1; }
-      train_args+=(--val_cache "$VAL_CACHE_DIR")
+      [[ $given == *" --val_cache "* || $given == *" --val_cache="* ]] || train_args+=(--val_cache "$VAL_CACHE_DIR")
     fi
     mbc_next_rendezvous_port accelerate_args $demo $multinode
   fi

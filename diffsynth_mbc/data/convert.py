@@ -356,8 +356,20 @@ def _refuse_an_empty_split(plan, args) -> None:
                      "split is refused (nothing was written). Use a smaller --val_fraction or more rows.")
 
 
-def main(argv: list[str] | None = None) -> int:
+UNCUT_WIDTH = 10_000   # columns when stderr is no terminal: the table at its natural width, a line per row
+
+
+def _console() -> Console:
+    """stderr; piped to a file or another program, it is no terminal and rich would take 80 columns, breaking
+    the table's cells over lines (COLUMNS, when set, still decides)."""
     console = Console(stderr=True)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=True, width=UNCUT_WIDTH)
+    return console
+
+
+def main(argv: list[str] | None = None) -> int:
+    console = _console()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -5,7 +5,8 @@ Pure logic over the per-rank views built by ``state.MonitorState``.
 Aggregates
     ``step``: the slowest rank's step; ``total_steps``: the largest; ``progress``: the slowest
     rank's; ``eta_s``: the largest among active ranks (their own ``eta_s``, else remaining
-    steps x median step time); ``samples_per_s``: the sum over training ranks; ``loss``: the
+    steps x median step time); ``samples_per_s``: the sum over training ranks (when none trains any
+    more, e.g. a finished run, the sum of the rates the ranks last trained at); ``loss``: the
     mean of the ranks' last losses; ``elapsed_s``: now - earliest ``started_at`` while active,
     else the largest ``elapsed_s``.
 """
@@ -130,8 +131,11 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
     else:
         elapsed_values = values_of(ranks, "elapsed_s")
         elapsed = max(elapsed_values) if elapsed_values else None
-    rates = [r["samples_per_s"] for r in ranks
-             if r.get("status") == "training" and isinstance(r.get("samples_per_s"), float)]
+    rated = [r for r in ranks if isinstance(r.get("samples_per_s"), float)]
+    training = [r for r in rated if r.get("status") == "training"]
+    if training or active:   # a rank still loading or starting has no rate of its own yet: no stale one either
+        rated = training
+    rates = [r["samples_per_s"] for r in rated]
     losses = values_of(ranks, "loss")
     updated = values_of(ranks, "updated_at")
     return {

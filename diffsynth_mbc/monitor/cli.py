@@ -5,9 +5,11 @@
                                     [--allow_host NAME ...]
 
 LOG_DIR (default ./training_logs) holds ``training_gpu{rank}.json`` (state) and
-``training_gpu{rank}.jsonl`` (one line per optimizer step) written by every rank. Several
-sources (folders, and other monitors' --serve URLs, e.g. one per node when log folders are
-node-local) are shown as one run with every rank.
+``training_gpu{rank}.jsonl`` (one line per optimizer step) written by every rank. It must exist
+(else exit 2); a folder whose run's logs are one level down (a run's output folder holding
+training_logs/) is followed to them, saying so. Several sources (folders, and other monitors'
+--serve URLs, e.g. one per node when log folders are node-local) are shown as one run with
+every rank.
 
 Modes
     default        live view, refreshed every --interval seconds; Ctrl-C quits (exit 0).
@@ -137,6 +139,17 @@ def main(argv=None) -> int:
         folders, remotes = split_sources(args.sources)
     except ValueError as exc:
         parser.error(str(exc))
+    from diffsynth_mbc.monitor.sources import follow_folder
+
+    try:
+        followed = [follow_folder(folder) for folder in folders]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    folders = [folder for folder, _ in followed]
+    for _, note in followed:
+        if note:
+            print(note, file=sys.stderr, flush=True)
     log_dir = " + ".join([str(f) for f in folders] + [str(r) for r in remotes])
     state = MonitorState(folders, remotes=remotes, stall_after=args.stall_after,
                          backfill=not (args.once or args.json))   # one answer: no whole reads behind it

@@ -6,18 +6,27 @@ then takes several sources and shows one run with every rank. A URL source is an
 and its ranks count as missing. Only the addresses the user names are ever contacted. A URL with
 ``?token=...`` (what a monitor bound to another address than loopback prints) sends its token as
 ``Authorization: Bearer``; the token is never shown in notes.
+
+A folder named on the command line must exist. One without rank files whose run's logs sit one level
+down (a run's output folder with its ``training_logs/``, or ``runs/NAME`` holding it) is followed to
+them, and the monitor says which folder it watches.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+from diffsynth_mbc import run_files
+
 FETCH_TIMEOUT_S = 2.0
 MAX_ANSWER_BYTES = 32 << 20
+LOGS_FOLDER = "training_logs"   # where a run keeps its rank files unless --log_dir says otherwise
+RUN_OUTPUT_MARKS = ("lora.safetensors", "checkpoints", "samples")   # what an output folder holds, a log folder never
 
 
 def split_sources(values: list[str]) -> tuple[list[Path], list["RemoteSource"]]:
@@ -29,6 +38,46 @@ def split_sources(values: list[str]) -> tuple[list[Path], list["RemoteSource"]]:
         else:
             folders.append(Path(value))
     return folders, remotes
+
+
+def _holds_rank_files(folder: Path) -> bool:
+    try:
+        with os.scandir(folder) as entries:
+            return any(run_files.rank_of_status_file(entry.name) is not None for entry in entries)
+    except OSError:
+        return False
+
+
+def follow_folder(folder: Path) -> tuple[Path, str | None]:
+    """The folder to watch for ``folder`` as named, and a line saying so when it is another one.
+
+    ``folder`` itself when it holds rank files, or nothing that says otherwise (a run that has not written
+    yet); else the one folder one level down that holds rank files (or, before a run writes, its empty
+    ``training_logs``). Raises ValueError, naming the folder, when it does not exist, is no folder, holds
+    several runs' logs below it, or is a run's output folder whose logs are elsewhere."""
+    if not folder.exists():
+        raise ValueError(f"log folder {folder} does not exist (the launch printed the one to watch: "
+                         f"\"watch: python -m diffsynth_mbc.monitor LOG_DIR\")")
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder (give the run's log folder, which holds training_gpu*.json)")
+    if _holds_rank_files(folder):
+        return folder, None
+    try:
+        children = sorted(child for child in folder.iterdir() if child.is_dir() and not child.is_symlink())
+    except OSError as exc:
+        raise ValueError(f"cannot list {folder}: {exc}") from None
+    below = [child for child in children if _holds_rank_files(child)]
+    if not below and (folder / LOGS_FOLDER) in children:
+        below = [folder / LOGS_FOLDER]
+    if len(below) == 1:
+        return below[0], f"watching {below[0]} (the run's log folder inside {folder})"
+    if below:
+        raise ValueError(f"{folder} holds the logs of several runs, in {', '.join(str(b) for b in below)}: "
+                         "name the one to watch")
+    if any((folder / mark).exists() for mark in RUN_OUTPUT_MARKS) or any(folder.glob("train-*.log")):
+        raise ValueError(f"{folder} is a run's output folder without its logs (they are where --log_dir put them; "
+                         "the launch printed \"watch: python -m diffsynth_mbc.monitor LOG_DIR\")")
+    return folder, None
 
 
 class RemoteSource:

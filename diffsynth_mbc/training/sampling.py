@@ -89,11 +89,9 @@ class Sampler:
                         rand_device=str(self.accelerator.device), progress_bar_cmd=heartbeat)
 
     def _write(self, target: Path, stem: str, frames: list) -> list[str]:
-        from diffsynth import save_video
-
         video, still = target / f"{stem}.mp4", target / f"{stem}.png"
         with atomic_path(video, suffix=".mp4") as tmp:   # the encoder picks the format from the name
-            save_video(frames, str(tmp), fps=FPS, quality=8)
+            write_video(frames, str(tmp), fps=FPS, quality=8)
         with atomic_open(still, "wb") as handle:
             frames[0].save(handle, format="PNG")
         return [video.name, still.name]
@@ -141,6 +139,20 @@ class Sampler:
                                      f"({time.monotonic() - started:.0f} s)")
             time.sleep(WAIT_POLL_S)
         work.wait()
+
+
+def write_video(frames: list, path: str, fps: int, quality: int) -> None:
+    """DiffSynth's ``save_video`` (the same imageio writer and settings) without its tqdm bar, which drew
+    "Saving video: 0%|" lines on the launcher's terminal and into the log beside the live bar."""
+    import imageio
+    import numpy as np
+
+    writer = imageio.get_writer(path, fps=fps, quality=quality)
+    try:
+        for frame in frames:
+            writer.append_data(np.array(frame))
+    finally:
+        writer.close()
 
 
 def make_sampler(options, status, accelerator, module):

@@ -5,10 +5,15 @@ Without a terminal (the launchers, which also write the log file; ``--detach``; 
 stderr is a terminal (``accelerate launch`` by hand), or the launcher says its own output is one
 (``launcher_streams``): a rich progress bar there, with events as lines above it. The lines are made
 from the status file's fields (pure formatting, no torch).
+
+The bar fits the terminal it is drawn on (measured on that terminal, not on rank 0's own streams, which
+the launcher pipes): step/total, % and ETA come first and always show, then the bar, then loss,
+elapsed, s/step, samples/s, epoch and lr as the width allows, each whole or not at all.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -44,6 +49,67 @@ def progress_line(state: dict, overheads: bool = True) -> str:
     return " | ".join(parts + ([between] if between else []))
 
 
+BAR_MIN, BAR_MAX = 10, 40   # the bar's own width, in columns
+BAR_SEPARATOR = " | "
+
+
+def bar_head(state: dict) -> str:
+    """What the live bar always shows: ``step 6/12 (50.0%) ETA 0:01:01``."""
+    step, total = state.get("step") or 0, state.get("total_steps") or 0
+    percent = 100.0 * step / total if total else 0.0
+    return f"step {step}/{total} ({percent:.1f}%) ETA {clock(state.get('eta_s'))}"
+
+
+def bar_extras(state: dict) -> list[str]:
+    """The bar's other fields, most wanted first."""
+    epoch, epochs = (state.get("epoch") or 0) + 1, state.get("num_epochs") or 1
+    return [f"loss {_number(state.get('loss'), '.4f')} (avg {_number(state.get('loss_avg'), '.4f')})",
+            f"elapsed {clock(state.get('elapsed_s'))}", f"{_number(state.get('step_time_s'), '.2f')} s/step",
+            f"{_number(state.get('samples_per_s'), '.2f')} samples/s", f"epoch {min(epoch, epochs)}/{epochs}",
+            f"lr {_number(state.get('lr'), '.2e')}"]
+
+
+def bar_layout(state: dict, width: int) -> tuple[str, int, list[str]]:
+    """(head, bar columns (0: none), extra fields) for a line of ``width`` columns.
+
+    The head always; the extras in order while each fits whole beside a bar of at least BAR_MIN columns (the
+    first one that does not fit ends them, so what shows is always the most wanted); the bar takes what is
+    left, up to BAR_MAX, when BAR_MIN fits."""
+    head = bar_head(state)
+    room = width - len(head)
+    extras, used = [], 0
+    for field in bar_extras(state):
+        if used + len(BAR_SEPARATOR) + len(field) + 1 + BAR_MIN > room:
+            break
+        extras.append(field)
+        used += len(BAR_SEPARATOR) + len(field)
+    left = room - used - 1
+    return head, (min(BAR_MAX, left) if left >= BAR_MIN else 0), extras
+
+
+class BarView:
+    """The live bar's one line, laid out for the width rich renders it at."""
+
+    def __init__(self, state: dict | None = None):
+        self.state = state or {}
+
+    def __rich_console__(self, console, options):
+        from rich.text import Text
+
+        head, columns, extras = bar_layout(self.state, options.max_width)
+        line = Text(head, style="bold")
+        if columns:
+            total = self.state.get("total_steps") or 0
+            done = round(columns * min(1.0, (self.state.get("step") or 0) / total)) if total else 0
+            line.append(" ")
+            line.append("━" * done, style="bar.complete" if done < columns else "bar.finished")
+            line.append("━" * (columns - done), style="bar.back")
+        for field in extras:
+            line.append(BAR_SEPARATOR + field)
+        line.no_wrap, line.overflow = True, "crop"
+        yield line
+
+
 def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss: float | None) -> list[str]:
     lines = [f"{state.get('status')}: {state.get('step')}/{state.get('total_steps')} steps in "
              f"{clock(state.get('elapsed_s'))} (run {state.get('run_id')})"]
@@ -59,7 +125,9 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
             lines.append(f"  last checkpoint: {state['last_checkpoint']}")
     between = overheads_text(state.get("overheads"))
     if state.get("step_time_avg_s") is not None or between:
+        rate = state.get("samples_per_s")
         lines.append(f"  time: {_number(state.get('step_time_avg_s'), '.2f')} s/step (the steps alone)"
+                     + (f", {rate:.2f} samples/s per GPU" if rate is not None else "")
                      + (f"; between steps: {between}" if between else ""))
     lines.append(f"  watch or inspect: python -m diffsynth_mbc.monitor {log_dir}")
     return lines
@@ -87,11 +155,12 @@ class TerminalProgress:
         self._lines_beside_bar = bar_stream is not None and bar_stream is not self.stream
         if enabled and bar_stream is not None:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            from rich.live import Live
 
-            self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[line]}"), console=Console(file=bar_stream))
-            self._task = self._bar.add_task("training", total=None, line="")
+            # rank 0's own streams are pipes under the launcher: rich would take 80 columns; the bar's terminal says
+            self._bar_stream, self._view = bar_stream, BarView()
+            self._bar = Live(self._view, console=Console(file=bar_stream, width=_terminal_width(bar_stream)),
+                             auto_refresh=False, transient=False, redirect_stdout=False, redirect_stderr=False)
             self._bar.start()
 
     def step(self, state: dict) -> None:
@@ -100,8 +169,11 @@ class TerminalProgress:
         if state.get("val_loss") is not None:
             self.best_val_loss = min(self.best_val_loss or state["val_loss"], state["val_loss"])
         if self._bar is not None:
-            self._bar.update(self._task, total=state.get("total_steps"), completed=state.get("step") or 0,
-                             line=progress_line(state, overheads=False).split(" | ", 2)[-1])
+            self._view.state = dict(state)
+            width = _terminal_width(self._bar_stream)
+            if width is not None:   # the terminal may have been resized since
+                self._bar.console.width = width
+            self._bar.refresh()
         if (self._bar is None or self._lines_beside_bar) and self._monotonic() - self._last_line >= self.print_every_s:
             self._last_line = self._monotonic()
             self._write_line(progress_line(state))
@@ -133,6 +205,14 @@ class TerminalProgress:
             print(text, file=self.stream, flush=True)
         except (OSError, ValueError):  # a full disk or closed log never stops training
             pass
+
+
+def _terminal_width(stream) -> int | None:
+    """Columns of the terminal ``stream`` writes to, or None (not a terminal: rich decides)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or None
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def launcher_streams(environ) -> tuple[object | None, object | None]:

@@ -308,6 +308,31 @@ def test_real_command_line(demo, tmp_path):
     assert len(pd.read_csv(out / "metadata.csv")) == 6
 
 
+def test_the_table_piped_to_a_file_is_never_cut(demo, tmp_path):
+    """Not a terminal, rich drew the table at 80 columns and broke every long reason over several lines."""
+    rows = [("media/video_000.mp4", "ok", "video"), ("media/image_002.png", "x", "video"),
+            ("media/nope.mp4", "x", "video"), ("media/video_001.mp4", "x", "clip"),
+            ("media/image_001.jpg", "", "image")]
+    catalog = tmp_path / "catalog.csv"
+    write_catalog(catalog, rows)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("COLUMNS", None)
+    log = tmp_path / "convert.log"
+    with open(log, "w") as stderr:
+        result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.convert", str(catalog), "--base-path", str(demo),
+                                 "--output", str(tmp_path / "out")], stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+                                cwd=tmp_path, timeout=120)
+    text = log.read_text()
+    assert result.returncode == 0, text
+    header, = [line for line in text.splitlines() if "catalogue" in line and "input rows" in line]
+    assert "written (train / val)" in header and "rejects by reason" in header, text
+    body = [line for line in text.splitlines() if line.startswith("│")]
+    for reason in ("empty caption: 1", "extension contradicts media_type: 1", "missing file: 1",
+                   "unknown media_type: 1"):
+        assert sum(reason in line for line in body) == 1, (reason, text)
+    assert len(body) == 4 and "…" not in text        # one line per reason, the train row's first
+
+
 # --- DiffSynth's own loader -----------------------------------------------------------------------
 
 

@@ -92,9 +92,57 @@ def test_once_renders_a_frame_with_the_key_facts(tmp_path, capsys, monkeypatch):
 
 
 def test_once_on_an_empty_directory_says_so(tmp_path, capsys):
-    assert monitor.main([str(tmp_path / "nothing-here"), "--once"]) == 4
-    out = capsys.readouterr().out
-    assert "NO_DATA" in out and "does not exist" in out
+    assert monitor.main([str(tmp_path), "--once"]) == 4   # a run that has not written yet
+    assert "NO_DATA" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--once"], ["--json"], []])
+def test_a_folder_that_does_not_exist_is_an_error_naming_it(tmp_path, capsys, argv):
+    """A typo (training_log for training_logs) used to wait forever for a run that would never write there."""
+    F.make_run(tmp_path / "runs" / "demo" / "training_logs", world_size=2, steps=5, now=time.time())
+    typo = tmp_path / "runs" / "demo" / "training_log"
+    assert monitor.main([str(typo), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and f"log folder {typo} does not exist" in captured.err
+    assert monitor.main([str(typo / "training_gpu0.json"), "--once"]) == 2
+    assert monitor.main([str(tmp_path / "runs" / "demo" / "training_logs" / "training_gpu0.json"), "--once"]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_a_folder_holding_the_run_logs_one_level_down_is_followed_and_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    output = tmp_path / "runs" / "test" / "lora"     # the output folder, its logs in training_logs/ (the default)
+    logs = output / "training_logs"
+    F.make_run(logs, world_size=2, steps=7, now=time.time())
+    (output / "checkpoints").mkdir()
+    assert monitor.main([str(output), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["step"] == 7
+    assert captured.err.strip() == f"watching {logs} (the run's log folder inside {output})"
+    assert monitor.main([str(output), "--once"]) == 0
+    assert str(logs) in capsys.readouterr().out           # the frame's title names the folder watched
+    fresh = tmp_path / "runs" / "fresh"                     # a launch made its empty log folder; no rank wrote yet
+    (fresh / "training_logs").mkdir(parents=True)
+    assert monitor.main([str(fresh), "--once"]) == 4
+    assert f"watching {fresh / 'training_logs'}" in capsys.readouterr().err
+
+
+def test_a_folder_that_is_neither_logs_nor_holds_them_is_named(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        F.make_run(runs / name / "training_logs", world_size=1, steps=3, now=time.time())
+    assert monitor.main([str(runs / "a"), "--json"]) == 0    # one run below: followed
+    capsys.readouterr()
+    F.make_run(runs / "a" / "other_logs", world_size=1, steps=3, now=time.time())
+    assert monitor.main([str(runs / "a"), "--json"]) == 2    # two log folders below: which one is for the user
+    assert "holds the logs of several runs" in capsys.readouterr().err
+    output = tmp_path / "demo" / "lora"                      # an output folder whose --log_dir is elsewhere
+    (output / "checkpoints").mkdir(parents=True)
+    (output / "lora.safetensors").write_bytes(b"x")
+    assert monitor.main([str(output), "--once"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{output} is a run's output folder without its logs" in err
 
 
 def test_help_documents_exit_codes_and_rules(capsys):

@@ -51,6 +51,19 @@ def test_healthy_run_aggregates_slowest_rank_and_sums_throughput(tmp_path):
     json.dumps(snap, allow_nan=False)
 
 
+
+def test_a_finished_run_shows_the_throughput_it_trained_at(tmp_path):
+    """The sum over training ranks left a finished (or stopped) run with samples/s "-"."""
+    F.make_run(tmp_path, world_size=2, steps=1000, status="finished")
+    F.write_status(tmp_path, 1, step=1000, status="finished", step_time_s=2.5)
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["status"] == "finished" and snap["samples_per_s"] == pytest.approx(1 / 2.0 + 1 / 2.5)
+    F.write_status(tmp_path, 1, step=400, status="stopped", step_time_s=2.5)
+    assert state_for(tmp_path)[0].refresh()["samples_per_s"] == pytest.approx(1 / 2.0 + 1 / 2.5)
+    F.write_status(tmp_path, 0, step=0, status="loading")     # a resumed rank loading again: no rate yet, no old one
+    F.write_status(tmp_path, 1, step=0, status="starting")
+    assert state_for(tmp_path)[0].refresh()["samples_per_s"] is None
+
 def test_stalled_rank_by_default_threshold_and_since_when(tmp_path):
     F.make_run(tmp_path, world_size=2, steps=50)
     F.write_status(tmp_path, 1, step=50, updated_at=F.NOW - 100)

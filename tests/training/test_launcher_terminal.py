@@ -19,7 +19,8 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("tmux") is None and not os.environ.get("MBC_REQUIRE_TMUX"),
                        reason="tmux not installed (apt-get install tmux)"),
 ]
-BAR = re.compile(r"training\s.*?\b(\d+)/12\b")
+# The bar's line: step/total, % and ETA first, the bar, then the other fields as the terminal's width allows.
+BAR = re.compile(r"^step (\d+)/12 \(\S+%\) ETA \S+ ━+(.*)$", re.M)
 
 
 def test_the_demo_launcher_draws_a_live_bar_in_a_terminal(tmp_path):
@@ -31,13 +32,15 @@ def test_the_demo_launcher_draws_a_live_bar_in_a_terminal(tmp_path):
     command = f"cd {shlex.quote(str(tmp_path))} && {launcher}; echo $? > {shlex.quote(str(done))}; sleep 600"
     subprocess.run(["tmux", "-S", str(socket), "new-session", "-d", "-x", "160", "-y", "40", command],
                    check=True, env=env)
-    bar_steps, screen = set(), ""
+    bar_steps, bar_fields, screen = set(), set(), ""
     try:
         deadline = time.monotonic() + 300
         while not done.exists() and time.monotonic() < deadline:
             screen = subprocess.run(["tmux", "-S", str(socket), "capture-pane", "-p"], capture_output=True,
                                     text=True).stdout
-            bar_steps.update(int(m.group(1)) for m in BAR.finditer(screen))
+            for match in BAR.finditer(screen):
+                bar_steps.add(int(match.group(1)))
+                bar_fields.add(match.group(2))
             time.sleep(0.1)
         time.sleep(0.5)
         screen = subprocess.run(["tmux", "-S", str(socket), "capture-pane", "-p", "-S", "-200"], capture_output=True,
@@ -47,6 +50,8 @@ def test_the_demo_launcher_draws_a_live_bar_in_a_terminal(tmp_path):
     assert done.exists() and done.read_text().strip() == "0", screen
     # The bar was redrawn in place as steps went by: several different step counts seen live, not only the end.
     assert len(bar_steps - {12}) >= 2, (sorted(bar_steps), screen)
+    # The bar measured this terminal's 160 columns (rank 0's own streams are pipes: rich took 80 and cut it).
+    assert any("samples/s" in fields and "elapsed" in fields for fields in bar_fields), (bar_fields, screen)
     assert "finished: 12/12 steps" in screen and "python -m diffsynth_mbc.monitor" in screen
     # The log file, meanwhile, got the plain progress lines (not the bar) and the summary.
     log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")

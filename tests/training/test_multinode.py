@@ -97,6 +97,8 @@ def uninterrupted(tmp_path_factory):
     """Node-local log folders, watched by one monitor over two sources: a folder and another monitor's URL."""
     work = tmp_path_factory.mktemp("nodes-local-logs")
     logs = (work / "node0-logs", work / "node1-logs")
+    for folder in logs:   # the monitor refuses a folder that does not exist; the launchers would make them
+        folder.mkdir()
     nodes = start_nodes(work, free_port(), log_dirs=logs)
     server = subprocess.Popen([sys.executable, "-m", "diffsynth_mbc.monitor", str(logs[0]), "--serve", "127.0.0.1:0",
                                "--no-view"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

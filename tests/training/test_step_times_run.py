@@ -5,6 +5,7 @@ terminal and the monitor, and no step's time holds a checkpoint."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -78,7 +79,8 @@ def test_the_terminal_shows_the_step_time_and_the_checkpoints_apart(run):
     _, log = run
     assert "checkpoint at step 2 saved in " in log
     summary = [line for line in log.splitlines() if line.startswith("  time: ")]
-    assert len(summary) == 1 and " s/step (the steps alone); between steps: checkpoints 3 x " in summary[0]
+    assert len(summary) == 1 and re.search(r" s/step \(the steps alone\), \d+\.\d\d samples/s per GPU; "
+                                           r"between steps: checkpoints 3 x ", summary[0]), summary
     assert "LoRA files 2 x" in summary[0] and "validation 2 x" in summary[0]
 
 

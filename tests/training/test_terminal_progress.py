@@ -82,14 +82,56 @@ def test_overheads_are_shown_apart_from_the_step_time():
     assert progress_line({**STATE, "overheads": OVERHEADS}, overheads=False) == progress_line(STATE)
     state = {**STATE, "status": "finished", "step": 12, "step_time_avg_s": 0.5, "overheads": OVERHEADS}
     lines = summary_lines(state, output_path="out", log_dir="logs", best_val_loss=None)
-    assert "  time: 0.50 s/step (the steps alone); between steps: checkpoints 3 x 4.6 s, validation 2 x 1.2 s" in lines
+    assert ("  time: 0.50 s/step (the steps alone), 3.80 samples/s per GPU; between steps: checkpoints 3 x 4.6 s, "
+            "validation 2 x 1.2 s") in lines
 
 
-def test_the_live_bar_keeps_to_the_step_numbers():
+def test_the_summary_of_a_finished_run_says_its_throughput():
+    """It used to give s/step alone; the monitor showed samples/s "-" for the same finished run."""
+    state = {**STATE, "status": "finished", "step": 12, "step_time_avg_s": 0.5}
+    lines = summary_lines(state, output_path="out", log_dir="logs", best_val_loss=None)
+    assert "  time: 0.50 s/step (the steps alone), 3.80 samples/s per GPU" in lines
+    lines = summary_lines({**state, "samples_per_s": None}, output_path="out", log_dir="logs", best_val_loss=None)
+    assert "  time: 0.50 s/step (the steps alone)" in lines
+
+
+def bar_as_drawn(state: dict, width: int) -> str:
+    from rich.console import Console
+
+    from diffsynth_mbc.training.terminal_progress import BarView
+
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(BarView(state))
+    return out.getvalue()
+
+
+def test_at_80_columns_the_bar_keeps_step_total_percent_and_eta_first():
+    """A narrow terminal used to show "tra… loss 0.3090 … el…": the step count and ETA went first."""
+    state = {**STATE, "step": 1234, "total_steps": 85090, "eta_s": 9 * 86400 + 61, "elapsed_s": 3 * 86400,
+             "overheads": OVERHEADS}
+    drawn = bar_as_drawn(state, 80)
+    assert drawn.count("\n") == 1 and len(drawn.rstrip("\n")) <= 80, drawn
+    assert drawn.startswith("step 1234/85090 (1.5%) ETA 216:01:01 ━"), drawn
+    assert "…" not in drawn and "checkpoints" not in drawn
+    for field in ("loss", "elapsed", "s/step", "samples/s", "lr"):   # what comes after: whole or not at all
+        assert field not in drawn or f"{field} " in drawn or f" {field}" in drawn, drawn
+    assert "loss 0.1234 (avg 0.1300)" in bar_as_drawn(STATE, 80)
+    assert bar_as_drawn(STATE, 40).startswith("step 6/12 (50.0%) ETA 0:01:01")   # even where nothing else fits
+
+
+def test_at_200_columns_the_bar_shows_every_field():
+    drawn = bar_as_drawn({**STATE, "overheads": OVERHEADS}, 200)
+    assert drawn.startswith("step 6/12 (50.0%) ETA 0:01:01 " + "━" * 40 + " | loss 0.1234 (avg 0.1300)"), drawn
+    for field in ("elapsed 1:02:05", "0.52 s/step", "3.80 samples/s", "epoch 1/2", "lr 1.00e-04"):
+        assert field in drawn, field
+    assert "checkpoints" not in drawn       # the overheads stay in the log lines and the summary
+
+
+def test_the_live_bar_is_drawn_on_its_terminal_stream():
     terminal, now = io.StringIO(), Clock()
     printer = TerminalProgress(enabled=True, print_every_s=30, stream=io.StringIO(), monotonic=now,
                                bar_stream=terminal)
     printer.step({**STATE, "overheads": OVERHEADS})
-    fields = printer._bar.tasks[0].fields["line"]
-    assert fields.endswith("ETA 0:01:01") and "checkpoints" not in fields
     printer.finish({**STATE, "status": "finished"}, output_path="out", log_dir="logs")
+    shown = terminal.getvalue()   # not a terminal: rich draws the bar's last state once, when it stops
+    assert shown.index("step 6/12 (50.0%) ETA 0:01:01") < shown.index("finished: 6/12 steps")
