@@ -26,6 +26,7 @@ CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 RANK_COLOURS = {0: (0x4c, 0xc3, 0x8a), 1: (0x5a, 0xa2, 0xff)}  # the page's palette for ranks 0 and 1
 STEPS = 300
 EPOCH_STEPS = 150
+VIDEO_BYTES = b"\x00\x00\x00\x18ftypmp42" + bytes(64)   # the gallery needs only a listed file, not a decodable one
 
 try:
     from selenium import webdriver
@@ -250,6 +251,8 @@ def test_the_gallery_shows_a_playable_video_per_prompt_and_sample_step(browser, 
         wait_for(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#gallery video")) == 6)
         rows = browser.find_elements(By.CSS_SELECTOR, "#gallery tr[data-prompt]")
         assert [r.get_attribute("data-prompt") for r in rows] == ["1", "2"]
+        # sets from before prompts files were kept: the file names' words stand in for the prompts
+        assert [r.find_element(By.CSS_SELECTOR, "th").text for r in rows] == ["1. a news anchor", "2. prompt"]
         for row in rows:
             assert [c.get_attribute("data-step") for c in row.find_elements(By.CSS_SELECTOR, "td")] == ["0", "6", "12"]
         # every source loads: metadata known (readyState >= 1), the clip's own size, no media error
@@ -265,6 +268,41 @@ def test_the_gallery_shows_a_playable_video_per_prompt_and_sample_step(browser, 
                 for e in browser.get_log("performance")
                 if json.loads(e["message"])["message"]["method"] == "Network.requestWillBeSent"]
         assert all(u.startswith(srv.url.rstrip("/")) for u in urls) and any("/samples/step-" in u for u in urls)
+    finally:
+        browser.get("about:blank")
+        stop_server(srv)
+
+
+def test_the_gallery_shows_each_prompt_in_full_in_its_own_script(browser, tmp_path):
+    """A Korean prompt was shown as '1. PROMPT' and an English one cut and upper-cased: each row now says the
+    prompt exactly as written, from the prompts file beside the clips."""
+    from diffsynth_mbc.atomic import atomic_write_json
+    from diffsynth_mbc.sample_prompts import load_sample_prompts, prompts_file_record, sample_file_stem
+
+    texts = ["도시 거리 밤, 비가 내린다", "A News Anchor reads the evening headlines while the camera slowly pushes "
+             "in under warm studio light"]
+    (tmp_path / "prompts.yaml").write_text("".join(f"- {t}\n" for t in texts), encoding="utf-8")
+    prompts = load_sample_prompts(tmp_path / "prompts.yaml", height=64, width=96, num_frames=9, seed=1)
+    samples = tmp_path / "lora" / "samples"
+    for step in (0, 4):
+        folder = samples / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        for index, prompt in enumerate(prompts):
+            (folder / f"{sample_file_stem(index, prompt)}.png").write_bytes(b"\x89PNG")
+            F.write_raw(folder / f"{sample_file_stem(index, prompt)}.mp4", VIDEO_BYTES)
+        atomic_write_json(folder / "prompts.json", prompts_file_record(prompts))
+    log_dir = tmp_path / "lora" / "training_logs"
+    F.make_run(log_dir, world_size=1, steps=4, now=time.time(), samples_dir=str(samples.resolve()))
+    srv = start_server(log_dir)
+    try:
+        browser.get(srv.url)
+        wait_for(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#gallery video")) == 4)
+        rows = browser.find_elements(By.CSS_SELECTOR, "#gallery tr[data-prompt]")
+        # WebDriver's text is what is shown: CSS upper-casing or clipping would show here
+        assert [r.find_element(By.CSS_SELECTOR, "th").text for r in rows] == [f"1. {texts[0]}", f"2. {texts[1]}"]
+        label = rows[1].find_element(By.CSS_SELECTOR, "th")
+        assert label.size["height"] > 2 * 16 and browser.execute_script(
+            "return arguments[0].scrollWidth <= arguments[0].clientWidth", label)   # wrapped, not cut
     finally:
         browser.get("about:blank")
         stop_server(srv)

@@ -500,15 +500,24 @@
     table.replaceChildren();
     $("samples-box").hidden = !sets.length;
     if (!sets.length) return;
+    // Each row says its prompt in full, as written (the newest set's text; a set from before prompts files
+    // were kept shows its file name's words instead).
     const prompts = new Map();
-    for (const set of sets) for (const clip of set.clips) prompts.set(clip.index, clip.slug);
+    for (const set of sets) {
+      for (const clip of set.clips) {
+        const text = typeof clip.prompt === "string" ? clip.prompt : null;
+        if (text !== null || !prompts.has(clip.index)) prompts.set(clip.index, text !== null ? text : clip.slug.replace(/-/g, " "));
+      }
+    }
     const head = el("tr");
     head.appendChild(el("th", {"class": "l"}, "prompt"));
     for (const set of sets) head.appendChild(el("th", null, "step " + set.step));
     table.appendChild(head);
-    for (const [index, slug] of Array.from(prompts.entries()).sort((a, b) => a[0] - b[0])) {
+    for (const [index, text] of Array.from(prompts.entries()).sort((a, b) => a[0] - b[0])) {
       const row = el("tr", {"data-prompt": index});
-      row.appendChild(el("th", {"class": "l"}, index + ". " + slug.replace(/-/g, " ")));
+      const label = el("th", {"class": "l prompt", dir: "auto"});
+      label.append(el("span", {"class": "n"}, index + ". "), el("span", {"class": "text"}, text));
+      row.appendChild(label);
       for (const set of sets) {
         const cell = el("td", {"data-step": set.step});
         const clip = set.clips.find((c) => c.index === index);
