@@ -21,6 +21,7 @@ from diffsynth_mbc.errors import OptionsError
 DEFAULT_STEPS = 30
 DEFAULT_CFG = 5.0
 SAMPLES_FOLDER = "samples"
+PROMPTS_FILE = "prompts.json"   # beside each set's clips: the full text of every prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +119,18 @@ def _check_sizes(prompt: SamplePrompt, where: str) -> None:
 
 
 def slug(text: str, limit: int = 40) -> str:
-    """A file-name-safe summary of a prompt: ASCII letters and digits joined by '-'."""
-    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
-    words = re.sub(r"[^A-Za-z0-9]+", "-", ascii_text).strip("-").lower()
-    return (words[:limit].rstrip("-") or "prompt")
+    """A file-name-safe summary of a prompt: its letters and digits, in their own script, joined by '-'.
+
+    Only a summary: the full text is kept in the set's prompts file (``prompts_file_record``).
+    """
+    words = re.sub(r"[\W_]+", "-", unicodedata.normalize("NFC", text)).strip("-").lower()
+    return words[:limit].rstrip("-") or "prompt"
+
+
+def prompts_file_record(prompts: list[SamplePrompt]) -> dict:
+    """What ``PROMPTS_FILE`` beside a set's clips holds: each clip's number, file stem and full prompt."""
+    return {"prompts": [{"index": index + 1, "stem": sample_file_stem(index, prompt), **prompt.as_dict()}
+                        for index, prompt in enumerate(prompts)]}
 
 
 def sample_set_name(step: int) -> str:

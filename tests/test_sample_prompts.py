@@ -7,8 +7,8 @@ import json
 import pytest
 
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.sample_prompts import (load_sample_prompts, sample_file_stem, sample_set_name,
-                                                   sampling_due, slug)
+from diffsynth_mbc.sample_prompts import (load_sample_prompts, prompts_file_record, sample_file_stem,
+                                          sample_set_name, sampling_due, slug)
 
 SIZE = dict(height=64, width=64, num_frames=9, seed=42)
 
@@ -49,7 +49,9 @@ def test_bad_entries_are_refused_naming_the_file_and_entry(tmp_path, text, messa
 def test_names_and_schedule():
     assert slug("Ein Nachrichtensprecher spricht, die Kamera zoomt langsam heran!") == \
         "ein-nachrichtensprecher-spricht-die-kame"
-    assert slug("비 오는 거리") == "prompt"
+    assert slug("비 오는 거리") == "비-오는-거리"   # in its own script, not "prompt"
+    assert slug("Großer Bahnhof: Zürich") == "großer-bahnhof-zürich"
+    assert slug("!!! ...") == "prompt"
     assert sample_set_name(120) == "step-00000120"
     assert [s for s in range(0, 13) if sampling_due(s, 5, 12)] == [0, 5, 10, 12]
     assert [s for s in range(0, 13) if sampling_due(s, 5, 12, first_step=6)] == [5, 10, 12]   # resumed: no baseline
@@ -60,3 +62,14 @@ def test_file_stems_number_the_prompts(tmp_path):
     (tmp_path / "p.yaml").write_text("- a b\n- c\n")
     prompts = load_sample_prompts(tmp_path / "p.yaml", **SIZE)
     assert [sample_file_stem(i, p) for i, p in enumerate(prompts)] == ["01-a-b", "02-c"]
+
+
+def test_the_prompts_file_keeps_every_prompt_whole(tmp_path):
+    long_english = "A News Anchor reads the evening headlines while the camera slowly pushes in, warm studio light"
+    (tmp_path / "p.yaml").write_text(f"- 도시 거리 밤\n- {long_english}\n", encoding="utf-8")
+    prompts = load_sample_prompts(tmp_path / "p.yaml", **SIZE)
+    record = prompts_file_record(prompts)
+    assert [(e["index"], e["stem"], e["prompt"]) for e in record["prompts"]] == [
+        (1, "01-도시-거리-밤", "도시 거리 밤"),
+        (2, "02-a-news-anchor-reads-the-evening-headline", long_english)]   # the name is short, the text whole
+    assert record["prompts"][1]["seed"] == 43 and json.loads(json.dumps(record)) == record

@@ -2,21 +2,28 @@
 
 The folder comes from the run's status files (``samples_dir``), which the monitor treats as untrusted:
 it must be named ``samples``, and a URL may only name ``step-NNNNNNNN/NN-slug.mp4|png`` inside it
-(checked on the text, then on the resolved path, so neither ``..``, an absolute path, an encoded
-escape nor a symlink leads anywhere else). Byte ranges follow RFC 9110: one range per request; a Range header
+(checked on the decoded text of each part, then on the resolved path, so neither ``..``, an absolute path, an
+encoded escape nor a symlink leads anywhere else). A slug is letters and digits of any script joined by '-'
+(``01-도시-거리-밤.mp4``); the listing gives each clip's full prompt from the set's ``prompts.json`` when there
+is one (sets written before it existed show their slug). Byte ranges follow RFC 9110: one range per request; a Range header
 that is not one byte range is ignored (the whole file, 200).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from urllib.parse import quote, unquote
+
+from diffsynth_mbc.sample_prompts import PROMPTS_FILE
 
 SET_NAME = re.compile(r"step-(\d{8})")
-FILE_NAME = re.compile(r"(\d{2})-([a-z0-9-]{1,60})\.(mp4|png)")
+FILE_NAME = re.compile(r"([0-9]{2})-((?:[^\W_]|-){1,60})\.(mp4|png)")
 CONTENT_TYPES = {"mp4": "video/mp4", "png": "image/png"}
 MAX_SETS = 1000
 MAX_FILES_PER_SET = 200
+MAX_PROMPTS_FILE = 1 << 20   # bytes; a bigger prompts file is not read (its clips show their slugs)
 
 
 def samples_root(snapshot: dict) -> Path | None:
@@ -30,8 +37,23 @@ def samples_root(snapshot: dict) -> Path | None:
     return None
 
 
+def read_prompts(folder: Path) -> dict[int, str]:
+    """Clip number -> full prompt, from the set's prompts file; {} when it is missing or unreadable."""
+    try:
+        with open(folder / PROMPTS_FILE, "rb") as handle:
+            raw = handle.read(MAX_PROMPTS_FILE + 1)
+        data = json.loads(raw) if len(raw) <= MAX_PROMPTS_FILE else None
+    except (OSError, ValueError):
+        return {}
+    entries = data.get("prompts") if isinstance(data, dict) else None
+    return {entry["index"]: entry["prompt"] for entry in entries or []
+            if isinstance(entry, dict) and type(entry.get("index")) is int and isinstance(entry.get("prompt"), str)}
+
+
 def list_sets(root: Path | None) -> list[dict]:
-    """[{step, name, clips: [{index, slug, video, still}]}] in step order; at most MAX_SETS sets."""
+    """[{step, name, clips: [{index, slug, prompt, video, still}]}] in step order; at most MAX_SETS sets.
+
+    ``prompt`` is the full text (None for a set without a prompts file); URLs are percent-encoded."""
     if root is None or not root.is_dir():
         return []
     sets = []
@@ -40,12 +62,15 @@ def list_sets(root: Path | None) -> list[dict]:
         if not match or not folder.is_dir() or folder.is_symlink():
             continue
         clips: dict[str, dict] = {}
+        prompts = read_prompts(folder)
         for file in sorted(folder.iterdir())[:2 * MAX_FILES_PER_SET]:
             name = FILE_NAME.fullmatch(file.name)
             if not name or not file.is_file():
                 continue
-            clip = clips.setdefault(name.group(1), {"index": int(name.group(1)), "slug": name.group(2)})
-            clip["video" if name.group(3) == "mp4" else "still"] = f"samples/{folder.name}/{file.name}"
+            index = int(name.group(1))
+            clip = clips.setdefault(name.group(1), {"index": index, "slug": name.group(2),
+                                                    "prompt": prompts.get(index)})
+            clip["video" if name.group(3) == "mp4" else "still"] = f"samples/{folder.name}/{quote(file.name)}"
         sets.append({"step": int(match.group(1)), "name": folder.name, "clips": list(clips.values())})
     return sets[-MAX_SETS:]
 
@@ -55,7 +80,10 @@ def resolve_file(root: Path | None, url_path: str) -> tuple[Path, str] | None:
     parts = url_path.split("/")
     if root is None or len(parts) != 4 or parts[:2] != ["", "samples"]:
         return None
-    set_name, file_name = parts[2], parts[3]
+    try:
+        set_name, file_name = parts[2], unquote(parts[3], errors="strict")
+    except UnicodeDecodeError:
+        return None
     name = FILE_NAME.fullmatch(file_name)
     if not SET_NAME.fullmatch(set_name) or not name:
         return None

@@ -3,7 +3,7 @@
 Rank 0 generates every prompt of ``--sample_prompts`` (in eval mode, without gradients, inside a forked
 RNG so training draws the same numbers as without sampling) and writes
 ``OUTPUT/samples/step-000NNNNN/NN-<slug>.mp4`` plus the first frame as png, each through a temp file and a
-rename. Its status phase moves with every denoising step; the other ranks wait at an asynchronous
+rename; the slug only summarises the prompt, whose full text is in ``prompts.json`` beside the clips. Its status phase moves with every denoising step; the other ranks wait at an asynchronous
 barrier and keep their status fresh meanwhile, so the monitor never calls a sampling run stalled.
 """
 
@@ -14,9 +14,9 @@ import copy
 import time
 from pathlib import Path
 
-from diffsynth_mbc.atomic import atomic_open, atomic_path
-from diffsynth_mbc.sample_prompts import (SAMPLES_FOLDER, SamplePrompt, sample_file_stem, sample_set_name,
-                                          sampling_due)
+from diffsynth_mbc.atomic import atomic_open, atomic_path, atomic_write_json
+from diffsynth_mbc.sample_prompts import (PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt, prompts_file_record,
+                                          sample_file_stem, sample_set_name, sampling_due)
 
 FPS = 16
 WAIT_POLL_S = 1.0
@@ -54,6 +54,7 @@ class Sampler:
         pipe = self.accelerator.unwrap_model(self.module).pipe
         target = self.root / sample_set_name(step)
         target.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(target / PROMPTS_FILE, prompts_file_record(self.prompts))   # before the clips it names
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         was_training = pipe.dit.training
         training_scheduler = copy.deepcopy(pipe.scheduler)   # generation re-times it for its few steps
@@ -106,21 +107,24 @@ class Sampler:
                                                                                "files": files})
 
     def _to_trackers(self, step: int, folder: Path, files: list[str]) -> None:
-        """Samples for --report_to: W&B gets the clips as videos; TensorBoard (whose video panel needs
-        moviepy) the first frames as images."""
+        """Samples for --report_to: W&B gets the clips as videos captioned with their prompts; TensorBoard (whose
+        video panel needs moviepy) the first frames as images, and each full prompt as text beside them."""
         import numpy as np
         from PIL import Image
 
+        texts = {sample_file_stem(index, prompt): prompt.prompt for index, prompt in enumerate(self.prompts)}
         for tracker in getattr(self.accelerator, "trackers", None) or []:
             for name in files:
                 stem, suffix = name.rsplit(".", 1)
                 if tracker.name == "tensorboard" and suffix == "png":
                     still = np.asarray(Image.open(folder / name).convert("RGB"))
                     tracker.writer.add_image(f"samples/{stem}", still, global_step=step, dataformats="HWC")
+                    tracker.writer.add_text(f"samples/{stem}/prompt", texts.get(stem, ""), global_step=step)
                 elif tracker.name == "wandb" and suffix == "mp4":
                     import wandb
 
-                    tracker.log({f"samples/{stem}": wandb.Video(str(folder / name), format="mp4")}, step=step)
+                    tracker.log({f"samples/{stem}": wandb.Video(str(folder / name), caption=texts.get(stem),
+                                                                format="mp4")}, step=step)
 
     # -- every rank ----------------------------------------------------------------------------
     def _wait_for_main(self, step: int) -> None:

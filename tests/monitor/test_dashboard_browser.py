@@ -7,6 +7,7 @@ skipped when they are absent, except where CI sets MBC_REQUIRE_BROWSER=1 and a m
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 RANK_COLOURS = {0: (0x4c, 0xc3, 0x8a), 1: (0x5a, 0xa2, 0xff)}  # the page's palette for ranks 0 and 1
 STEPS = 300
 EPOCH_STEPS = 150
+VIDEO_BYTES = b"\x00\x00\x00\x18ftypmp42" + bytes(64)   # the gallery needs only a listed file, not a decodable one
 
 try:
     from selenium import webdriver
@@ -63,6 +65,37 @@ def write_run(log_dir):
                        overheads={"checkpoint": {"count": 2, "total_s": 9.2, "last_s": 4.6, "mean_s": 4.6}},
                        gpu={"name": "H100", "util_pct": 97.0, "mem_used_mb": 22000.0, "mem_total_mb": 81559.0,
                             "peak_allocated_mb": 31027.0})
+
+
+LONG_EPOCHS, LONG_EPOCH_STEPS = 20, 30
+LONG_STEPS = LONG_EPOCHS * LONG_EPOCH_STEPS
+LONG_TRACE_LINE = ("  File \"/opt/conda/envs/diffsynth/lib/python3.11/site-packages/torch/nn/parallel/distributed.py\", "
+                   "line 1636, in _run_ddp_forward -> return self.module(*inputs, **kwargs)  # " + "x" * 120)
+
+
+def write_long_failed_run(log_dir):
+    """Two ranks that failed the same way at the end of 20 epochs: warm-up then cosine lr from 1e-3, the
+    same loss on both ranks at every step (the lines lie on each other), a traceback with long lines."""
+    now = time.time()
+    error = {"type": "RuntimeError", "message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+             "traceback_tail": "Traceback (most recent call last):\n" + (LONG_TRACE_LINE + "\n") * 6
+                               + "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    for rank in (0, 1):
+        F.write_raw(log_dir / f"training_gpu{rank}.jsonl", "".join(
+            F.history_line(s, rank, epoch=(s - 1) // LONG_EPOCH_STEPS, loss=F.loss_at(s, 0), lr=long_lr_at(s),
+                           grad_norm=0.5, samples=2) for s in range(1, LONG_STEPS + 1)))
+        F.write_status(log_dir, rank, world_size=2, status="failed", step=LONG_STEPS, total_steps=LONG_STEPS, now=now,
+                       epoch=LONG_EPOCHS - 1, num_epochs=LONG_EPOCHS, loss=F.loss_at(LONG_STEPS, 0),
+                       lr=long_lr_at(LONG_STEPS), error=error, phase="failed",
+                       gpu={"name": "Tesla V100S-PCIE-32GB", "util_pct": 0.0, "mem_used_mb": 31000.0,
+                            "mem_total_mb": 32768.0, "peak_allocated_mb": 32100.0})
+
+
+def long_lr_at(step):
+    warm = 40
+    if step <= warm:
+        return 1e-3 * step / warm
+    return 1e-3 * 0.5 * (1 + math.cos(math.pi * (step - warm) / (LONG_STEPS - warm)))
 
 
 def grad_norm_at(step, rank):
@@ -133,7 +166,7 @@ def pixels_of_colour(driver, chart_id, rgb, tolerance=12):
 def test_every_metric_is_one_chart_with_both_ranks_drawn(page):
     driver, _ = page
     expected = {
-        "loss": (["rank 0 raw", "rank 0", "rank 1 raw", "rank 1"], [STEPS] * 4),
+        "loss": (["rank 0 raw", "rank 1 raw", "rank 0", "rank 1"], [STEPS] * 4),   # raw lines under the smoothed
         "val_loss": (["rank 0", "rank 1", "t=0.1", "t=0.5", "t=0.9"], [3] * 5),   # + each fixed timestep
         "lr": (["lr"], [STEPS]),  # once, not per rank
         "grad_norm": (["rank 0", "rank 1"], [STEPS, STEPS]),
@@ -225,6 +258,89 @@ def test_the_page_polls_only_new_points_and_asks_nothing_outside_the_server(page
     assert any(q["rank"] == ["0"] and float(q["since"][0]) >= 300 for q in later)
 
 
+@pytest.fixture
+def failed_page(browser, tmp_path, request):
+    """The dashboard of write_long_failed_run's run in a window ``request.param`` CSS pixels wide."""
+    width = getattr(request, "param", 1280)
+    log_dir = tmp_path / "training_logs"
+    log_dir.mkdir()
+    write_long_failed_run(log_dir)
+    srv = start_server(log_dir)
+    try:
+        browser.set_window_size(width, 900)
+        browser.get(srv.url)
+        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        assert browser.execute_script("return innerWidth") == width
+        yield browser
+    finally:
+        browser.get("about:blank")
+        browser.set_window_size(1400, 1800)
+        stop_server(srv)
+
+
+WIDTHS = [800, 1280, 1920]
+
+
+@pytest.mark.parametrize("failed_page", WIDTHS, indirect=True)
+def test_the_page_never_scrolls_sideways_and_the_rank_table_is_whole(failed_page):
+    driver = failed_page
+    width = driver.execute_script("return innerWidth")
+    scroll = driver.execute_script("const s = document.scrollingElement; return [s.scrollWidth, s.clientWidth]")
+    assert scroll[0] <= scroll[1], f"the page scrolls sideways at {width} px: {scroll}"
+    table = driver.execute_script("const t = document.getElementById('ranks'), box = t.parentElement;"
+                                  "return [t.getBoundingClientRect().right, box.getBoundingClientRect().right,"
+                                  "        box.scrollWidth, box.clientWidth, t.innerText]")
+    assert table[0] <= table[1] + 0.5 and table[2] <= table[3], f"the rank table is cut at {width} px: {table[:4]}"
+    assert "600 / 600" in table[4] and "31.3" in table[4]
+
+
+@pytest.mark.parametrize("failed_page", WIDTHS, indirect=True)
+def test_epoch_labels_are_thinned_so_that_none_overlaps(failed_page):
+    driver = failed_page
+    width = driver.execute_script("return innerWidth")
+    for chart_id in ("loss", "lr", "grad_norm", "step_time"):
+        labels = json.loads(chart(driver, chart_id)["box"].get_attribute("data-epoch-labels") or "[]")
+        assert len(labels) >= 3, (width, chart_id, labels)   # thinned, not dropped
+        for (_, _, right), (text, left, _) in zip(labels, labels[1:]):
+            assert right <= left, f"'{text}' overlaps the label before it at {width} px: {labels}"
+
+
+def test_each_axis_labels_its_ticks_in_one_format(failed_page):
+    driver = failed_page
+    # the learning rate's: "1.0e-3" beside "7.5e-4", never "0.001" beside "8.0e-4"
+    ticks = [t for t in json.loads(chart(driver, "lr")["box"].get_attribute("data-y-ticks") or "[]") if t and t != "0"]
+    assert len(ticks) >= 3 and all(re.fullmatch(r"\d\.\de-\d", t) for t in ticks), ticks
+    for chart_id in ("loss", "grad_norm"):   # one number of decimals per axis
+        ticks = [t for t in json.loads(chart(driver, chart_id)["box"].get_attribute("data-y-ticks")) if t]
+        assert len(ticks) >= 3 and len({len(t.partition(".")[2]) for t in ticks}) == 1, (chart_id, ticks)
+
+
+@pytest.mark.parametrize("failed_page", WIDTHS, indirect=True)
+def test_the_same_error_on_both_ranks_is_said_once_and_its_traceback_wraps(failed_page):
+    driver = failed_page
+    traces = driver.find_elements(By.CSS_SELECTOR, "#errors pre")
+    assert traces and all(driver.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth", pre)
+                          for pre in traces), "a traceback scrolls sideways"
+    headings = [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#errors h2")]
+    assert headings == ["Ranks 0-1 failed on node-a: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    assert len(traces) == 1 and "RuntimeError: CUDA out of memory" in traces[0].text   # its end is in view
+
+
+@pytest.mark.parametrize("failed_page", [800], indirect=True)
+def test_the_charts_start_on_the_first_screen_at_800_px(failed_page):
+    driver = failed_page
+    top = driver.execute_script("return document.querySelector('.chartbox').getBoundingClientRect().top")
+    assert top + 100 <= driver.execute_script("return innerHeight"), top
+
+
+def test_rank_0s_line_shows_where_rank_1_has_the_same_values(failed_page):
+    """Both ranks log the same loss and gradient norm: rank 1's line is drawn over rank 0's and hid it."""
+    driver = failed_page
+    for chart_id in ("loss", "grad_norm"):
+        counts = {rank: pixels_of_colour(driver, chart_id, rgb) for rank, rgb in RANK_COLOURS.items()}
+        assert counts[0] > 200 and counts[1] > 200, (chart_id, counts)
+
+
 def test_the_gallery_shows_a_playable_video_per_prompt_and_sample_step(browser, tmp_path):
     """Real mp4 files as the training writes them (DiffSynth's save_video), two prompts at three steps."""
     import numpy as np
@@ -250,6 +366,8 @@ def test_the_gallery_shows_a_playable_video_per_prompt_and_sample_step(browser, 
         wait_for(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#gallery video")) == 6)
         rows = browser.find_elements(By.CSS_SELECTOR, "#gallery tr[data-prompt]")
         assert [r.get_attribute("data-prompt") for r in rows] == ["1", "2"]
+        # sets from before prompts files were kept: the file names' words stand in for the prompts
+        assert [r.find_element(By.CSS_SELECTOR, "th").text for r in rows] == ["1. a news anchor", "2. prompt"]
         for row in rows:
             assert [c.get_attribute("data-step") for c in row.find_elements(By.CSS_SELECTOR, "td")] == ["0", "6", "12"]
         # every source loads: metadata known (readyState >= 1), the clip's own size, no media error
@@ -265,6 +383,41 @@ def test_the_gallery_shows_a_playable_video_per_prompt_and_sample_step(browser, 
                 for e in browser.get_log("performance")
                 if json.loads(e["message"])["message"]["method"] == "Network.requestWillBeSent"]
         assert all(u.startswith(srv.url.rstrip("/")) for u in urls) and any("/samples/step-" in u for u in urls)
+    finally:
+        browser.get("about:blank")
+        stop_server(srv)
+
+
+def test_the_gallery_shows_each_prompt_in_full_in_its_own_script(browser, tmp_path):
+    """A Korean prompt was shown as '1. PROMPT' and an English one cut and upper-cased: each row now says the
+    prompt exactly as written, from the prompts file beside the clips."""
+    from diffsynth_mbc.atomic import atomic_write_json
+    from diffsynth_mbc.sample_prompts import load_sample_prompts, prompts_file_record, sample_file_stem
+
+    texts = ["도시 거리 밤, 비가 내린다", "A News Anchor reads the evening headlines while the camera slowly pushes "
+             "in under warm studio light"]
+    (tmp_path / "prompts.yaml").write_text("".join(f"- {t}\n" for t in texts), encoding="utf-8")
+    prompts = load_sample_prompts(tmp_path / "prompts.yaml", height=64, width=96, num_frames=9, seed=1)
+    samples = tmp_path / "lora" / "samples"
+    for step in (0, 4):
+        folder = samples / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        for index, prompt in enumerate(prompts):
+            (folder / f"{sample_file_stem(index, prompt)}.png").write_bytes(b"\x89PNG")
+            F.write_raw(folder / f"{sample_file_stem(index, prompt)}.mp4", VIDEO_BYTES)
+        atomic_write_json(folder / "prompts.json", prompts_file_record(prompts))
+    log_dir = tmp_path / "lora" / "training_logs"
+    F.make_run(log_dir, world_size=1, steps=4, now=time.time(), samples_dir=str(samples.resolve()))
+    srv = start_server(log_dir)
+    try:
+        browser.get(srv.url)
+        wait_for(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#gallery video")) == 4)
+        rows = browser.find_elements(By.CSS_SELECTOR, "#gallery tr[data-prompt]")
+        # WebDriver's text is what is shown: CSS upper-casing or clipping would show here
+        assert [r.find_element(By.CSS_SELECTOR, "th").text for r in rows] == [f"1. {texts[0]}", f"2. {texts[1]}"]
+        label = rows[1].find_element(By.CSS_SELECTOR, "th")
+        assert label.size["height"] > 2 * 16 and browser.execute_script(
+            "return arguments[0].scrollWidth <= arguments[0].clientWidth", label)   # wrapped, not cut
     finally:
         browser.get("about:blank")
         stop_server(srv)

@@ -53,8 +53,45 @@ def test_the_sets_are_listed_in_step_order_with_their_files(served):
     assert status == 200
     sets = json.loads(body)["sets"]
     assert [s["step"] for s in sets] == [0, 6]
-    assert sets[0]["clips"] == [{"index": 1, "slug": "a-news-anchor", "video": "samples/step-00000000/01-a-news-anchor.mp4",
+    # a set written before prompts files existed still lists its clips (the slug stands in for the prompt)
+    assert sets[0]["clips"] == [{"index": 1, "slug": "a-news-anchor", "prompt": None,
+                                 "video": "samples/step-00000000/01-a-news-anchor.mp4",
                                  "still": "samples/step-00000000/01-a-news-anchor.png"}]
+
+
+def test_each_clip_comes_with_its_full_prompt_and_a_korean_name_is_served(tmp_path):
+    """The prompts file beside the clips gives the full text, in its own script; the file's URL is percent-encoded
+    and decoded again by the file route (a Korean prompt was '01-prompt.mp4' and '1. PROMPT')."""
+    import json
+    from urllib.parse import quote
+
+    from diffsynth_mbc.atomic import atomic_write_json
+    from diffsynth_mbc.sample_prompts import load_sample_prompts, prompts_file_record, sample_file_stem
+
+    long_english = "A news anchor reads the evening headlines while the camera slowly pushes in, warm studio light"
+    (tmp_path / "prompts.yaml").write_text(f"- 도시 거리 밤, 비가 내린다\n- {long_english}\n", encoding="utf-8")
+    prompts = load_sample_prompts(tmp_path / "prompts.yaml", height=64, width=64, num_frames=9, seed=1)
+    samples = tmp_path / "lora" / "samples"
+    folder = samples / "step-00000004"
+    folder.mkdir(parents=True)
+    stems = [sample_file_stem(i, p) for i, p in enumerate(prompts)]
+    assert stems[0] == "01-도시-거리-밤-비가-내린다"
+    for stem in stems:
+        (folder / f"{stem}.mp4").write_bytes(VIDEO)
+    atomic_write_json(folder / "prompts.json", prompts_file_record(prompts))
+    log_dir = tmp_path / "lora" / "training_logs"
+    F.make_run(log_dir, world_size=1, steps=4, now=time.time(), samples_dir=str(samples.resolve()))
+    srv = start_server(log_dir)
+    try:
+        _, _, body = request(srv, "/api/training/samples")
+        clips = json.loads(body)["sets"][0]["clips"]
+        assert [c["prompt"] for c in clips] == ["도시 거리 밤, 비가 내린다", long_english]
+        assert clips[0]["video"] == "samples/step-00000004/" + quote("01-도시-거리-밤-비가-내린다.mp4")
+        status, headers, served_body = request(srv, "/" + clips[0]["video"])
+        assert status == 200 and served_body == VIDEO and headers["Content-Type"] == "video/mp4"
+        assert request(srv, "/samples/step-00000004/01-%ED%95%9C%FF.mp4")[0] == 404   # not UTF-8: refused, no 500
+    finally:
+        stop_server(srv)
 
 
 def test_files_come_with_their_type_and_byte_ranges(served):

@@ -3,6 +3,7 @@ training unchanged by sampling."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -84,15 +85,21 @@ def test_clips_of_the_asked_size_and_length_at_the_baseline_every_n_steps_and_th
     samples = runs["with"] / "lora" / "samples"
     assert sorted(p.name for p in samples.iterdir()) == ["step-00000000", "step-00000002", "step-00000004",
                                                          "step-00000005"]   # 5 steps: 0 (baseline), 2, 4, end
+    # the prompts file beside the clips keeps each prompt whole and in its own script (a Korean prompt's
+    # clip was "02-prompt.mp4", its text nowhere)
     for folder in samples.iterdir():
         names = sorted(p.name for p in folder.iterdir())
         assert names == ["01-a-news-anchor-in-the-studio.mp4", "01-a-news-anchor-in-the-studio.png",
-                         "02-prompt.mp4", "02-prompt.png"], names   # no temp files left
+                         "02-도시-거리-밤.mp4", "02-도시-거리-밤.png", "prompts.json"], names   # no temp files left
         first = iio.imread(folder / names[0], plugin="pyav")
         assert first.shape == (9, 64, 64, 3)
-        second = iio.imread(folder / "02-prompt.mp4", plugin="pyav")
+        second = iio.imread(folder / "02-도시-거리-밤.mp4", plugin="pyav")
         assert second.shape == (5, 32, 64, 3)
-        assert Image.open(folder / "02-prompt.png").size == (64, 32)
+        assert Image.open(folder / "02-도시-거리-밤.png").size == (64, 32)
+        kept = json.loads((folder / "prompts.json").read_text(encoding="utf-8"))["prompts"]
+        assert [(p["index"], p["stem"], p["prompt"], p["seed"]) for p in kept] == [
+            (1, "01-a-news-anchor-in-the-studio", "a news anchor in the studio", 42),
+            (2, "02-도시-거리-밤", "도시 거리 밤", 9)]
     state = read_status(runs["with"] / "logs", 0)
     assert state["last_samples"]["step"] == 5 and state["samples_dir"] == str(samples.resolve())
     records = [r for r in read_history(runs["with"] / "logs", 0) if r.get("kind") == "samples"]
@@ -115,7 +122,7 @@ def test_a_run_from_the_cache_samples_with_the_cached_prompt_embeddings_and_only
     """The cached run loads no text encoder; its baseline clips equal the encoding run's (same DiT, prompts, seeds)."""
     cached = runs["cached"] / "lora" / "samples"
     assert sorted(p.name for p in cached.iterdir()) == ["step-00000000", "step-00000005"]   # baseline and end
-    for name in ("01-a-news-anchor-in-the-studio.mp4", "02-prompt.mp4"):
+    for name in ("01-a-news-anchor-in-the-studio.mp4", "02-도시-거리-밤.mp4"):
         from_cache = iio.imread(cached / "step-00000000" / name, plugin="pyav").astype(int)
         encoded = iio.imread(runs["with"] / "lora" / "samples" / "step-00000000" / name, plugin="pyav").astype(int)
         assert from_cache.shape == encoded.shape and abs(from_cache - encoded).max() <= 2, name
@@ -125,11 +132,16 @@ def test_tensorboard_gets_each_sample_sets_first_frames(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_id = read_status(runs["with"] / "logs", 0)["run_id"]
-    events = EventAccumulator(str(runs["with"] / "lora" / "tracking" / run_id), size_guidance={"images": 0})
+    events = EventAccumulator(str(runs["with"] / "lora" / "tracking" / run_id),
+                              size_guidance={"images": 0, "tensors": 0})
     events.Reload()
-    assert sorted(events.Tags()["images"]) == ["samples/01-a-news-anchor-in-the-studio", "samples/02-prompt"]
-    images = events.Images("samples/02-prompt")
+    assert sorted(events.Tags()["images"]) == ["samples/01-a-news-anchor-in-the-studio", "samples/02-도시-거리-밤"]
+    images = events.Images("samples/02-도시-거리-밤")
     assert [i.step for i in images] == [0, 2, 4, 5] and (images[0].width, images[0].height) == (64, 32)
+    # each image's full prompt as text beside it, unchanged
+    texts = events.Tensors("samples/02-도시-거리-밤/prompt/text_summary")
+    assert [t.step for t in texts] == [0, 2, 4, 5]
+    assert texts[0].tensor_proto.string_val[0].decode("utf-8") == "도시 거리 밤"
 
 
 def test_while_rank_0_samples_no_rank_looks_stalled(runs):

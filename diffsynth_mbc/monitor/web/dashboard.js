@@ -124,16 +124,16 @@
     }
     const gpu = r.gpu || null;
     const mem = gpu && num(gpu.mem_used_mb)
-      ? (gpu.mem_used_mb / 1024).toFixed(1) + (num(gpu.mem_total_mb) ? " / " + (gpu.mem_total_mb / 1024).toFixed(0) : "") + " GB"
-        + (num(gpu.peak_allocated_mb) ? " (peak " + (gpu.peak_allocated_mb / 1024).toFixed(1) + ")" : "")
+      ? (gpu.mem_used_mb / 1024).toFixed(1) + (num(gpu.mem_total_mb) ? "\u00a0/\u00a0" + (gpu.mem_total_mb / 1024).toFixed(0) : "")
+        + "\u00a0GB" + (num(gpu.peak_allocated_mb) ? " (peak\u00a0" + (gpu.peak_allocated_mb / 1024).toFixed(1) + ")" : "")
       : "-";
     // epoch is 0-based in the run files; people count from 1
     const epoch = num(r.epoch) ? ((r.epoch + 1) + (num(r.num_epochs) ? " / " + r.num_epochs : "")) : "-";
     const cells = [
-      [null, rank], ["l", r.hostname || "-"], null, ["l", (r.phase || "-") + (r.waiting_text ? ": " + r.waiting_text : "")], [null, epoch],
+      [null, rank], ["l wrap", r.hostname || "-"], null, ["l wrap", (r.phase || "-") + (r.waiting_text ? ": " + r.waiting_text : "")], [null, epoch],
       [null, (num(r.step) ? r.step : "-") + " / " + (num(r.total_steps) ? r.total_steps : "-")],
       [null, fmt(r.loss, 4)], [null, fmt(r.lr, 3)], [null, num(r.step_time_s) ? r.step_time_s.toFixed(2) + " s" : "-"],
-      [null, gpu ? (num(gpu.util_pct) ? Math.round(gpu.util_pct) + " %" : "-") : "cpu"], [null, mem],
+      [null, gpu ? (num(gpu.util_pct) ? Math.round(gpu.util_pct) + " %" : "-") : "cpu"], ["wrap", mem],
       [null, num(r.age_s) ? dur(r.age_s) + " ago" : "-"],
     ];
     for (const c of cells) {
@@ -160,15 +160,43 @@
 
     const errors = $("errors");
     errors.replaceChildren();
-    for (const e of s.errors || []) {
-      errors.appendChild(el("h2", null, "Rank " + e.rank + " failed" + (e.hostname ? " on " + e.hostname : "") +
-        ": " + (e.type || "Error") + ": " + (e.message || "")));
-      if (e.traceback_tail) errors.appendChild(el("pre", null, e.traceback_tail));
+    for (const group of errorGroups(s.errors || [])) {
+      const e = group.error, hosts = Array.from(new Set(group.hosts.filter(Boolean)));
+      const box = el("div", {"class": "error", "data-ranks": group.ranks.join(",")});
+      box.appendChild(el("h2", null, rankList(group.ranks) + " failed" + (hosts.length ? " on " + hosts.join(", ") : "")
+        + ": " + (e.type || "Error") + ": " + (e.message || "")));
+      if (e.traceback_tail) box.appendChild(el("pre", null, e.traceback_tail));
+      errors.appendChild(box);
     }
+    for (const pre of errors.querySelectorAll("pre")) pre.scrollTop = pre.scrollHeight;  // the last lines matter most
     for (const [box, list, items] of [["notes-box", "notes", s.notes], ["events-box", "events", s.events]]) {
       $(list).replaceChildren(...(items || []).map((n) => el("li", null, n)));
       $(box).hidden = !(items && items.length);
     }
+  }
+
+  function errorGroups(errors) {
+    // The same error on several ranks (the usual way a DDP run fails) is said once, naming its ranks.
+    const groups = new Map();
+    for (const e of errors) {
+      const key = JSON.stringify([e.type, e.message, e.traceback_tail]);
+      if (!groups.has(key)) groups.set(key, {error: e, ranks: [], hosts: []});
+      groups.get(key).ranks.push(e.rank);
+      groups.get(key).hosts.push(e.hostname);
+    }
+    return Array.from(groups.values());
+  }
+
+  function rankList(ranks) {
+    // [0, 1, 2, 5] -> "Ranks 0-2, 5"; [3] -> "Rank 3"
+    const sorted = ranks.slice().sort((a, b) => a - b), parts = [];
+    for (let i = 0; i < sorted.length; i++) {
+      let j = i;
+      while (j + 1 < sorted.length && sorted[j + 1] === sorted[j] + 1) j++;
+      parts.push(j > i ? sorted[i] + "-" + sorted[j] : String(sorted[i]));
+      i = j;
+    }
+    return (sorted.length > 1 ? "Ranks " : "Rank ") + parts.join(", ");
   }
 
   // ---- history ------------------------------------------------------------------------------
@@ -265,25 +293,54 @@
     return out;
   }
 
-  function tickText(u, splits) {
-    return splits.map((v) => (v === null ? "" : Math.abs(v) >= 1e5 || (v !== 0 && Math.abs(v) < 1e-3)
-      ? v.toExponential(1) : String(Number(v.toPrecision(6)))));
+  function tickTexts(splits) {
+    // One format for all the ticks of an axis (never "0.001" beside "8.0e-4"): exponents with one mantissa
+    // precision when the values are tiny or huge, else one number of decimals; zero is "0" either way.
+    const values = splits.filter(num);
+    const big = Math.max(0, ...values.map(Math.abs));
+    const show = (texts) => splits.map((v, i) => (num(v) ? texts[i] : ""));
+    const distinct = (texts) => new Set(values.map((v) => texts[splits.indexOf(v)])).size === new Set(values).size;
+    if (big >= 1e6 || (big > 0 && big < 1e-2)) {   // steps up to 999999 stay whole numbers
+      for (let digits = 1; ; digits++) {
+        const texts = splits.map((v) => (!num(v) ? "" : v === 0 ? "0" : v.toExponential(digits)));
+        if (distinct(texts) || digits >= 6) return show(texts);
+      }
+    }
+    for (let decimals = 0; ; decimals++) {
+      const texts = splits.map((v) => (num(v) ? v.toFixed(decimals) : ""));
+      if ((distinct(texts) && values.every((v) => Math.abs(Number(v.toFixed(decimals)) - v) <= 1e-9 * Math.max(1, big)))
+          || decimals >= 8) return show(texts);
+    }
+  }
+
+  function axisValues(chart, key) {
+    // The tick labels as drawn, kept on the chart's box for the browser tests.
+    return (u, splits) => {
+      const texts = tickTexts(splits);
+      chart.box.dataset[key] = JSON.stringify(texts);
+      return texts;
+    };
   }
 
   function lineSpecs(spec, ranks, slowSet) {
-    // One line per rank (lr: once); the loss adds a faint raw line under each smoothed one.
-    const lines = [];
+    // One line per rank (lr: once); the loss adds a faint raw line per rank, all of them under the smoothed ones.
+    const lines = [], raw = [];
     for (const rank of spec.once ? ranks.slice(0, 1) : ranks) {
       const color = rankColor(rank);
       const tag = spec.highlightSlow && slowSet.has(rank) ? " · " + slowSet.get(rank) : "";
       const label = spec.once ? "lr" : "rank " + rank + tag;
       if (spec.smoothing && options.smoothing > 0) {
-        lines.push({rank: rank, raw: true, label: label + " raw", stroke: fade(color, 0.3), width: 1});
+        raw.push({rank: rank, raw: true, label: label + " raw", stroke: fade(color, 0.3), width: 1});
       }
+      // Later ranks are drawn over earlier ones: the first rank's line is solid and wider, the others dashed
+      // and narrower, so where ranks agree (often: the same loss on every rank) each line still shows.
       const highlighted = spec.highlightSlow && slowSet.has(rank);
-      lines.push({rank: rank, raw: false, label: label, stroke: color, width: highlighted ? 3 : 1.5,
-                  dash: highlighted ? [6, 3] : undefined});
+      const first = rank === ranks[0];
+      lines.push({rank: rank, raw: false, label: label, stroke: color,
+                  width: highlighted ? 3 : first && !spec.once ? 3 : 1.5,
+                  dash: highlighted ? [6, 3] : first || spec.once ? undefined : [6, 6]});
     }
+    lines.unshift(...raw);
     if (spec.quantiles && ranks.length) {
       const first = ranks[0];
       const keys = Array.from(history[first].quantiles.keys()).sort((a, b) => Number(a) - Number(b));
@@ -315,19 +372,29 @@
   }
 
   function epochPlugin(chart) {
+    // A dashed line where each epoch starts; labels only where they fit, so that none overlaps the one before
+    // (at 20 epochs on a narrow chart: "epoch 1", "epoch 5", "epoch 9", ...), and never past the plot's right edge.
     return {hooks: {draw: (u) => {
-      const ctx = u.ctx, top = u.bbox.top, height = u.bbox.height;
+      const ctx = u.ctx, top = u.bbox.top, height = u.bbox.height, right = u.bbox.left + u.bbox.width;
+      const pad = 4 * devicePixelRatio, gap = 8 * devicePixelRatio;
+      const drawn = [];
       ctx.save();
       ctx.strokeStyle = "rgba(138, 150, 168, .55)"; ctx.fillStyle = "#8a96a8";
       ctx.setLineDash([4, 4]); ctx.lineWidth = 1; ctx.textAlign = "left";
       ctx.font = Math.round(10 * devicePixelRatio) + "px sans-serif";
+      let free = -Infinity;   // where the next label may start
       for (const [step, epoch] of chart.epochs) {
         if (step < u.scales.x.min || step > u.scales.x.max) continue;
         const x = Math.round(u.valToPos(step, "x", true)) + 0.5;
         ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
-        ctx.fillText("epoch " + (epoch + 1), x + 4, top + 12 * devicePixelRatio);
+        const text = "epoch " + (epoch + 1), width = ctx.measureText(text).width;
+        if (x + pad < free || x + pad + width > right) continue;
+        ctx.fillText(text, x + pad, top + 12 * devicePixelRatio);
+        free = x + pad + width + gap;
+        drawn.push([text, (x + pad) / devicePixelRatio, (x + pad + width) / devicePixelRatio]);
       }
       ctx.restore();
+      chart.box.dataset.epochLabels = JSON.stringify(drawn);   // [text, left, right] in CSS pixels
     }}};
   }
 
@@ -403,10 +470,10 @@
       width: width, height: 220,
       scales: {x: {time: false}, y: spec.logToggle && options.logLoss ? {distr: 3} : {}},
       axes: [
-        {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: tickText, label: "step",
-         labelSize: 18, font: "11px sans-serif", labelFont: "11px sans-serif"},
-        {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: tickText, size: 60,
-         font: "11px sans-serif"},
+        {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: axisValues(chart, "xTicks"),
+         label: "step", labelSize: 18, font: "11px sans-serif", labelFont: "11px sans-serif"},
+        {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: axisValues(chart, "yTicks"),
+         size: 60, font: "11px sans-serif"},
       ],
       series: [{label: "step", value: (u, v) => (v === null ? "-" : String(v))}].concat(lines.map((line) => ({
         label: line.label, stroke: line.stroke, width: line.width, dash: line.dash, spanGaps: true,
@@ -467,7 +534,7 @@
       const lines = lineSpecs(spec, ranks, slowSet);
       const data = chartData(spec, lines);
       chart.epochs = epochs;
-      const signature = JSON.stringify([lines.map((l) => [l.label, l.width]), options.logLoss]);
+      const signature = JSON.stringify([lines.map((l) => [l.label, l.width, l.dash]), options.logLoss]);
       if (!chart.plot || signature !== chart.signature) {
         makePlot(chart, lines, data);
         chart.signature = signature;
@@ -500,15 +567,24 @@
     table.replaceChildren();
     $("samples-box").hidden = !sets.length;
     if (!sets.length) return;
+    // Each row says its prompt in full, as written (the newest set's text; a set from before prompts files
+    // were kept shows its file name's words instead).
     const prompts = new Map();
-    for (const set of sets) for (const clip of set.clips) prompts.set(clip.index, clip.slug);
+    for (const set of sets) {
+      for (const clip of set.clips) {
+        const text = typeof clip.prompt === "string" ? clip.prompt : null;
+        if (text !== null || !prompts.has(clip.index)) prompts.set(clip.index, text !== null ? text : clip.slug.replace(/-/g, " "));
+      }
+    }
     const head = el("tr");
     head.appendChild(el("th", {"class": "l"}, "prompt"));
     for (const set of sets) head.appendChild(el("th", null, "step " + set.step));
     table.appendChild(head);
-    for (const [index, slug] of Array.from(prompts.entries()).sort((a, b) => a[0] - b[0])) {
+    for (const [index, text] of Array.from(prompts.entries()).sort((a, b) => a[0] - b[0])) {
       const row = el("tr", {"data-prompt": index});
-      row.appendChild(el("th", {"class": "l"}, index + ". " + slug.replace(/-/g, " ")));
+      const label = el("th", {"class": "l prompt", dir: "auto"});
+      label.append(el("span", {"class": "n"}, index + ". "), el("span", {"class": "text"}, text));
+      row.appendChild(label);
       for (const set of sets) {
         const cell = el("td", {"data-step": set.step});
         const clip = set.clips.find((c) => c.index === index);
