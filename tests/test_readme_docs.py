@@ -58,7 +58,7 @@ def shell_commands(text: str) -> list[list[str]]:
 
 
 def _normal(flag: str) -> str:
-    return flag.split("=")[0].replace("-", "_")
+    return flag.split("=")[0]
 
 
 @functools.lru_cache(maxsize=None)
