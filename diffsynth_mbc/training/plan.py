@@ -25,7 +25,7 @@ def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str)
     arguments = ["--dataset_base_path", base_path, "--dataset_metadata_path", metadata_path,
                  "--height", str(options.height), "--width", str(options.width),
                  "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed),
-                 "--decoder", options.decoder]
+                 "--decoder", options.decoder, "--log_dir", options.log_dir]   # the monitor sees the build there
     if options.sample_prompts and metadata_path == options.dataset_metadata_path:
         arguments += ["--sample_prompts", options.sample_prompts]
     if options.mixed_precision != "auto":   # auto: the cache picks as the training will, from the GPU
