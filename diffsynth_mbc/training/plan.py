@@ -75,7 +75,8 @@ def projected_line(options, world_size: int, cached: bool, assume: str | None = 
                                  cached_launch=cached, media=count_media(options.dataset_metadata_path))
     if run.projection is None:
         return f"projected run length: unknown: {run.speed['unknown']}"
-    return run.projection.line()
+    cache = run.projection.cache_line()
+    return run.projection.line() + (f"\n  {cache}" if cache else "")
 
 
 def main(argv: list[str] | None = None) -> int:
