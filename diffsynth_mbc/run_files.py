@@ -16,15 +16,18 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 
-# Lifecycle of one rank. "starting" is written the moment the process starts.
+# Lifecycle of one rank. "starting" is written the moment the process starts. "caching": the latent cache job
+# (python -m diffsynth_mbc.cache) encoding its share of the rows, before the training's own files take over.
 STATUS_STARTING = "starting"
+STATUS_CACHING = "caching"
 STATUS_LOADING = "loading"
 STATUS_TRAINING = "training"
 STATUS_FINISHED = "finished"
 STATUS_FAILED = "failed"
 STATUS_STOPPED = "stopped"
-STATUSES = (STATUS_STARTING, STATUS_LOADING, STATUS_TRAINING, STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED)
-ACTIVE_STATUSES = (STATUS_STARTING, STATUS_LOADING, STATUS_TRAINING)
+STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING, STATUS_FINISHED, STATUS_FAILED,
+            STATUS_STOPPED)
+ACTIVE_STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING)
 TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED)
 
 # Fields of training_gpu{rank}.json. Readers must tolerate extra fields and missing optional ones.
@@ -54,6 +57,12 @@ STATUS_FIELDS = (
     # for longer than its write interval (a heartbeat keeps the file fresh meanwhile), else None
     "waiting",
 )
+
+# A cache rank's status file has the fields above (step/total_steps: rows done/rows of its share, samples_per_s:
+# rows/s, step_time_s: s/row, so that progress, ETA and stall detection read as for training) and these:
+# rows_done, rows_total, rows_per_s, failures (rows that could not be read or encoded), last_failure (its reason),
+# cache_dir. No history: the cache job appends nothing per row.
+CACHE_FIELDS = ("rows_done", "rows_total", "rows_per_s", "failures", "last_failure", "cache_dir")
 
 # Fields of each training_gpu{rank}.jsonl line (one per optimizer step; epoch from 0). Extra fields may
 # appear, and other lines carry a "kind": validation {"kind": "val", "step", "val_loss", "val_samples", "time"},

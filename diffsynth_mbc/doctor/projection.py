@@ -76,6 +76,8 @@ class Projection:
     image_seconds: float | None
     cache_build_seconds: float | None    # None: no cache to build
     kind: str                            # "estimate" or "measured"
+    encode_video_seconds: float | None = None   # one clip / one image through the VAE and the text encoder
+    encode_image_seconds: float | None = None
 
     @property
     def training_seconds(self) -> float:
@@ -91,7 +93,7 @@ class Projection:
                 "image_seconds_per_step": _round(self.image_seconds), "training_seconds": round(self.training_seconds),
                 "cache_build_seconds": None if self.cache_build_seconds is None else round(self.cache_build_seconds),
                 "total_seconds": round(self.total_seconds), "total": duration(self.total_seconds), "kind": self.kind,
-                "line": self.line()}
+                "line": self.line(), "cache_line": self.cache_line()}
 
     def line(self) -> str:
         shape = self.shape
@@ -112,6 +114,20 @@ class Projection:
             text += f", after building the latent cache ({duration(self.cache_build_seconds)})"
         return text
 
+    def cache_line(self) -> str | None:
+        """The latent cache build on its own line (None when there is none to build): its length, whether that is
+        an estimate or measured, and what it is made of. Each GPU encodes its share of the rows once."""
+        if self.cache_build_seconds is None:
+            return None
+        shape = self.shape
+        parts = [f"{math.ceil(rows / shape.gpus):,} {what} x {seconds:.2f} s" for rows, what, seconds in
+                 ((shape.videos, "clips", self.encode_video_seconds), (shape.images, "images", self.encode_image_seconds))
+                 if rows and seconds is not None]
+        units = "CPU process(es)" if shape.unit == "CPU process" else f"{shape.unit}(s)"
+        return (f"latent cache build: {duration(self.cache_build_seconds)} ({self.kind}), before the first step: "
+                f"{' + '.join(parts) or 'no rows'} per {shape.unit}, {shape.gpus} {units} in parallel; each row is encoded "
+                f"once (the build shows in the monitor as the caching phase)")
+
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
@@ -126,7 +142,7 @@ def project(shape: RunShape, video_seconds: float | None, image_seconds: float |
         rows_per_gpu = lambda rows: math.ceil(rows / shape.gpus)  # noqa: E731
         cache = (rows_per_gpu(shape.videos) * (encode_video_seconds or 0.0)
                  + rows_per_gpu(shape.images) * (encode_image_seconds or 0.0))
-    return Projection(shape, video_seconds, image_seconds, cache, kind)
+    return Projection(shape, video_seconds, image_seconds, cache, kind, encode_video_seconds, encode_image_seconds)
 
 
 def duration(seconds: float) -> str:

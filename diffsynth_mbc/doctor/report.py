@@ -60,6 +60,8 @@ def speed_lines(speed: dict) -> list[str]:
             lines += [f"    {source}" for source in figure["sources"]]
     if speed.get("projection"):
         lines.append(speed["projection"]["line"])
+        if speed["projection"].get("cache_line"):
+            lines.append(speed["projection"]["cache_line"])
     return lines
 
 
@@ -84,6 +86,8 @@ def probe_lines(probe: dict | None) -> list[str]:
                      f"{memory_text}{encode}")
     if probe.get("projection"):
         lines.append(probe["projection"]["line"])
+        if probe["projection"].get("cache_line"):
+            lines.append(probe["projection"]["cache_line"])
     return lines
 
 

@@ -9,6 +9,10 @@ Aggregates
     more, e.g. a finished run, the sum of the rates the ranks last trained at); ``loss``: the
     mean of the ranks' last losses; ``elapsed_s``: now - earliest ``started_at`` while active,
     else the largest ``elapsed_s``.
+
+The latent cache build (``python -m diffsynth_mbc.cache``) writes the same files with status ``caching``
+and rows for steps: ``caching`` sums the ranks' rows done and in all, rows/s and failures, and while no
+rank trains, ``step``/``total_steps``/``progress`` are those rows and ``samples_per_s`` the rows/s.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def run_status(ranks: list[dict]) -> str:
     active = [s for s in statuses if s in run_files.ACTIVE_STATUSES]
     if not active:
         return "stopped" if "stopped" in statuses else ("finished" if "finished" in statuses else "starting")
-    for candidate in ("training", "loading", "starting"):
+    for candidate in ("training", "loading", "caching", "starting"):
         if candidate in active:
             return candidate
     return "starting"
@@ -98,7 +102,8 @@ def values_of(ranks: Iterable[dict], key: str) -> list[float]:
 def aggregate(ranks: list[dict], status: str, now: float) -> dict:
     if not ranks:
         return {"step": None, "total_steps": None, "progress": None, "elapsed_s": None, "eta_s": None,
-                "samples_per_s": None, "loss": None, "started_at": None, "updated_at": None, "overheads": None}
+                "samples_per_s": None, "loss": None, "started_at": None, "updated_at": None, "overheads": None,
+                "caching": None}
     steps = values_of(ranks, "step")
     totals = values_of(ranks, "total_steps")
     total = max(totals) if totals else None
@@ -132,12 +137,17 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
         elapsed_values = values_of(ranks, "elapsed_s")
         elapsed = max(elapsed_values) if elapsed_values else None
     rated = [r for r in ranks if isinstance(r.get("samples_per_s"), float)]
-    training = [r for r in rated if r.get("status") == "training"]
-    if training or active:   # a rank still loading or starting has no rate of its own yet: no stale one either
-        rated = training
+    working = [r for r in rated if r.get("status") in ("training", "caching")]
+    if working or active:   # a rank still loading or starting has no rate of its own yet: no stale one either
+        rated = working
     rates = [r["samples_per_s"] for r in rated]
     losses = values_of(ranks, "loss")
     updated = values_of(ranks, "updated_at")
+    cache = caching_of(ranks)
+    if cache is not None and status not in ("training", "loading"):   # the cache build: rows of every rank
+        steps, total = [cache["rows_done"]], cache["rows_total"]
+        if status != "finished" and cache["rows_total"]:
+            progress = 100.0 * cache["rows_done"] / cache["rows_total"]
     return {
         "step": int(min(steps)) if steps else None,
         "total_steps": int(total) if total is not None else None,
@@ -149,6 +159,31 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
         "started_at": min(started) if started else None,
         "updated_at": max(updated) if updated else None,
         "overheads": overheads_of(ranks),
+        "caching": cache,
+    }
+
+
+def caching_of(ranks: list[dict]) -> dict | None:
+    """The latent cache build over the ranks whose files are a cache job's (``rows_total``): rows done and in all,
+    rows/s (sum), failures (sum) and the last failure, the ETA of the slowest active rank; None without one."""
+    cache = [r for r in ranks if isinstance(r.get("rows_total"), int) and not isinstance(r.get("rows_total"), bool)]
+    if not cache:
+        return None
+    done = values_of(cache, "rows_done")
+    rates = [r["rows_per_s"] for r in cache if r.get("status") == run_files.STATUS_CACHING
+             and isinstance(r.get("rows_per_s"), (int, float))]
+    active = [r for r in cache if r.get("status") in run_files.ACTIVE_STATUSES]
+    etas = values_of(active, "eta_s")
+    last = [r for r in cache if r.get("last_failure")]
+    return {
+        "ranks": len(cache),
+        "rows_done": int(sum(done)),
+        "rows_total": int(sum(r["rows_total"] for r in cache)),
+        "rows_per_s": round(sum(rates), 6) if rates else None,
+        "eta_s": (max(etas) if etas and len(etas) == len(active) else None) if active else 0.0,
+        "failures": int(sum(values_of(cache, "failures"))),
+        "last_failure": str(max(last, key=lambda r: r.get("updated_at") or 0)["last_failure"]) if last else None,
+        "phase": "caching" if active else "cached",
     }
 
 

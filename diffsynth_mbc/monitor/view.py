@@ -25,7 +25,7 @@ SPARK_CHARS = "▁▂▃▄▅▆▇█"
 @dataclass(frozen=True)
 class Theme:
     status: dict = field(default_factory=lambda: {
-        "starting": "cyan", "loading": "cyan", "training": "bold green", "finished": "bold blue",
+        "starting": "cyan", "caching": "bold cyan", "loading": "cyan", "training": "bold green", "finished": "bold blue",
         "failed": "bold white on red", "stopped": "yellow", "stalled": "bold black on yellow",
         "no_data": "dim", "missing": "bold magenta", "unknown": "magenta",
     })
@@ -137,14 +137,18 @@ def render_header(snap: dict, log_dir: str | None, theme: Theme) -> RenderableTy
     world_text = Text(str(world if world is not None else "-"), style=theme.value)
     if missing:
         world_text.append(f"  missing: {', '.join(map(str, missing))}", style=theme.status["missing"])
-    grid.add_row("step", step_text, "ranks", world_text)
+    cache = cache_of(snap)
+    grid.add_row("cache rows" if cache else "step", step_text, "ranks", world_text)
     bar = ProgressBar(total=100.0, completed=progress or 0.0, width=40)
     rate = snap.get("samples_per_s")
-    grid.add_row("progress", bar, "samples/s", Text(fmt_num(rate, ".3g"), style=theme.value))
+    grid.add_row("progress", bar, "rows/s" if cache else "samples/s", Text(fmt_num(rate, ".3g"), style=theme.value))
     grid.add_row("elapsed", Text(fmt_duration(snap.get("elapsed_s")), style=theme.value),
                  "ETA (slowest)", Text(fmt_duration(snap.get("eta_s")), style=theme.value))
-    grid.add_row("loss (mean)", Text(fmt_num(snap.get("loss")), style=theme.value),
-                 "between steps", Text(printable(overheads_text(snap.get("overheads")) or "-"), style=theme.value))
+    if cache:
+        grid.add_row("failed rows", Text(printable(failures_text(cache)), style=theme.value), "", "")
+    else:
+        grid.add_row("loss (mean)", Text(fmt_num(snap.get("loss")), style=theme.value),
+                     "between steps", Text(printable(overheads_text(snap.get("overheads")) or "-"), style=theme.value))
     title = escape(printable("diffsynth-mbc monitor" + (f" — {log_dir}" if log_dir else "")))
     return Panel(grid, title=title, title_align="left", border_style=theme.header_border, box=box.ROUNDED)
 
@@ -213,18 +217,33 @@ def render_notes(snap: dict, theme: Theme, limit: int = 12) -> RenderableType | 
 COMPACT_BELOW = 110   # columns: below this, one short line per rank and a two-column header
 
 
+def cache_of(snap: dict) -> dict | None:
+    """The latent cache build's figures while it is what the run does (no rank loading or training yet)."""
+    return snap.get("caching") if snap.get("status") not in ("training", "loading") else None
+
+
+def failures_text(cache: dict) -> str:
+    failures = cache.get("failures") or 0
+    last = cache.get("last_failure")
+    return f"{failures}" + (f" (last: {' '.join(str(last).split())[:160]})" if failures and last else "")
+
+
 def render_compact_header(snap: dict, theme: Theme) -> RenderableType:
     status = snap.get("status", "no_data")
     step, total, progress = snap.get("step"), snap.get("total_steps"), snap.get("progress")
+    cache = cache_of(snap)
     line = Text()
     line.append(status.upper(), style=theme.status.get(status, ""))
-    line.append(f"  step {step if step is not None else '-'}/{total if total is not None else '-'}", style=theme.value)
+    line.append(f"  {'cache rows' if cache else 'step'} {step if step is not None else '-'}/"
+                f"{total if total is not None else '-'}", style=theme.value)
     if progress is not None:
         line.append(f" ({progress:.1f}%)", style=theme.value)
     line.append(f"  ETA {fmt_duration(snap.get('eta_s'))}", style=theme.value)
-    line.append(f"  loss {fmt_num(snap.get('loss'))}", style=theme.value)
+    line.append(f"  failed {failures_text(cache)}" if cache else f"  loss {fmt_num(snap.get('loss'))}",
+                style=theme.value)
     second = Text(f"elapsed {fmt_duration(snap.get('elapsed_s'))}  ranks {snap.get('world_size') or '-'}"
-                  f"  samples/s {fmt_num(snap.get('samples_per_s'), '.3g')}", style=theme.label)
+                  f"  {'rows/s' if cache else 'samples/s'} {fmt_num(snap.get('samples_per_s'), '.3g')}",
+                  style=theme.label)
     if snap.get("missing_ranks"):
         second.append(f"  missing: {', '.join(map(str, snap['missing_ranks']))}", style=theme.status["missing"])
     second.append(Text(f"  run {printable(str(snap.get('run_id') or '-'))}", style=theme.label))

@@ -26,7 +26,7 @@ def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str)
     arguments = ["--dataset_base_path", base_path, "--dataset_metadata_path", metadata_path,
                  "--height", str(options.height), "--width", str(options.width),
                  "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed),
-                 "--decoder", options.decoder]
+                 "--decoder", options.decoder, "--log_dir", options.log_dir]   # the monitor sees the build there
     if options.sample_prompts and metadata_path == options.dataset_metadata_path:
         arguments += ["--sample_prompts", options.sample_prompts]
     if options.mixed_precision != "auto":   # auto: the cache picks as the training will, from the GPU
@@ -116,7 +116,8 @@ def projected_line(options, world_size: int, cached: bool, assume: str | None = 
                                  cached_launch=cached, media=count_media(options.dataset_metadata_path))
     if run.projection is None:
         return f"projected run length: unknown: {run.speed['unknown']}"
-    return run.projection.line()
+    cache = run.projection.cache_line()
+    return run.projection.line() + (f"\n  {cache}" if cache else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

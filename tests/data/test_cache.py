@@ -199,10 +199,28 @@ def test_two_ranks_shard_the_rows_and_rank0_writes_the_whole_index(demo, referen
             (cache_dir / row["entry"]).unlink()
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), "-m", "diffsynth_mbc.cache", *flags(root, cache_dir)]
-    result = subprocess.run(command, env=isolated_env(tmp_path, ACCELERATE_USE_CPU=1, OMP_NUM_THREADS=1),
+               "--main_process_port", str(free_port()), "-m", "diffsynth_mbc.cache", *flags(root, cache_dir),
+               "--log_dir", str(tmp_path / "logs")]
+    result = subprocess.run(command, env=isolated_env(tmp_path, ACCELERATE_USE_CPU=1, OMP_NUM_THREADS=1,
+                                                      MBC_RUN_ID="cache-test-1"),
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
+    # Each rank wrote its own status file, as the training's ranks do, and ended with its share done.
+    for rank in (0, 1):
+        state = json.loads((tmp_path / "logs" / f"training_gpu{rank}.json").read_text())
+        assert (state["rank"], state["world_size"], state["run_id"]) == (rank, 2, "cache-test-1")
+        assert state["status"] == "finished" and state["phase"].startswith("caching done")
+        assert state["rows_done"] == state["rows_total"] == 3 and state["eta_s"] == 0.0
+        assert state["failures"] == (1 if rank == 0 else 0)
+    assert "cannot decode" in json.loads((tmp_path / "logs" / "training_gpu0.json").read_text())["last_failure"]
+    assert not list((tmp_path / "logs").glob("*.jsonl"))
+    monitor = subprocess.run([sys.executable, "-m", "diffsynth_mbc.monitor", str(tmp_path / "logs"), "--json"],
+                             env=isolated_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert monitor.returncode == 0, monitor.stderr
+    snap = json.loads(monitor.stdout)
+    assert snap["status"] == "finished" and snap["run_id"] == "cache-test-1"
+    assert snap["caching"]["phase"] == "cached" and snap["caching"]["rows_done"] == snap["caching"]["rows_total"] == 6
+    assert snap["caching"]["failures"] == 1 and (snap["step"], snap["total_steps"]) == (6, 6)
     summary = json.loads((cache_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
     per_rank = {item["rank"]: item for item in summary["per_rank"]}

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
+from diffsynth_mbc.doctor import projection
 from e2e_helpers import REPO
 
 pytestmark = pytest.mark.slow
@@ -88,6 +89,15 @@ def test_auto_checkpointing_speed_and_run_length_for_the_full_run_on_two_v100s(t
     code, table, _ = doctor("--config", FULL, "--assume", "V100S-32GB", "--gpus", "2", "--cached",
                             "--dataset_metadata_path", str(metadata))
     assert "projected run length:" in table and "0.0 days" not in table and "scaled to V100S-32GB" in table
+    # the cache build, the longest wait before the first step, on a line of its own, said to be an estimate
+    cache_line = projected["cache_line"]
+    assert cache_line.startswith(f"latent cache build: {projection.duration(projected['cache_build_seconds'])} "
+                                 "(estimate), before the first step: 400 clips x ")
+    assert " + 450 images x " in cache_line and " per GPU, 2 GPU(s) in parallel" in cache_line
+    assert "\nlatent cache build: " in table.replace("\n\n", "\n")
+    code, table, _ = doctor("--config", FULL, "--assume", "V100S-32GB", "--gpus", "2",
+                            "--dataset_metadata_path", str(metadata))
+    assert "projected run length:" in table and "latent cache build" not in table   # nothing to build
 
 
 def test_an_a100_runs_the_full_preset_as_configured_and_an_h100_gets_cudnn_attention():

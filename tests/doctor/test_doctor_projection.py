@@ -54,6 +54,20 @@ def test_the_length_is_steps_times_seconds_plus_the_cache_build():
     assert projection.project(shape, 2.0, 1.0).cache_build_seconds is None
 
 
+def test_the_cache_build_has_a_line_of_its_own_that_says_whether_it_is_measured():
+    shape = RunShape(10, 20, batch_size=1, image_batch=5, gpus_per_node=2)
+    estimated = projection.project(shape, 2.0, 1.0, encode_video_seconds=3.0, encode_image_seconds=0.5)
+    assert estimated.cache_line() == ("latent cache build: 20 seconds (estimate), before the first step: 5 clips x "
+                                      "3.00 s + 10 images x 0.50 s per GPU, 2 GPU(s) in parallel; each row is encoded "
+                                      "once (the build shows in the monitor as the caching phase)")
+    assert estimated.as_dict()["cache_line"] == estimated.cache_line()
+    measured = projection.project(RunShape(0, 7, unit="CPU process"), 1.0, 1.0, encode_image_seconds=2.0,
+                                  kind="measured")
+    assert measured.cache_line().startswith("latent cache build: 14 seconds (measured), before the first step: "
+                                            "7 images x 2.00 s per CPU process, 1 CPU process(es) in parallel")
+    assert projection.project(shape, 2.0, 1.0).cache_line() is None
+
+
 @pytest.mark.parametrize("seconds, text", [(0.4, "0 seconds"), (59, "59 seconds"), (600, "10 minutes"),
                                            (5400, "1.5 hours"), (86400 * 2.26, "2.3 days")])
 def test_durations_never_read_zero_days(seconds, text):
@@ -93,6 +107,9 @@ def test_the_plan_command_prints_the_doctors_projected_line(tmp_path):
     expected = estimates.estimate_run(options, known_gpu("V100S-32GB"), "V100S-32GB", "fp16", gpus=2, nodes=2,
                                       cached_launch=True, media=(800, 900)).projection.line()
     assert f"  {expected}\n" in result.stderr
+    cache = estimates.estimate_run(options, known_gpu("V100S-32GB"), "V100S-32GB", "fp16", gpus=2, nodes=2,
+                                   cached_launch=True, media=(800, 900)).projection.cache_line()
+    assert f"  {expected}\n  {cache}\n" in result.stderr and cache.startswith("latent cache build: ")
     assert "on 4 GPU(s) (2 node(s) x 2)" in expected and "after building the latent cache" in expected
     unknown = subprocess.run([sys.executable, "-m", "diffsynth_mbc.plan", "--world_size", "1", "--config", FULL,
                               "--dataset_metadata_path", str(metadata)], capture_output=True, text=True, timeout=120,

@@ -91,8 +91,10 @@ def shard_path(cache_dir: Path, rank: int, world_size: int) -> Path:
 class ShardJob:
     """One rank's share of the cache: rows r, r+W, ...; what is already cached is skipped."""
 
-    def __init__(self, options, ranks: Ranks, settings: dict, dataset, device: str, torch_dtype, model_files):
+    def __init__(self, options, ranks: Ranks, settings: dict, dataset, device: str, torch_dtype, model_files,
+                 status=None):
         self.options, self.ranks, self.settings, self.dataset = options, ranks, settings, dataset
+        self.status = status   # data.cache.status.CacheStatus: this rank's status file, or None
         self.device, self.torch_dtype, self.model_files = device, torch_dtype, model_files
         self.cache_dir = Path(options.cache_dir)
         self.stats = {"rows": 0, "written": 0, "skipped": 0, "failed": 0, "text_written": 0, "text_skipped": 0,
@@ -158,10 +160,14 @@ class ShardJob:
         """Loaded on first need: a rank whose remaining rows all fail to decode never loads the models."""
         if self._encoder is None:
             loading = time.monotonic()
+            if self.status is not None:
+                self.status.loading()
             pipe = load_encoders(self.options, self.device, self.torch_dtype, self.model_files)
             self._encoder = Encoder(pipe, self.cache_dir, self.torch_dtype)
             self.stats["model_load_seconds"] = round(time.monotonic() - loading, 3)
             self.view.restart_clock()
+            if self.status is not None:
+                self.status.encoding()
         return self._encoder
 
     def ensure_text(self, row: int) -> None:
@@ -208,7 +214,7 @@ class ShardJob:
                 error = self.encode_one(row, sample)
             if error is not None:
                 self.fail(row, self.plan[row]["file"], error)
-            self.view.advance()
+            self.row_done()
 
     def encode_texts_of_cached_clips(self) -> None:
         for row in self.pending_text:
@@ -219,7 +225,12 @@ class ShardJob:
                 self.stats["skipped"] -= 1
                 self.fail(row, self.plan[row]["file"],
                           f"metadata row {row + 1} ({self.plan[row]['file']}): same file as a row that failed")
-            self.view.advance()
+            self.row_done()
+
+    def row_done(self) -> None:
+        self.view.advance()
+        if self.status is not None:
+            self.status.row_done(self.failed)
 
     # -- the shard record -----------------------------------------------------------------------
     def record(self, seconds: float) -> dict:
@@ -237,11 +248,14 @@ class ShardJob:
                 "failed": sorted(self.failed, key=lambda item: item["row"]), "stats": self.stats}
 
 
-def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, torch_dtype, model_files) -> dict:
+def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, torch_dtype, model_files,
+                 status=None) -> dict:
     """Encode this rank's rows; returns its shard record (rows done, failures, counts)."""
     started = time.monotonic()
-    job = ShardJob(options, ranks, settings, dataset, device, torch_dtype, model_files)
+    job = ShardJob(options, ranks, settings, dataset, device, torch_dtype, model_files, status)
     job.plan_rows()
+    if status is not None:
+        status.planned(job.stats["rows"], job.stats["rows"] - job.work, job.failed)
     if job.work:
         job.view = ProgressView(job.work, ranks.rank, ranks.world_size, enabled=ranks.rank == 0)
         try:
@@ -256,8 +270,14 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
 # Merging (rank 0)
 
 
-def wait_for_shards(cache_dir: Path, world_size: int, poll_s: float = 0.5, report_s: float = 60.0) -> list[dict]:
+def wait_for_shards(cache_dir: Path, world_size: int, poll_s: float = 0.5, report_s: float = 60.0,
+                    status=None) -> list[dict]:
+    """Rank 0 waits for every rank's shard record; with ``status``, its file says so and stays fresh meanwhile."""
     paths = [shard_path(cache_dir, rank, world_size) for rank in range(world_size)]
+    missing = [rank for rank, path in enumerate(paths) if not path.is_file()]
+    if missing and status is not None:
+        with status.waiting(f"rank(s) {', '.join(map(str, missing))} to finish their share of the cache"):
+            return wait_for_shards(cache_dir, world_size, poll_s, report_s)
     started = last = time.monotonic()
     while True:
         missing = [rank for rank, path in enumerate(paths) if not path.is_file()]

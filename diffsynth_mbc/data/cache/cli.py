@@ -19,6 +19,11 @@ Layout of ``--cache_dir``::
     failures.csv                         rows whose media could not be read, with the reason
     summary.json                         counts, bytes, bytes/sample and the projection to 1280x704x17
 
+Started as ``python -m diffsynth_mbc.cache``, every rank writes ``training_gpu{rank}.json`` into ``--log_dir`` (default CACHE_DIR/logs; the launchers pass the
+training's log folder) with status ``caching``: rows done/total of its share, rows/s, ETA, failures, rewritten at
+most every 5 s, so ``python -m diffsynth_mbc.monitor LOG_DIR`` and the dashboard show the build like training
+(and call a silent rank stalled); the training that follows replaces these files with its own.
+
 An entry key is the sha256 of what determines the latent: the media file (resolved path, size, mtime),
 height, width, frames, the VAE's identity and the dtype. A text key is the sha256 of the caption, the
 text encoder's identity (with the tokenizer), text_len and the dtype; a caption shared by several rows
@@ -86,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset_num_workers", type=int, default=2, help="decoding worker processes per rank")
     parser.add_argument("--decoder", choices=DECODERS, default="fast",
                         help="fast: only the frames that train, in-process (PyAV; default); diffsynth: DiffSynth's reader")
+    parser.add_argument("--log_dir", help="where each rank writes its status file training_gpu{rank}.json for the "
+                                          "monitor (default: CACHE_DIR/logs; the launchers give the training's)")
+    parser.add_argument("--run_id", help="the run id in the status files (default: $MBC_RUN_ID, else time-based)")
     return parser
 
 
@@ -106,7 +114,9 @@ def parse_options(argv=None) -> argparse.Namespace:
 # Command
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, status_writer=None) -> int:
+    """``status_writer``: the class that writes each rank's status file (``diffsynth_mbc.cache`` gives the training's
+    ``RankStatusWriter``); None writes none."""
     try:
         options = parse_options(argv)
     except CacheError as exc:
@@ -116,22 +126,40 @@ def main(argv: list[str] | None = None) -> int:
     from diffsynth_mbc.gpu import UnsupportedGpuError
     from diffsynth_mbc.models.model_files import ModelFileError
 
+    from diffsynth_mbc.data.cache.status import CacheStatus, default_log_dir, default_run_id
+
     ranks = Ranks()
+    status = None
+    if status_writer is not None:
+        log_dir = options.log_dir or default_log_dir(options.cache_dir)
+        status = CacheStatus(status_writer, log_dir, options.run_id or default_run_id(), ranks.rank, ranks.local_rank,
+                             ranks.world_size, options.cache_dir)
+        if ranks.rank == 0:
+            print(f"status: {log_dir}/training_gpu*.json   watch: python -m diffsynth_mbc.monitor {log_dir}",
+                  file=sys.stderr, flush=True)
     try:
-        return run(options, ranks)
+        return run(options, ranks, status)
     except (CacheError, ModelFileError, UnsupportedGpuError, OptionsError) as exc:
+        if status is not None:
+            status.fail(exc)
         print(f"[rank {ranks.rank}] error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if status is not None:
+            status.stopped()
         print(f"[rank {ranks.rank}] stopped; finished entries are kept, a rerun resumes", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - reported with its traceback
+        if status is not None:
+            status.fail(exc)
         import traceback
 
         traceback.print_exc()
         print(f"[rank {ranks.rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
+        if status is not None:
+            status.close()
         ranks.close()
 
 
@@ -142,7 +170,7 @@ def default_dtype(capability: tuple[int, int] | None) -> str:
     return "bf16" if tuple(capability) >= (8, 0) else "fp16"
 
 
-def run(options, ranks: Ranks) -> int:
+def run(options, ranks: Ranks, status=None) -> int:
     import torch
 
     from diffsynth_mbc.data.dataset import MBCVideoDataset
@@ -179,10 +207,12 @@ def run(options, ranks: Ranks) -> int:
             model_files = (files.text_encoder, files.vae, files.tokenizer_dir)
         else:
             if ranks.rank != 0:
-                ranks.barrier()  # rank 0 downloads first
+                with waiting(status, "rank 0 to download the model files"):
+                    ranks.barrier()  # rank 0 downloads first
             model_files = resolve_model_id_files(options.model_id)
             if ranks.rank == 0:
-                ranks.barrier()
+                with waiting(status, "every rank at the start"):
+                    ranks.barrier()
         identities = encoder_identities(*model_files)
         text_len = WanPrompter().text_len
     settings = {"height": options.height, "width": options.width, "num_frames": options.num_frames,
@@ -198,21 +228,34 @@ def run(options, ranks: Ranks) -> int:
     # before the barrier; rank 0 only looks for them after it.
     own_shard = shard_path(cache_dir, ranks.rank, ranks.world_size)
     own_shard.unlink(missing_ok=True)
-    ranks.barrier()
+    with waiting(status, "every rank at the start"):
+        ranks.barrier()
 
-    shard = encode_shard(options, ranks, settings, dataset, device, torch_dtype, model_files)
+    shard = encode_shard(options, ranks, settings, dataset, device, torch_dtype, model_files, status)
     atomic_write_json(own_shard, shard)
+    stats = shard["stats"]
+    done = f"{stats['written']} written, {stats['skipped']} skipped, {stats['failed']} failed"
     if ranks.rank != 0:
-        stats = shard["stats"]
-        print(f"[rank {ranks.rank}] shard done: {stats['written']} written, {stats['skipped']} skipped, "
-              f"{stats['failed']} failed", file=sys.stderr)
+        print(f"[rank {ranks.rank}] shard done: {done}", file=sys.stderr)
+        if status is not None:
+            status.finished(f"this rank's share: {done}")
         return 0
-    shards = wait_for_shards(cache_dir, ranks.world_size)
+    shards = wait_for_shards(cache_dir, ranks.world_size, status=status)
     summary = merge(options, settings, metadata, shards, time.monotonic() - started)
     print(describe(summary), file=sys.stderr)
     if sample_prompts:
         encode_sample_prompts(options, settings, device, torch_dtype, model_files, sample_prompts)
+    if status is not None:
+        status.finished(f"{summary['rows_cached']}/{summary['rows_in_metadata']} rows cached, "
+                        f"{summary['failed']} failed; this rank's share: {done}")
     return 0
+
+
+def waiting(status, what: str):
+    """``status.waiting(what)``, or nothing without a status file."""
+    import contextlib
+
+    return contextlib.nullcontext() if status is None else status.waiting(what)
 
 
 def encode_sample_prompts(options, settings: dict, device: str, torch_dtype, model_files, prompts: list) -> None:

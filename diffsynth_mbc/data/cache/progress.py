@@ -1,7 +1,9 @@
-"""Rank 0's view of the cache job: a rich bar in a terminal, else a plain line every 30 s."""
+"""Rank 0's view of the cache job (a rich bar in a terminal, else a plain line every 30 s), and every rank's
+rows/s and ETA for its status file (``RowRate``; pure, no torch)."""
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 
@@ -60,3 +62,46 @@ class ProgressView:
             self.progress = None
 
 
+
+
+class RowRate:
+    """Rows/s and the ETA of one rank's share of the cache, in constant memory and time per row.
+
+    The rate is taken over the last ``window`` rows (a sample of (time, rows done) per row, bounded), so a slow
+    start or a change of media (clips, then images) fades out; ``restart`` leaves out what came before it (the
+    model loading), and rows done before the first ``restart``/creation (skipped as already cached) count as
+    done but not in the rate. ``clock`` is a monotonic clock in seconds."""
+
+    def __init__(self, total: int, done: int = 0, window: int = 200, clock=time.monotonic):
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self.total, self.done, self.window, self._clock = total, done, window, clock
+        self._samples = collections.deque(maxlen=window + 1)
+        self.restart()
+
+    def restart(self) -> None:
+        self._samples.clear()
+        self._samples.append((self._clock(), self.done))
+
+    def advance(self, rows: int = 1) -> None:
+        self.done = min(self.total, self.done + rows)
+        self._samples.append((self._clock(), self.done))
+
+    @property
+    def rows_per_s(self) -> float | None:
+        """None until a row was done after the (re)start over a measurable time."""
+        (t0, d0), (t1, d1) = self._samples[0], self._samples[-1]
+        if d1 <= d0 or t1 <= t0:
+            return None
+        return (d1 - d0) / (t1 - t0)
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.done >= self.total:
+            return 0.0
+        rate = self.rows_per_s
+        return None if rate is None else (self.total - self.done) / rate
+
+    @property
+    def progress(self) -> float:
+        return 100.0 if self.total <= 0 else 100.0 * self.done / self.total

@@ -83,6 +83,7 @@
     $("sum-elapsed").textContent = dur(s.elapsed_s);
     $("sum-eta").textContent = dur(s.eta_s);
     $("sum-rate").textContent = fmt(s.samples_per_s, 3);
+    cacheLabels(s);
     $("sum-loss").textContent = fmt(s.loss, 4);
     let ranksText = s.world_size === null || s.world_size === undefined ? "-" : String(s.world_size);
     if (s.missing_ranks && s.missing_ranks.length) ranksText += " (missing " + s.missing_ranks.join(", ") + ")";
@@ -91,6 +92,14 @@
     $("sum-ranks").textContent = ranksText;
     $("sum-overheads").replaceChildren(...overheadLines(s.overheads).map((t) => el("div", null, t)));
     if (!$("sum-overheads").childNodes.length) $("sum-overheads").textContent = "-";
+  }
+
+  // While the latent cache is built (no rank loading or training), the step and rate cards count rows.
+  function cacheLabels(s) {
+    const rows = !!s.caching && s.status !== "training" && s.status !== "loading";
+    const step = $("sum-step").previousElementSibling, rate = $("sum-rate").previousElementSibling;
+    if (step) step.textContent = rows ? "Cache rows" : "Step";
+    if (rate) rate.textContent = rows ? "Rows / s" : "Samples / s";
   }
 
   const OVERHEAD_LABELS = {checkpoint: "checkpoints", lora: "LoRA files", validation: "validation", samples: "samples"};
