@@ -202,6 +202,24 @@ def nvidia_smi_device() -> tuple[GpuSpec, str | None, int] | None:
     return spec, rates_from, len(rows)
 
 
+PYNVML_NOTICE = "The pynvml package is deprecated"
+
+
+def quiet_pynvml_notice() -> None:
+    """Silence the FutureWarning that ``import torch.cuda`` gives when the deprecated pynvml package is installed:
+    it names a package torch chose, nothing a user of ours can act on, and printed above our own output. Only that
+    warning, in this process and (through PYTHONWARNINGS) in the processes it starts; call before torch is
+    imported."""
+    import os
+    import warnings
+
+    warnings.filterwarnings("ignore", message=PYNVML_NOTICE, category=FutureWarning)
+    rule = f"ignore:{PYNVML_NOTICE}:FutureWarning"
+    given = os.environ.get("PYTHONWARNINGS", "")
+    if rule not in given.split(","):
+        os.environ["PYTHONWARNINGS"] = f"{given},{rule}" if given else rule
+
+
 def current_device() -> dict | None:
     """Name, capability, memory and the installed torch's arch list of CUDA device 0; None without a GPU."""
     import torch

@@ -154,6 +154,9 @@ def export(source: str | Path, target_format: str, output: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from diffsynth_mbc.gpu import quiet_pynvml_notice
+
+    quiet_pynvml_notice()   # safetensors' torch import would print it above our one line
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.export", allow_abbrev=False,
                                      description="Convert a LoRA file or checkpoint folder into a file ComfyUI or "
                                                  "DiffSynth loads at the trained strength.")

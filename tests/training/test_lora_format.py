@@ -206,3 +206,20 @@ def test_export_never_writes_inside_the_checkpoint_it_reads(tmp_path, trained, c
     assert export_main([str(checkpoint), "--output", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
     assert export_main([str(checkpoint), "--output", str(tmp_path / "out.safetensors")]) == 0
+
+
+def test_no_pynvml_notice_above_the_exports_line(tmp_path, trained):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}   # as a shell starts it
+    probe = subprocess.run([sys.executable, "-c", "import torch.cuda"], capture_output=True, text=True, timeout=300,
+                           env=env)
+    if "pynvml" not in probe.stderr:
+        pytest.skip("this torch imports no deprecated pynvml here: nothing to silence")
+    source = tmp_path / "lora.safetensors"
+    save_file(trained["tensors"], str(source), metadata=META)
+    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.export", str(source), "--output",
+                             str(tmp_path / "out.safetensors")], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stderr.startswith("wrote "), result.stderr
