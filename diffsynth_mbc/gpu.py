@@ -202,22 +202,19 @@ def nvidia_smi_device() -> tuple[GpuSpec, str | None, int] | None:
     return spec, rates_from, len(rows)
 
 
-PYNVML_NOTICE = "The pynvml package is deprecated"
+# torch's own deprecation notices, printed when torch.cuda imports the deprecated pynvml package and when a
+# library scripts a function with torch.jit: they name packages torch chose, nothing a user of ours can act on.
+# The launchers filter the same two (launchers/common.sh, PYTHONWARNINGS).
+TORCH_NOTICES = ("The pynvml package is deprecated", "`torch.jit.script` is deprecated")
 
 
-def quiet_pynvml_notice() -> None:
-    """Silence the FutureWarning that ``import torch.cuda`` gives when the deprecated pynvml package is installed:
-    it names a package torch chose, nothing a user of ours can act on, and printed above our own output. Only that
-    warning, in this process and (through PYTHONWARNINGS) in the processes it starts; call before torch is
-    imported."""
-    import os
+def quiet_torch_notices() -> None:
+    """Filter only torch's two notices above, in this process (entry points that print their own output call it
+    before torch is imported); every other warning still shows."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=PYNVML_NOTICE, category=FutureWarning)
-    rule = f"ignore:{PYNVML_NOTICE}:FutureWarning"
-    given = os.environ.get("PYTHONWARNINGS", "")
-    if rule not in given.split(","):
-        os.environ["PYTHONWARNINGS"] = f"{given},{rule}" if given else rule
+    for notice in TORCH_NOTICES:
+        warnings.filterwarnings("ignore", message=re.escape(notice), category=FutureWarning)
 
 
 def current_device() -> dict | None:

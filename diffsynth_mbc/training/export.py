@@ -1,9 +1,9 @@
-"""``python -m diffsynth_mbc.export LORA_OR_CHECKPOINT --format comfyui|diffsynth --output FILE``.
+"""``python -m diffsynth_mbc.export LORA_OR_CHECKPOINT --format comfyui|diffsynth --output FILE [--overwrite]``.
 
 Converts a LoRA file written by any version of this trainer, or a checkpoint folder
 (``CHECKPOINTS/step-00001234``), into a file that ComfyUI or DiffSynth loads at the strength it was
-trained with (see ``lora_format``). The input is never modified; the output is written to a temp
-file and renamed. Exit codes: 0 written, 2 bad input or options (the message names the file).
+trained with (see ``lora_format``). The input is never modified; an existing output is replaced only
+with ``--overwrite``; the output is written to a temp file and renamed. Exit codes: 0 written, 2 bad input or options (the message names the file).
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ def _alpha(facts: dict, read_from: Path) -> float | None:
     return number
 
 
-def _check_output(output: Path, read_from: Path, source: Path) -> None:
-    """Never the input, never inside the checkpoint folder read from (its state files), never a folder."""
+def _check_output(output: Path, read_from: Path, source: Path, overwrite: bool = False) -> None:
+    """Never the input, never inside the checkpoint folder read from (its state files), never a folder; an existing
+    file only with ``overwrite``."""
     target = output.resolve()
     if target == read_from.resolve():
         raise ExportError(f"{output}: the output would overwrite the input; choose another --output")
@@ -104,6 +105,8 @@ def _check_output(output: Path, read_from: Path, source: Path) -> None:
                           "replace its saved state); choose an --output outside it")
     if target.is_dir():
         raise ExportError(f"{output}: is a folder; give --output a file name")
+    if output.exists() and not overwrite:
+        raise ExportError(f"{output}: exists; nothing was written (pass --overwrite to replace it)")
 
 
 def _scale_and_alpha(pairs: dict, alphas: dict, rank: int, alpha: float | None, folded: bool,
@@ -125,10 +128,10 @@ def _scale_and_alpha(pairs: dict, alphas: dict, rank: int, alpha: float | None, 
     return 1.0, module_alpha   # convert folds each .alpha / rank; the metadata alpha is not applied again
 
 
-def export(source: str | Path, target_format: str, output: str | Path) -> dict:
+def export(source: str | Path, target_format: str, output: str | Path, overwrite: bool = False) -> dict:
     tensors, facts, read_from = read_lora(source)
     output = Path(output)
-    _check_output(output, read_from, Path(source))
+    _check_output(output, read_from, Path(source), overwrite)
     folded = str(facts.get("lora_scale_folded", "")).lower() == "true"
     rank, alpha = _rank(facts, read_from), _alpha(facts, read_from)
     try:
@@ -154,9 +157,9 @@ def export(source: str | Path, target_format: str, output: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffsynth_mbc.gpu import quiet_pynvml_notice
+    from diffsynth_mbc.gpu import quiet_torch_notices
 
-    quiet_pynvml_notice()   # safetensors' torch import would print it above our one line
+    quiet_torch_notices()   # safetensors' torch import would print them above our line
     parser = argparse.ArgumentParser(prog="python -m diffsynth_mbc.export", allow_abbrev=False,
                                      description="Convert a LoRA file or checkpoint folder into a file ComfyUI or "
                                                  "DiffSynth loads at the trained strength.")
@@ -164,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=FORMATS, default="comfyui",
                         help="comfyui: diffusion_model.<module>.lora_A/B.weight (default); diffsynth: <module>...")
     parser.add_argument("--output", required=True, help="the file to write (never the input)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output when it exists (else refused)")
     options = parser.parse_args(argv)
     try:
-        result = export(options.source, options.format, options.output)
+        result = export(options.source, options.format, options.output, overwrite=options.overwrite)
     except (ExportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

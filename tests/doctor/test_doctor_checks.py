@@ -45,8 +45,8 @@ def test_an_mfu_worked_out_from_an_estimated_speed_is_labelled_so():
 
 
 @pytest.mark.slow
-def test_no_pynvml_notice_above_the_doctors_output():
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}   # as a shell starts it
+def test_no_torch_notice_above_the_doctors_output():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}   # not started by a launcher
     probe = subprocess.run([sys.executable, "-c", "import torch.cuda"], capture_output=True, text=True, timeout=300,
                            env=env)
     if "pynvml" not in probe.stderr:
@@ -54,4 +54,4 @@ def test_no_pynvml_notice_above_the_doctors_output():
     result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.doctor", "--config", FULL, "--assume", "V100-32GB",
                              "--quick", "--json"], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert '"checks"' in result.stdout
-    assert "pynvml" not in result.stderr, result.stderr
+    assert "pynvml" not in result.stderr and "torch.jit.script" not in result.stderr, result.stderr
