@@ -201,6 +201,21 @@ def nvidia_smi_device() -> tuple[GpuSpec, str | None, int] | None:
     return spec, rates_from, len(rows)
 
 
+# torch's own deprecation notices, printed when torch.cuda imports the deprecated pynvml package and when a
+# library scripts a function with torch.jit: they name packages torch chose, nothing a user of ours can act on.
+# The launchers filter the same two (launchers/common.sh, PYTHONWARNINGS).
+TORCH_NOTICES = ("The pynvml package is deprecated", "`torch.jit.script` is deprecated")
+
+
+def quiet_torch_notices() -> None:
+    """Filter only torch's two notices above, in this process (entry points that print their own output call it
+    before torch is imported); every other warning still shows."""
+    import warnings
+
+    for notice in TORCH_NOTICES:
+        warnings.filterwarnings("ignore", message=re.escape(notice), category=FutureWarning)
+
+
 def current_device() -> dict | None:
     """Name, capability, memory and the installed torch's arch list of CUDA device 0; None without a GPU."""
     import torch

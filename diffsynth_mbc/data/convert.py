@@ -7,7 +7,9 @@
 
 Writes OUT_DIR/metadata.csv (video,prompt,media_type[,width,height,num_frames,fps]),
 metadata_val.csv (with a validation catalogue or --val_fraction), rejects.csv (every input row
-not written, with its reason) and summary.json (with the captions longer than the text encoder's 512 tokens,
+not written because of a problem, with its reason), not_in_subset.csv (with --subset: the valid rows it did
+not take, kept apart so that they do not bury the rejects), flagged.csv (with --probe: the files written but
+flagged as short or small) and summary.json (with the captions longer than the text encoder's 512 tokens,
 which are also named in a warning). Each file is written to a temp file and renamed.
 Exit status: 0 when at least one row was written, 1 when none was, 2 for usage errors or a
 catalogue that cannot be read.
@@ -37,12 +39,17 @@ from diffsynth_mbc.flags import FlagParser
 METADATA_NAME = "metadata.csv"
 METADATA_VAL_NAME = "metadata_val.csv"
 REJECTS_NAME = "rejects.csv"
+NOT_IN_SUBSET_NAME = "not_in_subset.csv"
+FLAGGED_NAME = "flagged.csv"
 SUMMARY_NAME = "summary.json"
-OUTPUT_NAMES = (METADATA_NAME, METADATA_VAL_NAME, REJECTS_NAME, SUMMARY_NAME)
+OUTPUT_NAMES = (METADATA_NAME, METADATA_VAL_NAME, REJECTS_NAME, NOT_IN_SUBSET_NAME, FLAGGED_NAME, SUMMARY_NAME)
 
 METADATA_COLUMNS = ("video", "prompt", "media_type")
 PROBE_COLUMNS = ("width", "height", "num_frames", "fps")
 REJECT_COLUMNS = ("row", "file_path", "reason", "catalog", "line")
+LEFT_OUT_COLUMNS = ("row", "file_path", "catalog", "line")
+FLAGGED_COLUMNS = ("row", "file_path", "flag", "detail", "catalog", "line")
+NAMED_IN_A_WARNING = 3  # files a warning names before "and N more"
 
 
 class UsageError(Exception):
@@ -124,12 +131,25 @@ def _same_file(a: str, b: str) -> bool:
 # Probing
 
 
+@dataclass(frozen=True)
+class Flag:
+    entry: cat.Entry
+    flag: str    # SHORT_VIDEO or SMALL_MEDIA
+    detail: str  # e.g. "5 frames, fewer than 17"
+
+
+SHORT_VIDEO = "short video"
+SMALL_MEDIA = "small media"
+
+
 @dataclass
 class ProbeOutcome:
     info: dict[int, MediaInfo]  # id(entry) -> info, for entries that were readable
     unreadable: list[cat.Reject]
-    short_videos: int
-    small_media: int
+    flags: list[Flag]
+
+    def flagged(self, flag: str) -> list[Flag]:
+        return [f for f in self.flags if f.flag == flag]
 
 
 def _probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: Console) -> ProbeOutcome:
@@ -145,7 +165,7 @@ def _probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: 
         results = probe_files(items, args.workers, decoder=args.decoder)
     info: dict[int, MediaInfo] = {}
     unreadable: list[cat.Reject] = []
-    short_videos = small_media = 0
+    flags: list[Flag] = []
     for entry, result in zip(entries, results):
         if result.info is None:
             unreadable.append(cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
@@ -153,10 +173,11 @@ def _probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: 
             continue
         info[id(entry)] = result.info
         if entry.media_type == "video" and result.info.num_frames < args.min_frames:
-            short_videos += 1
+            flags.append(Flag(entry, SHORT_VIDEO, f"{result.info.num_frames} frames, fewer than {args.min_frames}"))
         if result.info.width < args.min_width or result.info.height < args.min_height:
-            small_media += 1
-    return ProbeOutcome(info, unreadable, short_videos, small_media)
+            flags.append(Flag(entry, SMALL_MEDIA, f"{result.info.width}x{result.info.height}, smaller than "
+                                                  f"{args.min_width}x{args.min_height}"))
+    return ProbeOutcome(info, unreadable, flags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +225,53 @@ def rejects_text(rejects: list[cat.Reject]) -> str:
                                                                             r.line)] for r in ordered))
 
 
+def left_out_text(left_out: list[cat.Reject]) -> str:
+    """not_in_subset.csv: the valid rows --subset did not take (no reason: none of them has a problem)."""
+    ordered = sorted(left_out, key=lambda r: r.row)
+    return _csv_text(LEFT_OUT_COLUMNS, ([spreadsheet_safe(cell) for cell in (r.row, r.file_path, r.catalog, r.line)]
+                                        for r in ordered))
+
+
+def flagged_text(flags: list[Flag]) -> str:
+    """flagged.csv: every file --probe flagged (and still wrote), with what was found."""
+    order = {"train": 0, "val": 1}
+    ordered = sorted(flags, key=lambda f: (order.get(f.entry.catalog, 2), f.entry.row, f.flag))
+    return _csv_text(FLAGGED_COLUMNS, ([spreadsheet_safe(cell) for cell in (
+        f.entry.row, f.entry.source.file_path, f.flag, f.detail, f.entry.catalog, f.entry.source.line)]
+        for f in ordered))
+
+
+def _named(flags: list[Flag]) -> list[str]:
+    """The first few flagged files, each with what was found, for a warning line."""
+    names = []
+    for flag in flags[:NAMED_IN_A_WARNING]:
+        found = flag.detail.split(",")[0]
+        names.append(f"{flag.entry.source.file_path} ({found})")
+    return names
+
+
+NOT_PROBED = ("media files were not opened: --probe would decode each one, count its frames (flagging videos with "
+              "fewer than {min_frames} frames) and read its size, and reject truncated or unreadable files, which "
+              "otherwise stop training when too many of them are met")
+
+
+def base_path_hint(catalogs: dict[str, cat.Catalog], rejects: list[cat.Reject], base_path: str) -> str | None:
+    """When at least half of a catalogue's rows (and all of them, for a catalogue of one row) are missing files,
+    the base path is the likelier mistake than the files: say where the first missing row was looked for."""
+    for name, catalog in catalogs.items():
+        missing = [r for r in rejects if r.catalog == name and r.code == cat.Reason.MISSING_FILE]
+        total = len(catalog.rows)
+        if not missing or len(missing) * 2 < total:
+            continue
+        first = min(missing, key=lambda r: r.row)
+        file_path = first.file_path.strip()
+        looked_for = os.path.normpath(file_path if os.path.isabs(file_path) else os.path.join(base_path, file_path))
+        share = f"all {total}" if len(missing) == total else f"{len(missing)} of {total}"
+        return (f"{share} {name} rows' files are missing: is --base_path right? It resolves to {base_path}; "
+                f"row {first.row} ({file_path}) was looked for at {looked_for}")
+    return None
+
+
 def _probe_summary(entries: list[cat.Entry], outcome: ProbeOutcome, args: argparse.Namespace) -> dict:
     infos = [outcome.info[id(e)] for e in entries]
     videos = [outcome.info[id(e)] for e in entries if e.media_type == "video"]
@@ -213,8 +281,11 @@ def _probe_summary(entries: list[cat.Entry], outcome: ProbeOutcome, args: argpar
         "min_width": args.min_width,
         "min_height": args.min_height,
         "unreadable": len(outcome.unreadable),
-        "flagged_short_videos": outcome.short_videos,
-        "flagged_small_media": outcome.small_media,
+        "flagged_short_videos": len(outcome.flagged(SHORT_VIDEO)),
+        "flagged_small_media": len(outcome.flagged(SMALL_MEDIA)),
+        "named_short_videos": _named(outcome.flagged(SHORT_VIDEO)),
+        "named_small_media": _named(outcome.flagged(SMALL_MEDIA)),
+        "flagged_file": FLAGGED_NAME if outcome.flags else None,
         "width": histogram(i.width for i in infos),
         "height": histogram(i.height for i in infos),
         "num_frames": histogram(i.num_frames for i in infos),
@@ -224,8 +295,10 @@ def _probe_summary(entries: list[cat.Entry], outcome: ProbeOutcome, args: argpar
 
 
 def build_summary(args, catalogs: dict[str, cat.Catalog], plan: selection.ConversionPlan, rejects: list[cat.Reject],
-                  probe_summary: dict | None, outputs: list[str]) -> dict:
+                  probe_summary: dict | None, outputs: list[str], left_out: list[cat.Reject] = ()) -> dict:
     rejects_by_catalog = {name: [r for r in rejects if r.catalog == name] for name in catalogs}
+    left_out_by_catalog = {name: sum(1 for r in left_out if r.catalog == name) for name in catalogs}
+    base_path = cat.normalise_base_path(args.base_path)
     return {
         "input_rows": dict(plan.input_rows),
         "input_rows_total": sum(plan.input_rows.values()),
@@ -233,6 +306,7 @@ def build_summary(args, catalogs: dict[str, cat.Catalog], plan: selection.Conver
         "written_rows": {"train": len(plan.train), "val": len(plan.val)},
         "rejected_rows": {name: len(items) for name, items in rejects_by_catalog.items()},
         "rejects_by_reason": {name: selection.count_reasons(items) for name, items in rejects_by_catalog.items()},
+        "not_in_subset_rows": left_out_by_catalog if plan.subset else None,
         "media_types": {"train": selection.count_media_types(plan.train), "val": selection.count_media_types(plan.val)},
         "subset": asdict(plan.subset) if plan.subset else None,
         "split": {
@@ -247,14 +321,17 @@ def build_summary(args, catalogs: dict[str, cat.Catalog], plan: selection.Conver
         "note": None if not args.no_check_files else "file existence was not checked (--no_check_files)",
         "inputs": {name: {"path": os.path.abspath(c.path), "sha256": c.sha256, "columns": c.columns}
                    for name, c in catalogs.items()},
-        "base_path": cat.normalise_base_path(args.base_path),
+        "base_path": base_path,
+        "base_path_hint": None if args.no_check_files else base_path_hint(catalogs, rejects, base_path),
         "outputs": outputs,
         "arguments": vars(args),
         "probe": probe_summary,
+        "not_probed": None if probe_summary is not None else NOT_PROBED.format(min_frames=args.min_frames),
         "accounting": {
             name: {"input": plan.input_rows[name],
                    "written": sum(1 for e in plan.train + plan.val if e.catalog == name),
-                   "rejected": len(rejects_by_catalog[name])}
+                   "rejected": len(rejects_by_catalog[name]),
+                   **({"not_in_subset": left_out_by_catalog[name]} if plan.subset else {})}
             for name in catalogs
         },
     }
@@ -282,17 +359,31 @@ def print_summary_table(console: Console, summary: dict) -> None:
     if subset and subset["took_all"]:
         console.print(f"[yellow]--subset {subset['requested']} is not less than the {subset['available']} "
                       f"valid rows: took all of them[/yellow]")
+    left_out = sum((summary["not_in_subset_rows"] or {}).values())
+    if left_out:
+        console.print(f"{left_out} rows not taken by --subset {subset['requested']} are listed in "
+                      f"{NOT_IN_SUBSET_NAME} (they are not rejects)", highlight=False)
+    if summary["base_path_hint"]:
+        console.print(f"[yellow]{escape(summary['base_path_hint'])}[/yellow]", highlight=False)
     probe = summary["probe"]
     if probe:
         if probe["flagged_short_videos"]:
-            console.print(f"[yellow]warning: {probe['flagged_short_videos']} videos have fewer than "
-                          f"{probe['min_frames']} frames[/yellow]")
+            _print_flagged(console, f"{probe['flagged_short_videos']} videos have fewer than {probe['min_frames']} "
+                                    "frames", probe["named_short_videos"], probe["flagged_short_videos"])
         if probe["flagged_small_media"]:
-            console.print(f"[yellow]warning: {probe['flagged_small_media']} files are smaller than "
-                          f"{probe['min_width']}x{probe['min_height']}[/yellow]")
+            _print_flagged(console, f"{probe['flagged_small_media']} files are smaller than {probe['min_width']}x"
+                                    f"{probe['min_height']}", probe["named_small_media"], probe["flagged_small_media"])
+    if summary["not_probed"]:
+        console.print(f"note: {summary['not_probed']}", highlight=False)
     if summary["note"]:
         console.print(f"[yellow]{summary['note']}[/yellow]")
     console.print(f"wrote {', '.join(summary['outputs'])}")
+
+
+def _print_flagged(console: Console, what: str, named: list[str], count: int) -> None:
+    more = f" and {count - len(named)} more" if count > len(named) else ""
+    console.print(f"[yellow]warning: {escape(what)}: {escape(', '.join(named))}{more}; all are listed in "
+                  f"{FLAGGED_NAME}[/yellow]", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +399,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
         catalogs["train"], args.base_path, val_catalog=catalogs.get("val"), val_fraction=args.val_fraction,
         subset=args.subset, seed=args.seed, media=args.media, check_files=not args.no_check_files,
     )
-    rejects = list(plan.rejects)
-    probed = probe_summary = None
+    # The subset's leftovers are valid rows, not rejects: listed apart so that 165,000 of them do not bury
+    # the few rows that have a problem.
+    left_out = [r for r in plan.rejects if r.code == cat.Reason.NOT_IN_SUBSET]
+    rejects = [r for r in plan.rejects if r.code != cat.Reason.NOT_IN_SUBSET]
+    probed = probe_summary = outcome = None
     if args.probe:
         outcome = _probe_entries(plan.train + plan.val, args, console)
         rejects += outcome.unreadable
@@ -322,7 +416,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         selection.check_accounting(
             len(catalog.rows),
             [e for e in plan.train + plan.val if e.catalog == name],
-            [r for r in rejects if r.catalog == name],
+            [r for r in rejects + left_out if r.catalog == name],
         )
 
     _refuse_an_empty_split(plan, args)
@@ -331,11 +425,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if plan.split_mode is not None:
         files[METADATA_VAL_NAME] = metadata_text(plan.val, probed)
     files[REJECTS_NAME] = rejects_text(rejects)
-    summary = build_summary(args, catalogs, plan, rejects, probe_summary, list(files) + [SUMMARY_NAME])
+    if plan.subset is not None:
+        files[NOT_IN_SUBSET_NAME] = left_out_text(left_out)
+    if outcome is not None and outcome.flags:
+        files[FLAGGED_NAME] = flagged_text(outcome.flags)
+    summary = build_summary(args, catalogs, plan, rejects, probe_summary, list(files) + [SUMMARY_NAME], left_out)
     summary["captions"] = captions.summary()
     files[SUMMARY_NAME] = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
-    # metadata_val.csv of an earlier run with validation does not belong to this one.
-    removed = publish_output_set(Path(args.output), files, stale=[METADATA_VAL_NAME])
+    # The optional files of an earlier run (with validation, --subset or flags) do not belong to this one.
+    removed = publish_output_set(Path(args.output), files, stale=[METADATA_VAL_NAME, NOT_IN_SUBSET_NAME, FLAGGED_NAME])
     for name in removed:
         console.print(f"removed stale {Path(args.output) / name}")
 

@@ -1,12 +1,18 @@
 """Small real media and an MBC-format catalogue, for tests and the training demo.
 
 Videos are H.264 mp4 (libx264, yuv420p, so width and height must be even) written through
-imageio's ffmpeg backend; images are PNG or JPEG written with PIL.
+imageio's ffmpeg backend; images are PNG or JPEG written with PIL. ``make_demo_catalog`` replaces a file
+only when its bytes differ, so a latent cache built from one demo run (it keys files by size and mtime)
+is still good for the next.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +79,35 @@ def write_image(path, width: int, height: int, seed: int = 0) -> Path:
     return path
 
 
+def _write_if_changed(path: Path, write) -> None:
+    """``write(temp_path)`` beside ``path`` (same suffix, which picks the format), then move it into place only
+    when its bytes differ from ``path``'s: an unchanged file keeps its mtime."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(handle)
+    temp = Path(temp)
+    try:
+        write(temp)
+        if path.is_file() and _same_bytes(path, temp):
+            return
+        os.replace(temp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as first, open(b, "rb") as second:
+        while True:
+            chunk = first.read(1 << 20)
+            if chunk != second.read(1 << 20):
+                return False
+            if not chunk:
+                return True
+
+
 def make_demo_catalog(
     root,
     num_videos: int = 6,
@@ -92,19 +127,22 @@ def make_demo_catalog(
     rows = []
     for index in range(num_videos):
         relative = f"media/video_{index:03d}.mp4"
-        write_video(root / relative, num_frames, width, height, seed=seed + index)
+        _write_if_changed(root / relative, lambda temp, index=index: write_video(temp, num_frames, width, height,
+                                                                                  seed=seed + index))
         caption = f"{DEMO_CAPTIONS[index % len(DEMO_CAPTIONS)]} #{index}"
         rows.append((relative, caption, "video"))
     for index in range(num_images):
         suffix = "png" if index % 2 == 0 else "jpg"
         relative = f"media/image_{index:03d}.{suffix}"
-        write_image(root / relative, width, height, seed=seed + 1000 + index)
+        _write_if_changed(root / relative, lambda temp, index=index: write_image(temp, width, height,
+                                                                                  seed=seed + 1000 + index))
         caption = f"{DEMO_CAPTIONS[(index + 3) % len(DEMO_CAPTIONS)]} #{index}"
         rows.append((relative, caption, "image"))
     media_dir.mkdir(parents=True, exist_ok=True)
     catalog_path = root / "catalog.csv"
-    with open(catalog_path, "w", encoding="utf-8", newline="") as handle:
-        writer = csv.writer(handle, lineterminator="\n")
-        writer.writerow(("file_path", "caption", "media_type"))
-        writer.writerows(rows)
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(("file_path", "caption", "media_type"))
+    writer.writerows(rows)
+    _write_if_changed(catalog_path, lambda temp: temp.write_text(text.getvalue(), encoding="utf-8", newline=""))
     return catalog_path

@@ -13,7 +13,7 @@ from typing import Iterable
 
 MISSING_FILE = "missing file"
 NOT_A_FILE = "not a readable file"
-OUTSIDE_BASE_PATH = "path outside --base-path"
+OUTSIDE_BASE_PATH = "path outside --base_path"
 
 
 def file_problems(paths: Iterable[str], base_path: str | None = None) -> dict[str, tuple[str, str]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from diffsynth_mbc.doctor import memory
 from diffsynth_mbc.gpu import GpuSpec, arch_problem, attention_kernel, resolve_precision, sm
+from diffsynth_mbc.models.model_files import MODELSCOPE_ID
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 GIB = 1024 ** 3
@@ -166,18 +167,27 @@ def disk_checks(options, rows: int | None) -> list[Check]:
     return out
 
 
+def download_command(model_id: str | None, folder: str) -> str:
+    """The command that puts the release's files into ``folder`` (ModelScope's own client)."""
+    return f"modelscope download --model {model_id or MODELSCOPE_ID} --local_dir {folder}"
+
+
 def model_check(options) -> Check:
     if options.demo:
         return Check("model files", OK, "demo: a tiny random model, no files needed")
+    model_id = options.model_id or MODELSCOPE_ID
     if not options.model_dir:
-        return Check("model files", WARN, f"--model_id {options.model_id or 'Wan-AI/Wan2.2-TI2V-5B'}: downloaded "
-                     "from ModelScope at start (about 30 GB)", "download once, then pass --model_dir")
+        return Check("model files", WARN, f"--model_id {model_id}: downloaded from ModelScope at start (about 30 GB)",
+                     f"download once ({download_command(model_id, './Wan2.2-TI2V-5B')}), then pass "
+                     "--model_dir ./Wan2.2-TI2V-5B")
     from diffsynth_mbc.models.model_files import ModelFileError, locate_model_files
 
     try:
         files = locate_model_files(options.model_dir)
     except ModelFileError as exc:
-        return Check("model files", FAIL, str(exc), "download or repair the model folder")
+        return Check("model files", FAIL, str(exc),
+                     f"get the files with `{download_command(model_id, options.model_dir)}` (about 30 GB), or leave "
+                     f"out --model_dir and pass --model_id {model_id} to download them at start")
     return Check("model files", OK, f"{options.model_dir}: {len(files.dit_shards)} DiT shard(s), T5, VAE, tokenizer readable")
 
 

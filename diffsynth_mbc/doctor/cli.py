@@ -113,6 +113,9 @@ def run_checks(ours, options) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from diffsynth_mbc.gpu import quiet_torch_notices
+
+    quiet_torch_notices()
     try:
         ours, options = parse(argv)
     except (OptionsError, ValueError) as exc:

@@ -54,7 +54,10 @@ def speed_lines(speed: dict) -> list[str]:
     for kind in ("video", "image"):
         if kind in speed:
             figure = speed[kind]
-            mfu = f", MFU {figure['mfu']:.0%}" if figure["mfu"] is not None else ""
+            mfu = ""
+            if figure["mfu"] is not None:   # worked out from the seconds: no more a fact than they are
+                held = "" if figure["kind"] == "measured" else " if the estimated speed holds"
+                mfu = f", MFU {figure['mfu']:.0%}{held}"
             lines.append(f"speed, {kind} batch: {figure['seconds_per_step']:.2f} s/step ({figure['kind']}; "
                          f"{figure['model_tflop_per_step']} TFLOP/step{mfu})")
             lines += [f"    {source}" for source in figure["sources"]]

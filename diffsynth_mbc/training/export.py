@@ -1,9 +1,9 @@
-"""``python -m diffsynth_mbc.export LORA_OR_CHECKPOINT --format comfyui|diffsynth --output FILE``.
+"""``python -m diffsynth_mbc.export LORA_OR_CHECKPOINT --format comfyui|diffsynth --output FILE [--overwrite]``.
 
 Converts a LoRA file written by any version of this trainer, or a checkpoint folder
 (``CHECKPOINTS/step-00001234``), into a file that ComfyUI or DiffSynth loads at the strength it was
-trained with (see ``lora_format``). The input is never modified; the output is written to a temp
-file and renamed. Exit codes: 0 written, 2 bad input or options (the message names the file).
+trained with (see ``lora_format``). The input is never modified; an existing output is replaced only
+with ``--overwrite``; the output is written to a temp file and renamed. Exit codes: 0 written, 2 bad input or options (the message names the file).
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ def _alpha(facts: dict, read_from: Path) -> float | None:
     return number
 
 
-def _check_output(output: Path, read_from: Path, source: Path) -> None:
-    """Never the input, never inside the checkpoint folder read from (its state files), never a folder."""
+def _check_output(output: Path, read_from: Path, source: Path, overwrite: bool = False) -> None:
+    """Never the input, never inside the checkpoint folder read from (its state files), never a folder; an existing
+    file only with ``overwrite``."""
     target = output.resolve()
     if target == read_from.resolve():
         raise ExportError(f"{output}: the output would overwrite the input; choose another --output")
@@ -105,6 +106,8 @@ def _check_output(output: Path, read_from: Path, source: Path) -> None:
                           "replace its saved state); choose an --output outside it")
     if target.is_dir():
         raise ExportError(f"{output}: is a folder; give --output a file name")
+    if output.exists() and not overwrite:
+        raise ExportError(f"{output}: exists; nothing was written (pass --overwrite to replace it)")
 
 
 def _scale_and_alpha(pairs: dict, alphas: dict, rank: int, alpha: float | None, folded: bool,
@@ -126,10 +129,10 @@ def _scale_and_alpha(pairs: dict, alphas: dict, rank: int, alpha: float | None, 
     return 1.0, module_alpha   # convert folds each .alpha / rank; the metadata alpha is not applied again
 
 
-def export(source: str | Path, target_format: str, output: str | Path) -> dict:
+def export(source: str | Path, target_format: str, output: str | Path, overwrite: bool = False) -> dict:
     tensors, facts, read_from = read_lora(source)
     output = Path(output)
-    _check_output(output, read_from, Path(source))
+    _check_output(output, read_from, Path(source), overwrite)
     folded = str(facts.get("lora_scale_folded", "")).lower() == "true"
     rank, alpha = _rank(facts, read_from), _alpha(facts, read_from)
     try:
@@ -162,13 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=FORMATS, default="comfyui",
                         help="comfyui: diffusion_model.<module>.lora_A/B.weight (default); diffsynth: <module>...")
     parser.add_argument("--output", required=True, help="the file to write (never the input)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output when it exists (else refused)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from diffsynth_mbc.gpu import quiet_torch_notices
+
+    quiet_torch_notices()   # safetensors' torch import would print them above our line
     options = build_parser().parse_args(argv)
     try:
-        result = export(options.source, options.format, options.output)
+        result = export(options.source, options.format, options.output, overwrite=options.overwrite)
     except (ExportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

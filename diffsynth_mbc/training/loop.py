@@ -20,6 +20,7 @@ from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast
                                                 wait_for_everyone, watch_gradient_all_reduce)
 from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
+from diffsynth_mbc.training.lora_files import epoch_file_name
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.blocks import CompileTimer
@@ -284,7 +285,8 @@ def train_epochs(run: Run) -> str:
     for epoch in range(run.position.epoch, run.options.num_epochs):
         if train_epoch(run, epoch) == "stopped":
             return "stopped"
-        run.logger.timed("lora", run.checkpoints.save_lora, f"epoch-{epoch}.safetensors", run.position.step)
+        run.logger.timed("lora", run.checkpoints.save_lora, epoch_file_name(epoch, run.options.num_epochs),
+                        run.position.step)
         run.logger.on_epoch_end(save_epoch_file=False)
     return "done"
 

@@ -1,4 +1,4 @@
-"""The LoRA files a run writes (``lora.safetensors``, ``epoch-N``, ``step-N``, each checkpoint's): taken from the
+"""The LoRA files a run writes (``lora.safetensors``, ``epoch-001``, ``step-N``, each checkpoint's): taken from the
 trainable parameters, in the ``--lora_format`` layout with alpha/rank folded in, and never with a NaN or inf in
 them. A mixin of ``checkpoints.Checkpoints`` (which holds the accelerator, module, options and status); torch is
 imported inside its methods.
@@ -18,6 +18,15 @@ from diffsynth_mbc.training.lora_format import (
     nonfinite_tensors,
     training_scale,
 )
+
+
+def epoch_file_name(epoch: int, num_epochs: int) -> str:
+    """The LoRA file written when epoch ``epoch`` (counted from 0, as the loop counts) ends, numbered from 1 as the
+    terminal shows it ("epoch 1/5 done" writes ``epoch-001``) and zero-padded so that ``ls`` lists them in order.
+    Runs of earlier versions wrote ``epoch-0`` for the first epoch; those files stay LoRA files like any other
+    (export, DiffSynth and ComfyUI read them by their path, nothing reads the number)."""
+    width = max(3, len(str(num_epochs)))
+    return f"epoch-{epoch + 1:0{width}d}.safetensors"
 
 
 class LoraFiles:

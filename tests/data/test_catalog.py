@@ -138,8 +138,8 @@ def test_every_reject_reason(tmp_path):
     got = reasons(result)
     assert got[2] == "duplicate of an earlier row (row 1)"
     assert got[3] == "duplicate of an earlier row (row 1)"
-    assert got[4].startswith("path outside --base-path")
-    assert got[5].startswith("path outside --base-path")
+    assert got[4].startswith("path outside --base_path")
+    assert got[5].startswith("path outside --base_path")
     assert got[6] == "empty file_path"
     assert got[7] == "unknown media_type ('audio')"
     assert got[8] == "unsupported extension ('.txt')"

@@ -67,7 +67,7 @@ def test_symlinks_that_leave_the_base_path_are_rejected_by_their_real_path(tmp_p
     got = reasons(result)
     assert sorted(got) == list(range(n + 1, 2 * n + 2))
     real_base = os.path.realpath(base)
-    assert got[n + 1] == (f"path outside --base-path ({base / 'linked' / '00.mp4'} is {elsewhere / '00.mp4'} "
+    assert got[n + 1] == (f"path outside --base_path ({base / 'linked' / '00.mp4'} is {elsewhere / '00.mp4'} "
                           f"through a symbolic link, outside {real_base})")
-    assert got[2 * n + 1].startswith(f"path outside --base-path ({base / 'media' / 'passwd.mp4'} is /etc/passwd ")
+    assert got[2 * n + 1].startswith(f"path outside --base_path ({base / 'media' / 'passwd.mp4'} is /etc/passwd ")
     assert [e.row for e in result.accepted] == list(range(1, n + 1)) + [2 * n + 2, 2 * n + 3]

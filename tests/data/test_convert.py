@@ -41,10 +41,15 @@ def load_summary(out: Path) -> dict:
 def assert_every_row_accounted(out: Path) -> None:
     summary = load_summary(out)
     for name, accounting in summary["accounting"].items():
-        assert accounting["written"] + accounting["rejected"] == accounting["input"] == summary["input_rows"][name]
+        assert (accounting["written"] + accounting["rejected"] + accounting.get("not_in_subset", 0)
+                == accounting["input"] == summary["input_rows"][name])
     rejects = read_csv_records(out / "rejects.csv")
     assert len(rejects) == sum(summary["rejected_rows"].values())
     assert len({(r["catalog"], r["row"]) for r in rejects}) == len(rejects)
+    if summary["subset"]:
+        left_out = read_csv_records(out / "not_in_subset.csv")
+        assert len(left_out) == sum(summary["not_in_subset_rows"].values())
+        assert not {(r["catalog"], r["row"]) for r in left_out} & {(r["catalog"], r["row"]) for r in rejects}
 
 
 def test_demo_catalog_converts_and_pandas_reads_captions_back_exactly(demo, tmp_path):
@@ -105,7 +110,7 @@ def test_messy_catalogue_every_reason_and_exact_captions(demo, tmp_path):
     assert list(written["media_type"]) == ["video", "image", "image"]
     rejects = {int(r["row"]): r for r in read_csv_records(out / "rejects.csv")}
     assert {row: r["reason"].split(" (")[0] for row, r in rejects.items()} == {
-        3: "duplicate of an earlier row", 4: "path outside --base-path", 5: "path outside --base-path",
+        3: "duplicate of an earlier row", 4: "path outside --base_path", 5: "path outside --base_path",
         6: "empty caption", 7: "unknown media_type", 8: "extension contradicts media_type", 9: "missing file",
     }
     assert rejects[3]["reason"] == "duplicate of an earlier row (row 1)"
@@ -114,7 +119,7 @@ def test_messy_catalogue_every_reason_and_exact_captions(demo, tmp_path):
     summary = load_summary(out)
     assert summary["blank_lines_skipped"] == {"train": 2}
     assert summary["inputs"]["train"]["columns"] == ["file_path", "caption", "Media_Type", "camera"]
-    assert summary["rejects_by_reason"]["train"]["path outside --base-path"] == 2
+    assert summary["rejects_by_reason"]["train"]["path outside --base_path"] == 2
     assert_every_row_accounted(out)
     assert catalog.read_bytes() == before
 
@@ -141,8 +146,8 @@ def test_subset_is_stratified_deterministic_and_says_when_it_takes_all(demo, tmp
     assert sum(p.endswith(".mp4") for p in first) == 2 and len(first) == 4
     assert subset_rows(0)[1] == first
     assert len({tuple(subset_rows(seed)[1]) for seed in range(1, 5)} | {tuple(first)}) > 1
-    reasons = {r["reason"] for r in read_csv_records(out / "rejects.csv")}
-    assert reasons == {"not in subset (--subset 4)"}
+    assert read_csv_records(out / "rejects.csv") == []               # the 8 rows left out are no rejects
+    assert len(read_csv_records(out / "not_in_subset.csv")) == 8
     assert load_summary(out)["subset"]["took_all"] is False
 
     out, everything = subset_rows(0, size=100)
@@ -405,4 +410,4 @@ def test_an_output_that_cannot_be_written_is_exit_2_naming_it_and_publishes_noth
     assert f"cannot write {out / 'rejects.csv'}" in capsys.readouterr().err.replace("\n", "")
     # metadata.csv once was already replaced by the new run while summary.json described the old one.
     assert {name: (out / name).read_bytes() for name in before} == before
-    assert sorted(p.name for p in out.iterdir()) == ["metadata.csv", "rejects.csv", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["metadata.csv", "not_in_subset.csv", "rejects.csv", "summary.json"]

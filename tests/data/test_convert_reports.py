@@ -86,3 +86,95 @@ def test_with_the_tokenizer_captions_are_counted_as_diffsynths_prompter_counts(t
     assert convert(long_caption_catalog(tmp_path, captions), "--base-path", tmp_path, "--output", out,
                    "--tokenizer", tmp_path / "nowhere") == 2
     assert f"--tokenizer {tmp_path / 'nowhere'}: not a folder" in " ".join(capsys.readouterr().err.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# What the summary says about rows left out, a wrong base path and what --probe found
+
+
+def media_catalog(base, count, media_type="video"):
+    base.mkdir(parents=True, exist_ok=True)
+    suffix = ".mp4" if media_type == "video" else ".png"
+    for index in range(count):
+        (base / f"{index}{suffix}").write_bytes(b"x")
+    return write_catalog(base / "c.csv", [(f"{i}{suffix}", f"caption {i}", media_type) for i in range(count)])
+
+
+def test_rows_left_out_of_the_subset_are_listed_apart_from_the_rejects(tmp_path, capsys):
+    catalog = media_catalog(tmp_path / "data", 10)
+    with open(catalog, "a", encoding="utf-8") as handle:
+        handle.write("gone.mp4,a real reject,video\n")
+    out = tmp_path / "out"
+    assert convert(catalog, "--base-path", tmp_path / "data", "--output", out, "--subset", 3) == 0
+    rejects = read_csv_records(out / "rejects.csv")
+    assert [(r["row"], r["reason"].split(" (")[0]) for r in rejects] == [("11", "missing file")]
+    left_out = read_csv_records(out / "not_in_subset.csv")
+    assert len(left_out) == 7 and {r["catalog"] for r in left_out} == {"train"}
+    assert len(pd.read_csv(out / "metadata.csv")) == 3
+    written_rows = {str(int(path.split(".")[0]) + 1) for path in pd.read_csv(out / "metadata.csv")["video"]}
+    assert {r["row"] for r in left_out} | written_rows | {"11"} == {str(r) for r in range(1, 12)}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rejected_rows"] == {"train": 1} and summary["not_in_subset_rows"] == {"train": 7}
+    assert summary["accounting"]["train"] == {"input": 11, "written": 3, "rejected": 1, "not_in_subset": 7}
+    assert "not in subset" not in summary["rejects_by_reason"]["train"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert "7 rows not taken by --subset 3 are listed in not_in_subset.csv" in err
+
+    # a later run without --subset leaves no list of an earlier subset behind
+    assert convert(catalog, "--base-path", tmp_path / "data", "--output", out) == 0
+    assert not (out / "not_in_subset.csv").exists()
+
+
+def test_a_wrong_base_path_is_named_with_where_a_row_was_looked_for(tmp_path, capsys):
+    catalog = media_catalog(tmp_path / "data" / "clips", 4)
+    wrong = tmp_path / "data"                       # the files are under data/clips
+    out = tmp_path / "out"
+    assert convert(catalog, "--base-path", wrong, "--output", out) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"all 4 train rows' files are missing: is --base_path right? It resolves to {wrong};" in err
+    assert f"row 1 (0.mp4) was looked for at {wrong / '0.mp4'}" in err
+    assert json.loads((out / "summary.json").read_text())["base_path_hint"].startswith("all 4 train rows")
+
+    # a few missing files among many found ones are ordinary rejects, with no hint
+    (tmp_path / "data" / "clips" / "0.mp4").unlink()
+    assert convert(catalog, "--base-path", tmp_path / "data" / "clips", "--output", out) == 0
+    assert "--base_path right" not in capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["base_path_hint"] is None
+
+
+def test_probe_warnings_name_the_files_and_list_them_all(tmp_path, capsys):
+    from diffsynth_mbc.data.demo_data import write_video
+
+    base = tmp_path / "data"
+    rows = []
+    for index, frames in enumerate((21, 5, 6, 7, 8)):
+        write_video(base / f"clip{index}.mp4", num_frames=frames, width=64, height=48, fps=10)
+        rows.append((f"clip{index}.mp4", f"clip {index}", "video"))
+    catalog = write_catalog(base / "c.csv", rows)
+    out = tmp_path / "out"
+    assert convert(catalog, "--base-path", base, "--output", out, "--probe", "--workers", 2,
+                   "--min-width", 64, "--min-height", 48) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("warning: 4 videos have fewer than 17 frames: clip1.mp4 (5 frames), clip2.mp4 (6 frames), "
+            "clip3.mp4 (7 frames) and 1 more; all are listed in flagged.csv") in err
+    flagged = read_csv_records(out / "flagged.csv")
+    assert [(r["row"], r["file_path"], r["flag"], r["detail"]) for r in flagged] == [
+        (str(i + 1), f"clip{i}.mp4", "short video", f"{frames} frames, fewer than 17")
+        for i, frames in ((1, 5), (2, 6), (3, 7), (4, 8))]
+    assert len(pd.read_csv(out / "metadata.csv")) == 5                 # flagged, not rejected
+
+    assert convert(catalog, "--base-path", base, "--output", out) == 0
+    assert not (out / "flagged.csv").exists()
+
+
+def test_without_probe_the_summary_says_what_probe_would_have_checked(tmp_path, capsys):
+    catalog = media_catalog(tmp_path / "data", 2)
+    out = tmp_path / "out"
+    assert convert(catalog, "--base-path", tmp_path / "data", "--output", out) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "media files were not opened: --probe would decode each one" in err
+    assert "truncated" in err and "fewer than 17 frames" in err
+    note = json.loads((out / "summary.json").read_text())["not_probed"]
+    assert note.startswith("media files were not opened")
+    assert convert(catalog, "--base-path", tmp_path / "data", "--output", out, "--probe") == 1  # not real videos
+    assert json.loads((out / "summary.json").read_text())["not_probed"] is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import time
 
 import imageio.v2 as imageio
@@ -53,3 +54,24 @@ def test_make_demo_catalog_is_fast_and_in_mbc_format(tmp_path):
     assert len(set(captions)) == 12
     assert any("," in c and any("\uac00" <= ch <= "\ud7a3" for ch in c) for c in captions)  # Korean with commas
     assert any('"' in c for c in captions) and any("\n" in c for c in captions)
+
+
+def test_preparing_the_demo_again_leaves_its_files_as_they_were(tmp_path):
+    """A latent cache keys each file by its size and mtime: a demo written afresh made the cache of an earlier
+    demo run stale. Files are replaced only when their bytes differ."""
+    from diffsynth_mbc.data.demo import prepare
+
+    prepare(tmp_path, num_videos=2, num_images=2)
+    catalog = tmp_path / "catalog"
+    files = sorted(p for p in catalog.rglob("*") if p.is_file())
+    assert len(files) == 5                                              # 2 videos, 2 images, catalog.csv
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+    os.utime(files[0], ns=(1, 1))                                       # an mtime no rewrite could give back
+    before[files[0]] = (1, before[files[0]][1])
+    prepare(tmp_path, num_videos=2, num_images=2)
+    assert sorted(p for p in catalog.rglob("*") if p.is_file()) == files   # no temp files left
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
+
+    (catalog / "media" / "image_000.png").write_bytes(b"damaged")      # a file that differs is written again
+    prepare(tmp_path, num_videos=2, num_images=2)
+    assert (catalog / "media" / "image_000.png").read_bytes() == before[catalog / "media" / "image_000.png"][1]

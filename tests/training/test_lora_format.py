@@ -206,3 +206,42 @@ def test_export_never_writes_inside_the_checkpoint_it_reads(tmp_path, trained, c
     assert export_main([str(checkpoint), "--output", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
     assert export_main([str(checkpoint), "--output", str(tmp_path / "out.safetensors")]) == 0
+
+
+def test_no_torch_notice_above_the_exports_line(tmp_path, trained):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}   # not started by a launcher
+    probe = subprocess.run([sys.executable, "-c", "import torch.cuda"], capture_output=True, text=True, timeout=300,
+                           env=env)
+    if "pynvml" not in probe.stderr:
+        pytest.skip("this torch imports no deprecated pynvml here: nothing to silence")
+    source = tmp_path / "lora.safetensors"
+    save_file(trained["tensors"], str(source), metadata=META)
+    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.export", str(source), "--output",
+                             str(tmp_path / "out.safetensors")], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stderr.startswith("wrote "), result.stderr
+
+
+def test_epoch_file_names_count_from_1_as_the_terminal_does_and_list_in_order():
+    from diffsynth_mbc.training.lora_files import epoch_file_name
+
+    names = [epoch_file_name(epoch, 12) for epoch in range(12)]
+    assert names[0] == "epoch-001.safetensors" and names[9] == "epoch-010.safetensors"
+    assert sorted(names) == names                                   # ls lists epoch 10 after epoch 9
+    assert epoch_file_name(0, 1000) == "epoch-0001.safetensors"     # wider only when the run needs it
+
+
+def test_export_refuses_to_replace_an_existing_output_without_overwrite(tmp_path, trained, capsys):
+    source = tmp_path / "epoch-0.safetensors"                        # a name earlier versions wrote: still read
+    save_file(trained["tensors"], str(source), metadata=META)
+    output = tmp_path / "comfy.safetensors"
+    output.write_bytes(b"someone's earlier export")
+    assert export_main([str(source), "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert f"{output}: exists" in err and "--overwrite" in err
+    assert output.read_bytes() == b"someone's earlier export"
+    assert export_main([str(source), "--output", str(output), "--overwrite"]) == 0
+    assert set(load_file(str(output))) and output.read_bytes() != b"someone's earlier export"

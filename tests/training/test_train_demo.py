@@ -87,6 +87,11 @@ def test_totals_match_the_formula_with_repeat_odd_rows_and_accumulation(demo):
     assert f"{plan.total_steps} steps in total" in demo["log"]
 
 
+def test_epoch_lora_files_are_numbered_as_the_terminal_counts_epochs(demo):
+    assert "epoch 1/2 done" in demo["log"] and "epoch 2/2 done" in demo["log"]
+    assert sorted(p.name for p in demo["output"].glob("epoch-*")) == ["epoch-001.safetensors", "epoch-002.safetensors"]
+
+
 def test_history_has_one_line_per_optimizer_step(demo):
     for rank in (0, 1):
         history = read_history(demo["log_dir"], rank)

@@ -1,0 +1,57 @@
+"""What the doctor says besides its figures: how to get the model files, which speed is an assumption, and no
+library notice above its output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from diffsynth_mbc.doctor import checks, estimates, report
+from diffsynth_mbc.gpu import known_gpu
+from diffsynth_mbc.training.options import resolve_options
+from e2e_helpers import REPO
+
+FULL = str(REPO / "configs" / "train_full.yaml")
+
+
+def test_a_missing_model_folder_says_how_to_get_the_files(tmp_path):
+    options = resolve_options(["--config", FULL, "--model_dir", str(tmp_path / "Wan2.2-TI2V-5B")])
+    check = checks.model_check(options)
+    assert check.status == checks.FAIL and str(tmp_path / "Wan2.2-TI2V-5B") in check.detail
+    assert (f"modelscope download --model Wan-AI/Wan2.2-TI2V-5B --local_dir {tmp_path / 'Wan2.2-TI2V-5B'}"
+            in check.fix)
+    assert "--model_id Wan-AI/Wan2.2-TI2V-5B" in check.fix
+
+    downloaded_at_start = checks.model_check(resolve_options(["--config", FULL, "--model_dir", "",
+                                                                       "--model_id", "Wan-AI/Wan2.2-TI2V-5B"]))
+    assert downloaded_at_start.status == checks.WARN
+    assert "modelscope download --model Wan-AI/Wan2.2-TI2V-5B --local_dir" in downloaded_at_start.fix
+
+
+def speed_of(gpu, *flags):
+    options = resolve_options(["--config", FULL, *flags])
+    return estimates.estimate_run(options, known_gpu(gpu), gpu, "bf16" if gpu != "V100-32GB" else "fp16").speed
+
+
+def test_an_mfu_worked_out_from_an_estimated_speed_is_labelled_so():
+    estimated = report.speed_lines(speed_of("V100-32GB"))[0]
+    assert "(estimate;" in estimated and "MFU" in estimated
+    assert "if the estimated speed holds" in estimated
+    measured = report.speed_lines(speed_of("H100-80GB", "--cache", "somewhere", "--compile", "on"))[0]
+    assert "(measured;" in measured and "MFU" in measured and "estimated" not in measured
+
+
+@pytest.mark.slow
+def test_no_torch_notice_above_the_doctors_output():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}   # not started by a launcher
+    probe = subprocess.run([sys.executable, "-c", "import torch.cuda"], capture_output=True, text=True, timeout=300,
+                           env=env)
+    if "pynvml" not in probe.stderr:
+        pytest.skip("this torch imports no deprecated pynvml here: nothing to silence")
+    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.doctor", "--config", FULL, "--assume", "V100-32GB",
+                             "--quick", "--json"], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    assert '"checks"' in result.stdout
+    assert "pynvml" not in result.stderr and "torch.jit.script" not in result.stderr, result.stderr
