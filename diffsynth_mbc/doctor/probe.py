@@ -31,7 +31,7 @@ LOG_TAIL = 3000
 WARMUP_STEPS = 2   # left out of the timing: the first steps load kernels, autotune and compile
 # What the probe changes in the run's options; everything else (model, precision, compile, checkpointing,
 # LoRA, sizes, batches, decoder, workers) is the run's own.
-NEUTRAL = {"num_epochs": 1, "dataset_repeat": 1, "val_metadata_path": None, "val_base_path": None, "val_steps": None,
+NEUTRAL = {"datasets": None, "num_epochs": 1, "dataset_repeat": 1, "val_metadata_path": None, "val_base_path": None, "val_steps": None,
            "val_cache": None, "sample_prompts": None, "sample_steps": None, "checkpoint_steps": None,
            "checkpoint_minutes": None, "save_steps": None, "resume": None, "force_resume": False, "report_to": "none",
            "lr_scheduler": "constant", "warmup_steps": 0, "status_interval_s": 0.01, "print_every_s": 3600.0,

@@ -32,24 +32,40 @@ def default_image_batch_size(video_batch_size: int, num_frames: int) -> int:
     return video_batch_size * ((num_frames - 1) // 4 + 1)
 
 
-def key_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int]) -> dict[str, int]:
+def key_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int],
+                row_repeats: Sequence[int] | None = None) -> dict[str, int]:
     """Batches of each key in one epoch (before padding)."""
-    counts = Counter(keys)
+    counts = Counter()
+    for row, key in enumerate(keys):
+        counts[key] += row_repeats[row] if row_repeats else 1
     return {key: _ceil_div(count * repeat, _batch_size(batch_sizes, key)) for key, count in counts.items()}
 
 
-def batches_per_rank(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int) -> int:
-    return _ceil_div(sum(key_batches(keys, repeat, batch_sizes).values()), world_size)
+def batches_per_rank(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int,
+                     row_repeats: Sequence[int] | None = None) -> int:
+    return _ceil_div(sum(key_batches(keys, repeat, batch_sizes, row_repeats).values()), world_size)
+
+
+def _sample_indices(rows: int, repeat: int, row_repeats: Sequence[int] | None):
+    """Each row ``repeat`` (x its own repeat, from ``row_repeats``) times: copy ``k`` of row ``r`` is sample
+    ``k * rows + r`` (the dataset reads row ``index % rows``). Without ``row_repeats``: ``range(rows * repeat)``."""
+    if not row_repeats:
+        yield from range(rows * repeat)
+        return
+    for copy in range(max(row_repeats) * repeat):
+        for row in range(rows):
+            if copy < row_repeats[row] * repeat:
+                yield copy * rows + row
 
 
 def epoch_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int, seed: int,
-                  epoch: int) -> list[list[int]]:
+                  epoch: int, row_repeats: Sequence[int] | None = None) -> list[list[int]]:
     """Every rank's batches of one epoch, in order (sample indices into ``rows x repeat``), padded to a multiple
-    of ``world_size``."""
+    of ``world_size``. ``row_repeats``: each row's own repeat (several catalogues, ``data/catalogues.py``)."""
     rows = len(keys)
     rng = random.Random(f"mbc-batches:{seed}:{epoch}")
     by_key: dict[str, list[int]] = {}
-    for index in range(rows * repeat):
+    for index in _sample_indices(rows, repeat, row_repeats):
         by_key.setdefault(keys[index % rows], []).append(index)
     batches = []
     for key in sorted(by_key):
@@ -82,15 +98,18 @@ class ShapeGroupedBatchSampler:
     drop_last = False
 
     def __init__(self, keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int,
-                 seed: int):
+                 seed: int, row_repeats: Sequence[int] | None = None):
         self.keys, self.repeat, self.batch_sizes = list(keys), repeat, dict(batch_sizes)
+        self.row_repeats = list(row_repeats) if row_repeats else None
         self.world_size, self.seed, self.epoch = world_size, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        return iter(epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch))
+        return iter(epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch,
+                                  self.row_repeats))
 
     def __len__(self) -> int:
-        return batches_per_rank(self.keys, self.repeat, self.batch_sizes, self.world_size) * self.world_size
+        return batches_per_rank(self.keys, self.repeat, self.batch_sizes, self.world_size,
+                                self.row_repeats) * self.world_size

@@ -186,22 +186,25 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     import torch
 
     from diffsynth_mbc.data.cache.index import file_sha256
+    from diffsynth_mbc.data.catalogues import catalogue_plan
     from diffsynth_mbc.training.batches import IMAGE, VIDEO, ShapeGroupedBatchSampler, default_image_batch_size
     from diffsynth_mbc.training.fingerprint import run_fingerprint
     from diffsynth_mbc.training.step_plan import StepPlan, lr_factor, steps_from_loader
 
     keys = dataset.batch_keys()
+    row_repeats, catalogues = catalogue_plan(options, dataset, keys)   # several catalogues: their repeats, counts
     image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
     plan = StepPlan(rows=dataset.rows, repeat=options.dataset_repeat, world_size=accelerator.num_processes,
                     batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
-                    num_epochs=options.num_epochs, images=keys.count(IMAGE), image_batch_size=image_batch)
+                    num_epochs=options.num_epochs, images=keys.count(IMAGE), image_batch_size=image_batch,
+                    datasets=catalogues)
     if plan.rows == 0:
         raise ValueError(f"{options.dataset_metadata_path} has no rows to train on")
     workers = options.dataset_num_workers
     # Videos batch with videos, images with images (one DiT forward per batch); all ranks' batches in turn,
     # dealt out one per rank by accelerate's sharding.
     batches = ShapeGroupedBatchSampler(keys, options.dataset_repeat, {VIDEO: options.batch_size, IMAGE: image_batch},
-                                       accelerator.num_processes, options.seed)
+                                       accelerator.num_processes, options.seed, row_repeats)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=batches, collate_fn=list, num_workers=workers,
         persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from diffsynth_mbc.data.catalogues import apply_datasets
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
 
@@ -20,6 +21,7 @@ DEFAULTS = {
     # data (DiffSynth names)
     "dataset_base_path": None, "dataset_metadata_path": None,
     "height": 704, "width": 1280, "num_frames": 17, "dataset_repeat": 1, "dataset_num_workers": 2,
+    "datasets": None,   # several catalogues (data/catalogues.py); the three keys above are the one-catalogue form
     # model
     "model_dir": None, "model_id": None, "demo": False,
     # LoRA (DiffSynth names)
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--width", type=int, help="training width (multiple of 32; default 1280)")
     data.add_argument("--num_frames", type=int, help="frames per clip, 4k+1 (default 17)")
     data.add_argument("--dataset_repeat", type=int, help="times each row is seen per epoch (default 1)")
+    data.add_argument("--datasets", help="YAML file listing several catalogues (base_path, metadata_path, repeat, "
+                                         "caption_prefix, media: video|image|all), trained as one; a preset may "
+                                         "list them inline under datasets:")
     data.add_argument("--dataset_num_workers", type=int, help="data-loader worker processes per GPU (default 2)")
     data.add_argument("--cache", help="latent cache from `python -m diffsynth_mbc.cache`: train the DiT only "
                                       "(the VAE and text encoder are never loaded)")
@@ -227,6 +232,7 @@ def resolve_options(argv: list[str] | None = None) -> argparse.Namespace:
     if options["gradient_checkpointing"] is None:
         options["gradient_checkpointing"] = "all" if options["use_gradient_checkpointing"] else "none"
     options["gradient_checkpointing"] = str(options["gradient_checkpointing"]).strip().lower()
+    apply_datasets(options, preset, given)
     validate(options)
     # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other.
     if not options["log_dir"]:

@@ -11,6 +11,7 @@ import argparse
 import shlex
 import sys
 
+from diffsynth_mbc.data.catalogues import metadata_counts
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.step_plan import StepPlan
 from diffsynth_mbc.errors import OptionsError
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = count_metadata_rows(options.dataset_metadata_path)
         plan = StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=known.world_size,
                         batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
-                        num_epochs=options.num_epochs)
+                        num_epochs=options.num_epochs, datasets=metadata_counts(options))
     except FileNotFoundError as exc:
         print(f"error: metadata not found: {exc.filename}", file=sys.stderr)
         return 2
@@ -166,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"step plan: {options.dataset_metadata_path}", file=sys.stderr)
-    print(f"  rows {plan.rows:,} x repeat {plan.repeat} = {plan.samples_per_epoch:,} samples per epoch", file=sys.stderr)
+    repeat = "repeats per catalogue" if plan.datasets else f"repeat {plan.repeat}"
+    print(f"  rows {plan.rows:,} x {repeat} = {plan.samples_per_epoch:,} samples per epoch", file=sys.stderr)
+    for item in plan.dataset_dicts():
+        print(f"    {item['name']}: {item['rows']:,} rows ({item['videos']:,} videos + {item['images']:,} images) "
+              f"x repeat {item['repeat'] * plan.repeat} = {item['samples_per_epoch']:,} samples", file=sys.stderr)
     print(f"  GPUs {plan.world_size} -> {plan.samples_per_rank_per_epoch:,} samples per GPU per epoch", file=sys.stderr)
     print(f"  batch {plan.batch_size} x accumulation {plan.gradient_accumulation} -> "
           f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch", file=sys.stderr)

@@ -33,6 +33,9 @@ class StepPlan:
     num_epochs: int
     images: int = 0                     # of the rows, how many are images (batched apart from the videos)
     image_batch_size: int | None = None   # None: batch_size
+    # Several catalogues (data/catalogues.py DatasetCount: name, videos, images, repeat): each catalogue's rows
+    # count its own repeat times (then x ``repeat``); () is one catalogue, as before.
+    datasets: tuple = ()
 
     def __post_init__(self):
         if self.image_batch_size is None:
@@ -47,9 +50,14 @@ class StepPlan:
     def videos(self) -> int:
         return self.rows - self.images
 
+    def _samples(self, kind: str) -> int:
+        if not self.datasets:
+            return (self.images if kind == "images" else self.videos) * self.repeat
+        return sum(getattr(d, kind) * d.repeat for d in self.datasets) * self.repeat
+
     @property
     def samples_per_epoch(self) -> int:
-        return self.rows * self.repeat
+        return self._samples("videos") + self._samples("images")
 
     @property
     def samples_per_rank_per_epoch(self) -> int:
@@ -58,8 +66,8 @@ class StepPlan:
     @property
     def batches_per_epoch(self) -> int:
         """Batches each rank loads per epoch (what len() of the prepared data loader says)."""
-        video_batches = _ceil_div(self.videos * self.repeat, self.batch_size)
-        image_batches = _ceil_div(self.images * self.repeat, self.image_batch_size)
+        video_batches = _ceil_div(self._samples("videos"), self.batch_size)
+        image_batches = _ceil_div(self._samples("images"), self.image_batch_size)
         return _ceil_div(video_batches + image_batches, self.world_size)
 
     @property
@@ -76,8 +84,19 @@ class StepPlan:
         """Samples per optimizer step across all ranks."""
         return self.world_size * self.batch_size * self.gradient_accumulation
 
+    def dataset_dicts(self) -> list[dict]:
+        """Each catalogue's rows and samples per epoch (with ``repeat`` applied), for the plan and status files."""
+        return [{"name": d.name, "rows": d.videos + d.images, "videos": d.videos, "images": d.images,
+                 "repeat": d.repeat, "samples_per_epoch": (d.videos + d.images) * d.repeat * self.repeat}
+                for d in self.datasets]
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "samples_per_epoch": self.samples_per_epoch,
+        plan = asdict(self)
+        if self.datasets:
+            plan["datasets"] = self.dataset_dicts()
+        else:
+            plan.pop("datasets")   # one catalogue: the plan reads as it always did
+        return {**plan, "samples_per_epoch": self.samples_per_epoch,
                 "samples_per_rank_per_epoch": self.samples_per_rank_per_epoch,
                 "batches_per_epoch": self.batches_per_epoch, "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps, "effective_batch": self.effective_batch}
@@ -86,7 +105,9 @@ class StepPlan:
         kinds = f" ({self.videos:,} videos + {self.images:,} images)" if self.images else ""
         batch = (f"batches of {self.batch_size} videos / {self.image_batch_size} images" if self.images
                  else f"batch {self.batch_size}")
-        return (f"{self.rows:,} rows{kinds} x repeat {self.repeat} = {self.samples_per_epoch:,} samples/epoch; "
+        repeat = f"repeat {self.repeat}" if not self.datasets else "repeats (" + ", ".join(
+            f"{d['name']}: {d['rows']:,} x {d['repeat'] * self.repeat}" for d in self.dataset_dicts()) + ")"
+        return (f"{self.rows:,} rows{kinds} x {repeat} = {self.samples_per_epoch:,} samples/epoch; "
                 f"{self.world_size} GPU(s) -> {self.samples_per_rank_per_epoch:,} samples per GPU per epoch; "
                 f"{batch} x accumulation {self.gradient_accumulation} -> "
                 f"{self.steps_per_epoch:,} optimizer steps per GPU per epoch; "

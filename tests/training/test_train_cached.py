@@ -40,3 +40,43 @@ def test_a_cache_folder_given_with_cached_reaches_the_training_once(tmp_path):
     assert run_line.count("--cache") == 1 and "--cache runs/my_cache " in run_line, run_line
     assert json.loads((tmp_path / "runs" / "my_cache" / "summary.json").read_text())["failed"] == 0
     assert not (tmp_path / "runs" / "demo" / "latent_cache").exists()
+
+
+def test_two_catalogues_cache_and_train_as_one_on_two_ranks(tmp_path):
+    """`--datasets FILE` from the launcher: the cache encodes each row of both catalogues once (with its caption
+    prefix), the 2 ranks draw each catalogue its own repeat, and plan, status and history agree on the steps."""
+    from diffsynth_mbc.data.cache.index import read_index
+    from diffsynth_mbc.data.demo import prepare
+    from diffsynth_mbc.training.step_plan import StepPlan
+
+    prepare(tmp_path / "news", num_videos=3, num_images=2, seed=1)
+    prepare(tmp_path / "drama", num_videos=2, num_images=1, seed=2)
+    listing = [{"base_path": "news/catalog", "metadata_path": "news/metadata/metadata.csv", "name": "news"},
+               {"base_path": "drama/catalog", "metadata_path": "drama/metadata/metadata.csv", "name": "drama",
+                "repeat": 2, "caption_prefix": "mbc drama, "}]
+    (tmp_path / "datasets.yaml").write_text(json.dumps(listing))
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached", "--skip_doctor",
+                             "--datasets", "datasets.yaml", "--num_epochs", "1"], cwd=tmp_path,
+                            env=isolated_env(tmp_path, OMP_NUM_THREADS=1), capture_output=True, text=True, timeout=400)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    cache = tmp_path / "runs" / "demo" / "latent_cache"
+    assert json.loads((cache / "summary.json").read_text())["written"] == 8   # 5 + 3 rows, each once
+    prompts = [row["prompt"] for row in read_index(cache)["rows"]]
+    assert sum(prompt.startswith("mbc drama, ") for prompt in prompts) == 3
+    # The demo preset's dataset_repeat 3 multiplies each catalogue's own: news 5 rows x 3, drama 3 rows x 6.
+    counts = [{"name": "news", "rows": 5, "videos": 3, "images": 2, "repeat": 1, "samples_per_epoch": 15},
+              {"name": "drama", "rows": 3, "videos": 2, "images": 1, "repeat": 2, "samples_per_epoch": 18}]
+    assert "news: 5 rows (3 videos + 2 images) x repeat 3 = 15 samples" in output
+    assert "drama: 3 rows (2 videos + 1 images) x repeat 6 = 18 samples" in output
+    # videos 3x3 + 2x6 = 21 batches of 1, images 2x3 + 1x6 = 12 in batches of 3 -> 25 batches -> 13 per rank
+    # -> accumulation 2 -> 7 steps.
+    expected = StepPlan(rows=8, repeat=3, world_size=2, batch_size=1, gradient_accumulation=2, num_epochs=1,
+                        images=3, image_batch_size=3).total_steps
+    assert expected == 5   # the same rows as one catalogue with repeat 3: two steps fewer
+    log_dir = tmp_path / "runs" / "demo" / "training_logs"
+    for rank in (0, 1):
+        state = read_status(log_dir, rank)
+        assert state["status"] == "finished" and state["step"] == state["total_steps"] == 7
+        assert state["plan"]["datasets"] == counts and state["plan"]["samples_per_epoch"] == 33
+        assert [line["step"] for line in read_history(log_dir, rank)] == list(range(1, 8))
