@@ -75,3 +75,14 @@ def test_a_short_clip_under_skip_is_bad_media_named_and_replaced(tmp_path):
     sample = dataset(tmp_path, "fast", skip, rows=("short.mp4", "long.mp4"), substitute=True)[0]
     assert sample["row"] == 2 and len(sample["video"]) == NUM_FRAMES
     assert [bad["row"] for bad in sample["skipped"]] == [1] and "too short" in sample["skipped"][0]["reason"]
+
+
+def test_the_default_reads_diffsynths_frames_bit_for_bit_in_every_epoch(tmp_path):
+    """The epoch the sampler adds to each index changes nothing for head: the same pixels as DiffSynth's own
+    VideoDataset path (the unchanged leading-frame reader), epoch after epoch."""
+    make_clip(tmp_path / "clip.mp4", 30, rate=8)
+    default = dataset(tmp_path, "fast", None, repeat=2)
+    assert default.frames.is_default
+    first = [np.asarray(f) for f in default.load_video(str(tmp_path / "clip.mp4"))]
+    for index in (0, 1, 2 * len(default), 7 * len(default) + 1):
+        assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(first, default[index]["video"], strict=True))
