@@ -143,6 +143,74 @@ def read_leading_frames(path: str, num_frames: int, division: int = 4, remainder
     return images[:used]
 
 
+def read_selected_frames(path: str, num_frames: int, selection, *, epoch: int = 0, sample: int = 0,
+                         division: int = 4, remainder: int = 1) -> list:
+    """The frames ``selection`` (a ``frame_selection.FrameSelection``) trains on from the clip at ``path``: RGB PIL
+    images, not yet resized. Decoding stops after the last frame used and only used frames are converted to RGB,
+    so the fast decoder keeps its lead in every mode. The clip's length comes from the container (its packets are
+    counted where it has none); a container that over-counts is decoded again with the real length."""
+    from diffsynth_mbc.data.frame_selection import select_frames, timeline
+
+    container, stream = _open(path)
+    try:
+        listed = stream.frames or 0
+        if listed <= 0:
+            listed = sum(1 for packet in container.demux(stream) if packet.size)
+            container.seek(0)
+        rate = stream.guessed_rate or stream.average_rate
+        fps = float(rate) if rate else None
+        start = float(stream.start_time * stream.time_base) if stream.start_time is not None else None
+
+        def plan(count):
+            return select_frames(count, fps, num_frames, selection, epoch=epoch, sample=sample, division=division,
+                                 remainder=remainder)
+
+        times: list = []
+        if len(timeline(listed, fps, selection.source_fps)) < num_frames:
+            # Short, or so the container says: decode it all (short clips are cheap) to know its real length.
+            decoded, count = _decode_indices(container, stream, None, None, times, path)
+            indices = plan(count)
+        else:
+            indices = plan(listed)
+            decoded, count = _decode_indices(container, stream, max(indices), set(indices), times, path)
+            if count <= max(indices):   # the container promised more frames than the clip has
+                indices = plan(count)
+                if not set(indices) <= set(decoded):
+                    container.seek(0)
+                    times = []
+                    decoded, _ = _decode_indices(container, stream, max(indices), set(indices), times, path)
+    finally:
+        container.close()
+    if not evenly_spaced(times, fps, start):
+        raise IrregularTiming(f"{path}: frames are not evenly spaced at {rate} fps")
+    return [decoded[index] for index in indices]
+
+
+def _decode_indices(container, stream, last: int | None, wanted: set | None, times: list,
+                    path: str) -> tuple[dict, int]:
+    """({index: RGB image} of the ``wanted`` frames (all when None) among the first ``last + 1`` (all when None),
+    frames decoded); every decoded frame's time goes to ``times`` (to prove even spacing)."""
+    import av
+
+    images, count, convert = {}, 0, None
+    try:
+        for frame in container.decode(stream):
+            convert = convert or _converter(frame, path)
+            if wanted is None or count in wanted:
+                images[count] = convert(frame)
+            times.append(None if frame.pts is None else float(frame.pts * stream.time_base))
+            count += 1
+            if last is not None and count > last:
+                break
+    except av.FFmpegError as exc:
+        if not count:
+            raise ClipReadError(f"cannot decode: {exc}") from None
+        # A damaged tail: what decoded before it is the clip, as ffmpeg's own reader would see it.
+    if not count:
+        raise ClipReadError("no decodable video frame")
+    return images, count
+
+
 def evenly_spaced(times: list, fps: float | None, start: float | None, tolerance: float = 0.25) -> bool:
     """Whether frame times are start, start + 1/fps, start + 2/fps, ...: then ffmpeg's constant-rate output
     (what DiffSynth's reader gets) is exactly the decoded frames."""

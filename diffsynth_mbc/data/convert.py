@@ -3,7 +3,8 @@
     python -m diffsynth_mbc.convert CATALOG.csv --base_path DIR --output OUT_DIR \\
         [--val_catalog VAL.csv | --val_fraction F] [--subset N] [--seed S] \\
         [--media all|video|image] [--no_check_files] [--probe] [--workers N] \\
-        [--min_frames N] [--min_width W] [--min_height H] [--tokenizer UMT5_DIR]
+        [--min_frames N] [--min_width W] [--min_height H] [--reject_short [--source_fps F]]
+        [--tokenizer UMT5_DIR]
 
 Writes OUT_DIR/metadata.csv (video,prompt,media_type[,width,height,num_frames,fps]),
 metadata_val.csv (with a validation catalogue or --val_fraction), rejects.csv (every input row
@@ -86,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=default_workers(),
                         help="parallel probes (default min(8, CPU count))")
     parser.add_argument("--min-frames", type=int, default=17, help="flag videos with fewer frames (default 17)")
+    parser.add_argument("--reject-short", action="store_true",
+                        help="with --probe: reject videos with fewer than --min_frames frames (the training's "
+                             "--num_frames), naming their count, instead of only flagging them")
+    parser.add_argument("--source-fps", type=float,
+                        help="with --reject_short: count frames at this rate, as the training's --source_fps does")
     parser.add_argument("--min-width", type=int, default=1280, help="flag media narrower than this (default 1280)")
     parser.add_argument("--min-height", type=int, default=704, help="flag media lower than this (default 704)")
     return parser
@@ -101,6 +107,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     for name in ("min_frames", "min_width", "min_height"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
+    if (args.reject_short or args.source_fps is not None) and not args.probe:
+        raise UsageError("--reject_short and --source_fps need --probe (the frame counts come from probing)")
+    if args.source_fps is not None and not (args.source_fps > 0 and args.source_fps != float("inf")):
+        raise UsageError(f"--source_fps must be a finite number above 0, got {args.source_fps}")
     if not args.no_check_files and not os.path.isdir(args.base_path):
         raise UsageError(f"--base_path {args.base_path}: not a folder (use --no_check_files if it is not mounted here)")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -171,13 +181,32 @@ def _probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: 
             unreadable.append(cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
                                          cat.Reason.UNREADABLE_MEDIA, f"{cat.Reason.UNREADABLE_MEDIA} ({result.error})"))
             continue
+        short = short_video_reason(result.info, args) if entry.media_type == "video" else None
+        if short and args.reject_short:
+            unreadable.append(cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
+                                         SHORT_VIDEO, short))
+            continue
         info[id(entry)] = result.info
-        if entry.media_type == "video" and result.info.num_frames < args.min_frames:
-            flags.append(Flag(entry, SHORT_VIDEO, f"{result.info.num_frames} frames, fewer than {args.min_frames}"))
+        if short:   # "short video (N frames..., fewer than ...)": the part in brackets
+            flags.append(Flag(entry, SHORT_VIDEO, short[len(SHORT_VIDEO) + 2:-1]))
         if result.info.width < args.min_width or result.info.height < args.min_height:
             flags.append(Flag(entry, SMALL_MEDIA, f"{result.info.width}x{result.info.height}, smaller than "
                                                   f"{args.min_width}x{args.min_height}"))
     return ProbeOutcome(info, unreadable, flags)
+
+
+
+
+def short_video_reason(info: MediaInfo, args: argparse.Namespace) -> str | None:
+    """Why a probed video is shorter than the --min_frames that train (at --source_fps when given), or None."""
+    from diffsynth_mbc.data.frame_selection import timeline
+
+    source_fps = getattr(args, "source_fps", None)
+    frames = len(timeline(info.num_frames, info.fps, source_fps))
+    if frames >= args.min_frames:
+        return None
+    rate = f" at --source_fps {source_fps:g} ({info.num_frames} at {info.fps:g} fps)" if source_fps and info.fps else ""
+    return f"{SHORT_VIDEO} ({frames} frames{rate}, fewer than --min_frames {args.min_frames})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +309,8 @@ def _probe_summary(entries: list[cat.Entry], outcome: ProbeOutcome, args: argpar
         "min_frames": args.min_frames,
         "min_width": args.min_width,
         "min_height": args.min_height,
-        "unreadable": len(outcome.unreadable),
+        "unreadable": sum(1 for r in outcome.unreadable if r.code != SHORT_VIDEO),
+        "rejected_short_videos": sum(1 for r in outcome.unreadable if r.code == SHORT_VIDEO),
         "flagged_short_videos": len(outcome.flagged(SHORT_VIDEO)),
         "flagged_small_media": len(outcome.flagged(SMALL_MEDIA)),
         "named_short_videos": _named(outcome.flagged(SHORT_VIDEO)),

@@ -10,6 +10,12 @@ which PIL's ``convert("RGB")`` clips at 255 (a gradient trains as a white frame)
 With ``substitute_bad_media`` a bad file is replaced by the next decodable row (deterministically,
 so a resumed run sees the same data) and the sample carries ``skipped``: one record per bad file,
 which the training loop counts and reports.
+
+``frames`` (a ``FrameSelection``: --frame_sampling, --source_fps, --short_clips) picks which frames of a clip
+train; its default is DiffSynth's (the first ``num_frames``), read exactly as before. A sample index carries its
+epoch (the batch sampler adds ``epoch x len(dataset)``), so a random window is drawn per (seed, epoch, sample)
+in whichever worker process loads it. A clip too short under ``--short_clips skip`` is bad media like an
+undecodable file.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import numpy as np
 from diffsynth.trainers.utils import VideoDataset
 from PIL import Image
 
-from diffsynth_mbc.data.clip_reader import DECODERS, ReferenceReaderNeeded, read_leading_frames
+from diffsynth_mbc.data.clip_reader import DECODERS, ReferenceReaderNeeded, read_leading_frames, read_selected_frames
+from diffsynth_mbc.data.frame_selection import FrameSelection, ShortClip, select_frames
 from diffsynth_mbc.data.shapes import shape_key
 
 MAX_CONSECUTIVE_BAD_ROWS = 20
@@ -60,7 +67,8 @@ def _print_once(text: str) -> None:
 
 class MBCVideoDataset(VideoDataset):
     def __init__(self, base_path: str, metadata_path: str, num_frames: int, height: int, width: int,
-                 repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast"):
+                 repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast",
+                 frames: FrameSelection | None = None):
         notices = io.StringIO()
         with contextlib.redirect_stdout(notices):   # DiffSynth prints a notice per dataset and rank
             super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
@@ -70,11 +78,16 @@ class MBCVideoDataset(VideoDataset):
             raise ValueError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
         self.substitute_bad_media = substitute_bad_media
         self.decoder = decoder
+        self.frames = frames or FrameSelection()
+        self._draw = (0, 0)   # (epoch, sample in epoch) of the row being loaded: random_window's draw
         self._keys = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
 
     def load_video(self, file_path):
         """``fast``: only the frames that train, decoded in-process (clip_reader); the same frames, resized
-        and cropped by DiffSynth's own ``crop_and_resize``. ``diffsynth``: DiffSynth's reader. GIFs: DiffSynth's."""
+        and cropped by DiffSynth's own ``crop_and_resize``. ``diffsynth``: DiffSynth's reader. GIFs: DiffSynth's
+        (their leading frames, whatever ``frames`` says)."""
+        if not self.frames.is_default and not file_path.lower().endswith(".gif"):
+            return self._load_selected(file_path)
         if self.decoder == "diffsynth" or file_path.lower().endswith(".gif"):
             return super().load_video(file_path)
         try:
@@ -83,6 +96,37 @@ class MBCVideoDataset(VideoDataset):
         except ReferenceReaderNeeded:   # variable frame rate, > 8 bits, a mirrored picture: DiffSynth's reader
             return super().load_video(file_path)
         return [self.crop_and_resize(frame, *self.get_height_width(frame)) for frame in frames]
+
+    def _load_selected(self, file_path):
+        """The frames ``self.frames`` picks, through the fast reader, or DiffSynth's reader (imageio) where the fast
+        one cannot match it or ``decoder`` is ``diffsynth``: the same frame indices either way."""
+        epoch, sample = self._draw
+        frames = None
+        if self.decoder == "fast":
+            try:
+                frames = read_selected_frames(file_path, self.num_frames, self.frames, epoch=epoch, sample=sample,
+                                              division=self.time_division_factor,
+                                              remainder=self.time_division_remainder)
+            except ReferenceReaderNeeded:
+                frames = None
+        if frames is None:
+            frames = self._reference_selected(file_path, epoch, sample)
+        return [self.crop_and_resize(frame, *self.get_height_width(frame)) for frame in frames]
+
+    def _reference_selected(self, file_path, epoch: int, sample: int) -> list:
+        """DiffSynth's reader (imageio-ffmpeg: count the frames, then read them by index) at the selected indices."""
+        import imageio
+
+        reader = imageio.get_reader(file_path)
+        try:
+            count = int(reader.count_frames())
+            fps = reader.get_meta_data().get("fps")
+            indices = select_frames(count, fps, self.num_frames, self.frames, epoch=epoch, sample=sample,
+                                    division=self.time_division_factor, remainder=self.time_division_remainder)
+            images = {index: Image.fromarray(reader.get_data(index)) for index in sorted(set(indices))}
+        finally:
+            reader.close()
+        return [images[index] for index in indices]
 
     def load_image(self, file_path):
         """DiffSynth's ``load_image`` (a 1-frame clip, resized and cropped), with 16-bit greyscale scaled, not
@@ -113,6 +157,8 @@ class MBCVideoDataset(VideoDataset):
         file_name = self.data[row].get("video")
         try:
             sample = super().__getitem__(row)
+        except ShortClip as exc:
+            raise MediaDecodeError(f"metadata row {row + 1} ({file_name}): too short: {exc}") from exc
         except Exception as exc:
             raise MediaDecodeError(f"metadata row {row + 1} ({file_name}): cannot decode: "
                                    f"{type(exc).__name__}: {exc}") from exc
@@ -124,10 +170,14 @@ class MBCVideoDataset(VideoDataset):
 
     def __getitem__(self, index: int) -> dict:
         row = index % len(self.data)
+        epoch, sample = divmod(index, len(self))
+        copy = sample // len(self.data)   # which of the --dataset_repeat copies of the row
+        self._draw = (epoch, sample)
         if not self.substitute_bad_media:
             return self.load_row(row)
         skipped = []
         for candidate in self._replacement_rows(row):
+            self._draw = (epoch, copy * len(self.data) + candidate)
             try:
                 sample = self.load_row(candidate)
             except MediaDecodeError as exc:

@@ -10,7 +10,9 @@ each key a batch size (``--batch_size`` for videos, ``--image_batch_size`` for i
 3. padded to a multiple of the world size by repeating batches from the start, so every rank runs the same
    number (the sharding gives batch ``i`` to rank ``i % world_size``).
 
-The same seed and epoch give the same batches on every rank and on resume. ``batches_per_rank`` counts
+The loader gets each index plus ``epoch x rows x repeat``: the datasets read row ``index % rows``, and the
+epoch the sample belongs to is ``index // (rows x repeat)`` in whichever worker process loads it (a random
+frame window is drawn per epoch). The same seed and epoch give the same batches on every rank and on resume. ``batches_per_rank`` counts
 them without building them, for the step plan.
 """
 
@@ -107,8 +109,10 @@ class ShapeGroupedBatchSampler:
         self.epoch = epoch
 
     def __iter__(self):
-        return iter(epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch,
-                                  self.row_repeats))
+        offset = self.epoch * len(self.keys) * self.repeat   # the epoch rides along in the index (module docstring)
+        batches = epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch,
+                                self.row_repeats)
+        return iter([[index + offset for index in batch] for batch in batches])
 
     def __len__(self) -> int:
         return batches_per_rank(self.keys, self.repeat, self.batch_sizes, self.world_size,

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 
+from diffsynth_mbc.data.frame_selection import frame_selection_from
+
 # Settings a checkpoint must share with the run that resumes it (exact data position, weights and optimisation).
 FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
                     "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
                     "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
-                    "mixed_precision", "timestep_boundaries", "dataset_repeats")
+                    "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames")
 
 
 def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, metadata_sha256: str,
@@ -38,6 +40,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "timestep_boundaries": [options.min_timestep_boundary, options.max_timestep_boundary],
         # Several catalogues: each one's repeat (the combined metadata's sha256 covers the rest); None with one.
         "dataset_repeats": [c.repeat for c in options.datasets] if getattr(options, "datasets", None) else None,
+        "frames": frame_selection_from(options).settings(),   # None: the first frames (checkpoints before it match)
     }
 
 

@@ -40,7 +40,7 @@ DEFAULTS = {
     "checkpoint_steps": None, "checkpoint_minutes": None, "keep_checkpoints": 3, "checkpoint_dir": None,
     "keep_old_histories": 3, "print_every_s": 30.0, "report_to": "none",
     "resume": None, "force_resume": False, "start_over": False, "stop_grace_s": 300.0, "allow_stale_cache": False,
-    "decoder": "fast",
+    "decoder": "fast", "frame_sampling": "head", "source_fps": None, "short_clips": "shorten",
     # bad media and validation
     "max_bad_media_fraction": 0.01,
     "val_metadata_path": None, "val_base_path": None, "val_steps": None, "val_samples": 16,
@@ -56,7 +56,8 @@ _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
             "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
             "report_to": ("none", "tensorboard", "wandb"), "mixed_precision": ("auto", "bf16", "fp16", "fp32"),
-            "compile": ("auto", "on", "off")}
+            "compile": ("auto", "on", "off"), "frame_sampling": ("head", "uniform", "random_window"),
+            "short_clips": ("shorten", "loop", "skip")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(the VAE and text encoder are never loaded)")
     data.add_argument("--decoder", help="fast: decode only the frames that train, in-process (PyAV; default); "
                                         "diffsynth: DiffSynth's own reader (decodes whole clips to count frames)")
+    _add_frame_arguments(data)
     data.add_argument("--allow_stale_cache", type=_parse_bool,
                       help="train from --cache even if media files changed since it was built (default false: "
                            "refused, naming the files)")
@@ -114,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "*.jsonl.old; keep the newest N of them (default 3)")
     _add_checkpoint_and_quality_arguments(parser)
     return parser
+
+
+def _add_frame_arguments(data) -> None:
+    data.add_argument("--frame_sampling", help="which frames of a clip train: head (the first --num_frames; default), "
+                                               "uniform (spread over the whole clip) or random_window (a stretch "
+                                               "drawn anew each epoch; not from a latent cache)")
+    data.add_argument("--source_fps", type=float, help="put every clip at this frame rate first (nearest frame), so "
+                                                       "25 and 30 fps clips move at one speed (default: as recorded)")
+    data.add_argument("--short_clips", help="a clip with fewer frames than --num_frames: shorten (its longest 4k+1 "
+                                            "leading frames; default), loop (from its start again) or skip (bad "
+                                            "media: replaced by the next row and counted)")
 
 
 def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -257,7 +270,7 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "weight_decay": (0.0, None, True, False), "max_grad_norm": (0.0, None, True, False),
     "status_interval_s": (0.0, None, False, False), "print_every_s": (0.0, None, False, False),
     "stop_grace_s": (0.0, None, False, False), "checkpoint_minutes": (0.0, None, False, True),
-    "max_bad_media_fraction": (0.0, 1.0, True, False),
+    "max_bad_media_fraction": (0.0, 1.0, True, False), "source_fps": (0.0, None, False, True),
     "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
 }
 # A run id names files and folders (checkpoint temp folders, tracker runs, log lines): one plain name.
@@ -335,6 +348,16 @@ def _check_names(options: dict) -> None:
                            f"{checkpointing!r}")
 
 
+def check_frame_options(options: dict) -> None:
+    """A random window is drawn anew every epoch: no latent cache can hold it."""
+    if options["frame_sampling"] == "random_window":
+        for key in ("cache", "val_cache"):
+            if options[key]:
+                raise OptionsError(f"--frame_sampling random_window cannot train from --{key} {options[key]}: its "
+                                   "frames are drawn anew every epoch, and a latent cache holds one set of frames per "
+                                   "clip; use head or uniform with a cache, or train from the media files")
+
+
 def validate(options: dict) -> None:
     """Every option checked once, here; OptionsError names the flag and the value."""
     _check_numbers(options)
@@ -362,5 +385,6 @@ def validate(options: dict) -> None:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
+    check_frame_options(options)
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")

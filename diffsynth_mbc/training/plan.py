@@ -12,6 +12,7 @@ import shlex
 import sys
 
 from diffsynth_mbc.data.catalogues import metadata_counts
+from diffsynth_mbc.data.frame_selection import frame_arguments
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.step_plan import StepPlan
 from diffsynth_mbc.errors import OptionsError
@@ -28,6 +29,7 @@ def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str)
                  "--height", str(options.height), "--width", str(options.width),
                  "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed),
                  "--decoder", options.decoder, "--log_dir", options.log_dir]   # the monitor sees the build there
+    arguments += frame_arguments(options)
     if options.sample_prompts and metadata_path == options.dataset_metadata_path:
         arguments += ["--sample_prompts", options.sample_prompts]
     if options.mixed_precision != "auto":   # auto: the cache picks as the training will, from the GPU

@@ -50,7 +50,10 @@ def test_the_same_seed_and_epoch_give_the_same_batches_and_epochs_differ():
 def test_the_sampler_follows_set_epoch_and_its_length_is_every_ranks_batches():
     sampler = ShapeGroupedBatchSampler(KEYS, 1, SIZES, world_size=2, seed=1)
     sampler.set_epoch(5)
-    assert list(sampler) == epoch_batches(KEYS, 1, SIZES, 2, 1, 5)
+    samples = len(KEYS)
+    # Each index carries its epoch: index % samples is the sample, index // samples the epoch.
+    assert [[index % samples for index in batch] for batch in sampler] == epoch_batches(KEYS, 1, SIZES, 2, 1, 5)
+    assert {index // samples for batch in sampler for index in batch} == {5}
     assert len(sampler) == len(list(sampler))
 
 

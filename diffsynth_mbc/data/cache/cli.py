@@ -59,6 +59,7 @@ from diffsynth_mbc.data.cache.index import (
     encoder_identities,
     file_sha256,
 )
+from diffsynth_mbc.data.frame_selection import frame_selection_from
 from diffsynth_mbc.flags import FlagParser
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset_num_workers", type=int, default=2, help="decoding worker processes per rank")
     parser.add_argument("--decoder", choices=DECODERS, default="fast",
                         help="fast: only the frames that train, in-process (PyAV; default); diffsynth: DiffSynth's reader")
+    parser.add_argument("--frame_sampling", choices=("head", "uniform", "random_window"), default="head",
+                        help="the training's --frame_sampling: head (default) or uniform (random_window is drawn per "
+                             "epoch and is refused here)")
+    parser.add_argument("--source_fps", type=float, help="the training's --source_fps (resample clips to this rate)")
+    parser.add_argument("--short_clips", choices=("shorten", "loop", "skip"), default="shorten",
+                        help="the training's --short_clips; skip lists short clips in failures.csv")
     parser.add_argument("--log_dir", help="where each rank writes its status file training_gpu{rank}.json for the "
                                           "monitor (default: CACHE_DIR/logs; the launchers give the training's)")
     parser.add_argument("--run_id", help="the run id in the status files (default: $MBC_RUN_ID, else time-based)")
@@ -107,6 +114,14 @@ def parse_options(argv=None) -> argparse.Namespace:
         raise CacheError(f"--num_frames must be 4k+1 (1, 5, 9, 13, 17, ...), got {options.num_frames}")
     if options.dataset_num_workers < 0:
         raise CacheError("--dataset_num_workers must not be negative")
+    if options.frame_sampling == "random_window":
+        raise CacheError("--frame_sampling random_window draws a clip's frames anew every epoch, and a latent cache "
+                         "holds one set of frames per clip: cache with head or uniform, or train random_window from "
+                         "the media files")
+    try:
+        options.frames = frame_selection_from(options)
+    except ValueError as exc:
+        raise CacheError(str(exc)) from None
     return options
 
 
@@ -217,8 +232,11 @@ def run(options, ranks: Ranks, status=None) -> int:
         text_len = WanPrompter().text_len
     settings = {"height": options.height, "width": options.width, "num_frames": options.num_frames,
                 "dtype": DTYPES[dtype_name], **identities, "text_len": text_len, "z_dim": 48}
+    if options.frames.settings():   # absent for the default: caches built before frame selection still match
+        settings["frames"] = options.frames.settings()
 
     dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path, decoder=options.decoder,
+                              frames=options.frames,
                               num_frames=options.num_frames, height=options.height, width=options.width)
     metadata = {"path": str(Path(options.dataset_metadata_path).resolve()),
                 "sha256": file_sha256(options.dataset_metadata_path),

@@ -29,6 +29,7 @@ from diffsynth_mbc.data.cache.index import (
     read_index,
     stale_rows,
 )
+from diffsynth_mbc.data.frame_selection import frame_selection_from
 from diffsynth_mbc.models.wan_units import pad_context
 
 
@@ -103,6 +104,7 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
     if any(built != asked for _, built, asked in sizes):
         problems.append("it was built for " + ", ".join(f"{key} {built}" for key, built, _ in sizes)
                         + "; this run asks for " + ", ".join(f"{key} {asked}" for key, _, asked in sizes))
+    problems += frame_problems(settings, options)
     metadata_path = Path(metadata_path or options.dataset_metadata_path)
     if not metadata_path.is_file():
         problems.append(f"--dataset_metadata_path {metadata_path} does not exist")
@@ -145,6 +147,22 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
                                  f"({len(index['failed'])} failed; see its failures.csv)")
 
 
+def frame_problems(settings: dict, options) -> list[str]:
+    """How the cache's frames (--frame_sampling, --source_fps, --short_clips) differ from the run's."""
+    selection = frame_selection_from(options)
+    if selection.per_epoch:
+        return ["--frame_sampling random_window draws its frames anew every epoch, and a latent cache holds one set "
+                "of frames per clip (train from the media files, or use head or uniform)"]
+    built, asked = settings.get("frames"), selection.settings()
+    if built == asked:
+        return []
+
+    def described(frames):
+        return "the first frames of each clip (head)" if frames is None else ", ".join(
+            f"{key} {value}" for key, value in frames.items())
+    return [f"its frames are {described(built)}; this run asks for {described(asked)}"]
+
+
 def open_training_dataset(options, **media_options):
     """``CachedLatentDataset`` when ``options.cache`` is set (after checking it matches), else MBCVideoDataset.
 
@@ -155,7 +173,7 @@ def open_training_dataset(options, **media_options):
         from diffsynth_mbc.data.dataset import MBCVideoDataset
 
         return MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path,
-                               decoder=getattr(options, "decoder", "fast"),
+                               decoder=getattr(options, "decoder", "fast"), frames=frame_selection_from(options),
                                num_frames=options.num_frames, height=options.height, width=options.width,
                                repeat=options.dataset_repeat, **media_options)
     index = read_index(cache_dir)
@@ -187,5 +205,5 @@ def open_validation_dataset(options, **media_options):
     from diffsynth_mbc.data.dataset import MBCVideoDataset
 
     return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
-                           decoder=getattr(options, "decoder", "fast"),
+                           decoder=getattr(options, "decoder", "fast"), frames=frame_selection_from(options),
                            height=options.height, width=options.width, **media_options)

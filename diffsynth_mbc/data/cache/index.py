@@ -77,9 +77,13 @@ def file_fingerprint(path) -> dict:
 
 
 def entry_key(fingerprint: dict, settings: dict) -> str:
-    return _sha256({"version": VERSION, "file": fingerprint, "height": settings["height"],
-                    "width": settings["width"], "num_frames": settings["num_frames"], "vae": settings["vae"],
-                    "dtype": settings["dtype"]})
+    """Frames other than the default (``settings["frames"]``) are part of the key; the default's keys are those of
+    caches built before frame selection existed."""
+    keyed = {"version": VERSION, "file": fingerprint, "height": settings["height"], "width": settings["width"],
+             "num_frames": settings["num_frames"], "vae": settings["vae"], "dtype": settings["dtype"]}
+    if settings.get("frames"):
+        keyed["frames"] = settings["frames"]
+    return _sha256(keyed)
 
 
 def text_key(caption: str, settings: dict) -> str:
