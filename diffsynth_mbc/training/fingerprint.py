@@ -17,7 +17,9 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
                     "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
-                    "mixed_precision", "timestep_boundaries")
+                    "mixed_precision", "timestep_boundaries", "timestep_sampling")
+TIMESTEP_SETTINGS = ("timestep_sampling", "timestep_shift", "logit_mean", "logit_std", "sigmoid_scale",
+                     "timestep_strata", "loss_weighting")   # how timesteps are drawn and the loss weighted
 
 
 def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, metadata_sha256: str,
@@ -36,6 +38,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "warmup_steps": options.warmup_steps, "weight_decay": options.weight_decay,
         "max_grad_norm": options.max_grad_norm, "mixed_precision": precision,
         "timestep_boundaries": [options.min_timestep_boundary, options.max_timestep_boundary],
+        "timestep_sampling": {key: getattr(options, key) for key in TIMESTEP_SETTINGS},
     }
 
 

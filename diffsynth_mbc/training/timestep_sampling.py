@@ -147,3 +147,35 @@ class TimestepSampler:
             levels = lo + (hi - lo) * sigma_from_uniform(u[index], self.scheme, **self.params)
             ids[index] = nearest_ids(sigmas, levels, low, high)
         return ids.tolist()
+
+
+def sampler_from_options(options, schedule_shift: float) -> TimestepSampler:
+    """The run's sampler from its options (``--timestep_sampling`` and the scheme's parameters)."""
+    return TimestepSampler(options.timestep_sampling, shift=options.timestep_shift, logit_mean=options.logit_mean,
+                           logit_std=options.logit_std, sigmoid_scale=options.sigmoid_scale,
+                           strata=options.timestep_strata, schedule_shift=schedule_shift)
+
+
+class DrawLog:
+    """The (timestep, loss) of each sample trained since the loop last took them, for the per-rank history.
+
+    Kept as tensors (no device sync per forward); ``take`` turns them into numbers once per step. Bounded: a
+    caller that never takes them (DiffSynth's own loop) keeps only the newest ``MAX`` forwards."""
+
+    MAX = 256
+
+    def __init__(self):
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, timesteps: torch.Tensor, losses: list[torch.Tensor]) -> None:
+        self._pending.append((timesteps.detach().reshape(-1), torch.stack([loss.detach().reshape(()) for loss
+                                                                            in losses])))
+        del self._pending[:-self.MAX]
+
+    def take(self) -> list[tuple[float, float]]:
+        """Every (timestep, loss) pair since the last take, in order; the log is then empty."""
+        pairs = []
+        for timesteps, losses in self._pending:
+            pairs += zip(timesteps.float().cpu().tolist(), losses.float().cpu().tolist())
+        self._pending = []
+        return pairs
