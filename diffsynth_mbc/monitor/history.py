@@ -18,6 +18,7 @@ from typing import Any
 
 from diffsynth_mbc.monitor.series import MAX_POINTS, TREND_POINTS, Series
 from diffsynth_mbc.monitor.status import json_safe, open_regular, to_float
+from diffsynth_mbc.monitor.timestep_bins import LossByTimestep
 
 INDEX_EVERY = 512  # JSONL lines between two entries of the byte-offset index
 READ_CHUNK = 4 << 20
@@ -107,6 +108,7 @@ class HistoryFile:
         self.lr = self.series["lr"]
         self.val_loss = Series(self.max_points)
         self.val_quantiles: dict[str, Series] = {}   # "0.5" -> validation loss at that timestep quantile
+        self.by_timestep = LossByTimestep()   # training loss per timestep bin, EMA over the run
         self.epoch_marks: list[tuple[float, int]] = []  # (first step seen of an epoch, epoch)
         self._last_epoch: int | None = None
         self.step_times: deque[float] = deque(maxlen=RECENT_STEP_TIMES)
@@ -254,6 +256,9 @@ class HistoryFile:
             samples = _fast_float(get("samples"))
             if samples is not None and step_time > 0:
                 batch.add("samples_per_s", step, samples / step_time)
+        drawn = get("timesteps")
+        if drawn is not None:
+            self.by_timestep.add(drawn, get("timestep_losses"))
         epoch = get("epoch")
         if type(epoch) is int and epoch != self._last_epoch:
             self._mark_epoch(step, epoch)

@@ -249,7 +249,8 @@ class MonitorState:
         Raw JSONL records with step > since (at most ``limit`` per rank; ``truncated`` says
         more exist and ``next_since`` is where to continue), or with ``points`` the bounded
         down-sampled series (loss, lr, grad_norm, step_time_s, samples_per_s, val_loss: bucket
-        mean, min, max) with at most that many points per series, and where each epoch began.
+        mean, min, max) with at most that many points per series, where each epoch began, and the training
+        loss by timestep bin (an EMA per bin over the whole run, whatever ``since``).
         """
         if points is not None:
             self._wait_for_whole_histories(rank)
@@ -269,6 +270,7 @@ class MonitorState:
                         "val_loss": hf.val_loss.points(since, points),
                         "val_loss_by_quantile": {q: series.points(since, points)
                                                  for q, series in sorted(hf.val_quantiles.items())},
+                        "loss_by_timestep": hf.by_timestep.as_dict(),
                         "epochs": [{"step": step, "epoch": epoch} for step, epoch in hf.epoch_marks
                                    if since is None or step > since],
                         "last_step": hf.last_step,

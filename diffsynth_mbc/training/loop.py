@@ -170,6 +170,7 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     pipe = training_pipeline(options, str(accelerator.device), dtype, accelerator.process_index)
     from diffsynth_mbc.training.step.choices import step_choices
+    from diffsynth_mbc.training.timestep_sampling import sampler_from_options
 
     recompute, compile_blocks = step_choices(options, status, accelerator, len(pipe.dit.blocks))
     module = WanTI2VLoraModule(
@@ -177,7 +178,8 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
         lora_alpha=options.lora_alpha, use_gradient_checkpointing=options.use_gradient_checkpointing,
         use_gradient_checkpointing_offload=options.use_gradient_checkpointing_offload,
         max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
-        recompute_blocks=recompute, compile_blocks=compile_blocks)
+        recompute_blocks=recompute, compile_blocks=compile_blocks,
+        timestep_sampler=sampler_from_options(options, pipe.scheduler.shift), loss_weighting=options.loss_weighting)
     return dataset, validator, module
 
 
@@ -305,7 +307,8 @@ def train_epoch(run: Run, epoch: int) -> str:
     position.epoch, position.batches_in_epoch = epoch, skip
     # Resuming mid-epoch: skip the batches already trained on without decoding them.
     epoch_batches = accelerator.skip_first_batches(run.loader, skip) if skip else run.loader
-    losses, samples_in_step, bad_in_step, tokens_in_step = [], 0, 0, 0
+    losses, samples_in_step, bad_in_step, tokens_in_step, drawn = [], 0, 0, 0, []
+    draws = accelerator.unwrap_model(run.module).draws   # each sample's timestep and loss, for the history
     for batch in iterate_waiting_at_start(epoch_batches, run.status):
         for sample in batch:
             for bad in sample.pop("skipped", ()):
@@ -316,6 +319,7 @@ def train_epoch(run: Run, epoch: int) -> str:
         tokens_in_step += sum(sample_tokens(sample) for sample in batch)
         loss, grad_norm, skipped = forward_backward(run, batch, losses)
         losses.append(loss.detach())
+        drawn += draws.take()
         samples_in_step += len(batch) + bad_in_step
         position.batches_in_epoch += 1
         if not accelerator.sync_gradients:
@@ -323,15 +327,15 @@ def train_epoch(run: Run, epoch: int) -> str:
         run.compile_timer.step_finished()
         step_loss = torch.stack(losses).mean().item()
         outcome = after_optimizer_step(run, epoch, step_loss, grad_norm, samples_in_step, bad_in_step, skipped,
-                                       tokens=tokens_in_step)
-        losses, samples_in_step, bad_in_step, tokens_in_step = [], 0, 0, 0
+                                       tokens=tokens_in_step, drawn=drawn)
+        losses, samples_in_step, bad_in_step, tokens_in_step, drawn = [], 0, 0, 0, []
         if outcome == "stopped":
             return "stopped"
     return "done"
 
 
 def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: int, bad: int,
-                         skipped: bool = False, tokens: int | None = None) -> str:
+                         skipped: bool = False, tokens: int | None = None, drawn: list | None = None) -> str:
     """Progress, agreement between ranks, validation, checkpoints and stop requests after one optimizer step."""
     import torch
 
@@ -344,7 +348,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     if run.nonfinite.check(position.step, loss, grad_norm, skipped) or run.nonfinite.total:
         status.update(**run.nonfinite.status_fields())
     run.logger.on_step_end(accelerator, None, loss=loss, lr=lr, samples=samples, grad_norm=grad_norm,
-                           tokens=tokens, **({"nonfinite": True} if skipped else {}))
+                           tokens=tokens, timestep_draws=drawn, **({"nonfinite": True} if skipped else {}))
     if bad:
         status.update(skipped_samples=position.skipped_samples, skip_reasons=position.recent_skips)
     # One small all-reduce per step keeps every rank's decisions identical.

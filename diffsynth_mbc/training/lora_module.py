@@ -15,6 +15,7 @@ from diffsynth_mbc.models.wan_units import run_units, unit_inputs
 from diffsynth_mbc.training.step.batch_loss import batch_loss
 from diffsynth_mbc.training.step.blocks import BlockRunner
 from diffsynth_mbc.training.step.lora_cast import compute_lora_in_base_dtype
+from diffsynth_mbc.training.timestep_sampling import DrawLog, TimestepSampler
 
 
 class WanTI2VLoraModule(DiffusionTrainingModule):
@@ -37,7 +38,8 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
                  lora_rank: int = 32, lora_alpha: float | None = None, lora_dtype: torch.dtype = torch.float32,
                  use_gradient_checkpointing: bool = True, use_gradient_checkpointing_offload: bool = False,
                  max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0,
-                 recompute_blocks: int | None = None, compile_blocks: bool = False, lora_compute: str = "base"):
+                 recompute_blocks: int | None = None, compile_blocks: bool = False, lora_compute: str = "base",
+                 timestep_sampler: TimestepSampler | None = None, loss_weighting: str = "diffsynth"):
         super().__init__()
         if lora_compute not in ("base", "upcast"):
             raise ValueError(f"lora_compute must be 'base' or 'upcast', got {lora_compute!r}")
@@ -56,6 +58,11 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         self.use_gradient_checkpointing_offload = use_gradient_checkpointing_offload
         self.max_timestep_boundary = max_timestep_boundary
         self.min_timestep_boundary = min_timestep_boundary
+        # How training draws its timesteps and weights its loss (``timestep_sampling``); what it drew and the
+        # loss at each draw wait in ``draws`` for the loop's history (``take_draws``).
+        self.timestep_sampler = timestep_sampler or TimestepSampler(schedule_shift=pipe.scheduler.shift)
+        self.loss_weighting = loss_weighting
+        self.draws = DrawLog()
 
     def scalar_inputs(self) -> dict:
         """Training switches passed to ``training_loss`` on both paths."""
@@ -128,8 +135,16 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
             inputs = self.inputs(sample)
             groups.setdefault(tuple(inputs["input_latents"].shape), []).append(inputs)
         if len(groups) == 1:
-            return batch_loss(self.pipe, next(iter(groups.values())), self.blocks)[0]
-        return sum(batch_loss(self.pipe, group, self.blocks)[0] * len(group) for group in groups.values()) / len(batch)
+            return self.training_loss(next(iter(groups.values())))
+        return sum(self.training_loss(group) * len(group) for group in groups.values()) / len(batch)
+
+    def training_loss(self, group: list[dict]) -> torch.Tensor:
+        """Mean loss of one same-shape group at timesteps drawn by ``timestep_sampler``; the draws are logged."""
+        bounds = [(inputs.get("min_timestep_boundary", 0), inputs.get("max_timestep_boundary", 1)) for inputs in group]
+        ids = self.timestep_sampler.draw_ids(self.pipe.scheduler.sigmas, bounds)
+        loss, losses = batch_loss(self.pipe, group, self.blocks, ids, weighting=self.loss_weighting)
+        self.draws.add(self.pipe.scheduler.timesteps[ids], losses)
+        return loss
 
     def lora_state_dict(self, state_dict: dict | None = None) -> dict:
         """Trainable (LoRA) weights with DiffSynth's key layout: ``blocks.0.self_attn.q.lora_A.default.weight``."""

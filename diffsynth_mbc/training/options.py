@@ -33,6 +33,8 @@ DEFAULTS = {
     "use_gradient_checkpointing": True, "use_gradient_checkpointing_offload": False,
     "gradient_checkpointing": None, "compile": "auto", "image_batch_size": None,
     "max_timestep_boundary": 1.0, "min_timestep_boundary": 0.0, "find_unused_parameters": False,
+    "timestep_sampling": "diffsynth", "timestep_shift": 5.0, "logit_mean": 0.0, "logit_std": 1.0,
+    "sigmoid_scale": 1.0, "timestep_strata": 1, "loss_weighting": "diffsynth",
     # output and logging
     "output_path": "./runs/lora", "log_dir": None, "run_id": None, "save_steps": None,
     "status_interval_s": 5.0, "dist_backend": None,
@@ -57,7 +59,9 @@ _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl
             "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
             "report_to": ("none", "tensorboard", "wandb"), "mixed_precision": ("auto", "bf16", "fp16", "fp32"),
             "compile": ("auto", "on", "off"), "frame_sampling": ("head", "uniform", "random_window"),
-            "short_clips": ("shorten", "loop", "skip")}
+            "short_clips": ("shorten", "loop", "skip"),
+            "timestep_sampling": ("diffsynth", "uniform", "shift", "logit_normal", "sigmoid"),
+            "loss_weighting": ("diffsynth", "none")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +157,23 @@ def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--max_timestep_boundary", type=float)
     optim.add_argument("--min_timestep_boundary", type=float)
     optim.add_argument("--find_unused_parameters", type=_parse_bool)
+    _add_timestep_arguments(parser)
+
+
+def _add_timestep_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("timesteps (docs/recipe/timestep-sampling.md)")
+    group.add_argument("--timestep_sampling",
+                       help="how each sample's noise level is drawn: diffsynth (default: DiffSynth's own draw, a "
+                            "uniform index of its shift-5 schedule), uniform, shift, logit_normal, sigmoid; "
+                            "--min/max_timestep_boundary rescale the distribution into their range")
+    group.add_argument("--timestep_shift", type=float, help="S of --timestep_sampling shift (default 5.0)")
+    group.add_argument("--logit_mean", type=float, help="mean of --timestep_sampling logit_normal (default 0.0)")
+    group.add_argument("--logit_std", type=float, help="std of --timestep_sampling logit_normal (default 1.0)")
+    group.add_argument("--sigmoid_scale", type=float, help="scale of --timestep_sampling sigmoid (default 1.0)")
+    group.add_argument("--timestep_strata", type=int,
+                       help="N > 1: every N draws of a rank take one from each of N equal parts of the "
+                            "distribution (stratified; default 1: independent draws)")
+    group.add_argument("--loss_weighting", help="diffsynth (default: DiffSynth's per-timestep weight) or none")
 
 
 def _add_memory_and_speed_arguments(optim) -> None:
@@ -263,7 +284,7 @@ _INTEGERS = {   # key: (lowest, optional)
     "gradient_accumulation_steps": (1, False), "max_nonfinite_steps": (1, False), "keep_checkpoints": (1, False),
     "val_samples": (1, False), "dataset_num_workers": (0, False), "warmup_steps": (0, False),
     "keep_old_histories": (0, False), "seed": (0, False), "image_batch_size": (1, True), "save_steps": (1, True),
-    "checkpoint_steps": (1, True), "val_steps": (1, True), "sample_steps": (1, True),
+    "checkpoint_steps": (1, True), "val_steps": (1, True), "sample_steps": (1, True), "timestep_strata": (1, False),
 }
 _FLOATS = {     # key: (low, high, low included, optional)
     "learning_rate": (0.0, None, False, False), "lora_alpha": (0.0, None, False, True),
@@ -272,7 +293,12 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "stop_grace_s": (0.0, None, False, False), "checkpoint_minutes": (0.0, None, False, True),
     "max_bad_media_fraction": (0.0, 1.0, True, False), "source_fps": (0.0, None, False, True),
     "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
+    "timestep_shift": (0.0, None, False, False), "logit_mean": (-math.inf, None, False, False),
+    "logit_std": (0.0, None, False, False), "sigmoid_scale": (0.0, None, False, False),
 }
+# Parameters of one --timestep_sampling scheme: given with another scheme they would do nothing, so they are refused.
+_SCHEME_PARAMETERS = {"timestep_shift": "shift", "logit_mean": "logit_normal", "logit_std": "logit_normal",
+                      "sigmoid_scale": "sigmoid"}
 # A run id names files and folders (checkpoint temp folders, tracker runs, log lines): one plain name.
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TARGET_MODULE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
@@ -358,10 +384,18 @@ def check_frame_options(options: dict) -> None:
                                    "clip; use head or uniform with a cache, or train from the media files")
 
 
+def _check_timestep_parameters(options: dict) -> None:
+    for key, scheme in _SCHEME_PARAMETERS.items():
+        if options[key] != DEFAULTS[key] and options["timestep_sampling"] != scheme:
+            raise OptionsError(f"--{key} {options[key]:g} applies to --timestep_sampling {scheme} only, and this run "
+                               f"uses --timestep_sampling {options['timestep_sampling']}")
+
+
 def validate(options: dict) -> None:
     """Every option checked once, here; OptionsError names the flag and the value."""
     _check_numbers(options)
     _check_names(options)
+    _check_timestep_parameters(options)
     for key in ("height", "width"):
         if options[key] > MAX_SIDE:
             raise OptionsError(f"--{key} {options[key]} is above {MAX_SIDE}, the largest side this trains "

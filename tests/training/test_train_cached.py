@@ -12,8 +12,10 @@ pytestmark = pytest.mark.slow
 
 def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
     env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
-    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=400)
+    # Training flags go through the launcher: a timestep scheme inside a boundary (index 200: level 952.4 of 1000).
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached",
+                             "--timestep_sampling", "shift", "--timestep_shift", "3", "--min_timestep_boundary", "0.2"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     cache = tmp_path / "runs" / "demo" / "latent_cache"
@@ -25,6 +27,8 @@ def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
         state = read_status(log_dir, rank)
         assert state["status"] == "finished" and state["step"] == state["total_steps"] == 12
         assert [line["step"] for line in read_history(log_dir, rank)] == list(range(1, 13))
+        timesteps = [t for line in read_history(log_dir, rank) for t in line["timesteps"]]
+        assert len(timesteps) >= 12 and all(0 <= t <= 952.39 for t in timesteps), timesteps
     assert (tmp_path / "runs" / "demo" / "lora" / "lora.safetensors").stat().st_size > 0
 
 

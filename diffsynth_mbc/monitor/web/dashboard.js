@@ -19,7 +19,10 @@
     {id: "grad_norm", title: "Gradient norm", field: "grad_norm"},
     {id: "step_time", title: "Step time (s)", field: "step_time_s", highlightSlow: true},
     {id: "samples_per_s", title: "Samples / s", field: "samples_per_s"},
+    {id: "loss_by_timestep", title: "Loss by timestep (average per bin over the run; falling: still learning there)",
+     byTimestep: true, points: true, xLabel: "timestep"},
   ];
+  const TIMESTEP_BINS = {edges: Array.from({length: 21}, (_, i) => i * 50), alpha: 0.05};  // as the monitor's
 
   const history = {};  // rank -> {fields: {name: {x: [], y: []}}, epochs: Map(step -> epoch), since, loaded}
   const charts = {};   // chart id -> {spec, plot, signature, zoomed, box, tip}
@@ -212,7 +215,29 @@
   function emptyRank() {
     const fields = {};
     for (const f of FIELDS) fields[f] = {x: [], y: []};
-    return {fields: fields, quantiles: new Map(), epochs: new Map(), since: null, loaded: false};
+    return {fields: fields, quantiles: new Map(), epochs: new Map(), since: null, loaded: false, byTimestep: null};
+  }
+
+  function timestepBins(h) {
+    // The loss per timestep bin, an EMA per bin over the run: from the monitor, then carried on record by record.
+    if (!h.byTimestep) {
+      const n = TIMESTEP_BINS.edges.length - 1;
+      h.byTimestep = {edges: TIMESTEP_BINS.edges, alpha: TIMESTEP_BINS.alpha, ema: new Array(n).fill(null),
+                      count: new Array(n).fill(0)};
+    }
+    return h.byTimestep;
+  }
+
+  function addTimesteps(h, rec) {
+    if (!Array.isArray(rec.timesteps) || !Array.isArray(rec.timestep_losses)) return;
+    const b = timestepBins(h), n = b.ema.length, top = b.edges[n];
+    rec.timesteps.forEach((t, i) => {
+      const v = rec.timestep_losses[i];
+      if (!num(t) || !num(v) || t < 0 || t > top) return;
+      const k = Math.min(n - 1, Math.floor(t * n / top));
+      b.ema[k] = b.ema[k] === null ? v : b.ema[k] + b.alpha * (v - b.ema[k]);
+      b.count[k]++;
+    });
   }
 
   function quantileLine(h, q) {
@@ -248,6 +273,11 @@
       for (const p of points) if (num(p.step) && num(p.value)) push(quantileLine(h, q), p.step, p.value);
     }
     for (const e of d.epochs || []) h.epochs.set(e.step, e.epoch);
+    const bins = d.loss_by_timestep;
+    if (bins && Array.isArray(bins.edges) && Array.isArray(bins.ema) && bins.ema.length === bins.edges.length - 1) {
+      h.byTimestep = {edges: bins.edges, alpha: num(bins.alpha) ? bins.alpha : TIMESTEP_BINS.alpha,
+                      ema: bins.ema.map((v) => (num(v) ? v : null)), count: bins.ema.map((v, i) => (bins.count || [])[i] || 0)};
+    }
     h.since = num(d.last_step) ? d.last_step : null;
     h.loaded = true;
   }
@@ -268,6 +298,7 @@
     if (num(rec.samples) && num(rec.step_time_s) && rec.step_time_s > 0) {
       push(h.fields.samples_per_s, rec.step, rec.samples / rec.step_time_s);
     }
+    addTimesteps(h, rec);
     if (Number.isInteger(rec.epoch)) {
       if (num(h.lastEpoch) && rec.epoch !== h.lastEpoch) h.epochs.set(rec.step, rec.epoch);
       h.lastEpoch = rec.epoch;
@@ -364,6 +395,10 @@
 
   function chartData(spec, lines) {
     const tables = lines.map((line) => {
+      if (spec.byTimestep) {   // x: the middle of each timestep bin
+        const b = timestepBins(history[line.rank]);
+        return [b.ema.map((_, i) => (b.edges[i] + b.edges[i + 1]) / 2), b.ema.slice()];
+      }
       const f = line.quantile !== undefined ? history[line.rank].quantiles.get(line.quantile)
         : history[line.rank].fields[spec.field];
       let ys = f.y;
@@ -412,7 +447,7 @@
     const tip = chart.tip;
     if (idx === null || idx === undefined || u.cursor.left < 0) { tip.hidden = true; return; }
     const step = u.data[0][idx];
-    tip.replaceChildren(el("b", null, "step " + step));
+    tip.replaceChildren(el("b", null, (chart.spec.xLabel || "step") + " " + step));
     tip.dataset.step = String(step);
     const values = {};
     for (let i = 1; i < u.series.length; i++) {
@@ -480,7 +515,7 @@
       scales: {x: {time: false}, y: spec.logToggle && options.logLoss ? {distr: 3} : {}},
       axes: [
         {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: axisValues(chart, "xTicks"),
-         label: "step", labelSize: 18, font: "11px sans-serif", labelFont: "11px sans-serif"},
+         label: spec.xLabel || "step", labelSize: 18, font: "11px sans-serif", labelFont: "11px sans-serif"},
         {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: axisValues(chart, "yTicks"),
          size: 60, font: "11px sans-serif"},
       ],
@@ -529,6 +564,7 @@
     chart.box.dataset.points = counts.join(",");
     chart.box.dataset.epochMarks = String(chart.epochs.length);
     chart.box.dataset.scale = chart.spec.logToggle && options.logLoss ? "log" : "linear";
+    if (chart.spec.byTimestep) chart.box.dataset.values = JSON.stringify(data.slice(1));
     chart.nodata.hidden = counts.some((c) => c > 0);
   }
 
@@ -542,7 +578,7 @@
       const chart = ensureBox(spec);
       const lines = lineSpecs(spec, ranks, slowSet);
       const data = chartData(spec, lines);
-      chart.epochs = epochs;
+      chart.epochs = spec.byTimestep ? [] : epochs;
       const signature = JSON.stringify([lines.map((l) => [l.label, l.width, l.dash]), options.logLoss]);
       if (!chart.plot || signature !== chart.signature) {
         makePlot(chart, lines, data);

@@ -32,9 +32,11 @@ def draw_timestep_ids(pipe, samples: list[dict]) -> list[int]:
     return ids
 
 
-def batch_loss(pipe, samples: list[dict], runner: BlockRunner, timestep_ids: list[int] | None = None):
+def batch_loss(pipe, samples: list[dict], runner: BlockRunner, timestep_ids: list[int] | None = None,
+               weighting: str = "diffsynth"):
     """Mean training loss of ``samples`` (the dicts the pipeline units or the cache give, each batch 1, all of
-    one latent shape) and the per-sample losses, from one DiT forward."""
+    one latent shape) and the per-sample losses, from one DiT forward. ``weighting`` "none" leaves out
+    DiffSynth's per-timestep weight (``--loss_weighting``)."""
     if timestep_ids is None:
         timestep_ids = draw_timestep_ids(pipe, samples)
     scheduler = pipe.scheduler
@@ -47,8 +49,11 @@ def batch_loss(pipe, samples: list[dict], runner: BlockRunner, timestep_ids: lis
     context = samples[0]["context"] if len(samples) == 1 else torch.cat([s["context"] for s in samples])
     fuse = bool(samples[0].get("fuse_vae_embedding_in_latents"))
     prediction = dit_forward(pipe.dit, latents, torch.stack(timesteps), context, runner, fuse)
-    losses = [F.mse_loss(prediction[b:b + 1].float(), target.float()) * scheduler.training_weight(timestep)
-              for b, (target, timestep) in enumerate(zip(targets, timesteps))]
+    losses = [F.mse_loss(prediction[b:b + 1].float(), target.float()) for b, target in enumerate(targets)]
+    if weighting == "diffsynth":
+        losses = [loss * scheduler.training_weight(timestep) for loss, timestep in zip(losses, timesteps)]
+    elif weighting != "none":
+        raise ValueError(f"loss weighting must be 'diffsynth' or 'none', got {weighting!r}")
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
     return loss, losses
 
