@@ -10,6 +10,9 @@ which PIL's ``convert("RGB")`` clips at 255 (a gradient trains as a white frame)
 With ``substitute_bad_media`` a bad file is replaced by the next decodable row (deterministically,
 so a resumed run sees the same data) and the sample carries ``skipped``: one record per bad file,
 which the training loop counts and reports.
+
+``caption_prefix`` / ``caption_suffix`` (a trigger word) are joined to every caption when the metadata is read
+(``caption_rules.with_affixes``), so training, validation and the latent cache all see the same prompt.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from diffsynth.trainers.utils import VideoDataset
 from PIL import Image
 
+from diffsynth_mbc.data.caption_rules import with_affixes
 from diffsynth_mbc.data.clip_reader import DECODERS, ReferenceReaderNeeded, read_leading_frames
 from diffsynth_mbc.data.shapes import shape_key
 
@@ -60,7 +64,8 @@ def _print_once(text: str) -> None:
 
 class MBCVideoDataset(VideoDataset):
     def __init__(self, base_path: str, metadata_path: str, num_frames: int, height: int, width: int,
-                 repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast"):
+                 repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast",
+                 caption_prefix: str = "", caption_suffix: str = ""):
         notices = io.StringIO()
         with contextlib.redirect_stdout(notices):   # DiffSynth prints a notice per dataset and rank
             super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
@@ -71,6 +76,10 @@ class MBCVideoDataset(VideoDataset):
         self.substitute_bad_media = substitute_bad_media
         self.decoder = decoder
         self._keys = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
+        if caption_prefix or caption_suffix:   # the trigger word: what trains (and what the cache encodes)
+            for row in self.data:
+                if isinstance(row.get("prompt"), str):
+                    row["prompt"] = with_affixes(row["prompt"], caption_prefix, caption_suffix)
 
     def load_video(self, file_path):
         """``fast``: only the frames that train, decoded in-process (clip_reader); the same frames, resized

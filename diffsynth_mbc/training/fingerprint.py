@@ -17,7 +17,7 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
                     "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
-                    "mixed_precision", "timestep_boundaries")
+                    "mixed_precision", "timestep_boundaries", "caption_dropout", "caption_prefix", "caption_suffix")
 
 
 def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, metadata_sha256: str,
@@ -36,6 +36,8 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "warmup_steps": options.warmup_steps, "weight_decay": options.weight_decay,
         "max_grad_norm": options.max_grad_norm, "mixed_precision": precision,
         "timestep_boundaries": [options.min_timestep_boundary, options.max_timestep_boundary],
+        "caption_dropout": options.caption_dropout, "caption_prefix": options.caption_prefix,
+        "caption_suffix": options.caption_suffix,
     }
 
 

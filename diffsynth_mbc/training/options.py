@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from diffsynth_mbc.data.caption_rules import check_caption_options
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
 
@@ -47,6 +48,8 @@ DEFAULTS = {
     "sample_prompts": None, "sample_steps": None,
     # latent cache
     "cache": None, "val_cache": None,
+    # captions
+    "caption_dropout": 0.0, "caption_prefix": "", "caption_suffix": "",
 }
 
 MAX_SIDE = 4096   # pixels, each of --height and --width
@@ -108,7 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
                                                             "*.jsonl.old; keep the newest N of them (default 3)")
     _add_checkpoint_and_quality_arguments(parser)
+    _add_caption_arguments(parser)
     return parser
+
+
+def _add_caption_arguments(parser: argparse.ArgumentParser) -> None:
+    captions = parser.add_argument_group("captions")
+    captions.add_argument("--caption_dropout", type=float,
+                          help="train on the empty prompt instead of the caption with this probability, decided per "
+                               "sample from --seed, rank and epoch (default 0: never)")
+    captions.add_argument("--caption_prefix", help="text put before every caption, with one space (a trigger word; "
+                                                   "default none); a latent cache must be built with the same")
+    captions.add_argument("--caption_suffix", help="text put after every caption, with one space (default none); a "
+                                                   "latent cache must be built with the same")
 
 
 def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -253,6 +268,7 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "stop_grace_s": (0.0, None, False, False), "checkpoint_minutes": (0.0, None, False, True),
     "max_bad_media_fraction": (0.0, 1.0, True, False),
     "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
+    "caption_dropout": (0.0, 1.0, True, False),
 }
 # A run id names files and folders (checkpoint temp folders, tracker runs, log lines): one plain name.
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -323,6 +339,9 @@ def _check_names(options: dict) -> None:
         if options[key] and Path(options[key]).exists() and not Path(options[key]).is_dir():
             raise OptionsError(f"--{key} {options[key]} is a file, not a folder")
     check_tracker(options["report_to"])
+    caption_problem = check_caption_options(options)
+    if caption_problem:
+        raise OptionsError(caption_problem)
     checkpointing = options["gradient_checkpointing"]
     if checkpointing not in ("all", "none", "auto") and not (checkpointing.isdigit()):
         raise OptionsError("--gradient_checkpointing must be all, none, auto or a number of blocks, got "
