@@ -16,6 +16,8 @@ train; its default is DiffSynth's (the first ``num_frames``), read exactly as be
 epoch (the batch sampler adds ``epoch x len(dataset)``), so a random window is drawn per (seed, epoch, sample)
 in whichever worker process loads it. A clip too short under ``--short_clips skip`` is bad media like an
 undecodable file.
+``caption_prefix`` / ``caption_suffix`` (a trigger word) are joined to every caption when the metadata is read
+(``caption_rules.with_affixes``), so training, validation and the latent cache all see the same prompt.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 from diffsynth.trainers.utils import VideoDataset
 from PIL import Image
 
+from diffsynth_mbc.data.caption_rules import with_affixes
 from diffsynth_mbc.data.clip_reader import DECODERS, ReferenceReaderNeeded, read_leading_frames, read_selected_frames
 from diffsynth_mbc.data.frame_selection import FrameSelection, ShortClip, select_frames
 from diffsynth_mbc.data.shapes import shape_key
@@ -68,7 +71,8 @@ def _print_once(text: str) -> None:
 class MBCVideoDataset(VideoDataset):
     def __init__(self, base_path: str, metadata_path: str, num_frames: int, height: int, width: int,
                  repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast",
-                 frames: FrameSelection | None = None):
+                 frames: FrameSelection | None = None,
+                 caption_prefix: str = "", caption_suffix: str = ""):
         notices = io.StringIO()
         with contextlib.redirect_stdout(notices):   # DiffSynth prints a notice per dataset and rank
             super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
@@ -81,6 +85,10 @@ class MBCVideoDataset(VideoDataset):
         self.frames = frames or FrameSelection()
         self._draw = (0, 0)   # (epoch, sample in epoch) of the row being loaded: random_window's draw
         self._keys = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
+        if caption_prefix or caption_suffix:   # the trigger word: what trains (and what the cache encodes)
+            for row in self.data:
+                if isinstance(row.get("prompt"), str):
+                    row["prompt"] = with_affixes(row["prompt"], caption_prefix, caption_suffix)
 
     def load_video(self, file_path):
         """``fast``: only the frames that train, decoded in-process (clip_reader); the same frames, resized

@@ -19,7 +19,8 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
                     "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
-                    "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling")
+                    "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
+                    "caption_dropout", "caption_prefix", "caption_suffix")
 TIMESTEP_SETTINGS = ("timestep_sampling", "timestep_shift", "logit_mean", "logit_std", "sigmoid_scale",
                      "timestep_strata", "loss_weighting")   # how timesteps are drawn and the loss weighted
 
@@ -44,6 +45,8 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "dataset_repeats": [c.repeat for c in options.datasets] if getattr(options, "datasets", None) else None,
         "frames": frame_selection_from(options).settings(),   # None: the first frames (checkpoints before it match)
         "timestep_sampling": {key: getattr(options, key) for key in TIMESTEP_SETTINGS},
+        "caption_dropout": options.caption_dropout, "caption_prefix": options.caption_prefix,
+        "caption_suffix": options.caption_suffix,
     }
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.caption_dropout import CaptionDropout
 from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position
 from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast_from_main, iterate_waiting_at_start,
                                                 wait_for_everyone, watch_gradient_all_reduce)
@@ -57,6 +58,7 @@ class Run:
     first_step: int = 0
     batches: object = None          # the shape-grouped batch sampler (its epoch is set with the loader's)
     compile_timer: object = None
+    captions: object = None         # --caption_dropout (training/caption_dropout.py)
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -82,6 +84,7 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     torch.manual_seed(options.seed)  # identical model init on every rank
     dataset, validator, module = open_data_and_models(options, status, accelerator)
     run = prepare(options, status, signals, accelerator, dataset, module, validator)
+    run.captions = CaptionDropout.from_options(options, accelerator.process_index, dataset, status)
     # Different noise and timesteps on every rank (DiffSynth alone draws identical ones everywhere).
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     if options.resume:
@@ -317,6 +320,7 @@ def train_epoch(run: Run, epoch: int) -> str:
         if not losses:
             run.compile_timer.step_started()
         tokens_in_step += sum(sample_tokens(sample) for sample in batch)
+        run.captions.apply(batch, epoch, position.batches_in_epoch)
         loss, grad_norm, skipped = forward_backward(run, batch, losses)
         losses.append(loss.detach())
         drawn += draws.take()

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from diffsynth_mbc.data.catalogues import apply_datasets
+from diffsynth_mbc.data.caption_rules import check_caption_options
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
 
@@ -51,6 +52,8 @@ DEFAULTS = {
     "sample_prompts": None, "sample_steps": None,
     # latent cache
     "cache": None, "val_cache": None,
+    # captions
+    "caption_dropout": 0.0, "caption_prefix": "", "caption_suffix": "",
 }
 
 MAX_SIDE = 4096   # pixels, each of --height and --width
@@ -119,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
                                                             "*.jsonl.old; keep the newest N of them (default 3)")
     _add_checkpoint_and_quality_arguments(parser)
+    _add_caption_arguments(parser)
     return parser
 
 
@@ -131,6 +135,17 @@ def _add_frame_arguments(data) -> None:
     data.add_argument("--short_clips", help="a clip with fewer frames than --num_frames: shorten (its longest 4k+1 "
                                             "leading frames; default), loop (from its start again) or skip (bad "
                                             "media: replaced by the next row and counted)")
+
+
+def _add_caption_arguments(parser: argparse.ArgumentParser) -> None:
+    captions = parser.add_argument_group("captions")
+    captions.add_argument("--caption_dropout", type=float,
+                          help="train on the empty prompt instead of the caption with this probability, decided per "
+                               "sample from --seed, rank and epoch (default 0: never)")
+    captions.add_argument("--caption_prefix", help="text put before every caption, with one space (a trigger word; "
+                                                   "default none); a latent cache must be built with the same")
+    captions.add_argument("--caption_suffix", help="text put after every caption, with one space (default none); a "
+                                                   "latent cache must be built with the same")
 
 
 def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -295,6 +310,7 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
     "timestep_shift": (0.0, None, False, False), "logit_mean": (-math.inf, None, False, False),
     "logit_std": (0.0, None, False, False), "sigmoid_scale": (0.0, None, False, False),
+    "caption_dropout": (0.0, 1.0, True, False),
 }
 # Parameters of one --timestep_sampling scheme: given with another scheme they would do nothing, so they are refused.
 _SCHEME_PARAMETERS = {"timestep_shift": "shift", "logit_mean": "logit_normal", "logit_std": "logit_normal",
@@ -368,6 +384,9 @@ def _check_names(options: dict) -> None:
         if options[key] and Path(options[key]).exists() and not Path(options[key]).is_dir():
             raise OptionsError(f"--{key} {options[key]} is a file, not a folder")
     check_tracker(options["report_to"])
+    caption_problem = check_caption_options(options)
+    if caption_problem:
+        raise OptionsError(caption_problem)
     checkpointing = options["gradient_checkpointing"]
     if checkpointing not in ("all", "none", "auto") and not (checkpointing.isdigit()):
         raise OptionsError("--gradient_checkpointing must be all, none, auto or a number of blocks, got "

@@ -32,6 +32,9 @@ def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str)
     arguments += frame_arguments(options)
     if options.sample_prompts and metadata_path == options.dataset_metadata_path:
         arguments += ["--sample_prompts", options.sample_prompts]
+    for key in ("caption_prefix", "caption_suffix"):   # part of what the cache encodes
+        if getattr(options, key, ""):
+            arguments += [f"--{key}", getattr(options, key)]
     if options.mixed_precision != "auto":   # auto: the cache picks as the training will, from the GPU
         arguments += ["--dtype", options.mixed_precision]
     if options.demo:

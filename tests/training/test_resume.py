@@ -89,15 +89,18 @@ def validation_lines(log_dir, rank):
     return [line for line in read_history(log_dir, rank) if line.get("kind") == "val"]
 
 
+CAPTIONS = {"caption_dropout": 0.5, "caption_prefix": "mbcstyle"}   # dropped captions are the same after a resume
+
+
 def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_data):
     """Also: validation loss uses fixed samples, seeds and timesteps, so both runs log the same values."""
     data_root, val_metadata = demo_data
     straight = tmp_path / "straight"
-    code, output = run(tmp_path, train_flags(data_root, straight, **validation_flags(val_metadata)))
+    code, output = run(tmp_path, train_flags(data_root, straight, **CAPTIONS, **validation_flags(val_metadata)))
     assert code == 0, output[-3000:]
 
     killed = tmp_path / "killed"
-    process = launch(tmp_path, train_flags(data_root, killed, report_to="tensorboard",
+    process = launch(tmp_path, train_flags(data_root, killed, report_to="tensorboard", **CAPTIONS,
                                            **validation_flags(val_metadata)))
     checkpoints = killed / "lora" / "checkpoints"
     wait_for(lambda: complete_checkpoints(checkpoints) and last_logged_step(killed / "logs") >= 7, process,
@@ -115,7 +118,7 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
     assert not (killed / "lora" / "lora.safetensors").exists()
     checkpoint_elapsed = read_manifest(checkpoints / checkpoint_name(resumed_from))["elapsed_s"]
 
-    code, output = run(tmp_path, train_flags(data_root, killed, resume="latest", report_to="tensorboard",
+    code, output = run(tmp_path, train_flags(data_root, killed, resume="latest", report_to="tensorboard", **CAPTIONS,
                                              **validation_flags(val_metadata)))
     assert code == 0, output[-3000:]
     # The resumed run is the same run: its id, its clock and its tracker run go on.
@@ -138,6 +141,7 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
         state = read_status(killed / "logs", rank)
         assert state["status"] == "finished" and state["step"] == 12
         assert state["samples_seen"] == read_status(straight / "logs", rank)["samples_seen"]
+        assert 0 < read_status(straight / "logs", rank)["captions_dropped"] < state["samples_seen"]
         expected_val, actual_val = validation_lines(straight / "logs", rank), validation_lines(killed / "logs", rank)
         assert [line["step"] for line in actual_val] == [line["step"] for line in expected_val] == [3, 6, 9, 12]
         assert all(line["val_samples"] == 4 for line in actual_val)

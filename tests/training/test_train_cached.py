@@ -11,10 +11,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
+    """With a trigger word and caption dropout, which the cache command gets from the launcher too."""
     env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
-    # Training flags go through the launcher: a timestep scheme inside a boundary (index 200: level 952.4 of 1000).
+    # Training flags go through the launcher: a timestep scheme inside a boundary (index 200: level 952.4 of 1000),
+    # a trigger word and caption dropout.
     result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached",
-                             "--timestep_sampling", "shift", "--timestep_shift", "3", "--min_timestep_boundary", "0.2"],
+                             "--timestep_sampling", "shift", "--timestep_shift", "3", "--min_timestep_boundary", "0.2",
+                             "--caption_prefix", "mbcstyle", "--caption_dropout", "0.5"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -22,6 +25,9 @@ def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
     summary = json.loads((cache / "summary.json").read_text())
     assert summary["written"] + summary["skipped"] == 11 and summary["failed"] == 0
     assert "--cache runs/demo/latent_cache" in output
+    index = json.loads((cache / "cache.json").read_text())
+    assert index["settings"]["caption_prefix"] == "mbcstyle" and index["empty_prompt"]["text_tokens"] >= 1
+    assert all(row["prompt"].startswith("mbcstyle ") for row in index["rows"])
     log_dir = tmp_path / "runs" / "demo" / "training_logs"
     for rank in (0, 1):
         state = read_status(log_dir, rank)
@@ -29,6 +35,7 @@ def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
         assert [line["step"] for line in read_history(log_dir, rank)] == list(range(1, 13))
         timesteps = [t for line in read_history(log_dir, rank) for t in line["timesteps"]]
         assert len(timesteps) >= 12 and all(0 <= t <= 952.39 for t in timesteps), timesteps
+        assert 0 < state["captions_dropped"] < state["samples_seen"]   # some samples, not all, lost the caption
     assert (tmp_path / "runs" / "demo" / "lora" / "lora.safetensors").stat().st_size > 0
 
 

@@ -42,7 +42,8 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
                "--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
                str(entry), *demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1,
-                                       timestep_sampling="logit_normal", timestep_strata=2, loss_weighting="none")]
+                                       timestep_sampling="logit_normal", timestep_strata=2, loss_weighting="none",
+                                       caption_dropout=0.5)]
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -57,6 +58,7 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
         for line in read_history(root / "logs", rank):   # each sample's timestep and loss, for the chart
             assert len(line["timesteps"]) == len(line["timestep_losses"]) >= 1
             assert all(0 <= t <= 1000 for t in line["timesteps"])
+        assert 0 < state["captions_dropped"] < state["samples_seen"]   # caption dropout works under ZeRO-2
     assert (root / "lora" / "lora.safetensors").stat().st_size > 0
     assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors")) == [
         "step-1.safetensors", "step-2.safetensors", "step-3.safetensors"]   # every save went without the gather

@@ -42,6 +42,7 @@ from diffsynth_mbc.data.cache.index import (
     text_relpath,
 )
 from diffsynth_mbc.data.cache.progress import ProgressView
+from diffsynth_mbc.data.caption_rules import EMPTY_PROMPT
 from diffsynth_mbc.run_files import rank_from_environment
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +103,7 @@ class ShardJob:
         self.done, self.failed, self.plan = {}, [], {}
         self.pending_media, self.pending_text = [], []
         self.known_text: set[str] = set()
+        self.empty_prompt = None   # rank 0: {"text": relpath} of the empty prompt's embedding
         self._encoder = None
         self.view = None
 
@@ -165,7 +167,8 @@ class ShardJob:
             pipe = load_encoders(self.options, self.device, self.torch_dtype, self.model_files)
             self._encoder = Encoder(pipe, self.cache_dir, self.torch_dtype)
             self.stats["model_load_seconds"] = round(time.monotonic() - loading, 3)
-            self.view.restart_clock()
+            if self.view is not None:
+                self.view.restart_clock()
             if self.status is not None:
                 self.status.encoding()
         return self._encoder
@@ -182,6 +185,16 @@ class ShardJob:
                                                                    {"format": FORMAT, "tokens": str(context.shape[0])})
             self.stats["text_written"] += 1
         self.known_text.add(text)
+
+    def ensure_empty_prompt(self) -> None:
+        """The empty prompt's embedding, stored once (rank 0): what --caption_dropout trains on from the cache."""
+        text = text_relpath(text_key(EMPTY_PROMPT, self.settings))
+        self.remove_if_damaged(text)
+        if not (self.cache_dir / text).is_file():
+            context = self.encoder().encode_text(EMPTY_PROMPT)
+            self.stats["bytes_written"] += atomic_save_safetensors(self.cache_dir / text, {"context": context},
+                                                                   {"format": FORMAT, "tokens": str(context.shape[0])})
+        self.empty_prompt = {"text": text}
 
     def encode_one(self, row: int, sample) -> str | None:
         """Text first (an entry that exists always has its text), then the clip; the error, if any."""
@@ -243,7 +256,10 @@ class ShardJob:
             row["text_tokens"] = header_shapes(self.cache_dir / row["text"])["context"][0]
             row["entry_bytes"] = (self.cache_dir / row["entry"]).stat().st_size
             row["text_bytes"] = (self.cache_dir / row["text"]).stat().st_size
-        return {"rank": self.ranks.rank, "world_size": self.ranks.world_size,
+        if self.empty_prompt is not None:
+            self.empty_prompt["text_tokens"] = header_shapes(self.cache_dir / self.empty_prompt["text"])["context"][0]
+            self.empty_prompt["text_bytes"] = (self.cache_dir / self.empty_prompt["text"]).stat().st_size
+        return {"rank": self.ranks.rank, "world_size": self.ranks.world_size, "empty_prompt": self.empty_prompt,
                 "rows": [self.done[row] for row in sorted(self.done)],
                 "failed": sorted(self.failed, key=lambda item: item["row"]), "stats": self.stats}
 
@@ -263,6 +279,8 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
             job.encode_texts_of_cached_clips()
         finally:
             job.view.close()
+    if ranks.rank == 0:
+        job.ensure_empty_prompt()
     return job.record(time.monotonic() - started)
 
 
@@ -322,12 +340,16 @@ def merge(options, settings: dict, metadata: dict, shards: list[dict], seconds: 
     atomic_write_text(cache_dir / FAILURES_FILE, _failures_csv(failed))
     index = {"format": FORMAT, "version": VERSION, "settings": settings, "metadata": metadata,
              "rows": rows, "failed": [{"row": item["row"], "file": item["file"]} for item in failed]}
+    empty_prompt = next((shard["empty_prompt"] for shard in shards if shard.get("empty_prompt")), None)
+    if empty_prompt is not None:
+        index["empty_prompt"] = empty_prompt
     atomic_write_json(cache_dir / INDEX_FILE, index, indent=None, separators=(",", ":"))
 
     entries = {row["entry"] for row in rows}
     texts = {row["text"] for row in rows}
     entry_bytes = sum((cache_dir / path).stat().st_size for path in entries)
-    text_bytes = sum((cache_dir / path).stat().st_size for path in texts)
+    stored_texts = texts | ({empty_prompt["text"]} if empty_prompt else set())
+    text_bytes = sum((cache_dir / path).stat().st_size for path in stored_texts)
     used = entry_bytes + text_bytes
     totals = {key: sum(shard["stats"][key] for shard in shards)
               for key in ("rows", "written", "skipped", "failed", "text_written", "text_skipped", "bytes_written")}

@@ -25,10 +25,12 @@ most every 5 s, so ``python -m diffsynth_mbc.monitor LOG_DIR`` and the dashboard
 (and call a silent rank stalled); the training that follows replaces these files with its own.
 
 An entry key is the sha256 of what determines the latent: the media file (resolved path, size, mtime),
-height, width, frames, the VAE's identity and the dtype. A text key is the sha256 of the caption, the
-text encoder's identity (with the tokenizer), text_len and the dtype; a caption shared by several rows
-is stored once. Every file is written to a temp name and renamed into place, so an entry that exists
-is complete: a second run skips it, a killed run resumes, and a changed setting gives new keys.
+height, width, frames, the VAE's identity and the dtype. A text key is the sha256 of the caption (with
+--caption_prefix / --caption_suffix joined to it), the text encoder's identity (with the tokenizer), text_len
+and the dtype; a caption shared by several rows is stored once, and so is the empty prompt (what the training's
+--caption_dropout trains on; ``empty_prompt`` in the index). Every file is written to a temp name and renamed
+into place, so an entry that exists is complete: a second run skips it, a killed run resumes, and a changed
+setting gives new keys.
 
 Exit codes: 0 done (rows that could not be decoded are listed in failures.csv, not fatal), 1 failed,
 2 bad options or model files.
@@ -60,6 +62,7 @@ from diffsynth_mbc.data.cache.index import (
     file_sha256,
 )
 from diffsynth_mbc.data.frame_selection import frame_selection_from
+from diffsynth_mbc.data.caption_rules import caption_affixes, check_caption_options
 from diffsynth_mbc.flags import FlagParser
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the V100, fp32 on the CPU); match the training's --mixed_precision")
     parser.add_argument("--sample_prompts", help="the training's --sample_prompts FILE: also encode its prompts, so a "
                                                  "run from this cache can sample clips without the text encoder")
+    parser.add_argument("--caption_prefix", default="", help="the training's --caption_prefix: text put before every "
+                                                             "caption, with one space, before encoding (default none)")
+    parser.add_argument("--caption_suffix", default="", help="the training's --caption_suffix (default none)")
     parser.add_argument("--dataset_num_workers", type=int, default=2, help="decoding worker processes per rank")
     parser.add_argument("--decoder", choices=DECODERS, default="fast",
                         help="fast: only the frames that train, in-process (PyAV; default); diffsynth: DiffSynth's reader")
@@ -122,6 +128,9 @@ def parse_options(argv=None) -> argparse.Namespace:
         options.frames = frame_selection_from(options)
     except ValueError as exc:
         raise CacheError(str(exc)) from None
+    caption_problem = check_caption_options(vars(options))
+    if caption_problem:
+        raise CacheError(caption_problem)
     return options
 
 
@@ -231,13 +240,15 @@ def run(options, ranks: Ranks, status=None) -> int:
         identities = encoder_identities(*model_files)
         text_len = WanPrompter().text_len
     settings = {"height": options.height, "width": options.width, "num_frames": options.num_frames,
-                "dtype": DTYPES[dtype_name], **identities, "text_len": text_len, "z_dim": 48}
+                "dtype": DTYPES[dtype_name], **identities, "text_len": text_len, "z_dim": 48,
+                **caption_affixes(options)}
     if options.frames.settings():   # absent for the default: caches built before frame selection still match
         settings["frames"] = options.frames.settings()
 
     dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path, decoder=options.decoder,
                               frames=options.frames,
-                              num_frames=options.num_frames, height=options.height, width=options.width)
+                              num_frames=options.num_frames, height=options.height, width=options.width,
+                              **caption_affixes(options))
     metadata = {"path": str(Path(options.dataset_metadata_path).resolve()),
                 "sha256": file_sha256(options.dataset_metadata_path),
                 "base_path": str(Path(options.dataset_base_path).resolve()), "rows": len(dataset.data)}

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from diffsynth_mbc.data.caption_rules import caption_affixes
 from diffsynth_mbc.data.cache.index import (
     CacheError,
     demo_identity,
@@ -45,6 +46,7 @@ class CachedLatentDataset(torch.utils.data.Dataset):
         self.entries = self.index["rows"]
         self.text_len = int(self.settings["text_len"])
         self.repeat = repeat
+        self._empty_context = None
 
     @property
     def rows(self) -> int:
@@ -52,6 +54,20 @@ class CachedLatentDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.entries) * self.repeat
+
+    def empty_context(self):
+        """The empty prompt's embedding [text_len, dim], as the prompt encoder returns it (for --caption_dropout);
+        stored once per cache (``index["empty_prompt"]``), read on first use."""
+        if self._empty_context is None:
+            stored = self.index.get("empty_prompt")
+            if stored is None:
+                raise CacheError(f"the latent cache {self.cache_dir} holds no embedding of the empty prompt, which "
+                                 "--caption_dropout trains on: rerun `python -m diffsynth_mbc.cache` with the same "
+                                 "settings (it adds it; nothing else is encoded again)")
+            row = {"row": "-", "file": "the empty prompt", **stored}
+            self._empty_context = pad_context(self._load(stored["text"], row, "text_bytes")["context"],
+                                              self.text_len)[0]
+        return self._empty_context
 
     def batch_keys(self) -> list[str]:
         """Each row's shape key (``video`` or ``image``): samples are batched only with samples of their key."""
@@ -132,6 +148,10 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
                                         for name in differing) + ")")
     elif str(settings["vae"]).startswith("demo-seed-"):
         problems.append(f"it was encoded by the demo model ({settings['vae']}); this run trains real weights")
+    for key in ("caption_prefix", "caption_suffix"):   # caches built before these options had none
+        built, asked = settings.get(key, ""), getattr(options, key, "") or ""
+        if built != asked:
+            problems.append(f"its captions were encoded with --{key} {built!r}; this run has --{key} {asked!r}")
     if problems:
         raise CacheMismatchError(f"the latent cache {cache_dir} does not match this run: " + "; ".join(problems)
                                  + ". Rebuild it with `python -m diffsynth_mbc.cache` using these settings.")
@@ -142,6 +162,11 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
                                      f"their latents are stale: {'; '.join(described)}. Rerun `python -m "
                                      "diffsynth_mbc.cache` (it encodes changed files again) or pass "
                                      "--allow_stale_cache true to train on the old latents")
+    if getattr(options, "caption_dropout", 0) and "empty_prompt" not in index:
+        raise CacheMismatchError(f"--caption_dropout {options.caption_dropout:g} trains on the empty prompt, whose "
+                                 f"embedding the latent cache {cache_dir} does not hold (built by an older version): "
+                                 "rerun `python -m diffsynth_mbc.cache` with the same settings (it adds it; nothing "
+                                 "else is encoded again)")
     if not index["rows"]:
         raise CacheMismatchError(f"the latent cache {cache_dir} has no usable rows "
                                  f"({len(index['failed'])} failed; see its failures.csv)")
@@ -174,6 +199,7 @@ def open_training_dataset(options, **media_options):
 
         return MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path,
                                decoder=getattr(options, "decoder", "fast"), frames=frame_selection_from(options),
+                               **caption_affixes(options),
                                num_frames=options.num_frames, height=options.height, width=options.width,
                                repeat=options.dataset_repeat, **media_options)
     index = read_index(cache_dir)
@@ -206,4 +232,5 @@ def open_validation_dataset(options, **media_options):
 
     return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
                            decoder=getattr(options, "decoder", "fast"), frames=frame_selection_from(options),
+                           **caption_affixes(options),
                            height=options.height, width=options.width, **media_options)
