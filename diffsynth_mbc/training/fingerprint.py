@@ -17,7 +17,7 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
                     "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
-                    "mixed_precision", "timestep_boundaries")
+                    "mixed_precision", "timestep_boundaries", "lora_variant", "loraplus_lr_ratio")
 
 
 def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, metadata_sha256: str,
@@ -36,6 +36,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "warmup_steps": options.warmup_steps, "weight_decay": options.weight_decay,
         "max_grad_norm": options.max_grad_norm, "mixed_precision": precision,
         "timestep_boundaries": [options.min_timestep_boundary, options.max_timestep_boundary],
+        "lora_variant": options.lora_variant, "loraplus_lr_ratio": options.loraplus_lr_ratio,
     }
 
 
@@ -51,13 +52,16 @@ def apply_run_settings(scheduler, options) -> list[str]:
     """After loading a checkpoint under --force_resume: this run's learning rate, weight decay and schedule, not
     the saved optimizer's and scheduler's. The current learning rate is recomputed from this run's schedule at
     the restored step. Returns what the optimizer now uses, one line per setting."""
+    from diffsynth_mbc.training.lora_variants import group_lr_ratio
+
     step = scheduler.last_epoch
     for index, group in enumerate(scheduler.optimizer.param_groups):
         group["weight_decay"] = options.weight_decay
-        group["initial_lr"] = options.learning_rate
-        scheduler.base_lrs[index] = options.learning_rate
-        group["lr"] = options.learning_rate * scheduler.lr_lambdas[index](step)
+        group["initial_lr"] = options.learning_rate * group_lr_ratio(group, options)   # LoRA+: lora_B's ratio
+        scheduler.base_lrs[index] = group["initial_lr"]
+        group["lr"] = group["initial_lr"] * scheduler.lr_lambdas[index](step)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
     return [f"learning_rate {options.learning_rate:g} with the {options.lr_scheduler} schedule and "
             f"{options.warmup_steps} warm-up steps (at step {step}: {scheduler._last_lr[0]:g})",
-            f"weight_decay {options.weight_decay:g}", f"max_grad_norm {options.max_grad_norm:g}"]
+            f"weight_decay {options.weight_decay:g}", f"max_grad_norm {options.max_grad_norm:g}"] + (
+        [f"loraplus_lr_ratio {options.loraplus_lr_ratio:g}"] if getattr(options, "loraplus_lr_ratio", None) else [])

@@ -24,6 +24,7 @@ DEFAULTS = {
     "model_dir": None, "model_id": None, "demo": False,
     # LoRA (DiffSynth names)
     "lora_rank": 32, "lora_alpha": None, "lora_format": "comfyui", "lora_target_modules": "q,k,v,o,ffn.0,ffn.2",
+    "lora_variant": "lora", "loraplus_lr_ratio": None,
     # optimisation
     "learning_rate": 1e-4, "weight_decay": 0.01, "num_epochs": 1, "batch_size": 1,
     "gradient_accumulation_steps": 1, "lr_scheduler": "constant", "warmup_steps": 0,
@@ -54,7 +55,7 @@ _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
             "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
             "report_to": ("none", "tensorboard", "wandb"), "mixed_precision": ("auto", "bf16", "fp16", "fp32"),
-            "compile": ("auto", "on", "off")}
+            "compile": ("auto", "on", "off"), "lora_variant": ("lora", "dora")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                                             "default) or diffsynth (<module>.lora_A/B); both load in DiffSynth, "
                                             "alpha/rank is folded in")
     lora.add_argument("--lora_target_modules", help="default q,k,v,o,ffn.0,ffn.2")
+    lora.add_argument("--lora_variant", help="lora (default) or dora: a learned magnitude per output row beside the "
+                                             "low-rank direction (DoRA, through peft); needs --lora_format comfyui")
+    lora.add_argument("--loraplus_lr_ratio", type=float,
+                      help="LoRA+: the lora_B matrices learn at this many times --learning_rate (e.g. 16); "
+                           "default: off, one learning rate for all")
     _add_optimisation_arguments(parser)
     out = parser.add_argument_group("output and logging")
     out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
@@ -253,6 +259,7 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "stop_grace_s": (0.0, None, False, False), "checkpoint_minutes": (0.0, None, False, True),
     "max_bad_media_fraction": (0.0, 1.0, True, False),
     "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
+    "loraplus_lr_ratio": (0.0, None, False, True),
 }
 # A run id names files and folders (checkpoint temp folders, tracker runs, log lines): one plain name.
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -356,5 +363,8 @@ def validate(options: dict) -> None:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
+    if options["lora_variant"] == "dora" and options["lora_format"] != "comfyui":
+        raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "
+                           f"magnitudes, so a {options['lora_format']} file would load at the wrong strength")
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
