@@ -21,9 +21,11 @@ magnitude as ``<x>.dora_scale``; one of shape ``(out, 1)`` it applies on the out
 norms of the *base* weight: ``(W + B A) * dora_scale / ||W||_row``. So the file's ``dora_scale`` is
 ``m * ||W||_row / ||W + s B A||_row``, computed where the base weights are (``dora_ratios``: module -> the
 ratio of the two norms), and ComfyUI then rebuilds exactly the trained weight. DiffSynth's loader reads no
-magnitude, so DoRA files are written in the ``comfyui`` layout only. ``comfyui`` layout: ``diffusion_model.<module>.lora_A.weight``;
-``diffsynth`` layout: ``<module>.lora_A.weight``. Both load in DiffSynth. No torch import: tensors are
-only multiplied.
+magnitude, so DoRA files are written in the ``comfyui`` layout only.
+
+``comfyui`` layout: ``diffusion_model.<module>.lora_A.weight``; ``diffsynth`` layout:
+``<module>.lora_A.weight``. Both load in DiffSynth (plain LoRA). No torch import: tensors are only
+multiplied.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from safetensors import safe_open
 
 from diffsynth_mbc.data.demo import prepare
 from e2e_helpers import REPO, free_port, isolated_env, read_history, read_status
@@ -41,7 +42,9 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch",
                "--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-               str(entry), *demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1)]
+               str(entry), *demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1,
+                                       # DoRA's magnitudes and LoRA+'s second optimizer group under ZeRO-2
+                                       lora_variant="dora", loraplus_lr_ratio=4)]
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -54,5 +57,6 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
         assert state["deepspeed_gradient_clipping"] == 0.5   # --max_grad_norm, not the config's 1.0
         assert [line["step"] for line in read_history(root / "logs", rank)] == [1, 2, 3]
     assert (root / "lora" / "lora.safetensors").stat().st_size > 0
+    assert safe_open(str(root / "lora" / "lora.safetensors"), framework="pt").metadata()["lora_variant"] == "dora"
     assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors")) == [
         "step-1.safetensors", "step-2.safetensors", "step-3.safetensors"]   # every save went without the gather
