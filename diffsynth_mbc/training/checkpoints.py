@@ -37,6 +37,7 @@ from diffsynth_mbc.training.fingerprint import (  # noqa: F401 - FINGERPRINT_KEY
     fingerprint_differences,
 )
 from diffsynth_mbc.training.lora_files import LoraFiles
+from diffsynth_mbc.training.lora_variants import check_adapter_shape
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 
 KEEP_MARKER = "KEEP"
@@ -363,6 +364,7 @@ class Checkpoints(LoraFiles):
             raise OptionsError(str(exc)) from None
         manifest = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
         differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
+        check_adapter_shape(manifest.get("fingerprint", {}), self.fingerprint)   # DoRA / LoRA+ on or off
         if differences and not self.options.force_resume:
             raise OptionsError(f"checkpoint {folder} was made with a different configuration:\n  "
                                + "\n  ".join(differences) + "\nresume with the checkpoint's settings, or pass "

@@ -25,6 +25,7 @@ from diffsynth_mbc.training.lora_format import (
     file_metadata,
     lora_pairs,
     nonfinite_tensors,
+    split_magnitudes,
     training_scale,
 )
 
@@ -136,7 +137,7 @@ def export(source: str | Path, target_format: str, output: str | Path, overwrite
     folded = str(facts.get("lora_scale_folded", "")).lower() == "true"
     rank, alpha = _rank(facts, read_from), _alpha(facts, read_from)
     try:
-        pairs, alphas = lora_pairs(tensors)
+        pairs, alphas = lora_pairs(split_magnitudes(tensors)[0])
         check_pairs(pairs, rank)
         scale, alpha = _scale_and_alpha(pairs, alphas, rank, alpha, folded, read_from)
         converted = convert(tensors, target_format, scale=scale)
@@ -149,7 +150,8 @@ def export(source: str | Path, target_format: str, output: str | Path, overwrite
     metadata = file_metadata(rank=rank, alpha=alpha, targets=str(facts.get("lora_target_modules", "")),
                              base_model=str(facts.get("base_model", BASE_MODEL)),
                              step=int(step) if str(step or "").isdigit() else None,
-                             run_id=facts.get("run_id"), layout=target_format)
+                             run_id=facts.get("run_id"), layout=target_format,
+                             variant="dora" if split_magnitudes(tensors)[1] else "lora")
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(output, converted, metadata=metadata)
     return {"input": str(read_from), "output": str(output), "format": target_format, "tensors": len(converted),

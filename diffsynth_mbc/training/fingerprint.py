@@ -20,7 +20,8 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
                     "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
-                    "caption_dropout", "caption_prefix", "caption_suffix")
+                    "caption_dropout", "caption_prefix", "caption_suffix", "lora_variant",
+                    "loraplus_lr_ratio")
 TIMESTEP_SETTINGS = ("timestep_sampling", "timestep_shift", "logit_mean", "logit_std", "sigmoid_scale",
                      "timestep_strata", "loss_weighting")   # how timesteps are drawn and the loss weighted
 
@@ -47,6 +48,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "timestep_sampling": {key: getattr(options, key) for key in TIMESTEP_SETTINGS},
         "caption_dropout": options.caption_dropout, "caption_prefix": options.caption_prefix,
         "caption_suffix": options.caption_suffix,
+        "lora_variant": options.lora_variant, "loraplus_lr_ratio": options.loraplus_lr_ratio,
     }
 
 
@@ -62,13 +64,16 @@ def apply_run_settings(scheduler, options) -> list[str]:
     """After loading a checkpoint under --force_resume: this run's learning rate, weight decay and schedule, not
     the saved optimizer's and scheduler's. The current learning rate is recomputed from this run's schedule at
     the restored step. Returns what the optimizer now uses, one line per setting."""
+    from diffsynth_mbc.training.lora_variants import group_lr_ratio
+
     step = scheduler.last_epoch
     for index, group in enumerate(scheduler.optimizer.param_groups):
         group["weight_decay"] = options.weight_decay
-        group["initial_lr"] = options.learning_rate
-        scheduler.base_lrs[index] = options.learning_rate
-        group["lr"] = options.learning_rate * scheduler.lr_lambdas[index](step)
+        group["initial_lr"] = options.learning_rate * group_lr_ratio(group, options)   # LoRA+: lora_B's ratio
+        scheduler.base_lrs[index] = group["initial_lr"]
+        group["lr"] = group["initial_lr"] * scheduler.lr_lambdas[index](step)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
     return [f"learning_rate {options.learning_rate:g} with the {options.lr_scheduler} schedule and "
             f"{options.warmup_steps} warm-up steps (at step {step}: {scheduler._last_lr[0]:g})",
-            f"weight_decay {options.weight_decay:g}", f"max_grad_norm {options.max_grad_norm:g}"]
+            f"weight_decay {options.weight_decay:g}", f"max_grad_norm {options.max_grad_norm:g}"] + (
+        [f"loraplus_lr_ratio {options.loraplus_lr_ratio:g}"] if getattr(options, "loraplus_lr_ratio", None) else [])

@@ -182,7 +182,8 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
         use_gradient_checkpointing_offload=options.use_gradient_checkpointing_offload,
         max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
         recompute_blocks=recompute, compile_blocks=compile_blocks,
-        timestep_sampler=sampler_from_options(options, pipe.scheduler.shift), loss_weighting=options.loss_weighting)
+        timestep_sampler=sampler_from_options(options, pipe.scheduler.shift), loss_weighting=options.loss_weighting,
+        lora_variant=options.lora_variant)
     return dataset, validator, module
 
 
@@ -218,7 +219,11 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
         # resumed run (which starts its iterator after restoring the RNG). Keep the two apart.
         generator=torch.Generator().manual_seed(options.seed))
     trainable = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=options.weight_decay)
+    from diffsynth_mbc.training.lora_variants import optimizer_groups
+
+    optimizer = torch.optim.AdamW(optimizer_groups(module.named_parameters(), options.learning_rate,
+                                                   options.loraplus_lr_ratio),
+                                  lr=options.learning_rate, weight_decay=options.weight_decay)
 
     status.update(phase="preparing (DDP / DeepSpeed)")
     plugin = accelerator.state.deepspeed_plugin

@@ -45,8 +45,13 @@ class LoraFiles:
 
     def file_tensors(self, tensors: dict) -> dict:
         """What a LoRA file holds: ``--lora_format`` layout, alpha/rank folded in (see lora_format)."""
+        from diffsynth_mbc.training.lora_variants import dora_norm_ratios
+
         options = self.options
-        return convert(tensors, options.lora_format, scale=training_scale(options.lora_rank, options.lora_alpha))
+        ratios = dora_norm_ratios(self.accelerator.unwrap_model(self.module).pipe.dit) \
+            if options.lora_variant == "dora" else None
+        return convert(tensors, options.lora_format, scale=training_scale(options.lora_rank, options.lora_alpha),
+                       dora_ratios=ratios)
 
     def checked_file_tensors(self, tensors: dict, target: Path) -> dict:
         """The file's tensors, or NonFiniteLoraError on every rank if any holds NaN/inf (collective: all ranks call
@@ -72,7 +77,7 @@ class LoraFiles:
         atomic_save_safetensors(target, file_tensors, metadata=file_metadata(
             rank=options.lora_rank, alpha=options.lora_alpha, targets=options.lora_target_modules,
             base_model="Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""), step=step,
-            run_id=str(self.status.state["run_id"]), layout=options.lora_format))
+            run_id=str(self.status.state["run_id"]), layout=options.lora_format, variant=options.lora_variant))
 
     def save_lora(self, file_name: str, step: int) -> None:
         """Rank 0 writes the LoRA (``--lora_format``, loadable by DiffSynth and ComfyUI): temp file, then rename.

@@ -13,9 +13,19 @@ Neither consumer applies that scale the way training does:
   know the ``.default`` segment and report "lora key not loaded".
 
 So the files we write fold ``alpha / rank`` into ``lora_B`` and carry no ``.alpha`` keys: both loaders
-then apply exactly what training applied. ``comfyui`` layout: ``diffusion_model.<module>.lora_A.weight``;
-``diffsynth`` layout: ``<module>.lora_A.weight``. Both load in DiffSynth. No torch import: tensors are
-only multiplied.
+then apply exactly what training applied.
+
+DoRA (``--lora_variant dora``) trains ``W' = m * (W + s B A) / ||W + s B A||_row`` with a magnitude ``m`` per
+output row (peft's ``<module>.lora_magnitude_vector.default.weight``, shape ``(out,)``). ComfyUI reads a
+magnitude as ``<x>.dora_scale``; one of shape ``(out, 1)`` it applies on the output axis, dividing by the row
+norms of the *base* weight: ``(W + B A) * dora_scale / ||W||_row``. So the file's ``dora_scale`` is
+``m * ||W||_row / ||W + s B A||_row``, computed where the base weights are (``dora_ratios``: module -> the
+ratio of the two norms), and ComfyUI then rebuilds exactly the trained weight. DiffSynth's loader reads no
+magnitude, so DoRA files are written in the ``comfyui`` layout only.
+
+``comfyui`` layout: ``diffusion_model.<module>.lora_A.weight``; ``diffsynth`` layout:
+``<module>.lora_A.weight``. Both load in DiffSynth (plain LoRA). No torch import: tensors are only
+multiplied.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ COMFYUI_PREFIX = "diffusion_model."
 _PREFIXES = ("pipe.dit.", "module.pipe.dit.", COMFYUI_PREFIX, "dit.")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_down|lora_up)(?:\.[A-Za-z_]\w*)?\.weight$")
 _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
+_MAGNITUDE_KEY = re.compile(r"^(?P<module>.+)\.(?:(?P<peft>lora_magnitude_vector)(?:\.[A-Za-z_]\w*)?\.weight"
+                            r"|dora_scale)$")
 
 
 class LoraFormatError(ValueError):
@@ -130,21 +142,74 @@ def check_pairs(pairs: dict[str, dict], rank: int | None = None) -> None:
                                   f"{rank}")
 
 
-def convert(tensors: dict, target: str, scale: float = 1.0) -> dict:
+def split_magnitudes(tensors: dict) -> tuple[dict, dict[str, tuple]]:
+    """(the other tensors, {module: (magnitude, "peft" or "dora_scale")}): DoRA's magnitudes set apart."""
+    rest, magnitudes = {}, {}
+    for key, tensor in tensors.items():
+        match = _MAGNITUDE_KEY.match(_without_prefix(key))
+        if not match:
+            rest[key] = tensor
+            continue
+        module = match.group("module")
+        if module in magnitudes:
+            raise LoraFormatError(f"two DoRA magnitudes for module {module!r} (key {key!r})")
+        magnitudes[module] = (tensor, "peft" if match.group("peft") else "dora_scale")
+    return rest, magnitudes
+
+
+def _dora_scales(magnitudes: dict, pairs: dict, target: str, factors: dict, dora_ratios: dict | None) -> dict:
+    """{module: ComfyUI's ``dora_scale`` (out, 1)} for every DoRA magnitude; LoraFormatError when it cannot be made."""
+    if magnitudes and target != "comfyui":
+        raise LoraFormatError(f"a DoRA LoRA ({len(magnitudes)} magnitudes, e.g. {min(magnitudes)}) cannot be written "
+                              f"in the {target} layout: DiffSynth's LoRA loader reads no DoRA magnitude and would load "
+                              "it at the wrong strength; use the comfyui layout")
+    scales = {}
+    for module in sorted(magnitudes):
+        magnitude, kind = magnitudes[module]
+        if module not in pairs:
+            raise LoraFormatError(f"{module}: a DoRA magnitude without its lora_A/lora_B pair")
+        out_features = pairs[module]["B"].shape[0]
+        if magnitude.numel() != out_features:
+            raise LoraFormatError(f"{module}: DoRA magnitude of {magnitude.numel()} values for a layer of "
+                                  f"{out_features} outputs")
+        if kind == "dora_scale":
+            if factors[module] != 1.0:
+                raise LoraFormatError(f"{module}.dora_scale: a DoRA file must already have its scale folded in "
+                                      "(written by this trainer); its lora_B cannot be rescaled")
+            scales[module] = magnitude.reshape(out_features, 1)
+            continue
+        if not dora_ratios or module not in dora_ratios:
+            raise LoraFormatError(f"{module}: a DoRA magnitude (lora_magnitude_vector) becomes ComfyUI's dora_scale "
+                                  "only with the base model's weights at hand; export the run's own LoRA file or "
+                                  "checkpoint folder, which hold it converted")
+        ratio = dora_ratios[module].to(magnitude.dtype).reshape(out_features)
+        scales[module] = (magnitude.reshape(out_features) * ratio).reshape(out_features, 1)
+    return scales
+
+
+def convert(tensors: dict, target: str, scale: float = 1.0, dora_ratios: dict | None = None) -> dict:
     """Tensors in the ``target`` layout, with ``scale`` (alpha / rank, when not yet applied) folded into B.
 
-    Per-module ``.alpha`` keys in the input are folded as well (alpha / that module's rank).
+    Per-module ``.alpha`` keys in the input are folded as well (alpha / that module's rank). DoRA magnitudes
+    become ComfyUI's ``dora_scale`` (see the module's docstring; ``dora_ratios`` from
+    ``lora_variants.dora_norm_ratios``); a file's own ``dora_scale`` is kept as it is.
     """
     if target not in FORMATS:
         raise LoraFormatError(f"unknown LoRA format {target!r}; choose one of {', '.join(FORMATS)}")
+    tensors, magnitudes = split_magnitudes(tensors)
     pairs, alphas = lora_pairs(tensors)
     prefix = COMFYUI_PREFIX if target == "comfyui" else ""
+    factors = {module: scale * (alphas[module] / pairs[module]["A"].shape[0] if module in alphas else 1.0)
+               for module in pairs}
+    dora_scales = _dora_scales(magnitudes, pairs, target, factors, dora_ratios)
     out = {}
     for module in sorted(pairs):
         down, up = pairs[module]["A"], pairs[module]["B"]
-        factor = scale * (alphas[module] / down.shape[0] if module in alphas else 1.0)
+        factor = factors[module]
         out[f"{prefix}{module}.lora_A.weight"] = down.contiguous()
         out[f"{prefix}{module}.lora_B.weight"] = (up * factor).contiguous() if factor != 1.0 else up.contiguous()
+        if module in dora_scales:
+            out[f"{prefix}{module}.dora_scale"] = dora_scales[module].contiguous()
     return out
 
 
@@ -154,8 +219,9 @@ def training_scale(rank: int, alpha: float | None) -> float:
 
 
 def file_metadata(*, rank: int, alpha: float | None, targets: str, base_model: str, step: int | None,
-                  run_id: str | None, layout: str) -> dict:
+                  run_id: str | None, layout: str, variant: str = "lora") -> dict:
     """safetensors metadata (strings only) saying what the file is and that the scale is already folded in."""
     return {"format": "pt", "lora_layout": layout, "lora_scale_folded": "true", "lora_rank": str(rank),
             "lora_alpha": str(alpha if alpha is not None else rank), "lora_target_modules": targets,
-            "base_model": base_model, "step": "" if step is None else str(step), "run_id": run_id or ""}
+            "base_model": base_model, "step": "" if step is None else str(step), "run_id": run_id or "",
+            "lora_variant": variant}

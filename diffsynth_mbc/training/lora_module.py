@@ -14,6 +14,7 @@ from diffsynth.pipelines.wan_video_new import WanVideoPipeline
 from diffsynth_mbc.models.wan_units import run_units, unit_inputs
 from diffsynth_mbc.training.step.batch_loss import batch_loss
 from diffsynth_mbc.training.step.blocks import BlockRunner
+from diffsynth_mbc.training.lora_variants import add_dora
 from diffsynth_mbc.training.step.lora_cast import compute_lora_in_base_dtype
 from diffsynth_mbc.training.timestep_sampling import DrawLog, TimestepSampler
 
@@ -27,7 +28,8 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
     encode, TI2V first-frame fusion); the samples of one latent shape then go through the DiT in one
     forward with DiffSynth's objective per sample (``step.batch_loss``). The LoRA weights stay fp32 and
     compute in the DiT's dtype (``step.lora_cast``; ``lora_compute="upcast"`` keeps peft's own forward, which
-    casts the activations up to the LoRA weights' fp32, for comparison); ``recompute_blocks`` of the DiT's blocks recompute
+    casts the activations up to the LoRA weights' fp32, for comparison; DoRA layers, ``lora_variant="dora"``, always
+    compute that way); ``recompute_blocks`` of the DiT's blocks recompute
     their activations in backward (``None``: all of them, as DiffSynth's checkpointing does), and
     ``compile_blocks`` compiles each block. A sample with ``"cached": True``
     (from ``CachedLatentDataset``) skips the encoders: ``inputs_from_cache`` builds the same inputs from
@@ -39,14 +41,18 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
                  use_gradient_checkpointing: bool = True, use_gradient_checkpointing_offload: bool = False,
                  max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0,
                  recompute_blocks: int | None = None, compile_blocks: bool = False, lora_compute: str = "base",
-                 timestep_sampler: TimestepSampler | None = None, loss_weighting: str = "diffsynth"):
+                 timestep_sampler: TimestepSampler | None = None, loss_weighting: str = "diffsynth",
+                 lora_variant: str = "lora"):
         super().__init__()
         if lora_compute not in ("base", "upcast"):
             raise ValueError(f"lora_compute must be 'base' or 'upcast', got {lora_compute!r}")
         pipe.scheduler.set_timesteps(1000, training=True)
         pipe.freeze_except([])
-        pipe.dit = self.add_lora_to_model(pipe.dit, target_modules=lora_target_modules.split(","),
-                                          lora_rank=lora_rank, lora_alpha=lora_alpha, upcast_dtype=lora_dtype)
+        if lora_variant not in ("lora", "dora"):
+            raise ValueError(f"lora_variant must be 'lora' or 'dora', got {lora_variant!r}")
+        inject = add_dora if lora_variant == "dora" else self.add_lora_to_model
+        pipe.dit = inject(pipe.dit, target_modules=lora_target_modules.split(","),
+                          lora_rank=lora_rank, lora_alpha=lora_alpha, upcast_dtype=lora_dtype)
         if lora_compute == "base":
             compute_lora_in_base_dtype(pipe.dit)
         self.pipe = pipe

@@ -27,6 +27,7 @@ DEFAULTS = {
     "model_dir": None, "model_id": None, "demo": False,
     # LoRA (DiffSynth names)
     "lora_rank": 32, "lora_alpha": None, "lora_format": "comfyui", "lora_target_modules": "q,k,v,o,ffn.0,ffn.2",
+    "lora_variant": "lora", "loraplus_lr_ratio": None,
     # optimisation
     "learning_rate": 1e-4, "weight_decay": 0.01, "num_epochs": 1, "batch_size": 1,
     "gradient_accumulation_steps": 1, "lr_scheduler": "constant", "warmup_steps": 0,
@@ -64,7 +65,7 @@ _CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl
             "compile": ("auto", "on", "off"), "frame_sampling": ("head", "uniform", "random_window"),
             "short_clips": ("shorten", "loop", "skip"),
             "timestep_sampling": ("diffsynth", "uniform", "shift", "logit_normal", "sigmoid"),
-            "loss_weighting": ("diffsynth", "none")}
+            "loss_weighting": ("diffsynth", "none"), "lora_variant": ("lora", "dora")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                                             "default) or diffsynth (<module>.lora_A/B); both load in DiffSynth, "
                                             "alpha/rank is folded in")
     lora.add_argument("--lora_target_modules", help="default q,k,v,o,ffn.0,ffn.2")
+    lora.add_argument("--lora_variant", help="lora (default) or dora: a learned magnitude per output row beside the "
+                                             "low-rank direction (DoRA, through peft); needs --lora_format comfyui")
+    lora.add_argument("--loraplus_lr_ratio", type=float,
+                      help="LoRA+: the lora_B matrices learn at this many times --learning_rate (e.g. 16); "
+                           "default: off, one learning rate for all")
     _add_optimisation_arguments(parser)
     out = parser.add_argument_group("output and logging")
     out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
@@ -311,6 +317,7 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "timestep_shift": (0.0, None, False, False), "logit_mean": (-math.inf, None, False, False),
     "logit_std": (0.0, None, False, False), "sigmoid_scale": (0.0, None, False, False),
     "caption_dropout": (0.0, 1.0, True, False),
+    "loraplus_lr_ratio": (0.0, None, False, True),
 }
 # Parameters of one --timestep_sampling scheme: given with another scheme they would do nothing, so they are refused.
 _SCHEME_PARAMETERS = {"timestep_shift": "shift", "logit_mean": "logit_normal", "logit_std": "logit_normal",
@@ -439,5 +446,8 @@ def validate(options: dict) -> None:
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
     check_frame_options(options)
+    if options["lora_variant"] == "dora" and options["lora_format"] != "comfyui":
+        raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "
+                           f"magnitudes, so a {options['lora_format']} file would load at the wrong strength")
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")

@@ -72,10 +72,27 @@ def comfyui_merge(dit, lora: dict) -> set:
                 up, down = lora[up_name], lora[down_name]
                 scale = lora[f"{x}.alpha"].item() / down.shape[0] if f"{x}.alpha" in lora else 1.0
                 with torch.no_grad():
-                    weights[target] += scale * (up @ down)
-                loaded |= {up_name, down_name} | ({f"{x}.alpha"} if f"{x}.alpha" in lora else set())
+                    if f"{x}.dora_scale" in lora:
+                        weights[target].copy_(comfyui_weight_decompose(lora[f"{x}.dora_scale"], weights[target],
+                                                                       scale * (up @ down)))
+                    else:
+                        weights[target] += scale * (up @ down)
+                loaded |= {up_name, down_name} | {f"{x}.{extra}" for extra in ("alpha", "dora_scale")
+                                                  if f"{x}.{extra}" in lora}
                 break
     return set(lora) - loaded
+
+
+def comfyui_weight_decompose(dora_scale, weight, diff):
+    """ComfyUI's DoRA merge at strength 1 (comfy/weight_adapter/base.py, weight_decompose): a dora_scale with as
+    many rows as the weight is on the output axis and divides by the row norms of the *base* weight; otherwise
+    by the column norms of the merged one."""
+    merged = weight + diff
+    if dora_scale.shape[0] == merged.shape[0]:
+        norm = weight.reshape(weight.shape[0], -1).norm(dim=1, keepdim=True)
+    else:
+        norm = merged.transpose(0, 1).reshape(merged.shape[1], -1).norm(dim=1, keepdim=True).transpose(0, 1)
+    return merged * (dora_scale / (norm + torch.finfo(weight.dtype).eps))
 
 
 def test_comfyui_rules_load_every_key_at_the_trained_strength(trained):
@@ -245,3 +262,64 @@ def test_export_refuses_to_replace_an_existing_output_without_overwrite(tmp_path
     assert output.read_bytes() == b"someone's earlier export"
     assert export_main([str(source), "--output", str(output), "--overwrite"]) == 0
     assert set(load_file(str(output))) and output.read_bytes() != b"someone's earlier export"
+
+
+@pytest.fixture(scope="module")
+def trained_dora():
+    """The tiny DiT with a DoRA as training holds it: non-zero B, magnitudes moved off the base row norms."""
+    from diffsynth_mbc.training.lora_variants import dora_norm_ratios
+
+    module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False), lora_rank=RANK, lora_alpha=ALPHA,
+                               use_gradient_checkpointing=False, lora_variant="dora")
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in module.pipe.dit.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+            elif "lora_magnitude_vector" in name:
+                parameter.mul_(1 + 0.2 * torch.rand(parameter.shape, generator=generator))
+        output = dit_output(module.pipe.dit)
+    tensors = {k: v.detach().clone() for k, v in module.lora_state_dict().items()}
+    return {"output": output, "tensors": tensors, "ratios": dora_norm_ratios(module.pipe.dit)}
+
+
+def dora_file(trained_dora):
+    return convert(trained_dora["tensors"], "comfyui", scale=training_scale(RANK, ALPHA),
+                   dora_ratios=trained_dora["ratios"])
+
+
+def test_a_dora_file_loads_under_comfyuis_rules_at_the_trained_output(trained_dora):
+    lora = dora_file(trained_dora)
+    scales = {key: value for key, value in lora.items() if key.endswith(".dora_scale")}
+    assert len(scales) == 20 and lora["diffusion_model.blocks.0.ffn.0.dora_scale"].shape == (128, 1)
+    dit = base_dit()
+    assert not torch.allclose(dit_output(dit), trained_dora["output"], atol=1e-3)
+    assert comfyui_merge(dit, lora) == set()
+    torch.testing.assert_close(dit_output(dit), trained_dora["output"], rtol=1e-4, atol=1e-5)
+    # The magnitudes alone, as other tools write them, would not give the trained output under those rules.
+    raw = dict(lora)
+    for key in scales:
+        module = key[len("diffusion_model."):-len(".dora_scale")]
+        raw[key] = trained_dora["tensors"][f"{module}.lora_magnitude_vector.default.weight"].reshape(-1, 1)
+    dit = base_dit()
+    comfyui_merge(dit, raw)
+    assert not torch.allclose(dit_output(dit), trained_dora["output"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_dora_file_exports_again_as_comfyui_and_never_as_diffsynth(tmp_path, trained_dora, capsys):
+    source = tmp_path / "dora.safetensors"
+    save_file(dora_file(trained_dora), str(source), metadata={**META, "lora_scale_folded": "true"})
+    assert export_main([str(source), "--output", str(tmp_path / "again.safetensors")]) == 0
+    again = load_file(str(tmp_path / "again.safetensors"))
+    assert safe_open(str(tmp_path / "again.safetensors"), framework="pt").metadata()["lora_variant"] == "dora"
+    dit = base_dit()
+    assert comfyui_merge(dit, again) == set()
+    torch.testing.assert_close(dit_output(dit), trained_dora["output"], rtol=1e-4, atol=1e-5)
+    assert export_main([str(source), "--format", "diffsynth", "--output", str(tmp_path / "ds.safetensors")]) == 2
+    assert "DiffSynth's LoRA loader reads no DoRA magnitude" in capsys.readouterr().err
+    assert not (tmp_path / "ds.safetensors").exists()
+    # peft's raw magnitudes cannot become a dora_scale without the base model: refused, naming the module.
+    raw = tmp_path / "raw.safetensors"
+    save_file(trained_dora["tensors"], str(raw), metadata=META)
+    assert export_main([str(raw), "--output", str(tmp_path / "raw-out.safetensors")]) == 2
+    assert "blocks.0.cross_attn.k: a DoRA magnitude (lora_magnitude_vector)" in capsys.readouterr().err

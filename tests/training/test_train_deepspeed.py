@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from safetensors import safe_open
 
 from diffsynth_mbc.data.demo import prepare
 from e2e_helpers import REPO, free_port, isolated_env, read_history, read_status
@@ -43,7 +44,9 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
                str(entry), *demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1,
                                        timestep_sampling="logit_normal", timestep_strata=2, loss_weighting="none",
-                                       caption_dropout=0.5)]
+                                       caption_dropout=0.5,
+                                       # DoRA's magnitudes and LoRA+'s second optimizer group under ZeRO-2
+                                       lora_variant="dora", loraplus_lr_ratio=4)]
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -60,5 +63,6 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
             assert all(0 <= t <= 1000 for t in line["timesteps"])
         assert 0 < state["captions_dropped"] < state["samples_seen"]   # caption dropout works under ZeRO-2
     assert (root / "lora" / "lora.safetensors").stat().st_size > 0
+    assert safe_open(str(root / "lora" / "lora.safetensors"), framework="pt").metadata()["lora_variant"] == "dora"
     assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors")) == [
         "step-1.safetensors", "step-2.safetensors", "step-3.safetensors"]   # every save went without the gather
