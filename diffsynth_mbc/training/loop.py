@@ -20,6 +20,7 @@ from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast
                                                 wait_for_everyone, watch_gradient_all_reduce)
 from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
+from diffsynth_mbc.training.init_lora import start_from_lora
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.blocks import CompileTimer
@@ -177,6 +178,7 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
         use_gradient_checkpointing_offload=options.use_gradient_checkpointing_offload,
         max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
         recompute_blocks=recompute, compile_blocks=compile_blocks)
+    start_from_lora(module, options, status)   # --init_lora: before accelerate wraps it (DDP, ZeRO-2 copy it then)
     return dataset, validator, module
 
 

@@ -15,6 +15,7 @@ import yaml
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.training.init_lora import check_init_lora_option
 
 DEFAULTS = {
     # data (DiffSynth names)
@@ -24,6 +25,7 @@ DEFAULTS = {
     "model_dir": None, "model_id": None, "demo": False,
     # LoRA (DiffSynth names)
     "lora_rank": 32, "lora_alpha": None, "lora_format": "comfyui", "lora_target_modules": "q,k,v,o,ffn.0,ffn.2",
+    "init_lora": None,
     # optimisation
     "learning_rate": 1e-4, "weight_decay": 0.01, "num_epochs": 1, "batch_size": 1,
     "gradient_accumulation_steps": 1, "lr_scheduler": "constant", "warmup_steps": 0,
@@ -91,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "default) or diffsynth (<module>.lora_A/B); both load in DiffSynth, "
                                             "alpha/rank is folded in")
     lora.add_argument("--lora_target_modules", help="default q,k,v,o,ffn.0,ffn.2")
+    lora.add_argument("--init_lora", help="start the LoRA from this file (ours, ComfyUI or DiffSynth layout) or "
+                                          "checkpoint folder, with a fresh optimizer at step 0; not with --resume")
     _add_optimisation_arguments(parser)
     out = parser.add_argument_group("output and logging")
     out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
@@ -356,5 +360,6 @@ def validate(options: dict) -> None:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
+    check_init_lora_option(options)
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
