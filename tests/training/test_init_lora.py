@@ -248,3 +248,43 @@ def test_a_mismatched_file_leaves_the_module_as_it_was(tmp_path, trained):
                                             r"q,k,v,o,ffn\.0,ffn\.2"):
         load_init_lora(module, path)
     assert all(torch.equal(v, before[k]) for k, v in module.lora_state_dict().items())
+
+
+# ---------------------------------------------------------------------------------------------
+# the real run: 2 CPU ranks (DDP over gloo), the launcher's flags
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_starts_from_the_file(tmp_path):
+    root = tmp_path / "demo"
+    prepare(root, num_videos=3, num_images=2)
+    module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False, seed=SEED), lora_rank=4,
+                               use_gradient_checkpointing=False)
+    generator = torch.Generator().manual_seed(3)
+    lora = {}
+    for module_name, pair in lora_pairs(module.lora_state_dict())[0].items():   # kohya/ComfyUI names, .alpha
+        lora[f"{COMFYUI_PREFIX}{module_name}.lora_down.weight"] = pair["A"].detach().clone()
+        lora[f"{COMFYUI_PREFIX}{module_name}.lora_up.weight"] = torch.randn(pair["B"].shape, generator=generator) * 0.05
+        lora[f"{COMFYUI_PREFIX}{module_name}.alpha"] = torch.tensor(4.0)
+    source = tmp_path / "from_elsewhere.safetensors"
+    save_file(lora, str(source))
+    flags = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": root / "catalog",
+             "dataset_metadata_path": root / "metadata" / "metadata.csv", "output_path": root / "lora",
+             "log_dir": root / "logs", "num_epochs": 1, "save_steps": 1, "init_lora": source}
+    command = cpu_launch_command(*[item for key, value in flags.items() for item in (f"--{key}", str(value))])
+    result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        state = read_status(root / "logs", rank)
+        assert state["status"] == "finished" and state["init_lora"]["file"] == str(source)
+        assert state["init_lora"]["layout"] == "ComfyUI/kohya layout with per-module alpha"
+        assert read_history(root / "logs", rank)[0]["step"] == 1
+    # After one optimizer step (AdamW moves each weight by at most about the learning rate, 1e-3 / 3 in warm-up)
+    # the LoRA is the file's: a LoRA started from zero B would differ by ~0.05.
+    expected = convert(lora, "comfyui")
+    after_one = load_file(str(root / "lora" / "step-1.safetensors"))
+    assert after_one.keys() == expected.keys()
+    for key in expected:
+        assert (after_one[key] - expected[key]).abs().max() < 1e-3, key
+    assert source.read_bytes() and load_file(str(source)).keys() == lora.keys()   # the input is untouched
