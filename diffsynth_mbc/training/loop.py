@@ -22,6 +22,7 @@ from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast
 from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.lora_files import epoch_file_name
+from diffsynth_mbc.training.init_lora import start_from_lora
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.blocks import CompileTimer
@@ -184,6 +185,7 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
         recompute_blocks=recompute, compile_blocks=compile_blocks,
         timestep_sampler=sampler_from_options(options, pipe.scheduler.shift), loss_weighting=options.loss_weighting,
         lora_variant=options.lora_variant)
+    start_from_lora(module, options, status)   # --init_lora: before accelerate wraps it (DDP, ZeRO-2 copy it then)
     return dataset, validator, module
 
 

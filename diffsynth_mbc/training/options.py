@@ -17,6 +17,7 @@ from diffsynth_mbc.data.catalogues import apply_datasets
 from diffsynth_mbc.data.caption_rules import check_caption_options
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.training.init_lora import check_init_lora_option
 
 DEFAULTS = {
     # data (DiffSynth names)
@@ -28,6 +29,7 @@ DEFAULTS = {
     # LoRA (DiffSynth names)
     "lora_rank": 32, "lora_alpha": None, "lora_format": "comfyui", "lora_target_modules": "q,k,v,o,ffn.0,ffn.2",
     "lora_variant": "lora", "loraplus_lr_ratio": None,
+    "init_lora": None,
     # optimisation
     "learning_rate": 1e-4, "weight_decay": 0.01, "num_epochs": 1, "batch_size": 1,
     "gradient_accumulation_steps": 1, "lr_scheduler": "constant", "warmup_steps": 0,
@@ -111,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--loraplus_lr_ratio", type=float,
                       help="LoRA+: the lora_B matrices learn at this many times --learning_rate (e.g. 16); "
                            "default: off, one learning rate for all")
+    lora.add_argument("--init_lora", help="start the LoRA from this file (ours, ComfyUI or DiffSynth layout) or "
+                                          "checkpoint folder, with a fresh optimizer at step 0; not with --resume")
     _add_optimisation_arguments(parser)
     out = parser.add_argument_group("output and logging")
     out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
@@ -449,5 +453,6 @@ def validate(options: dict) -> None:
     if options["lora_variant"] == "dora" and options["lora_format"] != "comfyui":
         raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "
                            f"magnitudes, so a {options['lora_format']} file would load at the wrong strength")
+    check_init_lora_option(options)
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
