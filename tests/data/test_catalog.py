@@ -17,7 +17,7 @@ from catalog_helpers import catalog_text
 from diffsynth_mbc.data import catalog as cat
 from diffsynth_mbc.data import file_checks
 from diffsynth_mbc.data import selection
-from diffsynth_mbc.data.convert import metadata_text
+from diffsynth_mbc.data.convert.outputs import metadata_text
 
 MESSY = (
     "\ufeff file_path , Caption ,MEDIA_TYPE ,source\r\n"

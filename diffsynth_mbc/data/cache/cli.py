@@ -198,7 +198,6 @@ def run(options, ranks: Ranks, status=None) -> int:
     import torch
 
     from diffsynth_mbc.data.dataset import MBCVideoDataset
-    from diffsynth_mbc.models.pipeline import TINY_TEXT_LEN
 
     started = time.monotonic()
     from diffsynth_mbc.gpu import require_supported_gpu
@@ -216,29 +215,7 @@ def run(options, ranks: Ranks, status=None) -> int:
     cache_dir = Path(options.cache_dir)
     ranks.start(use_cuda)
 
-    # Which encoders: their identity is part of every key, known before anything is loaded.
-    model_files = None
-    if options.demo:
-        identities = {"vae": demo_identity(options.seed), "text_encoder": demo_identity(options.seed)}
-        text_len = TINY_TEXT_LEN
-    else:
-        from diffsynth.prompters import WanPrompter
-
-        if options.model_dir:
-            from diffsynth_mbc.models.model_files import locate_model_files
-
-            files = locate_model_files(options.model_dir)
-            model_files = (files.text_encoder, files.vae, files.tokenizer_dir)
-        else:
-            if ranks.rank != 0:
-                with waiting(status, "rank 0 to download the model files"):
-                    ranks.barrier()  # rank 0 downloads first
-            model_files = resolve_model_id_files(options.model_id)
-            if ranks.rank == 0:
-                with waiting(status, "every rank at the start"):
-                    ranks.barrier()
-        identities = encoder_identities(*model_files)
-        text_len = WanPrompter().text_len
+    model_files, identities, text_len = identify_encoders(options, ranks, status)
     settings = {"height": options.height, "width": options.width, "num_frames": options.num_frames,
                 "dtype": DTYPES[dtype_name], **identities, "text_len": text_len, "z_dim": 48,
                 **caption_affixes(options)}
@@ -278,6 +255,32 @@ def run(options, ranks: Ranks, status=None) -> int:
         status.finished(f"{summary['rows_cached']}/{summary['rows_in_metadata']} rows cached, "
                         f"{summary['failed']} failed; this rank's share: {done}")
     return 0
+
+
+def identify_encoders(options, ranks: Ranks, status=None) -> tuple[tuple | None, dict, int]:
+    """Which encoders: ``(model_files, identities, text_len)``. Their identity is part of every key, known before
+    anything is loaded; ``model_files`` is None for the demo model. With --model_id rank 0 downloads the files
+    while the other ranks wait at a barrier."""
+    from diffsynth_mbc.models.pipeline import TINY_TEXT_LEN
+
+    if options.demo:
+        return None, {"vae": demo_identity(options.seed), "text_encoder": demo_identity(options.seed)}, TINY_TEXT_LEN
+    from diffsynth.prompters import WanPrompter
+
+    if options.model_dir:
+        from diffsynth_mbc.models.model_files import locate_model_files
+
+        files = locate_model_files(options.model_dir)
+        model_files = (files.text_encoder, files.vae, files.tokenizer_dir)
+    else:
+        if ranks.rank != 0:
+            with waiting(status, "rank 0 to download the model files"):
+                ranks.barrier()  # rank 0 downloads first
+        model_files = resolve_model_id_files(options.model_id)
+        if ranks.rank == 0:
+            with waiting(status, "every rank at the start"):
+                ranks.barrier()
+    return model_files, encoder_identities(*model_files), WanPrompter().text_len
 
 
 def waiting(status, what: str):
