@@ -96,7 +96,7 @@ def test_a_failing_preflight_check_stops_the_launch_before_any_process_starts(tm
     # ... and it leaves no run record behind (the next launch used to report a "stale lock" it had left)
     assert not list((tmp_path / "runs" / "demo").rglob(".train*.pid"))
     skipped = launcher(tmp_path, "--demo", "--mixed_precision", "fp16", "--skip_doctor", timeout=300)
-    assert "preflight" not in skipped.stderr   # launched anyway: the training itself refuses, with the same words
+    assert "preflight checks" not in skipped.stderr   # launched anyway: the training itself refuses, with the same words
     assert read_status(tmp_path / "runs" / "demo" / "training_logs", 0)["status"] == "failed"
     assert "fp16 needs a CUDA GPU" in skipped.stdout + skipped.stderr
 
