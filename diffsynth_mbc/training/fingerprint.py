@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import os
 
+from diffsynth_mbc.training.ema import fingerprint as ema_fingerprint
+
 # Settings a checkpoint must share with the run that resumes it (exact data position, weights and optimisation).
 FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
                     "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
                     "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
-                    "mixed_precision", "timestep_boundaries")
+                    "mixed_precision", "timestep_boundaries",
+                    "ema")
 
 
 def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, metadata_sha256: str,
@@ -36,6 +39,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "warmup_steps": options.warmup_steps, "weight_decay": options.weight_decay,
         "max_grad_norm": options.max_grad_norm, "mixed_precision": precision,
         "timestep_boundaries": [options.min_timestep_boundary, options.max_timestep_boundary],
+        "ema": ema_fingerprint(options),
     }
 
 

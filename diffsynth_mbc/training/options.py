@@ -15,6 +15,7 @@ import yaml
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.training.ema import check_options as check_ema_options
 
 DEFAULTS = {
     # data (DiffSynth names)
@@ -47,6 +48,8 @@ DEFAULTS = {
     "sample_prompts": None, "sample_steps": None,
     # latent cache
     "cache": None, "val_cache": None,
+    # EMA of the LoRA weights (training/ema.py)
+    "ema_decay": None, "ema_warmup": True, "validate_with": "raw",
 }
 
 MAX_SIDE = 4096   # pixels, each of --height and --width
@@ -108,7 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
                                                             "*.jsonl.old; keep the newest N of them (default 3)")
     _add_checkpoint_and_quality_arguments(parser)
+    _add_ema_arguments(parser)
     return parser
+
+
+def _add_ema_arguments(parser: argparse.ArgumentParser) -> None:
+    ema = parser.add_argument_group("EMA of the LoRA weights")
+    ema.add_argument("--ema_decay", type=float,
+                     help="keep an fp32 exponential moving average of the LoRA with this decay (e.g. 0.999), "
+                          "written as <name>_ema.safetensors beside every LoRA file and kept in checkpoints "
+                          "(default: none)")
+    ema.add_argument("--ema_warmup", type=_parse_bool,
+                     help="true (default): update n uses min(decay, (1 + n) / (10 + n)), so the EMA follows the "
+                          "weights at first; false: the decay from the first update")
+    ema.add_argument("--validate_with", help="weights of validation loss and sample clips: raw (default), ema, or "
+                                             "both (the EMA's as val_loss_ema and *-ema clips)")
 
 
 def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -356,5 +373,6 @@ def validate(options: dict) -> None:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
+    check_ema_options(options)
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
