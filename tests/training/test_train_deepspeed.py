@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
 from e2e_helpers import REPO, free_port, isolated_env, read_history, read_status
@@ -41,7 +43,7 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch",
                "--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-               str(entry), *demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1)]
+               str(entry), *demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1, ema_decay=0.9)]
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -54,5 +56,16 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
         assert state["deepspeed_gradient_clipping"] == 0.5   # --max_grad_norm, not the config's 1.0
         assert [line["step"] for line in read_history(root / "logs", rank)] == [1, 2, 3]
     assert (root / "lora" / "lora.safetensors").stat().st_size > 0
-    assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors")) == [
+    assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors") if "_ema" not in p.name) == [
         "step-1.safetensors", "step-2.safetensors", "step-3.safetensors"]   # every save went without the gather
+    # --ema_decay under ZeRO-2: the engine's parameters are read after each step (ZeRO-2 does not shard them).
+    assert sorted(p.name for p in (root / "lora").glob("*_ema.safetensors")) == [
+        "epoch-0_ema.safetensors", "lora_ema.safetensors", "step-1_ema.safetensors", "step-2_ema.safetensors",
+        "step-3_ema.safetensors"]
+    raw, average = (load_file(str(root / "lora" / name)) for name in ("lora.safetensors", "lora_ema.safetensors"))
+    assert raw.keys() == average.keys() and any(not torch.equal(raw[key], average[key]) for key in raw)
+    first = load_file(str(root / "lora" / "step-1.safetensors"))
+    for key in (k for k in raw if k.endswith("lora_B.weight")):   # B starts at zero: update 0 keeps 0.9 of step 1
+        torch.testing.assert_close(load_file(str(root / "lora" / "step-1_ema.safetensors"))[key], 0.9 * first[key],
+                                   rtol=0, atol=1e-7)
+    assert (root / "lora" / "checkpoints" / "step-00000003" / "ema_state.safetensors").is_file()
