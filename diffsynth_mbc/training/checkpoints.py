@@ -300,6 +300,8 @@ class Checkpoints(LoraFiles):
         """Rank 0: the LoRA file, the manifest, the rename, pruning. Returns why it was not published, or None."""
         name = checkpoint_name(position.step)
         self.write_lora(temporary / "lora.safetensors", position.step, file_tensors)
+        if self.ema is not None:
+            self.ema.save_state(temporary)
         files = inventory(temporary)
         missing = missing_rank_files(files, self.accelerator.num_processes)
         if missing:   # published only when every rank's state is in it

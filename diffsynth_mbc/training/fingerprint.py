@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from diffsynth_mbc.data.frame_selection import frame_selection_from
+from diffsynth_mbc.training.ema import fingerprint as ema_fingerprint
 
 # Settings a checkpoint must share with the run that resumes it (exact data position, weights and optimisation).
 FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
@@ -21,7 +22,7 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
                     "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
                     "caption_dropout", "caption_prefix", "caption_suffix", "lora_variant",
-                    "loraplus_lr_ratio")
+                    "loraplus_lr_ratio", "ema")
 TIMESTEP_SETTINGS = ("timestep_sampling", "timestep_shift", "logit_mean", "logit_std", "sigmoid_scale",
                      "timestep_strata", "loss_weighting")   # how timesteps are drawn and the loss weighted
 
@@ -49,6 +50,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "caption_dropout": options.caption_dropout, "caption_prefix": options.caption_prefix,
         "caption_suffix": options.caption_suffix,
         "lora_variant": options.lora_variant, "loraplus_lr_ratio": options.loraplus_lr_ratio,
+        "ema": ema_fingerprint(options),
     }
 
 

@@ -19,6 +19,7 @@ from diffsynth_mbc.training.caption_dropout import CaptionDropout
 from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position
 from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast_from_main, iterate_waiting_at_start,
                                                 wait_for_everyone, watch_gradient_all_reduce)
+from diffsynth_mbc.training.ema import make_ema
 from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.lora_files import epoch_file_name
@@ -60,6 +61,7 @@ class Run:
     batches: object = None          # the shape-grouped batch sampler (its epoch is set with the loader's)
     compile_timer: object = None
     captions: object = None         # --caption_dropout (training/caption_dropout.py)
+    ema: object = None              # the EMA of the LoRA weights (--ema_decay; training/ema.py)
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -86,6 +88,7 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     dataset, validator, module = open_data_and_models(options, status, accelerator)
     run = prepare(options, status, signals, accelerator, dataset, module, validator)
     run.captions = CaptionDropout.from_options(options, accelerator.process_index, dataset, status)
+    run.ema = make_ema(run)
     # Different noise and timesteps on every rank (DiffSynth alone draws identical ones everywhere).
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     if options.resume:
@@ -96,7 +99,7 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
         accelerator.init_trackers(status.state["run_id"])
     if validator:
         validator.attach(accelerator, run.module)
-    run.sampler = make_sampler(options, status, accelerator, run.module) if options.sample_prompts else None
+    run.sampler = make_sampler(options, status, accelerator, run.module, run.ema) if options.sample_prompts else None
     run.first_step = run.position.step
     start_progress(run)
     return run
@@ -354,6 +357,8 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     lr = run.optimizer.param_groups[0]["lr"]
     run.scheduler.step()
     position.step += 1
+    if run.ema is not None:
+        run.ema.after_step(skipped)
     position.samples_seen += samples
     position.skipped_samples += bad
     if run.nonfinite.check(position.step, loss, grad_norm, skipped) or run.nonfinite.total:

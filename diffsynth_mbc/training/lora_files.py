@@ -10,6 +10,7 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_save_safetensors
 from diffsynth_mbc.training.distributed import all_reduce_sum
+from diffsynth_mbc.training.ema import save_ema_lora
 from diffsynth_mbc.training.lora_format import (
     NonFiniteLoraError,
     convert,
@@ -31,6 +32,8 @@ def epoch_file_name(epoch: int, num_epochs: int) -> str:
 
 class LoraFiles:
     """Writing the run's LoRA files; ``Checkpoints`` provides accelerator, module, options, status and root."""
+
+    ema = None   # the run's LoraEma (--ema_decay): its file is written beside each LoRA file
 
     def lora_tensors(self) -> dict:
         """The trainable (LoRA) tensors in DiffSynth's training layout, taken from the parameters themselves.
@@ -88,4 +91,6 @@ class LoraFiles:
         file_tensors = self.checked_file_tensors(self.lora_tensors(), target)
         if self.accelerator.is_main_process:
             self.write_lora(target, step, file_tensors)
+        if self.ema is not None:
+            save_ema_lora(self, target, step)
         self.accelerator.wait_for_everyone()

@@ -18,6 +18,7 @@ from diffsynth_mbc.data.caption_rules import check_caption_options
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.init_lora import check_init_lora_option
+from diffsynth_mbc.training.ema import check_options as check_ema_options
 
 DEFAULTS = {
     # data (DiffSynth names)
@@ -57,6 +58,8 @@ DEFAULTS = {
     "cache": None, "val_cache": None,
     # captions
     "caption_dropout": 0.0, "caption_prefix": "", "caption_suffix": "",
+    # EMA of the LoRA weights (training/ema.py)
+    "ema_decay": None, "ema_warmup": True, "validate_with": "raw",
 }
 
 MAX_SIDE = 4096   # pixels, each of --height and --width
@@ -133,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "*.jsonl.old; keep the newest N of them (default 3)")
     _add_checkpoint_and_quality_arguments(parser)
     _add_caption_arguments(parser)
+    _add_ema_arguments(parser)
     return parser
 
 
@@ -156,6 +160,19 @@ def _add_caption_arguments(parser: argparse.ArgumentParser) -> None:
                                                    "default none); a latent cache must be built with the same")
     captions.add_argument("--caption_suffix", help="text put after every caption, with one space (default none); a "
                                                    "latent cache must be built with the same")
+
+
+def _add_ema_arguments(parser: argparse.ArgumentParser) -> None:
+    ema = parser.add_argument_group("EMA of the LoRA weights")
+    ema.add_argument("--ema_decay", type=float,
+                     help="keep an fp32 exponential moving average of the LoRA with this decay (e.g. 0.999), "
+                          "written as <name>_ema.safetensors beside every LoRA file and kept in checkpoints "
+                          "(default: none)")
+    ema.add_argument("--ema_warmup", type=_parse_bool,
+                     help="true (default): update n uses min(decay, (1 + n) / (10 + n)), so the EMA follows the "
+                          "weights at first; false: the decay from the first update")
+    ema.add_argument("--validate_with", help="weights of validation loss and sample clips: raw (default), ema, or "
+                                             "both (the EMA's as val_loss_ema and *-ema clips)")
 
 
 def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -454,5 +471,6 @@ def validate(options: dict) -> None:
         raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "
                            f"magnitudes, so a {options['lora_format']} file would load at the wrong strength")
     check_init_lora_option(options)
+    check_ema_options(options)
     if options["demo"] and (options["model_dir"] or options["model_id"]):
         raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")

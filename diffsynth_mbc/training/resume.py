@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints import truncate_history
+from diffsynth_mbc.training.ema import restore as restore_ema
 
 
 def claim_checkpoint_folder(run) -> None:
@@ -21,6 +22,7 @@ def claim_checkpoint_folder(run) -> None:
 def resume(run) -> None:
     """Restores weights, optimizer, scheduler and the RNG of every rank, and the data position."""
     run.position = position = run.checkpoints.load(run.options.resume)
+    restore_ema(run)
     kept = truncate_history(run.status.history_file, position.step)
     run.status.elapsed_before_s = position.elapsed_s
     lineage = {"checkpoint": position.checkpoint, "step": position.step, "run_id": position.run_id}

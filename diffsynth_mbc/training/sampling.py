@@ -17,6 +17,7 @@ from pathlib import Path
 from diffsynth_mbc.atomic import atomic_open, atomic_path, atomic_write_json
 from diffsynth_mbc.sample_prompts import (PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt, prompts_file_record,
                                           sample_file_stem, sample_set_name, sampling_due)
+from diffsynth_mbc.training.ema import CLIP_SUFFIX, weights_for
 
 FPS = 16
 WAIT_POLL_S = 1.0
@@ -30,6 +31,7 @@ class Sampler:
         self.contexts = contexts    # prompt text -> embedding from the latent cache (no text encoder loaded)
         self.accelerator = self.module = None
         self.last_step: int | None = None
+        self.ema = None             # the run's LoraEma: --validate_with ema|both render with it (NN-slug-ema.mp4)
 
     def attach(self, accelerator, module) -> None:
         self.accelerator, self.module = accelerator, module
@@ -63,15 +65,21 @@ class Sampler:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices), \
                     _prompts_from(pipe, self.contexts):
-                for index, prompt in enumerate(self.prompts):
-                    frames = self._generate(pipe, prompt, step, index)
-                    files += self._write(target, sample_file_stem(index, prompt), frames)
+                for weights in self._weights():
+                    with self.ema.weights(weights) if self.ema is not None else contextlib.nullcontext():
+                        for index, prompt in enumerate(self.prompts):
+                            frames = self._generate(pipe, prompt, step, index)
+                            suffix = CLIP_SUFFIX if weights == "ema" else ""
+                            files += self._write(target, sample_file_stem(index, prompt) + suffix, frames)
         finally:
             pipe.scheduler = training_scheduler
             pipe.dit.train(was_training)
             if devices:
                 torch.cuda.empty_cache()
         return files
+
+    def _weights(self) -> list[str]:
+        return ["raw"] if self.ema is None else weights_for(self.options.validate_with, self.ema.updates)
 
     def _generate(self, pipe, prompt: SamplePrompt, step: int, index: int) -> list:
         from PIL import Image
@@ -159,7 +167,7 @@ def write_video(frames: list, path: str, fps: int, quality: int) -> None:
         writer.close()
 
 
-def make_sampler(options, status, accelerator, module):
+def make_sampler(options, status, accelerator, module, ema=None):
     from diffsynth_mbc.sample_prompts import load_sample_prompts
 
     prompts = load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
@@ -170,6 +178,7 @@ def make_sampler(options, status, accelerator, module):
         contexts = read_sample_texts(Path(options.cache), texts_of(prompts))
     sampler = Sampler(options, status, prompts, contexts)
     sampler.attach(accelerator, module)
+    sampler.ema = ema
     return sampler
 
 

@@ -6,6 +6,7 @@ the LoRA. The headline ``val_loss`` is the mean over the quantiles; each quantil
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from diffsynth_mbc.training.distributed import all_reduce_sum
@@ -13,7 +14,12 @@ from diffsynth_mbc.training.status_writer import RankStatusWriter
 
 
 class Validator:
-    """Each rank takes every world_size-th sample of the subset; the RNG of training is left untouched."""
+    """Each rank takes every world_size-th sample of the subset; the RNG of training is left untouched.
+
+    With ``--validate_with ema`` the headline ``val_loss`` is the EMA's (``val_weights: "ema"``); with ``both`` it
+    is the raw weights' and the EMA's is ``val_loss_ema`` (and ``val_loss_ema_by_quantile``) beside it."""
+
+    ema = None   # the run's LoraEma, set by training/ema.make_ema
 
     def __init__(self, options, status: RankStatusWriter):
         from diffsynth_mbc.data.cache.dataset import open_validation_dataset
@@ -23,15 +29,41 @@ class Validator:
         self.dataset = open_validation_dataset(options, substitute_bad_media=True)
         self.indices = list(range(min(options.val_samples, self.dataset.rows)))
         self.quantiles = [float(q) for q in options.val_timestep_quantiles.split(",")]
+        self.validate_with = options.validate_with
         self.accelerator = self.module = None
 
     def attach(self, accelerator, module) -> None:
         self.accelerator, self.module = accelerator, module
 
     def run(self, step: int) -> float | None:
-        import torch
+        from diffsynth_mbc.training.ema import weights_for
 
         self.status.update(phase=f"validation at step {step}")
+        which = weights_for(self.validate_with, self.ema.updates) if self.ema is not None else ["raw"]
+        measured = {}
+        for weights in which:
+            with self.ema.weights(weights) if self.ema is not None else contextlib.nullcontext():
+                measured[weights] = self.measure()
+        by_quantile, samples = measured[which[0]]
+        if samples == 0:
+            return None
+        val_loss = sum(by_quantile.values()) / len(by_quantile)
+        extra = {"val_weights": "ema"} if which == ["ema"] else {}
+        if "ema" in which and which[0] != "ema":
+            ema_by_quantile = measured["ema"][0]
+            extra = {"val_loss_ema": sum(ema_by_quantile.values()) / len(ema_by_quantile),
+                     "val_loss_ema_by_quantile": ema_by_quantile}
+        self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss,
+                                    "val_loss_by_quantile": by_quantile, "val_samples": samples,
+                                    "time": round(time.time(), 3), **extra})
+        self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_step=step,
+                           phase=f"validated at step {step}", **extra)
+        return val_loss
+
+    def measure(self) -> tuple[dict, int]:
+        """({quantile: mean loss}, samples) over every rank's share of the subset, with the weights as they are."""
+        import torch
+
         model = self.accelerator.unwrap_model(self.module)
         mine = self.indices[self.accelerator.process_index::self.accelerator.num_processes]
         # per quantile: sum of losses; last: samples
@@ -49,12 +81,5 @@ class Validator:
         total = all_reduce_sum(self.accelerator, total, self.status, "ranks in all-reduce (validation loss)")
         samples = int(total[-1])
         if samples == 0:
-            return None
-        by_quantile = {f"{q:g}": float(total[i] / samples) for i, q in enumerate(self.quantiles)}
-        val_loss = sum(by_quantile.values()) / len(by_quantile)
-        self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss,
-                                    "val_loss_by_quantile": by_quantile, "val_samples": samples,
-                                    "time": round(time.time(), 3)})
-        self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_step=step,
-                           phase=f"validated at step {step}")
-        return val_loss
+            return {}, 0
+        return {f"{q:g}": float(total[i] / samples) for i, q in enumerate(self.quantiles)}, samples

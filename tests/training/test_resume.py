@@ -85,6 +85,9 @@ def validation_flags(val_metadata):
             "val_steps": 3, "val_samples": 4}
 
 
+EMA = {"ema_decay": 0.9, "validate_with": "both"}   # the EMA is in the checkpoints and resumes exactly too
+
+
 def validation_lines(log_dir, rank):
     return [line for line in read_history(log_dir, rank) if line.get("kind") == "val"]
 
@@ -96,12 +99,12 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
     """Also: validation loss uses fixed samples, seeds and timesteps, so both runs log the same values."""
     data_root, val_metadata = demo_data
     straight = tmp_path / "straight"
-    code, output = run(tmp_path, train_flags(data_root, straight, **CAPTIONS, **validation_flags(val_metadata)))
+    code, output = run(tmp_path, train_flags(data_root, straight, **CAPTIONS, **validation_flags(val_metadata), **EMA))
     assert code == 0, output[-3000:]
 
     killed = tmp_path / "killed"
     process = launch(tmp_path, train_flags(data_root, killed, report_to="tensorboard", **CAPTIONS,
-                                           **validation_flags(val_metadata)))
+                                           **validation_flags(val_metadata), **EMA))
     checkpoints = killed / "lora" / "checkpoints"
     wait_for(lambda: complete_checkpoints(checkpoints) and last_logged_step(killed / "logs") >= 7, process,
              what="step 7 after the first checkpoint")
@@ -119,7 +122,7 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
     checkpoint_elapsed = read_manifest(checkpoints / checkpoint_name(resumed_from))["elapsed_s"]
 
     code, output = run(tmp_path, train_flags(data_root, killed, resume="latest", report_to="tensorboard", **CAPTIONS,
-                                             **validation_flags(val_metadata)))
+                                             **validation_flags(val_metadata), **EMA))
     assert code == 0, output[-3000:]
     # The resumed run is the same run: its id, its clock and its tracker run go on.
     assert checkpoint_elapsed > 0
@@ -131,11 +134,12 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
         assert state["elapsed_s"] > checkpoint_elapsed
     assert [p.name for p in (killed / "lora" / "tracking").iterdir()] == [first_run_id]
 
-    expected = load_file(str(straight / "lora" / "lora.safetensors"))
-    actual = load_file(str(killed / "lora" / "lora.safetensors"))
-    assert expected.keys() == actual.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    for name in ("lora.safetensors", "lora_ema.safetensors"):
+        expected = load_file(str(straight / "lora" / name))
+        actual = load_file(str(killed / "lora" / name))
+        assert expected.keys() == actual.keys()
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
     for rank in (0, 1):
         assert train_steps(killed / "logs", rank) == list(range(1, 13)), "each step exactly once"
         state = read_status(killed / "logs", rank)
@@ -147,6 +151,8 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
         assert all(line["val_samples"] == 4 for line in actual_val)
         assert [line["val_loss"] for line in actual_val] == pytest.approx([line["val_loss"] for line in expected_val],
                                                                           rel=1e-5)
+        assert [line["val_loss_ema"] for line in actual_val] == pytest.approx(
+            [line["val_loss_ema"] for line in expected_val], rel=1e-5)
         assert len({line["val_loss"] for line in expected_val}) > 1   # the model changed between evaluations
         assert state["val_loss"] == actual_val[-1]["val_loss"] and state["val_step"] == 12
 

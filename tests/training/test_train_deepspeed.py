@@ -4,7 +4,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
 from e2e_helpers import REPO, free_port, isolated_env, read_history, read_status
@@ -46,7 +48,7 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
                                        timestep_sampling="logit_normal", timestep_strata=2, loss_weighting="none",
                                        caption_dropout=0.5,
                                        # DoRA's magnitudes and LoRA+'s second optimizer group under ZeRO-2
-                                       lora_variant="dora", loraplus_lr_ratio=4)]
+                                       lora_variant="dora", loraplus_lr_ratio=4, ema_decay=0.9)]
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -64,5 +66,16 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
         assert 0 < state["captions_dropped"] < state["samples_seen"]   # caption dropout works under ZeRO-2
     assert (root / "lora" / "lora.safetensors").stat().st_size > 0
     assert safe_open(str(root / "lora" / "lora.safetensors"), framework="pt").metadata()["lora_variant"] == "dora"
-    assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors")) == [
+    assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors") if "_ema" not in p.name) == [
         "step-1.safetensors", "step-2.safetensors", "step-3.safetensors"]   # every save went without the gather
+    # --ema_decay under ZeRO-2: the engine's parameters are read after each step (ZeRO-2 does not shard them).
+    assert sorted(p.name for p in (root / "lora").glob("*_ema.safetensors")) == [
+        "epoch-0_ema.safetensors", "lora_ema.safetensors", "step-1_ema.safetensors", "step-2_ema.safetensors",
+        "step-3_ema.safetensors"]
+    raw, average = (load_file(str(root / "lora" / name)) for name in ("lora.safetensors", "lora_ema.safetensors"))
+    assert raw.keys() == average.keys() and any(not torch.equal(raw[key], average[key]) for key in raw)
+    first = load_file(str(root / "lora" / "step-1.safetensors"))
+    for key in (k for k in raw if k.endswith("lora_B.weight")):   # B starts at zero: update 0 keeps 0.9 of step 1
+        torch.testing.assert_close(load_file(str(root / "lora" / "step-1_ema.safetensors"))[key], 0.9 * first[key],
+                                   rtol=0, atol=1e-7)
+    assert (root / "lora" / "checkpoints" / "step-00000003" / "ema_state.safetensors").is_file()
