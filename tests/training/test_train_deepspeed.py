@@ -70,7 +70,7 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
         "step-1.safetensors", "step-2.safetensors", "step-3.safetensors"]   # every save went without the gather
     # --ema_decay under ZeRO-2: the engine's parameters are read after each step (ZeRO-2 does not shard them).
     assert sorted(p.name for p in (root / "lora").glob("*_ema.safetensors")) == [
-        "epoch-0_ema.safetensors", "lora_ema.safetensors", "step-1_ema.safetensors", "step-2_ema.safetensors",
+        "epoch-001_ema.safetensors", "lora_ema.safetensors", "step-1_ema.safetensors", "step-2_ema.safetensors",
         "step-3_ema.safetensors"]
     raw, average = (load_file(str(root / "lora" / name)) for name in ("lora.safetensors", "lora_ema.safetensors"))
     assert raw.keys() == average.keys() and any(not torch.equal(raw[key], average[key]) for key in raw)
