@@ -1,7 +1,7 @@
 """Timing the training's own optimizer step, for bench_cache.py.
 
 What is timed is what ``python -m diffsynth_mbc.train`` runs for one optimizer step: the ``Accelerator``
-that ``training.loop.start_accelerator`` starts (mixed precision resolved by the training's rule, single
+that ``training.accelerator_setup.start_accelerator`` starts (mixed precision resolved by the training's rule, single
 process), ``training.step.choices.step_choices`` (blocks that recompute, compiled or not), the
 ``WanTI2VLoraModule`` the training builds, AdamW over its trainable weights, ``accelerator.prepare`` (which
 wraps the forward in autocast and, for fp16, adds the loss scaler), and every step through
@@ -161,7 +161,7 @@ def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun
     """Accelerator, model, LoRA module, AdamW and accelerate's prepare, as ``training.loop`` does them."""
     import torch
 
-    from diffsynth_mbc.training.loop import start_accelerator
+    from diffsynth_mbc.training.accelerator_setup import start_accelerator
     from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
     from diffsynth_mbc.training.step.choices import step_choices
 

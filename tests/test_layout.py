@@ -14,7 +14,8 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 # Pure logic: importable without torch (what it needs of torch, if anything, is imported inside functions).
 TORCH_FREE = ["atomic.py", "errors.py", "run_files.py", "data/catalog.py", "data/selection.py", "data/cache/index.py",
-              "models/model_files.py", "training/options.py", "training/step_plan.py", "training/eta.py",
+              "models/model_files.py", "training/options/__init__.py", "training/options/run_options.py",
+              "training/options/parser.py", "training/options/checks.py", "training/step_plan.py", "training/eta.py",
               "training/step_timing.py", "training/checkpoints.py", "training/status_writer.py",
               "training/history_appender.py", "training/log_folder.py",
               "training/run_control.py", "training/lora_format.py", "training/guards.py", "gpu.py", "doctor/memory.py",

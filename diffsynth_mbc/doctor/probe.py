@@ -116,7 +116,7 @@ class ProbeError(RuntimeError):
 
 def train(options, kind: str, subset: Path, folder: Path, env: dict, cache_dir: str | None) -> dict:
     """One training run on the subset; its measured step times and peak memory."""
-    preset = {**vars(options), **NEUTRAL, "dataset_metadata_path": str(subset), "output_path": str(folder / "out"),
+    preset = {**options.as_dict(), **NEUTRAL, "dataset_metadata_path": str(subset), "output_path": str(folder / "out"),
               "log_dir": str(folder / "logs"), "checkpoint_dir": str(folder / "checkpoints"),
               "run_id": f"doctor-probe-{kind}", "cache": cache_dir}
     (folder / "probe.yaml").write_text(yaml.safe_dump(preset, sort_keys=True), encoding="utf-8")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 from diffsynth_mbc.doctor import estimates, projection
 from diffsynth_mbc.doctor.projection import RunShape, count_media, duration
 from diffsynth_mbc.gpu import known_gpu
-from diffsynth_mbc.training.options import resolve_options
+from diffsynth_mbc.training.options import TrainOptions, resolve_options
 from e2e_helpers import REPO
 
 FULL = str(REPO / "configs" / "train_full.yaml")
@@ -120,7 +119,7 @@ def test_the_plan_command_prints_the_doctors_projected_line(tmp_path):
 
 def test_estimates_read_only_the_options_the_training_has():
     namespace = resolve_options(["--config", FULL])
-    assert isinstance(namespace, argparse.Namespace)
+    assert isinstance(namespace, TrainOptions)
     plans = estimates.run_plans(namespace, "fp16", "mem_efficient", True, True)
     assert plans["video"].tokens == 4400 and plans["image"].tokens == 880 and plans["image"].batch_size == 5
     assert estimates.run_plans(namespace, "fp16", "mem_efficient", True, True, media=(0, 7)).keys() == {"image"}

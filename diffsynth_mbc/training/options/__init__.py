@@ -1,0 +1,72 @@
+"""Options of ``python -m diffsynth_mbc.train``: defaults < preset file (--config) < command line, resolved once
+into a read-only ``TrainOptions`` that travels through the whole run. No torch.
+
+- ``run_options.py``: ``TrainOptions``, every option with its type and default;
+- ``parser.py``: the command line (flags in groups, with their help);
+- ``checks.py``: every value checked once, with errors that name the flag;
+- here: reading a preset (unknown keys are refused, naming the key and the file) and resolving all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from diffsynth_mbc.data.catalogues import apply_datasets
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.options.checks import (MAX_SIDE, TRACKER_PACKAGES, check_frame_options, check_run_id,
+                                                   check_tracker, validate)
+from diffsynth_mbc.training.options.parser import _parse_bool, build_parser
+from diffsynth_mbc.training.options.run_options import CHOICES, DEFAULTS, TrainOptions
+
+__all__ = ["CHOICES", "DEFAULTS", "MAX_SIDE", "TRACKER_PACKAGES", "TrainOptions", "build_parser",
+           "check_frame_options", "check_run_id", "check_tracker", "load_preset", "resolve_options", "validate"]
+
+_BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
+
+
+def load_preset(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise OptionsError(f"--config: file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise OptionsError(f"--config: {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise OptionsError(f"--config: {path} must hold a mapping of option: value")
+    unknown = sorted(set(data) - set(DEFAULTS))
+    if unknown:
+        raise OptionsError(f"--config: unknown key(s) in {path}: {', '.join(unknown)}")
+    types = {action.dest: action.type for action in build_parser()._actions if action.type is not None}
+    for key, value in data.items():
+        if value is not None and key in types and not isinstance(value, bool):
+            try:
+                data[key] = types[key](value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                raise OptionsError(f"--config: {path}: {key}: cannot read {value!r} as "
+                                   f"{getattr(types[key], '__name__', 'a value')}") from None
+    return data
+
+
+def resolve_options(argv: list[str] | None = None) -> TrainOptions:
+    """Parse, merge and validate. Raises OptionsError (or SystemExit for argparse usage errors)."""
+    given = vars(build_parser().parse_args(argv))
+    preset = load_preset(given.pop("config")) if "config" in given else {}
+    options = {**DEFAULTS, **preset, **given}
+    for key in _BOOLEAN:
+        if not isinstance(options[key], bool):
+            options[key] = _parse_bool(options[key])
+    if options["gradient_checkpointing"] is None:
+        options["gradient_checkpointing"] = "all" if options["use_gradient_checkpointing"] else "none"
+    options["gradient_checkpointing"] = str(options["gradient_checkpointing"]).strip().lower()
+    apply_datasets(options, preset, given)
+    validate(options)
+    # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other.
+    if not options["log_dir"]:
+        options["log_dir"] = str(Path(options["output_path"]) / "training_logs")
+    if not options["checkpoint_dir"]:
+        options["checkpoint_dir"] = str(Path(options["output_path"]) / "checkpoints")
+    return TrainOptions(**options)
