@@ -4,6 +4,8 @@ import json
 import subprocess
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from e2e_helpers import REPO, isolated_env, read_history, read_status
 
@@ -11,13 +13,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
-    """With a trigger word and caption dropout, which the cache command gets from the launcher too."""
+    """With the recipe's options on, from the launcher and from the cache: a trigger word, caption dropout and the
+    frame choice reach the cache command too; an EMA, DoRA and LoRA+ train from the cache."""
     env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
     # Training flags go through the launcher: a timestep scheme inside a boundary (index 200: level 952.4 of 1000),
     # a trigger word and caption dropout.
     result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached",
                              "--timestep_sampling", "shift", "--timestep_shift", "3", "--min_timestep_boundary", "0.2",
-                             "--caption_prefix", "mbcstyle", "--caption_dropout", "0.5"],
+                             "--caption_prefix", "mbcstyle", "--caption_dropout", "0.5", "--frame_sampling", "uniform",
+                             "--ema_decay", "0.9", "--lora_variant", "dora", "--loraplus_lr_ratio", "4"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -36,7 +40,12 @@ def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
         timesteps = [t for line in read_history(log_dir, rank) for t in line["timesteps"]]
         assert len(timesteps) >= 12 and all(0 <= t <= 952.39 for t in timesteps), timesteps
         assert 0 < state["captions_dropped"] < state["samples_seen"]   # some samples, not all, lost the caption
-    assert (tmp_path / "runs" / "demo" / "lora" / "lora.safetensors").stat().st_size > 0
+    lora = tmp_path / "runs" / "demo" / "lora"
+    assert index["settings"]["frames"]["sampling"] == "uniform", index["settings"]
+    with safe_open(str(lora / "lora.safetensors"), framework="pt") as trained:
+        assert trained.metadata()["lora_variant"] == "dora"
+        assert any(key.endswith(".dora_scale") for key in trained.keys())
+    assert set(load_file(str(lora / "lora_ema.safetensors"))) == set(load_file(str(lora / "lora.safetensors")))
 
 
 def test_a_cache_folder_given_with_cached_reaches_the_training_once(tmp_path):
