@@ -1,5 +1,6 @@
 """The shipped DeepSpeed ZeRO-2 config trains on 2 CPU ranks (mid-run failures: tests/test_resume.py)."""
 
+import json
 import subprocess
 import sys
 
@@ -41,14 +42,21 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
     prepare(root, num_videos=3, num_images=2)
     entry = tmp_path / "train_without_gather.py"
     entry.write_text(NO_GATHER)
+    # The catalogue as a one-item `datasets` list (several catalogues' path) and a frame choice, under ZeRO-2 too.
+    listing = tmp_path / "datasets.yaml"
+    listing.write_text(json.dumps([{"base_path": str(root / "catalog"),
+                                    "metadata_path": str(root / "metadata" / "metadata.csv"), "name": "demo"}]))
+    flags = demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1,
+                       timestep_sampling="logit_normal", timestep_strata=2, loss_weighting="none",
+                       caption_dropout=0.5, frame_sampling="uniform", datasets=listing,
+                       # DoRA's magnitudes and LoRA+'s second optimizer group under ZeRO-2
+                       lora_variant="dora", loraplus_lr_ratio=4, ema_decay=0.9)
+    for one_catalogue in ("--dataset_base_path", "--dataset_metadata_path"):
+        del flags[flags.index(one_catalogue):flags.index(one_catalogue) + 2]
     command = [sys.executable, "-m", "accelerate.commands.launch",
                "--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-               str(entry), *demo_flags(root, num_epochs=1, max_grad_norm=0.5, save_steps=1,
-                                       timestep_sampling="logit_normal", timestep_strata=2, loss_weighting="none",
-                                       caption_dropout=0.5,
-                                       # DoRA's magnitudes and LoRA+'s second optimizer group under ZeRO-2
-                                       lora_variant="dora", loraplus_lr_ratio=4, ema_decay=0.9)]
+               str(entry), *flags]
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -59,6 +67,7 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
         assert state["status"] == "finished"
         assert state["step"] == state["total_steps"] == 3
         assert state["deepspeed_gradient_clipping"] == 0.5   # --max_grad_norm, not the config's 1.0
+        assert [d["name"] for d in state["plan"]["datasets"]] == ["demo"]   # counted per catalogue
         assert [line["step"] for line in read_history(root / "logs", rank)] == [1, 2, 3]
         for line in read_history(root / "logs", rank):   # each sample's timestep and loss, for the chart
             assert len(line["timesteps"]) == len(line["timestep_losses"]) >= 1
