@@ -4,6 +4,7 @@ the file was trained with, with a fresh optimizer at step 0; mismatches are refu
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from diffsynth_mbc.training.init_lora import InitLoraError, load_init_lora, star
 from diffsynth_mbc.training.lora_format import COMFYUI_PREFIX, convert, file_metadata, lora_pairs, training_scale
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 from diffsynth_mbc.training.options import resolve_options
-from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, read_status
+from e2e_helpers import REPO, cpu_launch_command, free_port, isolated_env, read_history, read_status
 
 SEED = 42
 RANK, ALPHA = 4, 12.0     # alpha != rank: trained at scale 3, so a wrong unfolding shows
@@ -251,11 +252,20 @@ def test_a_mismatched_file_leaves_the_module_as_it_was(tmp_path, trained):
 
 
 # ---------------------------------------------------------------------------------------------
-# the real run: 2 CPU ranks (DDP over gloo), the launcher's flags
+# the real run: 2 CPU ranks (DDP over gloo, and DeepSpeed ZeRO-2, which copies the weights when it wraps them)
+
+
+def zero2_launch_command(*train_args: str) -> list[str]:
+    """accelerate launch with the shipped DeepSpeed ZeRO-2 config, on 2 CPU ranks."""
+    return [sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
+            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
+            "-m", "diffsynth_mbc.train", *train_args]
 
 
 @pytest.mark.slow
-def test_a_two_rank_run_starts_from_the_file(tmp_path):
+@pytest.mark.parametrize("launch", [cpu_launch_command, zero2_launch_command], ids=["ddp", "zero2"])
+def test_a_two_rank_run_starts_from_the_file(tmp_path, launch):
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
     module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False, seed=SEED), lora_rank=4,
@@ -271,7 +281,7 @@ def test_a_two_rank_run_starts_from_the_file(tmp_path):
     flags = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": root / "catalog",
              "dataset_metadata_path": root / "metadata" / "metadata.csv", "output_path": root / "lora",
              "log_dir": root / "logs", "num_epochs": 1, "save_steps": 1, "init_lora": source}
-    command = cpu_launch_command(*[item for key, value in flags.items() for item in (f"--{key}", str(value))])
+    command = launch(*[item for key, value in flags.items() for item in (f"--{key}", str(value))])
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
