@@ -36,6 +36,10 @@ class InitLoraError(OptionsError):
     """A LoRA that cannot start this run; the message names the file, the first keys and the flag to change."""
 
 
+# Keys of a DoRA file: ComfyUI's dora_scale, peft's magnitude vector.
+DORA_KEY_ENDINGS = (".dora_scale", ".lora_magnitude_vector.default.weight", ".lora_magnitude_vector.weight")
+
+
 def check_init_lora_option(options: dict) -> None:
     """Pure checks of ``--init_lora`` among the options (called by ``options.validate``)."""
     source = options.get("init_lora")
@@ -132,6 +136,11 @@ def starting_pairs(tensors: dict, facts: dict, *, expected: dict[str, dict], ran
     B), and what was found (layout, stated alpha, scale). ``expected`` is ``{module: {"A": shape, "B": shape}}``
     of this run's LoRA. InitLoraError naming the first keys and the flag to change when they do not match."""
     where = f"{FLAG} {source}"
+    magnitudes = sorted(key for key in tensors if key.endswith(DORA_KEY_ENDINGS))
+    if magnitudes:   # a DoRA's magnitudes have no place in the pairs below: starting without them would drop them
+        raise InitLoraError(f"{where}: it is a DoRA ({magnitudes[0]} and {len(magnitudes) - 1} more magnitude keys); "
+                            f"{FLAG} starts from plain LoRA files only, so its magnitudes would be lost: continue "
+                            "that run with --resume, or start from a plain LoRA")
     try:
         pairs, alphas = lora_pairs(tensors)
         check_pairs(pairs)

@@ -118,6 +118,12 @@ def test_a_file_for_another_model_is_refused():
                                       for module in ("blocks.0.self_attn.q", "blocks.0.ffn.0")})
 
 
+def test_a_dora_file_is_refused_rather_than_started_without_its_magnitudes():
+    tensors = {**small_lora(), "diffusion_model.blocks.0.ffn.0.dora_scale": torch.ones(8, 1)}
+    with pytest.raises(InitLoraError, match=r"it is a DoRA \(diffusion_model\.blocks\.0\.ffn\.0\.dora_scale.*--resume"):
+        check(tensors)
+
+
 def test_a_nonfinite_file_is_refused():
     tensors = small_lora()
     tensors["blocks.0.ffn.0.lora_B.weight"][0, 0] = float("nan")
