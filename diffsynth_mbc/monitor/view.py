@@ -185,16 +185,42 @@ def render_ranks(snap: dict, theme: Theme) -> RenderableType:
     return table
 
 
+def error_groups(errors: list[dict]) -> list[tuple[dict, list[int], list[str]]]:
+    """The same error on several ranks (the usual way a DDP run fails) once: (error, its ranks, their hosts)."""
+    groups: dict[tuple, tuple[dict, list, list]] = {}
+    for err in errors:
+        key = (err.get("type"), err.get("message"), err.get("traceback_tail"))
+        first, ranks, hosts = groups.setdefault(key, (err, [], []))
+        ranks.append(err.get("rank"))
+        if err.get("hostname") and err["hostname"] not in hosts:
+            hosts.append(err["hostname"])
+    return list(groups.values())
+
+
+def rank_list(ranks: list) -> str:
+    """[0, 1, 2, 5] -> "ranks 0-2, 5"; [3] -> "rank 3" (as the dashboard says it)."""
+    numbers = sorted(r for r in ranks if isinstance(r, int))
+    parts, i = [], 0
+    while i < len(numbers):
+        j = i
+        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
+            j += 1
+        parts.append(f"{numbers[i]}-{numbers[j]}" if j > i else str(numbers[i]))
+        i = j + 1
+    parts += [str(r) for r in ranks if not isinstance(r, int)]
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(parts)
+
+
 def render_errors(snap: dict, theme: Theme, tail_lines: int = 10) -> list[RenderableType]:
     out = []
-    for err in snap.get("errors") or []:
+    for err, ranks, hosts in error_groups(snap.get("errors") or []):
         body = Text()
         body.append(f"{err.get('type') or 'Error'}: {err.get('message') or ''}\n", style="bold")
         tail = (err.get("traceback_tail") or "").rstrip("\n").splitlines()[-tail_lines:]
         if tail:
             body.append("\n".join(tail), style=theme.error)
-        host = f" on {err['hostname']}" if err.get("hostname") else ""
-        out.append(Panel(body, title=escape(printable(f"rank {err.get('rank')} failed{host}")), title_align="left",
+        host = f" on {', '.join(hosts)}" if hosts else ""
+        out.append(Panel(body, title=escape(printable(f"{rank_list(ranks)} failed{host}")), title_align="left",
                          border_style=theme.error))
     return out
 

@@ -91,6 +91,22 @@ def test_once_renders_a_frame_with_the_key_facts(tmp_path, capsys, monkeypatch):
     assert any(ch in out for ch in "▁▂▃▄▅▆▇█")  # the loss sparkline
 
 
+def test_the_same_error_on_several_ranks_is_said_once_naming_them(tmp_path, capsys, monkeypatch):
+    """A DDP run fails on every rank with one error: the terminal printed it in full once per rank."""
+    monkeypatch.setenv("COLUMNS", "200")
+    now = time.time()
+    F.make_run(tmp_path, world_size=4, steps=40, ranks=[], now=now)
+    for rank in (0, 1, 3):
+        F.write_status(tmp_path, rank, world_size=4, status="failed", step=40, now=now, error=F.failed_error())
+    other = {**F.failed_error(), "type": "ValueError", "message": "a different failure"}
+    F.write_status(tmp_path, 2, world_size=4, status="failed", step=40, now=now, error=other)
+    assert monitor.main([str(tmp_path), "--once"]) == 1
+    out = capsys.readouterr().out
+    assert "ranks 0-1, 3 failed on node-a" in out and "rank 0 failed" not in out and "rank 1 failed" not in out
+    assert "rank 2 failed on node-a" in out and "ValueError: a different failure" in out
+    assert out.count("Traceback (most recent call last)") == 2   # one per distinct error, not one per rank
+
+
 def test_once_on_an_empty_directory_says_so(tmp_path, capsys):
     assert monitor.main([str(tmp_path), "--once"]) == 4   # a run that has not written yet
     assert "NO_DATA" in capsys.readouterr().out
