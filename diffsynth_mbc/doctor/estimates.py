@@ -151,5 +151,11 @@ def project(options, steps: dict, plans: dict, spec, media: tuple[int, int], gpu
 
 
 def run_shape(options, media: tuple[int, int], gpus: int, nodes: int) -> projection.RunShape:
+    """The run's shape; with several catalogues each one's rows count its own repeat, as the sampler draws them."""
+    from diffsynth_mbc.data.catalogues import metadata_counts
+
+    counts = metadata_counts(options) if getattr(options, "datasets", None) else ()
+    if counts:
+        media = (sum(c.videos * c.repeat for c in counts), sum(c.images * c.repeat for c in counts))
     return projection.RunShape(media[0], media[1], options.num_epochs, options.dataset_repeat, options.batch_size,
                                image_batch(options), options.gradient_accumulation_steps, max(1, gpus), max(1, nodes))

@@ -5,8 +5,8 @@ import csv
 import pytest
 import yaml
 
-from diffsynth_mbc.data.catalogues import (Catalogue, DatasetCount, dataset_counts, parse_datasets, row_repeats,
-                                           write_combined)
+from diffsynth_mbc.data.catalogues import (Catalogue, DatasetCount, dataset_counts, metadata_counts, parse_datasets,
+                                           row_repeats, write_combined)
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.batches import batches_per_rank, epoch_batches
@@ -128,6 +128,20 @@ def test_preset_lists_catalogues_and_the_flag_reads_a_file(two, tmp_path):
     with pytest.raises(OptionsError, match="do not give --dataset_metadata_path beside it"):
         resolve_options(["--datasets", str(listing), "--dataset_metadata_path", "m.csv",
                          "--output_path", str(tmp_path / "x")])
+
+
+def test_the_doctor_projects_each_catalogue_at_its_own_repeat(two, tmp_path):
+    """The doctor's run length counted every row once whatever its catalogue's repeat."""
+    from diffsynth_mbc.doctor.estimates import run_shape
+
+    preset = tmp_path / "train.yaml"
+    preset.write_text(yaml.safe_dump({"datasets": items(two, repeat=3), "output_path": str(tmp_path / "out")}))
+    options = resolve_options(["--config", str(preset)])
+    counts = metadata_counts(options)
+    shape = run_shape(options, (sum(c.videos for c in counts), sum(c.images for c in counts)), gpus=2, nodes=1)
+    assert (shape.videos, shape.images) == (sum(c.videos * c.repeat for c in counts),
+                                            sum(c.images * c.repeat for c in counts))
+    assert shape.videos > sum(c.videos for c in counts)   # the second catalogue's repeat 3 counts
 
 
 def test_a_resume_with_another_catalogue_repeat_is_a_difference(two, tmp_path):
