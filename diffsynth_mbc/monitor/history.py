@@ -107,6 +107,7 @@ class HistoryFile:
         self.loss = self.series["loss"]
         self.lr = self.series["lr"]
         self.val_loss = Series(self.max_points)
+        self.val_loss_ema = Series(self.max_points)   # the EMA of the LoRA's (--validate_with both)
         self.val_quantiles: dict[str, Series] = {}   # "0.5" -> validation loss at that timestep quantile
         self.by_timestep = LossByTimestep()   # training loss per timestep bin, EMA over the run
         self.epoch_marks: list[tuple[float, int]] = []  # (first step seen of an epoch, epoch)
@@ -238,6 +239,9 @@ class HistoryFile:
                 val = _fast_float(get("loss"))
             if val is not None:
                 self.val_loss.add(step, val)
+            val_ema = _fast_float(get("val_loss_ema"))
+            if val_ema is not None:
+                self.val_loss_ema.add(step, val_ema)
             by_quantile = get("val_loss_by_quantile")
             if type(by_quantile) is dict:
                 self._add_quantiles(step, by_quantile)

@@ -268,6 +268,7 @@ class MonitorState:
                         "lines": hf.lines,
                         **{name: series.points(since, points) for name, series in hf.series.items()},
                         "val_loss": hf.val_loss.points(since, points),
+                        "val_loss_ema": hf.val_loss_ema.points(since, points),
                         "val_loss_by_quantile": {q: series.points(since, points)
                                                  for q, series in sorted(hf.val_quantiles.items())},
                         "loss_by_timestep": hf.by_timestep.as_dict(),

@@ -9,12 +9,12 @@
   const MAX_POINTS = 2000;   // per rank and series kept in the page
   const FIRST_POINTS = 1000; // down-sampled points asked for on the first load
   const PAGE = 2000;         // raw records per rank per incremental poll
-  const FIELDS = ["loss", "val_loss", "lr", "grad_norm", "step_time_s", "samples_per_s"];
+  const FIELDS = ["loss", "val_loss", "val_loss_ema", "lr", "grad_norm", "step_time_s", "samples_per_s"];
   const PALETTE = ["#4cc38a", "#5aa2ff", "#f2c94c", "#ff6b6b", "#d67bff", "#56d4e0", "#ff9f43", "#a3e635"];
   const CHARTS = [
     {id: "loss", title: "Training loss", field: "loss", smoothing: true, logToggle: true},
     {id: "val_loss", title: "Validation loss (mean of the fixed timesteps t, and each t)", field: "val_loss",
-     points: true, quantiles: true},
+     points: true, quantiles: true, emaField: "val_loss_ema"},
     {id: "lr", title: "Learning rate", field: "lr", once: true},
     {id: "grad_norm", title: "Gradient norm", field: "grad_norm"},
     {id: "step_time", title: "Step time (s)", field: "step_time_s", highlightSlow: true},
@@ -287,6 +287,7 @@
     if (kind === "val" || kind === "validation" || kind === "eval") {
       const v = num(rec.val_loss) ? rec.val_loss : rec.loss;
       if (num(v)) push(h.fields.val_loss, rec.step, v);
+      if (num(rec.val_loss_ema)) push(h.fields.val_loss_ema, rec.step, rec.val_loss_ema);
       const byQuantile = rec.val_loss_by_quantile;
       if (byQuantile && typeof byQuantile === "object") {
         for (const [q, value] of Object.entries(byQuantile)) if (num(value)) push(quantileLine(h, q), rec.step, value);
@@ -381,6 +382,14 @@
                   dash: highlighted ? [6, 3] : first || spec.once ? undefined : [6, 6]});
     }
     lines.unshift(...raw);
+    if (spec.emaField) {
+      // --validate_with both: the EMA of the LoRA's validation loss beside the trained weights', per rank, dotted.
+      for (const rank of ranks) {
+        if (!history[rank].fields[spec.emaField].x.length) continue;
+        lines.push({rank: rank, field: spec.emaField, label: "rank " + rank + " EMA", stroke: rankColor(rank),
+                    width: 2, dash: [2, 4]});
+      }
+    }
     if (spec.quantiles && ranks.length) {
       const first = ranks[0];
       const keys = Array.from(history[first].quantiles.keys()).sort((a, b) => Number(a) - Number(b));
@@ -400,7 +409,7 @@
         return [b.ema.map((_, i) => (b.edges[i] + b.edges[i + 1]) / 2), b.ema.slice()];
       }
       const f = line.quantile !== undefined ? history[line.rank].quantiles.get(line.quantile)
-        : history[line.rank].fields[spec.field];
+        : history[line.rank].fields[line.field || spec.field];
       let ys = f.y;
       if (spec.smoothing && options.smoothing > 0 && !line.raw) ys = ema(ys, options.smoothing);
       if (spec.logToggle && options.logLoss) ys = ys.map((v) => (num(v) && v > 0 ? v : null));
