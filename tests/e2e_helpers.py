@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -60,3 +61,26 @@ def a_preset_s_files(folder):
     (folder / "models" / "Wan2.2-TI2V-5B").mkdir(parents=True)
     (folder / "media").mkdir()
     return folder / "media"
+
+
+def a_value_for(action: argparse.Action) -> list[str]:
+    """A value this flag accepts that differs from its default, so that reading it shows (for tests that pass
+    every flag of a command)."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [next(str(c) for c in reversed(list(action.choices)) if c is not None and c != action.default)]
+    if action.type is int:
+        return ["3"]
+    if action.type is float or getattr(action.type, "__name__", "") == "_positive":
+        return ["0.5"]
+    if callable(action.type) and action.type is not str:   # the options' own parsers (booleans, ...)
+        for candidate in ("true", "1", "0.5"):
+            try:
+                action.type(candidate)
+                return [candidate]
+            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                continue
+    if action.dest == "serve":
+        return ["0"]
+    return ["some/path"]

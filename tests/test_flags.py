@@ -15,7 +15,7 @@ from diffsynth_mbc.data.cache import cli as cache_cli
 from diffsynth_mbc.doctor import cli as doctor_cli
 from diffsynth_mbc.monitor import cli as monitor_cli
 from diffsynth_mbc.training import export, options, plan, run_control, supervisor
-from e2e_helpers import REPO, a_preset_s_files, isolated_env
+from e2e_helpers import REPO, a_preset_s_files, a_value_for, isolated_env
 
 # Every `python -m diffsynth_mbc.X` and the function that builds its parser.
 ENTRY_POINTS = {
@@ -32,28 +32,6 @@ def test_the_list_above_names_every_entry_point():
     modules = {path.stem for path in package.glob("*.py") if 'if __name__ == "__main__"' in path.read_text()}
     modules |= {path.parent.name for path in package.glob("*/__main__.py")}
     assert modules == set(ENTRY_POINTS)
-
-
-def a_value_for(action: argparse.Action) -> list[str]:
-    """A value this flag accepts that differs from its default, so that reading it shows."""
-    if action.nargs == 0:
-        return []
-    if action.choices:
-        return [next(str(c) for c in reversed(list(action.choices)) if c is not None and c != action.default)]
-    if action.type is int:
-        return ["3"]
-    if action.type is float or getattr(action.type, "__name__", "") == "_positive":
-        return ["0.5"]
-    if callable(action.type) and action.type is not str:   # the options' own parsers (booleans, ...)
-        for candidate in ("true", "1", "0.5"):
-            try:
-                action.type(candidate)
-                return [candidate]
-            except (ValueError, TypeError, argparse.ArgumentTypeError):
-                continue
-    if action.dest == "serve":
-        return ["0"]
-    return ["some/path"]
 
 
 def groups_of(parser: argparse.ArgumentParser, action: argparse.Action) -> set[int]:

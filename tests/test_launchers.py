@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -14,7 +13,7 @@ import pytest
 from diffsynth_mbc.training import plan
 from diffsynth_mbc.training.options import build_parser
 from diffsynth_mbc.training.run_control import lock_holders
-from e2e_helpers import REPO, a_preset_s_files, isolated_env, read_status
+from e2e_helpers import REPO, a_preset_s_files, a_value_for, isolated_env, read_status
 
 LAUNCHER = str(REPO / "launchers" / "train_test.sh")
 DEMO_PRESET = str(REPO / "configs" / "train_demo.yaml")
@@ -32,25 +31,6 @@ def test_help_prints_the_launcher_flags_then_the_training_flags(tmp_path):
     assert "command not found" not in result.stderr and "running the built-in demo" not in result.stderr
     assert text.index("--cached") < text.index("--dry_run") < text.index("usage: python -m diffsynth_mbc.train")
     assert "--learning_rate" in text and "launchers/stop.sh" in text
-
-
-def a_value_for(action: argparse.Action) -> list[str]:
-    if action.nargs == 0:
-        return []
-    if action.choices:
-        return [str(list(action.choices)[-1])]
-    if action.type is int:
-        return ["3"]
-    if action.type is float:
-        return ["0.5"]
-    if callable(action.type) and action.type is not str:   # the options' own parsers (booleans, ...)
-        for candidate in ("true", "1", "0.5"):
-            try:
-                action.type(candidate)
-                return [candidate]
-            except (ValueError, TypeError, argparse.ArgumentTypeError):
-                continue
-    return ["some/path"]
 
 
 def training_flags():
