@@ -84,3 +84,14 @@ def a_value_for(action: argparse.Action) -> list[str]:
     if action.dest == "serve":
         return ["0"]
     return ["some/path"]
+
+
+def build_demo_cache(root, metadata, cache_dir, *extra: str, seed: int = 42) -> None:
+    """The latent cache of a demo catalogue prepared in ``root`` (64x64, 9 frames, fp32, no worker processes),
+    built in-process by ``python -m diffsynth_mbc.cache``'s own entry; ``extra``: more of its flags."""
+    from diffsynth_mbc.data.cache import cli as cache
+
+    args = ["--demo", "--seed", str(seed), "--dataset_base_path", str(Path(root) / "catalog"),
+            "--dataset_metadata_path", str(metadata), "--height", "64", "--width", "64", "--num_frames", "9",
+            "--cache_dir", str(cache_dir), "--dataset_num_workers", "0", "--dtype", "fp32", *extra]
+    assert cache.main(args) == 0

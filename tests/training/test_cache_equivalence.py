@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from diffsynth_mbc.data.cache import cli as cache
 from diffsynth_mbc.data.cache.dataset import CachedLatentDataset
 from diffsynth_mbc.data.dataset import MBCVideoDataset
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 from diffsynth_mbc.training.step import batch_loss as batch_loss_module
+from e2e_helpers import build_demo_cache
 
 SEED = 42
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
@@ -20,10 +20,7 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("equivalence")
     metadata = prepare(root, num_videos=2, num_images=1)
     cache_dir = root / "cache"
-    args = ["--demo", "--seed", str(SEED), "--dataset_base_path", str(root / "catalog"), "--dataset_metadata_path",
-            str(metadata), "--height", "64", "--width", "64", "--num_frames", "9", "--cache_dir", str(cache_dir),
-            "--dataset_num_workers", "0", "--dtype", "fp32"]
-    assert cache.main(args) == 0
+    build_demo_cache(root, metadata, cache_dir, seed=SEED)
     media = MBCVideoDataset(str(root / "catalog"), str(metadata), num_frames=9, height=64, width=64)
     cached = CachedLatentDataset(cache_dir)
     assert cached.rows == 3

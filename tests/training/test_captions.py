@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
-from diffsynth_mbc.data.cache import cli as cache
 from diffsynth_mbc.data.cache.dataset import CachedLatentDataset, CacheMismatchError, open_training_dataset
 from diffsynth_mbc.data.dataset import MBCVideoDataset
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.caption_dropout import CaptionDropout
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
+from e2e_helpers import build_demo_cache
 
 SEED = 42
 PREFIX = "mbcstyle"
@@ -27,10 +27,7 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("captions")
     metadata = prepare(root, num_videos=2, num_images=1)
     cache_dir = root / "cache"
-    args = ["--demo", "--seed", str(SEED), "--dataset_base_path", str(root / "catalog"), "--dataset_metadata_path",
-            str(metadata), "--height", "64", "--width", "64", "--num_frames", "9", "--cache_dir", str(cache_dir),
-            "--dataset_num_workers", "0", "--dtype", "fp32", "--caption_prefix", PREFIX]
-    assert cache.main(args) == 0
+    build_demo_cache(root, metadata, cache_dir, "--caption_prefix", PREFIX, seed=SEED)
     media = MBCVideoDataset(str(root / "catalog"), str(metadata), num_frames=9, height=64, width=64,
                             caption_prefix=PREFIX)
     return root, media, CachedLatentDataset(cache_dir)
@@ -81,10 +78,7 @@ def test_a_cache_without_the_empty_prompt_is_refused_for_dropout_and_a_rerun_add
                                                  r"the latent cache .* does not hold .*rerun `python -m "
                                                  r"diffsynth_mbc.cache`"):
         open_training_dataset(training_options(root, old, caption_dropout=0.1))
-    args = ["--demo", "--seed", str(SEED), "--dataset_base_path", str(root / "catalog"), "--dataset_metadata_path",
-            str(root / "metadata" / "metadata.csv"), "--height", "64", "--width", "64", "--num_frames", "9",
-            "--cache_dir", str(old), "--dataset_num_workers", "0", "--dtype", "fp32", "--caption_prefix", PREFIX]
-    assert cache.main(args) == 0
+    build_demo_cache(root, root / "metadata" / "metadata.csv", old, "--caption_prefix", PREFIX, seed=SEED)
     summary = json.loads((old / "summary.json").read_text())
     assert (summary["written"], summary["text_written"]) == (0, 0)   # only the empty prompt was encoded
     reopened = open_training_dataset(training_options(root, old, caption_dropout=0.1))

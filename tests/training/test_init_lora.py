@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffsynth_mbc.data.cache import cli as cache
 from diffsynth_mbc.data.cache.dataset import CachedLatentDataset
 from diffsynth_mbc.data.dataset import MBCVideoDataset
 from diffsynth_mbc.data.demo import prepare
@@ -20,7 +19,8 @@ from diffsynth_mbc.training.init_lora import InitLoraError, load_init_lora, star
 from diffsynth_mbc.training.lora_format import COMFYUI_PREFIX, convert, file_metadata, lora_pairs, training_scale
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 from diffsynth_mbc.training.options import resolve_options
-from e2e_helpers import REPO, cpu_launch_command, free_port, isolated_env, read_history, read_status
+from e2e_helpers import (REPO, build_demo_cache, cpu_launch_command, free_port, isolated_env, read_history,
+                         read_status)
 
 SEED = 42
 RANK, ALPHA = 4, 12.0     # alpha != rank: trained at scale 3, so a wrong unfolding shows
@@ -155,9 +155,7 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("init_lora")
     metadata = prepare(root, num_videos=1, num_images=1)
     cache_dir = root / "cache"
-    assert cache.main(["--demo", "--seed", str(SEED), "--dataset_base_path", str(root / "catalog"),
-                       "--dataset_metadata_path", str(metadata), "--height", "64", "--width", "64", "--num_frames",
-                       "9", "--cache_dir", str(cache_dir), "--dataset_num_workers", "0", "--dtype", "fp32"]) == 0
+    build_demo_cache(root, metadata, cache_dir, seed=SEED)
     media = MBCVideoDataset(str(root / "catalog"), str(metadata), num_frames=9, height=64, width=64)
     cached = CachedLatentDataset(cache_dir)
     return [(media[cached[i]["row"] - 1], cached[i]) for i in range(cached.rows)]

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffsynth_mbc.data.cache import cli as cache
 from diffsynth_mbc.data.cache.dataset import CachedLatentDataset
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
@@ -18,6 +17,7 @@ from diffsynth_mbc.training.guards import NonFiniteGuard
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 from diffsynth_mbc.training.step.batch_loss import batch_loss, draw_timestep_ids
 from diffsynth_mbc.training.step.blocks import BlockRunner
+from e2e_helpers import build_demo_cache
 
 SEED = 42
 
@@ -28,9 +28,7 @@ def entries(tmp_path_factory):
     root = tmp_path_factory.mktemp("step")
     metadata = prepare(root, num_videos=3, num_images=3)
     cache_dir = root / "cache"
-    assert cache.main(["--demo", "--seed", str(SEED), "--dataset_base_path", str(root / "catalog"),
-                       "--dataset_metadata_path", str(metadata), "--height", "64", "--width", "64", "--num_frames",
-                       "9", "--cache_dir", str(cache_dir), "--dataset_num_workers", "0", "--dtype", "fp32"]) == 0
+    build_demo_cache(root, metadata, cache_dir, seed=SEED)
     dataset = CachedLatentDataset(cache_dir)
     samples = [dataset[i] for i in range(dataset.rows)]
     videos = [s for s in samples if s["input_latents"].shape[1] > 1]
