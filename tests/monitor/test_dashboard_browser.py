@@ -6,6 +6,7 @@ skipped when they are absent, except where CI sets MBC_REQUIRE_BROWSER=1 and a m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -117,21 +118,33 @@ def browser():
     driver.quit()
 
 
+@contextlib.contextmanager
+def served_dashboard(browser, log_dir, width=None):
+    """The dashboard of ``log_dir``, served on 127.0.0.1 and loaded (drawn once) in ``browser``, ``width`` CSS pixels
+    wide if given; the page and the server go, and the window size comes back, when the block ends."""
+    srv = start_server(log_dir)
+    try:
+        if width is not None:
+            browser.set_window_size(width, 900)
+        browser.get(srv.url)
+        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        yield srv
+    finally:
+        browser.get("about:blank")
+        if width is not None:
+            browser.set_window_size(1400, 1800)
+        stop_server(srv)
+
+
 @pytest.fixture
 def page(browser, tmp_path):
     """The dashboard of a fresh 2-rank run, loaded and drawn once."""
     log_dir = tmp_path / "training_logs"
     log_dir.mkdir()
     write_run(log_dir)
-    srv = start_server(log_dir)
     browser.get_log("performance")  # forget what earlier tests asked for
-    try:
-        browser.get(srv.url)
-        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+    with served_dashboard(browser, log_dir) as srv:
         yield browser, srv
-    finally:
-        browser.get("about:blank")
-        stop_server(srv)
 
 
 def wait_for(driver, condition, timeout=30):
@@ -265,17 +278,9 @@ def failed_page(browser, tmp_path, request):
     log_dir = tmp_path / "training_logs"
     log_dir.mkdir()
     write_long_failed_run(log_dir)
-    srv = start_server(log_dir)
-    try:
-        browser.set_window_size(width, 900)
-        browser.get(srv.url)
-        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+    with served_dashboard(browser, log_dir, width):
         assert browser.execute_script("return innerWidth") == width
         yield browser
-    finally:
-        browser.get("about:blank")
-        browser.set_window_size(1400, 1800)
-        stop_server(srv)
 
 
 WIDTHS = [800, 1280, 1920]

@@ -8,8 +8,7 @@ import json
 import time
 
 import monitor_fixtures as F
-from test_dashboard_browser import browser, chart, pytestmark, wait_for  # noqa: F401
-from test_server import start_server, stop_server
+from test_dashboard_browser import browser, chart, pytestmark, served_dashboard, wait_for  # noqa: F401
 
 
 def validation(step, rank):
@@ -26,10 +25,7 @@ def test_the_emas_validation_loss_is_a_line_per_rank_and_follows_new_records(bro
         lines += [validation(s, rank) for s in (100, 200)]
         F.write_raw(log_dir / f"training_gpu{rank}.jsonl", "".join(lines))
         F.write_status(log_dir, rank, world_size=2, step=200, total_steps=1000, now=now)
-    srv = start_server(log_dir)
-    try:
-        browser.get(srv.url)
-        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+    with served_dashboard(browser, log_dir):
         c = chart(browser, "val_loss")
         assert c["series"] == ["rank 0", "rank 1", "rank 0 EMA", "rank 1 EMA"], c["series"]
         assert c["points"] == [2, 2, 2, 2]
@@ -40,6 +36,3 @@ def test_the_emas_validation_loss_is_a_line_per_rank_and_follows_new_records(bro
         wait_for(browser, lambda d: chart(d, "val_loss")["points"] == [3, 3, 3, 3])
         legend = chart(browser, "val_loss")["box"].find_element("css selector", ".u-legend").text
         assert "rank 0 EMA" in legend and "rank 1 EMA" in legend
-    finally:
-        browser.get("about:blank")
-        stop_server(srv)

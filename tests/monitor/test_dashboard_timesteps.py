@@ -10,8 +10,8 @@ import pytest
 
 import monitor_fixtures as F
 from diffsynth_mbc.monitor.history import HistoryFile
-from test_dashboard_browser import RANK_COLOURS, browser, chart, pixels_of_colour, pytestmark, wait_for  # noqa: F401
-from test_server import start_server, stop_server
+from test_dashboard_browser import (RANK_COLOURS, browser, chart, pixels_of_colour, pytestmark,  # noqa: F401
+                                    served_dashboard, wait_for)
 
 STEPS = 200
 
@@ -56,14 +56,8 @@ def timestep_page(browser, tmp_path):
     write_histories(log_dir, range(1, STEPS + 1))
     for rank in (0, 1):
         F.write_status(log_dir, rank, world_size=2, step=STEPS, total_steps=1000, now=time.time())
-    srv = start_server(log_dir)
-    try:
-        browser.get(srv.url)
-        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+    with served_dashboard(browser, log_dir):
         yield browser, log_dir
-    finally:
-        browser.get("about:blank")
-        stop_server(srv)
 
 
 def test_each_rank_is_a_line_over_the_timestep_bins_with_the_monitors_averages(timestep_page):
