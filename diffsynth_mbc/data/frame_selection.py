@@ -27,6 +27,8 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
+from diffsynth_mbc.data.clip_reader import frames_to_use
+
 FRAME_SAMPLING = ("head", "uniform", "random_window")
 SHORT_CLIPS = ("shorten", "loop", "skip")
 
@@ -99,17 +101,6 @@ def timeline(available: int, fps: float | None, source_fps: float | None) -> lis
     return [min(available - 1, math.floor(j * step + 0.5 + 1e-9)) for j in range(count)]
 
 
-def leading_count(available: int, wanted: int, division: int = 4, remainder: int = 1) -> int:
-    """DiffSynth's rule (``VideoDataset.get_num_frames``): ``wanted``, or the longest 4k+1 count a shorter clip
-    has."""
-    count = wanted
-    if available < wanted:
-        count = available
-        while count > 1 and count % division != remainder:
-            count -= 1
-    return count
-
-
 def window_start(span: int, seed: int, epoch: int, sample: int) -> int:
     """A start in [0, span], the same for one (seed, epoch, sample) on every rank and process."""
     return random.Random(f"mbc-window:{seed}:{epoch}:{sample}").randint(0, span)
@@ -130,7 +121,7 @@ def select_frames(available: int, fps: float | None, wanted: int, selection: Fra
                             "(--short_clips skip)")
         if selection.short_clips == "loop":
             return [line[k % len(line)] for k in range(wanted)]
-        return line[:leading_count(len(line), wanted, division, remainder)]
+        return line[:frames_to_use(len(line), wanted, division, remainder)]
     if selection.sampling == "uniform" and wanted > 1:
         last = len(line) - 1
         return [line[math.floor(k * last / (wanted - 1) + 0.5)] for k in range(wanted)]
