@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import filecmp
 import json
 import os
 import tempfile
@@ -26,9 +27,10 @@ def current_umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", keep_if_same: bool = False) -> Iterator[Path]:
     """A temp file name beside ``path`` (for writers that need a name, such as a video encoder, which picks
-    its format from ``suffix``); on clean exit the temp file replaces ``path``, on error it is removed."""
+    its format from ``suffix``); on clean exit the temp file replaces ``path``, on error it is removed.
+    ``keep_if_same``: when ``path`` already holds the same bytes it is left as it is (its mtime too)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
@@ -38,7 +40,10 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
         os.fchmod(fd, 0o666 & ~current_umask())
         os.close(fd)
         yield Path(tmp_name)
-        os.replace(tmp_name, path)
+        if keep_if_same and path.is_file() and filecmp.cmp(path, tmp_name, shallow=False):
+            os.unlink(tmp_name)
+        else:
+            os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text, current_umask
+from diffsynth_mbc.atomic import atomic_path, atomic_write_json, atomic_write_text, current_umask
 
 
 @pytest.fixture
@@ -44,3 +44,15 @@ def test_no_temp_file_is_left_when_writing_fails(tmp_path):
     with pytest.raises(TypeError):
         atomic_write_json(tmp_path / "bad.json", {"x": object()})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_keep_if_same_leaves_an_identical_file_and_its_mtime_alone(tmp_path):
+    target = tmp_path / "clip.bin"
+    target.write_bytes(b"same bytes")
+    os.utime(target, (1_000_000, 1_000_000))
+    with atomic_path(target, keep_if_same=True) as temp:
+        temp.write_bytes(b"same bytes")
+    assert target.stat().st_mtime == 1_000_000 and os.listdir(tmp_path) == ["clip.bin"]
+    with atomic_path(target, keep_if_same=True) as temp:
+        temp.write_bytes(b"new bytes")
+    assert target.read_bytes() == b"new bytes" and os.listdir(tmp_path) == ["clip.bin"]

@@ -8,15 +8,14 @@ is still good for the next.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from diffsynth_mbc.atomic import atomic_path
 
 # Captions in the catalogue's own style: Korean and English, with commas, quotes and a newline.
 DEMO_CAPTIONS = (
@@ -80,32 +79,10 @@ def write_image(path, width: int, height: int, seed: int = 0) -> Path:
 
 
 def _write_if_changed(path: Path, write) -> None:
-    """``write(temp_path)`` beside ``path`` (same suffix, which picks the format), then move it into place only
-    when its bytes differ from ``path``'s: an unchanged file keeps its mtime."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(handle)
-    temp = Path(temp)
-    try:
+    """``write(temp_path)`` beside ``path`` (same suffix, which picks the format), moved into place only when its
+    bytes differ from ``path``'s: an unchanged file keeps its mtime."""
+    with atomic_path(path, suffix=path.suffix, keep_if_same=True) as temp:
         write(temp)
-        if path.is_file() and _same_bytes(path, temp):
-            return
-        os.replace(temp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
-
-
-def _same_bytes(a: Path, b: Path) -> bool:
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    with open(a, "rb") as first, open(b, "rb") as second:
-        while True:
-            chunk = first.read(1 << 20)
-            if chunk != second.read(1 << 20):
-                return False
-            if not chunk:
-                return True
 
 
 def make_demo_catalog(
