@@ -99,10 +99,27 @@ def write_json_even_when_full(path: str | os.PathLike, obj) -> None:
 
 
 def atomic_save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict | None = None) -> int:
-    """Serialise tensors as safetensors and write them atomically; returns the bytes written."""
+    """Serialise tensors as safetensors and write them atomically; returns the bytes written. The same tensors and
+    metadata give the same bytes (``canonical_safetensors``)."""
     from safetensors.torch import save
 
-    data = save({name: tensor.contiguous() for name, tensor in tensors.items()}, metadata=metadata)
+    data = canonical_safetensors(save({name: tensor.contiguous() for name, tensor in tensors.items()},
+                                      metadata=metadata))
     with atomic_open(path, "wb") as handle:
         handle.write(data)
     return len(data)
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """The safetensors bytes with the header's ``__metadata__`` in sorted key order. safetensors writes the metadata
+    from a hash map, in an order that changes from process to process, so two runs that train the same weights
+    would otherwise write different files. The tensors' entries and data are left as they are; the header is padded
+    with spaces to a multiple of 8 bytes, as safetensors pads it."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    if "__metadata__" not in header:
+        return data
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + length:]

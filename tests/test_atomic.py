@@ -56,3 +56,23 @@ def test_keep_if_same_leaves_an_identical_file_and_its_mtime_alone(tmp_path):
     with atomic_path(target, keep_if_same=True) as temp:
         temp.write_bytes(b"new bytes")
     assert target.read_bytes() == b"new bytes" and os.listdir(tmp_path) == ["clip.bin"]
+
+
+def test_the_same_tensors_and_metadata_save_the_same_bytes_in_any_process(tmp_path):
+    """safetensors orders the metadata by a per-process hash: each process here would write other bytes (the test
+    failed before). The files still load, metadata and all."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch; from diffsynth_mbc.atomic import atomic_save_safetensors; "
+              "metadata = {k: 'v' + k for k in ('run_id', 'step', 'lora_rank', 'lora_alpha', 'base_model', 'é')}; "
+              "atomic_save_safetensors(sys.argv[1], {'b': torch.arange(6.).reshape(2, 3), 'a': torch.ones(5)}, "
+              "metadata)")
+    files = [tmp_path / f"{n}.safetensors" for n in range(4)]
+    for path in files:
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True)
+    assert len({path.read_bytes() for path in files}) == 1
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), "pt") as handle:
+        assert handle.metadata()["é"] == "vé" and handle.get_tensor("b")[1, 2] == 5
