@@ -10,7 +10,7 @@ data position) drops exactly the samples the uninterrupted run drops.
 
 from __future__ import annotations
 
-import hashlib
+from diffsynth_mbc.data.sample_draws import draw as sample_draw
 
 EMPTY_PROMPT = ""
 
@@ -29,9 +29,7 @@ def caption_affixes(options) -> dict:
 
 def draw(seed: int, rank: int, epoch: int, batch: int, place: int) -> float:
     """A number in [0, 1), the same for the same (seed, rank, epoch, batch in the epoch, place in the batch)."""
-    digest = hashlib.blake2b(f"caption-dropout:{seed}:{rank}:{epoch}:{batch}:{place}".encode("ascii"),
-                             digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
+    return sample_draw("caption-dropout", seed, rank, epoch, batch, place)
 
 
 def dropped(probability: float, seed: int, rank: int, epoch: int, batch: int, place: int) -> bool:
