@@ -36,6 +36,11 @@ class SamplePrompt:
     negative_prompt: str = ""
     image: str | None = None
 
+    @property
+    def mode(self) -> str:
+        """What the clip shows: image-to-video from ``image`` (the first frame), else text-to-video."""
+        return "i2v" if self.image else "t2v"
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -129,7 +134,8 @@ def slug(text: str, limit: int = 40) -> str:
 
 def prompts_file_record(prompts: list[SamplePrompt]) -> dict:
     """What ``PROMPTS_FILE`` beside a set's clips holds: each clip's number, file stem and full prompt."""
-    return {"prompts": [{"index": index + 1, "stem": sample_file_stem(index, prompt), **prompt.as_dict()}
+    return {"prompts": [{"index": index + 1, "stem": sample_file_stem(index, prompt), "mode": prompt.mode,
+                         **prompt.as_dict()}
                         for index, prompt in enumerate(prompts)]}
 
 

@@ -73,3 +73,10 @@ def test_the_prompts_file_keeps_every_prompt_whole(tmp_path):
         (1, "01-도시-거리-밤", "도시 거리 밤"),
         (2, "02-a-news-anchor-reads-the-evening-headline", long_english)]   # the name is short, the text whole
     assert record["prompts"][1]["seed"] == 43 and json.loads(json.dumps(record)) == record
+
+
+def test_the_prompts_file_says_which_clips_render_from_an_image(tmp_path):
+    (tmp_path / "first.png").write_bytes(b"not read here")
+    (tmp_path / "p.yaml").write_text("- prompt: a street\n  image: first.png\n- a field\n")
+    record = prompts_file_record(load_sample_prompts(tmp_path / "p.yaml", **SIZE))
+    assert [entry["mode"] for entry in record["prompts"]] == ["i2v", "t2v"]

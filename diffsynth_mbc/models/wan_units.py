@@ -9,12 +9,13 @@ import torch
 from diffsynth.pipelines.wan_video_new import WanVideoPipeline, WanVideoUnit_PromptEmbedder
 
 
-def unit_inputs(pipe: WanVideoPipeline, sample: dict, **scalars) -> tuple[dict, dict, dict]:
-    """The (shared, positive, negative) inputs the pipeline units start from for one clip sample."""
+def unit_inputs(pipe: WanVideoPipeline, sample: dict, conditioned: bool = True, **scalars) -> tuple[dict, dict, dict]:
+    """The (shared, positive, negative) inputs the pipeline units start from for one clip sample; ``conditioned``:
+    on its first frame (TI2V), else no input image (text-to-video / text-to-image)."""
     video = sample["video"]
     height, width = video[0].size[1], video[0].size[0]
     shared = {
-        "input_video": video, "input_image": video[0],  # TI2V: condition on the first frame
+        "input_video": video, "input_image": video[0] if conditioned else None,
         "height": height, "width": width, "num_frames": len(video),
         "cfg_scale": 1, "cfg_merge": False, "tiled": False, "rand_device": pipe.device,
         **scalars,

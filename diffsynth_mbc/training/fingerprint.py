@@ -22,7 +22,9 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
                     "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
                     "caption_dropout", "caption_prefix", "caption_suffix", "lora_variant",
-                    "loraplus_lr_ratio", "ema")
+                    "loraplus_lr_ratio", "ema", "objective")
+# What a checkpoint saved before a setting existed trained with: every sample conditioned on its first frame.
+SAVED_BEFORE = {"objective": {"objective": "diffsynth", "i2v_probability": 1.0}}
 TIMESTEP_SETTINGS = ("timestep_sampling", "timestep_shift", "logit_mean", "logit_std", "sigmoid_scale",
                      "timestep_strata", "loss_weighting")   # how timesteps are drawn and the loss weighted
 
@@ -51,15 +53,24 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "caption_suffix": options.caption_suffix,
         "lora_variant": options.lora_variant, "loraplus_lr_ratio": options.loraplus_lr_ratio,
         "ema": ema_fingerprint(options),
+        "objective": {"objective": options.objective, "i2v_probability": options.i2v_probability},
     }
 
 
 def fingerprint_differences(saved: dict, current: dict) -> list[str]:
     """Human lines for every fingerprint key whose value differs: ``world_size: checkpoint 2, this run 4``.
 
-    A key the checkpoint did not record (saved before it was compared) is not compared."""
-    return [f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
-            for key in FINGERPRINT_KEYS if key in saved and saved.get(key) != current.get(key)]
+    A key the checkpoint did not record (saved before it was compared) is not compared, except where what such a
+    checkpoint did is known (``SAVED_BEFORE``: it trained DiffSynth's objective)."""
+    lines = []
+    for key in FINGERPRINT_KEYS:
+        if key not in saved and (key not in SAVED_BEFORE or key not in current):
+            continue
+        value = saved.get(key, SAVED_BEFORE.get(key))
+        if value != current.get(key):
+            before = "" if key in saved else " (saved before the setting existed)"
+            lines.append(f"{key}: checkpoint {value!r}{before}, this run {current.get(key)!r}")
+    return lines
 
 
 def apply_run_settings(scheduler, options) -> list[str]:

@@ -28,7 +28,7 @@ from diffsynth_mbc.training.init_lora import start_from_lora
 from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.blocks import CompileTimer
-from diffsynth_mbc.training.step.micro_batch import forward_backward, sample_tokens
+from diffsynth_mbc.training.step.micro_batch import forward_backward, latent_frames, sample_tokens
 from diffsynth_mbc.training.stop_signals import StopSignals, unblock_in_child
 from diffsynth_mbc.training.validation import Validator
 
@@ -134,7 +134,7 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
         max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
         recompute_blocks=recompute, compile_blocks=compile_blocks,
         timestep_sampler=sampler_from_options(options, pipe.scheduler.shift), loss_weighting=options.loss_weighting,
-        lora_variant=options.lora_variant)
+        lora_variant=options.lora_variant, objective=options.objective)
     start_from_lora(module, options, status)   # --init_lora: before accelerate wraps it (DDP, ZeRO-2 copy it then)
     return dataset, validator, module
 
@@ -145,17 +145,15 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
 
     from diffsynth_mbc.data.cache.index import file_sha256
     from diffsynth_mbc.data.catalogues import catalogue_plan
-    from diffsynth_mbc.training.batches import IMAGE, VIDEO, ShapeGroupedBatchSampler, default_image_batch_size
+    from diffsynth_mbc.training.batches import IMAGE, VIDEO, ShapeGroupedBatchSampler
     from diffsynth_mbc.training.fingerprint import run_fingerprint
-    from diffsynth_mbc.training.step_plan import StepPlan, lr_factor, steps_from_loader
+    from diffsynth_mbc.training.step_plan import lr_factor, plan_from_options, steps_from_loader
 
     keys = dataset.batch_keys()
     row_repeats, catalogues = catalogue_plan(options, dataset, keys)   # several catalogues: their repeats, counts
-    image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
-    plan = StepPlan(rows=dataset.rows, repeat=options.dataset_repeat, world_size=accelerator.num_processes,
-                    batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
-                    num_epochs=options.num_epochs, images=keys.count(IMAGE), image_batch_size=image_batch,
-                    datasets=catalogues)
+    plan = plan_from_options(options, rows=dataset.rows, images=keys.count(IMAGE),
+                             world_size=accelerator.num_processes, datasets=catalogues)
+    image_batch = plan.image_batch_size
     if plan.rows == 0:
         raise ValueError(f"{options.dataset_metadata_path} has no rows to train on")
     workers = options.dataset_num_workers
@@ -278,6 +276,7 @@ def train_epoch(run: Run, epoch: int) -> str:
             run.compile_timer.step_started()
         tokens_in_step += sum(sample_tokens(sample) for sample in batch)
         run.captions.apply(batch, epoch, position.batches_in_epoch)
+        choose_modes(run, batch, epoch)
         loss, grad_norm, skipped = forward_backward(run, batch, losses)
         losses.append(loss.detach())
         drawn += draws.take()
@@ -293,6 +292,16 @@ def train_epoch(run: Run, epoch: int) -> str:
         if outcome == "stopped":
             return "stopped"
     return "done"
+
+
+def choose_modes(run: Run, batch: list[dict], epoch: int) -> None:
+    """Each sample's training mode (t2i / i2v / t2v, ``training/objective.py``), from its place in the run."""
+    from diffsynth_mbc.training.objective import training_mode
+
+    options, rank = run.options, run.accelerator.process_index
+    for place, sample in enumerate(batch):
+        sample["mode"] = training_mode(options.objective, options.i2v_probability, latent_frames(sample) == 1,
+                                       options.seed, rank, epoch, run.position.batches_in_epoch, place)
 
 
 def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: int, bad: int,

@@ -15,6 +15,9 @@ from diffsynth_mbc.models.wan_units import run_units, unit_inputs
 from diffsynth_mbc.training.step.batch_loss import batch_loss
 from diffsynth_mbc.training.step.blocks import BlockRunner
 from diffsynth_mbc.training.lora_variants import add_dora
+from diffsynth_mbc.training.objective import (check_mode, check_objective, default_mode, first_frame_in_loss,
+                                              is_conditioned)
+from diffsynth_mbc.training.step.micro_batch import latent_frames
 from diffsynth_mbc.training.step.lora_cast import compute_lora_in_base_dtype
 from diffsynth_mbc.training.timestep_sampling import DrawLog, TimestepSampler
 
@@ -42,8 +45,9 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
                  max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0,
                  recompute_blocks: int | None = None, compile_blocks: bool = False, lora_compute: str = "base",
                  timestep_sampler: TimestepSampler | None = None, loss_weighting: str = "diffsynth",
-                 lora_variant: str = "lora"):
+                 lora_variant: str = "lora", objective: str = "modes"):
         super().__init__()
+        check_objective(objective, 1.0)
         if lora_compute not in ("base", "upcast"):
             raise ValueError(f"lora_compute must be 'base' or 'upcast', got {lora_compute!r}")
         pipe.scheduler.set_timesteps(1000, training=True)
@@ -68,6 +72,9 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         # loss at each draw wait in ``draws`` for the loop's history (``take_draws``).
         self.timestep_sampler = timestep_sampler or TimestepSampler(schedule_shift=pipe.scheduler.shift)
         self.loss_weighting = loss_weighting
+        # What each sample trains (training/objective.py): a sample's "mode" when the loop chose one, else the
+        # default of its kind (an image t2i, a video i2v; everything i2v under --objective diffsynth).
+        self.objective = objective
         self.draws = DrawLog()
 
     def scalar_inputs(self) -> dict:
@@ -79,19 +86,21 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
             "min_timestep_boundary": self.min_timestep_boundary,
         }
 
-    def pipeline_inputs(self, sample: dict) -> tuple[dict, dict, dict]:
-        return unit_inputs(self.pipe, sample, **self.scalar_inputs())
+    def pipeline_inputs(self, sample: dict, conditioned: bool = True) -> tuple[dict, dict, dict]:
+        return unit_inputs(self.pipe, sample, conditioned=conditioned, **self.scalar_inputs())
 
-    def encode(self, sample: dict) -> dict:
-        """Run the pipeline units: everything the DiT needs for one sample (latents, noise, context, ...)."""
-        return run_units(self.pipe, *self.pipeline_inputs(sample))
+    def encode(self, sample: dict, conditioned: bool = True) -> dict:
+        """Run the pipeline units: everything the DiT needs for one sample (latents, noise, context, ...); without
+        the first-frame condition the image unit has no image and leaves the noise whole."""
+        return run_units(self.pipe, *self.pipeline_inputs(sample, conditioned))
 
-    def inputs_from_cache(self, sample: dict) -> dict:
+    def inputs_from_cache(self, sample: dict, conditioned: bool = True) -> dict:
         """What ``encode`` returns, built from a cache entry instead of running the VAE and text encoder.
 
         The same steps as the units, in the same order of random draws: noise of the latent shape from
         ``pipe.generate_noise`` (NoiseInitializer), then the first-frame latent written into it in place,
-        which also makes it the ``latents`` (InputVideoEmbedder + ImageEmbedderFused).
+        which also makes it the ``latents`` (InputVideoEmbedder + ImageEmbedderFused); not ``conditioned``: the
+        noise stays whole, as the units leave it without an input image.
         """
         pipe = self.pipe
         input_latents = sample["input_latents"].to(device=pipe.device, dtype=pipe.torch_dtype)
@@ -110,15 +119,27 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         }
         noise = pipe.generate_noise(tuple(input_latents.shape), seed=None, rand_device=pipe.device)
         shared.update({"noise": noise, "latents": noise, "input_latents": input_latents})
-        if pipe.dit.fuse_vae_embedding_in_latents:
+        if pipe.dit.fuse_vae_embedding_in_latents and conditioned:
             noise[:, :, 0:1] = first_frame
             shared.update({"fuse_vae_embedding_in_latents": True, "first_frame_latents": first_frame})
         context = sample["context"].to(device=pipe.device, dtype=pipe.torch_dtype)
         return {**shared, "prompt": sample.get("prompt"), "context": context if context.dim() == 3 else context[None]}
 
+    def mode(self, sample: dict) -> str:
+        """The sample's training mode: the one the loop or the validation chose, else its kind's default."""
+        is_image = latent_frames(sample) == 1
+        mode = sample.get("mode") or default_mode(self.objective, is_image)
+        check_mode(self.objective, mode, is_image)
+        return mode
+
     def inputs(self, sample: dict) -> dict:
-        """What the DiT's objective needs for one sample, from the cache or through the pipeline's units."""
-        return self.inputs_from_cache(sample) if sample.get("cached") else self.encode(sample)
+        """What the DiT's objective needs for one sample, from the cache or through the pipeline's units, in the
+        sample's mode (``mode`` and ``first_frame_in_loss`` ride along for ``batch_loss`` and the history)."""
+        mode = self.mode(sample)
+        conditioned = is_conditioned(mode)
+        inputs = (self.inputs_from_cache(sample, conditioned) if sample.get("cached")
+                  else self.encode(sample, conditioned))
+        return {**inputs, "mode": mode, "first_frame_in_loss": first_frame_in_loss(self.objective)}
 
     def sample_loss(self, sample: dict, timestep_quantile: float | None = None) -> torch.Tensor:
         """The training loss of one sample; at a fixed point of the schedule when ``timestep_quantile`` is given
@@ -149,7 +170,7 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         bounds = [(inputs.get("min_timestep_boundary", 0), inputs.get("max_timestep_boundary", 1)) for inputs in group]
         ids = self.timestep_sampler.draw_ids(self.pipe.scheduler.sigmas, bounds)
         loss, losses = batch_loss(self.pipe, group, self.blocks, ids, weighting=self.loss_weighting)
-        self.draws.add(self.pipe.scheduler.timesteps[ids], losses)
+        self.draws.add(self.pipe.scheduler.timesteps[ids], losses, [inputs["mode"] for inputs in group])
         return loss
 
     def lora_state_dict(self, state_dict: dict | None = None) -> dict:

@@ -14,14 +14,9 @@ import sys
 from diffsynth_mbc.data.catalogues import metadata_counts
 from diffsynth_mbc.data.frame_selection import frame_arguments
 from diffsynth_mbc.flags import FlagParser
-from diffsynth_mbc.training.step_plan import StepPlan
+from diffsynth_mbc.training.step_plan import plan_from_options
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.options import build_parser as training_parser, resolve_options
-
-
-def count_metadata_rows(path: str) -> int:
-    import pandas as pd
-    return len(pd.read_csv(path))
 
 
 def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str) -> list[str]:
@@ -161,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"LOG_DIR={shlex.quote(options.log_dir)}")
             print(f"CHECKPOINT_DIR={shlex.quote(options.checkpoint_dir)}")
             return 0
-        rows = count_metadata_rows(options.dataset_metadata_path)
-        plan = StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=known.world_size,
-                        batch_size=options.batch_size, gradient_accumulation=options.gradient_accumulation_steps,
-                        num_epochs=options.num_epochs, datasets=metadata_counts(options))
+        from diffsynth_mbc.doctor.projection import count_media
+
+        videos, images = count_media(options.dataset_metadata_path)
+        plan = plan_from_options(options, rows=videos + images, images=images, world_size=known.world_size,
+                                 datasets=metadata_counts(options))
     except FileNotFoundError as exc:
         print(f"error: metadata not found: {exc.filename}", file=sys.stderr)
         return 2
@@ -173,14 +169,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"step plan: {options.dataset_metadata_path}", file=sys.stderr)
     repeat = "repeats per catalogue" if plan.datasets else f"repeat {plan.repeat}"
-    print(f"  rows {plan.rows:,} x {repeat} = {plan.samples_per_epoch:,} samples per epoch", file=sys.stderr)
+    kinds = f" ({plan.videos:,} videos + {plan.images:,} images)" if plan.images else ""
+    print(f"  rows {plan.rows:,}{kinds} x {repeat} = {plan.samples_per_epoch:,} samples per epoch", file=sys.stderr)
     for item in plan.dataset_dicts():
         print(f"    {item['name']}: {item['rows']:,} rows ({item['videos']:,} videos + {item['images']:,} images) "
               f"x repeat {item['repeat'] * plan.repeat} = {item['samples_per_epoch']:,} samples", file=sys.stderr)
     print(f"  GPUs {plan.world_size} -> {plan.samples_per_rank_per_epoch:,} samples per GPU per epoch", file=sys.stderr)
-    print(f"  batch {plan.batch_size} x accumulation {plan.gradient_accumulation} -> "
+    batch = (f"batches of {plan.batch_size} videos / {plan.image_batch_size} images" if plan.images
+             else f"batch {plan.batch_size}")
+    print(f"  {batch} x accumulation {plan.gradient_accumulation} -> "
           f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch", file=sys.stderr)
     print(f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)", file=sys.stderr)
+    print(f"  {plan.describe_modes()}", file=sys.stderr)
     precision = {"auto": "auto: bf16 on GPUs with native bf16 (A100, H100), fp16 with loss scaling below (V100)"}
     print(f"  precision {precision.get(options.mixed_precision, options.mixed_precision)} "
           "(the training prints what it chose)", file=sys.stderr)

@@ -85,9 +85,10 @@ class ProgressLogger(ModelLogger):
         tokens = kwargs.get("tokens")
         if tokens:
             record["tokens"] = int(tokens)
-        if kwargs.get("timestep_draws"):   # each sample's (timestep, loss): the loss-by-timestep chart
-            record["timesteps"] = [round(t, 2) for t, _ in kwargs["timestep_draws"]]
-            record["timestep_losses"] = [float(f"{value:.6g}") for _, value in kwargs["timestep_draws"]]
+        if kwargs.get("timestep_draws"):   # each sample's (timestep, loss, mode): loss by timestep and by mode
+            record["timesteps"] = [round(t, 2) for t, _, _ in kwargs["timestep_draws"]]
+            record["timestep_losses"] = [float(f"{value:.6g}") for _, value, _ in kwargs["timestep_draws"]]
+            record["modes"] = [mode for _, _, mode in kwargs["timestep_draws"]]
         if kwargs.get("nonfinite"):
             record["nonfinite"] = True   # skipped: the loss or gradient norm was inf/NaN
         record.update(extra)

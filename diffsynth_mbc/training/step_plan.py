@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from diffsynth_mbc.training.objective import describe_modes, modes_per_epoch
+
 
 def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
@@ -36,6 +38,9 @@ class StepPlan:
     # Several catalogues (data/catalogues.py DatasetCount: name, videos, images, repeat): each catalogue's rows
     # count its own repeat times (then x ``repeat``); () is one catalogue, as before.
     datasets: tuple = ()
+    # What the samples train (training/objective.py): images t2i, videos i2v with this probability, else t2v.
+    objective: str = "modes"
+    i2v_probability: float = 1.0
 
     def __post_init__(self):
         if self.image_batch_size is None:
@@ -58,6 +63,12 @@ class StepPlan:
     @property
     def samples_per_epoch(self) -> int:
         return self._samples("videos") + self._samples("images")
+
+    @property
+    def modes_per_epoch(self) -> dict:
+        """Samples of each training mode per epoch, all ranks together (i2v/t2v expected when drawn)."""
+        return modes_per_epoch(self.objective, self.i2v_probability, self._samples("videos"),
+                               self._samples("images"))
 
     @property
     def samples_per_rank_per_epoch(self) -> int:
@@ -99,7 +110,8 @@ class StepPlan:
         return {**plan, "samples_per_epoch": self.samples_per_epoch,
                 "samples_per_rank_per_epoch": self.samples_per_rank_per_epoch,
                 "batches_per_epoch": self.batches_per_epoch, "steps_per_epoch": self.steps_per_epoch,
-                "total_steps": self.total_steps, "effective_batch": self.effective_batch}
+                "total_steps": self.total_steps, "effective_batch": self.effective_batch,
+                "modes_per_epoch": self.modes_per_epoch}
 
     def describe(self) -> str:
         kinds = f" ({self.videos:,} videos + {self.images:,} images)" if self.images else ""
@@ -111,7 +123,24 @@ class StepPlan:
                 f"{self.world_size} GPU(s) -> {self.samples_per_rank_per_epoch:,} samples per GPU per epoch; "
                 f"{batch} x accumulation {self.gradient_accumulation} -> "
                 f"{self.steps_per_epoch:,} optimizer steps per GPU per epoch; "
-                f"{self.num_epochs} epoch(s) -> {self.total_steps:,} steps in total (per GPU)")
+                f"{self.num_epochs} epoch(s) -> {self.total_steps:,} steps in total (per GPU); "
+                f"{self.describe_modes()}")
+
+    def describe_modes(self) -> str:
+        return describe_modes(self.objective, self.i2v_probability, self.modes_per_epoch)
+
+
+def plan_from_options(options, *, rows: int, images: int, world_size: int, datasets: tuple = (),
+                      gradient_accumulation: int | None = None) -> StepPlan:
+    """The run's step plan from its options and its catalogue's counts: what the training, the launcher's plan and
+    the status files all print (images batched by ``--image_batch_size``, by default one video's tokens)."""
+    from diffsynth_mbc.training.batches import default_image_batch_size
+
+    image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
+    return StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=world_size, batch_size=options.batch_size,
+                    gradient_accumulation=gradient_accumulation or options.gradient_accumulation_steps,
+                    num_epochs=options.num_epochs, images=images, image_batch_size=image_batch, datasets=datasets,
+                    objective=options.objective, i2v_probability=options.i2v_probability)
 
 
 def steps_from_loader(batches_per_epoch: int, gradient_accumulation: int, num_epochs: int) -> tuple[int, int]:

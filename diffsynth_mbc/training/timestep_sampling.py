@@ -157,7 +157,7 @@ def sampler_from_options(options, schedule_shift: float) -> TimestepSampler:
 
 
 class DrawLog:
-    """The (timestep, loss) of each sample trained since the loop last took them, for the per-rank history.
+    """The (timestep, loss, mode) of each sample trained since the loop last took them, for the per-rank history.
 
     Kept as tensors (no device sync per forward); ``take`` turns them into numbers once per step. Bounded: a
     caller that never takes them (DiffSynth's own loop) keeps only the newest ``MAX`` forwards."""
@@ -165,17 +165,17 @@ class DrawLog:
     MAX = 256
 
     def __init__(self):
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, list[str]]] = []
 
-    def add(self, timesteps: torch.Tensor, losses: list[torch.Tensor]) -> None:
+    def add(self, timesteps: torch.Tensor, losses: list[torch.Tensor], modes: list[str]) -> None:
         self._pending.append((timesteps.detach().reshape(-1), torch.stack([loss.detach().reshape(()) for loss
-                                                                            in losses])))
+                                                                            in losses]), list(modes)))
         del self._pending[:-self.MAX]
 
-    def take(self) -> list[tuple[float, float]]:
-        """Every (timestep, loss) pair since the last take, in order; the log is then empty."""
-        pairs = []
-        for timesteps, losses in self._pending:
-            pairs += zip(timesteps.float().cpu().tolist(), losses.float().cpu().tolist())
+    def take(self) -> list[tuple[float, float, str]]:
+        """Every (timestep, loss, mode) since the last take, in order; the log is then empty."""
+        draws = []
+        for timesteps, losses, modes in self._pending:
+            draws += zip(timesteps.float().cpu().tolist(), losses.float().cpu().tolist(), modes)
         self._pending = []
-        return pairs
+        return draws

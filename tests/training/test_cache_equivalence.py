@@ -74,6 +74,23 @@ def test_same_seed_same_loss(data, modules):
         torch.testing.assert_close(got, expected, **TOLERANCE)
 
 
+@pytest.mark.parametrize("mode", ["t2v", "i2v"])
+def test_each_video_mode_trains_the_same_loss_from_the_cache_as_from_the_media(data, modules, mode):
+    """t2v from the cache keeps the noise whole as the units do without an input image; i2v writes the first frame."""
+    encoding, from_cache = modules
+    videos = [(clip, entry) for clip, entry in pairs(data) if len(clip["video"]) > 1]
+    assert videos
+    for step, (clip, entry) in enumerate(videos):
+        torch.manual_seed(300 + step)
+        expected = encoding.sample_loss(dict(clip, mode=mode))
+        torch.manual_seed(300 + step)
+        got = from_cache.sample_loss(dict(entry, mode=mode))
+        torch.testing.assert_close(got, expected, **TOLERANCE)
+        torch.manual_seed(300 + step)
+        inputs = from_cache.inputs(dict(entry, mode=mode))
+        assert inputs["mode"] == mode and ("fuse_vae_embedding_in_latents" in inputs) == (mode == "i2v")
+
+
 def test_three_optimizer_steps_give_the_same_lora(data, modules):
     encoding, from_cache = modules
     initial = {k: v.clone() for k, v in from_cache.lora_state_dict().items()}

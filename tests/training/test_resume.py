@@ -92,7 +92,8 @@ def validation_lines(log_dir, rank):
     return [line for line in read_history(log_dir, rank) if line.get("kind") == "val"]
 
 
-CAPTIONS = {"caption_dropout": 0.5, "caption_prefix": "mbcstyle"}   # dropped captions are the same after a resume
+CAPTIONS = {"caption_dropout": 0.5, "caption_prefix": "mbcstyle",   # dropped captions are the same after a resume
+            "i2v_probability": 0.5}                                  # and so are the videos' i2v / t2v modes
 
 
 def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_data):
@@ -146,11 +147,19 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
         assert state["status"] == "finished" and state["step"] == 12
         assert state["samples_seen"] == read_status(straight / "logs", rank)["samples_seen"]
         assert 0 < read_status(straight / "logs", rank)["captions_dropped"] < state["samples_seen"]
+        straight_modes = [line["modes"] for line in read_history(straight / "logs", rank) if "modes" in line]
+        assert [line["modes"] for line in read_history(killed / "logs", rank) if "modes" in line][-len(
+            straight_modes):] == straight_modes
+        assert {mode for modes in straight_modes for mode in modes} == {"t2i", "i2v", "t2v"}
         expected_val, actual_val = validation_lines(straight / "logs", rank), validation_lines(killed / "logs", rank)
         assert [line["step"] for line in actual_val] == [line["step"] for line in expected_val] == [3, 6, 9, 12]
         assert all(line["val_samples"] == 4 for line in actual_val)
         assert [line["val_loss"] for line in actual_val] == pytest.approx([line["val_loss"] for line in expected_val],
                                                                           rel=1e-5)
+        for actual, expected in zip(actual_val, expected_val):
+            assert actual["val_loss_by_mode"] == pytest.approx(expected["val_loss_by_mode"], rel=1e-5)
+        assert set(actual_val[-1]["val_loss_by_mode"]) <= {"t2i", "i2v", "t2v"} and "t2i" in actual_val[-1][
+            "val_loss_by_mode"]
         assert [line["val_loss_ema"] for line in actual_val] == pytest.approx(
             [line["val_loss_ema"] for line in expected_val], rel=1e-5)
         assert len({line["val_loss"] for line in expected_val}) > 1   # the model changed between evaluations

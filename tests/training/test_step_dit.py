@@ -49,9 +49,9 @@ def make_module(dtype=torch.float32, **kwargs) -> WanTI2VLoraModule:
     return module
 
 
-def test_batch_of_one_is_diffsynths_training_loss_bit_for_bit(entries):
+def test_with_objective_diffsynth_a_batch_of_one_is_diffsynths_training_loss_bit_for_bit(entries):
     videos, images = entries
-    module = make_module()
+    module = make_module(objective="diffsynth")
     for sample in (videos[0], images[0]):
         torch.manual_seed(7)
         ours = module(dict(sample))

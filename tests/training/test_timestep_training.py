@@ -1,5 +1,6 @@
-"""The tiny model trained through the Python API with --timestep_sampling / --loss_weighting: the default is
-DiffSynth's loss bit for bit, a scheme trains at the timesteps it draws, and every draw is logged with its loss."""
+"""The tiny model trained through the Python API with --timestep_sampling / --loss_weighting: with --objective
+diffsynth the default is DiffSynth's loss bit for bit, a scheme trains at the timesteps it draws, and every draw is
+logged with its loss and mode."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ def diffsynth_loss(module, sample, seed):
     return module.pipe.training_loss(**models, **inputs)
 
 
-def test_the_default_options_train_diffsynths_loss_bit_for_bit(entries):
+def test_the_default_timestep_options_with_objective_diffsynth_train_diffsynths_loss_bit_for_bit(entries):
     videos, images = entries
-    options = resolve_options(REQUIRED)
-    module = make_module()
+    options = resolve_options(REQUIRED + ["--objective", "diffsynth"])
+    module = make_module(objective=options.objective)
     module.timestep_sampler = sampler_from_options(options, module.pipe.scheduler.shift)
     module.loss_weighting = options.loss_weighting
     for sample in (videos[0], images[0]):
@@ -36,10 +37,11 @@ def test_the_default_options_train_diffsynths_loss_bit_for_bit(entries):
 
 def test_loss_weighting_none_is_the_mse_without_diffsynths_weight(entries):
     videos, _ = entries
-    module = make_module(loss_weighting="none")
+    module = make_module(loss_weighting="none", objective="diffsynth")
     torch.manual_seed(7)
     ours = module(dict(videos[1]))
-    (timestep, logged), = module.draws.take()
+    (timestep, logged, mode), = module.draws.take()
+    assert mode == "i2v"
     weight = module.pipe.scheduler.training_weight(torch.tensor(timestep))
     assert float(weight) != pytest.approx(1.0)           # the check below could not tell them apart otherwise
     theirs = diffsynth_loss(module, videos[1], 7)
@@ -62,11 +64,12 @@ def test_a_scheme_trains_at_the_timesteps_it_draws_and_logs_each_with_its_loss(e
     torch.manual_seed(11)
     loss = module([dict(s) for s in images] + [dict(videos[0])])   # two shape groups: 3 images, 1 video
     logged = module.draws.take()
-    assert [t for t, _ in logged] == pytest.approx(seen) and len(logged) == 4
+    assert [t for t, _, _ in logged] == pytest.approx(seen) and len(logged) == 4
+    assert [mode for _, _, mode in logged] == ["t2i"] * 3 + ["i2v"]
     timesteps = module.pipe.scheduler.timesteps
     allowed = {round(float(t), 3) for t in timesteps[300:600]}
     assert all(round(t, 3) in allowed for t in seen), seen
-    image_mean = sum(value for _, value in logged[:3]) / 3
+    image_mean = sum(value for _, value, _ in logged[:3]) / 3
     assert float(loss) == pytest.approx((image_mean * 3 + logged[3][1]) / 4, rel=1e-5)
     assert module.draws.take() == []          # taken once
 

@@ -103,6 +103,22 @@ def test_history_has_one_line_per_optimizer_step(demo):
         assert [line["epoch"] for line in history] == [0] * 6 + [1] * 6
 
 
+def test_every_step_record_names_each_samples_mode_images_t2i_videos_i2v(demo):
+    """The default objective: an image trains text-to-image, a video image-to-video (--i2v_probability 1)."""
+    for rank in (0, 1):
+        history = read_history(demo["log_dir"], rank)
+        for line in history:
+            modes = line["modes"]
+            assert len(modes) == len(line["timesteps"]) == len(line["timestep_losses"]) > 0
+            assert set(modes) <= {"t2i", "i2v"}
+            # a 9-frame 64x64 clip is 12 DiT tokens, an image 4: the modes account for every token of the step
+            assert line["tokens"] == 12 * modes.count("i2v") + 4 * modes.count("t2i"), line
+        seen = {mode for line in history for mode in line["modes"]}
+        assert seen == {"t2i", "i2v"}
+        assert read_status(demo["log_dir"], rank)["plan"]["modes_per_epoch"] == {"t2i": 15, "i2v": 18, "t2v": 0}
+    assert "modes per epoch: 15 t2i (images) + 18 i2v" in demo["log"]
+
+
 def test_gradients_are_averaged_across_ranks(demo):
     """Different samples and noise on each rank, yet one averaged gradient: DDP really wraps the model."""
     norms = [[line["grad_norm"] for line in read_history(demo["log_dir"], rank)] for rank in (0, 1)]

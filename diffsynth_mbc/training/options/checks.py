@@ -33,7 +33,7 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
     "timestep_shift": (0.0, None, False, False), "logit_mean": (-math.inf, None, False, False),
     "logit_std": (0.0, None, False, False), "sigmoid_scale": (0.0, None, False, False),
-    "caption_dropout": (0.0, 1.0, True, False),
+    "caption_dropout": (0.0, 1.0, True, False), "i2v_probability": (0.0, 1.0, True, False),
     "loraplus_lr_ratio": (0.0, None, False, True),
 }
 # Parameters of one --timestep_sampling scheme: given with another scheme they would do nothing, so they are refused.
@@ -127,6 +127,13 @@ def check_frame_options(options: dict) -> None:
                                    "clip; use head or uniform with a cache, or train from the media files")
 
 
+def _check_objective(options: dict) -> None:
+    """--i2v_probability chooses between the modes of --objective modes; with diffsynth it would do nothing."""
+    if options["objective"] == "diffsynth" and options["i2v_probability"] != DEFAULTS["i2v_probability"]:
+        raise OptionsError(f"--i2v_probability {options['i2v_probability']:g} applies to --objective modes only, and "
+                           "this run uses --objective diffsynth (every sample conditioned on its first frame)")
+
+
 def _check_timestep_parameters(options: dict) -> None:
     for key, scheme in _SCHEME_PARAMETERS.items():
         if options[key] != DEFAULTS[key] and options["timestep_sampling"] != scheme:
@@ -139,6 +146,7 @@ def validate(options: dict) -> None:
     _check_numbers(options)
     _check_names(options)
     _check_timestep_parameters(options)
+    _check_objective(options)
     for key in ("height", "width"):
         if options[key] > MAX_SIDE:
             raise OptionsError(f"--{key} {options[key]} is above {MAX_SIDE}, the largest side this trains "

@@ -151,6 +151,15 @@ def _add_timestep_arguments(parser: argparse.ArgumentParser) -> None:
                        help="N > 1: every N draws of a rank take one from each of N equal parts of the "
                             "distribution (stratified; default 1: independent draws)")
     group.add_argument("--loss_weighting", help="diffsynth (default: DiffSynth's per-timestep weight) or none")
+    objective = parser.add_argument_group("objective (docs/recipe/objective.md)")
+    objective.add_argument("--objective",
+                           help="modes (default): images train text-to-image, videos image-to-video with frame 0 out "
+                                "of the loss or text-to-video; diffsynth: DiffSynth 1.1.8's objective bit for bit "
+                                "(every sample conditioned on its first frame, frame 0 in the loss)")
+    objective.add_argument("--i2v_probability", type=float,
+                           help="the share of video samples trained image-to-video (conditioned on their first "
+                                "frame), the rest text-to-video; decided per sample from --seed, rank and epoch "
+                                "(default 1.0; 0.5 for a LoRA meant for text-to-video too)")
 
 
 def _add_memory_and_speed_arguments(optim) -> None:

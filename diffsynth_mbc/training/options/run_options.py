@@ -61,6 +61,8 @@ class TrainOptions:
     sigmoid_scale: float = 1.0
     timestep_strata: int = 1
     loss_weighting: str = "diffsynth"
+    objective: str = "modes"
+    i2v_probability: float = 1.0
     # output and logging
     output_path: str = "./runs/lora"
     log_dir: str | None = None
@@ -124,4 +126,5 @@ CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl"
            "compile": ("auto", "on", "off"), "frame_sampling": ("head", "uniform", "random_window"),
            "short_clips": ("shorten", "loop", "skip"),
            "timestep_sampling": ("diffsynth", "uniform", "shift", "logit_normal", "sigmoid"),
-           "loss_weighting": ("diffsynth", "none"), "lora_variant": ("lora", "dora")}
+           "loss_weighting": ("diffsynth", "none"), "lora_variant": ("lora", "dora"),
+           "objective": ("modes", "diffsynth")}

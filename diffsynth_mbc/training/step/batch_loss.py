@@ -1,11 +1,14 @@
-"""DiffSynth's training objective over a batch of same-shape samples, in one DiT forward.
+"""The training objective over a batch of same-shape samples, in one DiT forward.
 
-Per sample, exactly what ``WanVideoPipeline.training_loss`` does: a timestep drawn from the sample's
-[min, max) boundaries, its noise (first frame clean for TI2V), ``scheduler.add_noise``, the flow-matching
-target, the MSE in fp32 weighted by ``scheduler.training_weight``. What changes is that the B samples'
-latents and text embeddings are stacked and go through the DiT once, each with its own timestep (the
-TI2V DiT takes a timestep per token, so per sample is a reshape), and that the blocks run through a
-``BlockRunner`` (how many recompute, compiled or not). The step's loss is the mean of the samples' losses.
+Per sample, what ``WanVideoPipeline.training_loss`` does: a timestep drawn from the sample's [min, max)
+boundaries, its noise (for a sample conditioned on its first frame, frame 0 is the clean condition),
+``scheduler.add_noise``, the flow-matching target, the MSE in fp32 weighted by ``scheduler.training_weight``.
+What changes is that the B samples' latents and text embeddings are stacked and go through the DiT once, each
+with its own timestep and its own condition flag (the TI2V DiT takes a timestep per token: a conditioned sample's
+first-frame tokens get 0, every other token the sample's timestep), that the blocks run through a ``BlockRunner``
+(how many recompute, compiled or not), and that a conditioned sample whose inputs say
+``first_frame_in_loss: False`` (``training/objective.py``) leaves frame 0, whose target is zero, out of its MSE.
+The step's loss is the mean of the samples' losses.
 
 The forward follows DiffSynth 1.1.8's ``model_fn_wan_video`` for the parts a TI2V-5B training uses
 (no VACE, CLIP, motion controller, reference latents, TeaCache, sequence parallelism); a pipeline that
@@ -47,9 +50,10 @@ def batch_loss(pipe, samples: list[dict], runner: BlockRunner, timestep_ids: lis
         targets.append(scheduler.training_target(inputs["input_latents"], inputs["noise"], timestep))
     latents = noisy[0] if len(noisy) == 1 else torch.cat(noisy)
     context = samples[0]["context"] if len(samples) == 1 else torch.cat([s["context"] for s in samples])
-    fuse = bool(samples[0].get("fuse_vae_embedding_in_latents"))
-    prediction = dit_forward(pipe.dit, latents, torch.stack(timesteps), context, runner, fuse)
-    losses = [F.mse_loss(prediction[b:b + 1].float(), target.float()) for b, target in enumerate(targets)]
+    conditioned = [bool(inputs.get("fuse_vae_embedding_in_latents")) for inputs in samples]
+    prediction = dit_forward(pipe.dit, latents, torch.stack(timesteps), context, runner, conditioned)
+    losses = [sample_mse(prediction[b:b + 1], target, skip_first_frame=conditioned[b] and not inputs.get(
+        "first_frame_in_loss", True)) for b, (inputs, target) in enumerate(zip(samples, targets))]
     if weighting == "diffsynth":
         losses = [loss * scheduler.training_weight(timestep) for loss, timestep in zip(losses, timesteps)]
     elif weighting != "none":
@@ -58,21 +62,30 @@ def batch_loss(pipe, samples: list[dict], runner: BlockRunner, timestep_ids: lis
     return loss, losses
 
 
+def sample_mse(prediction: torch.Tensor, target: torch.Tensor, skip_first_frame: bool = False) -> torch.Tensor:
+    """The MSE of one sample in fp32; ``skip_first_frame``: the mean over the elements of latent frames 1.. only
+    (frame 0 is the clean condition, its target zero)."""
+    if skip_first_frame:
+        prediction, target = prediction[:, :, 1:], target[:, :, 1:]
+    return F.mse_loss(prediction.float(), target.float())
+
+
 def _refuse_unsupported(dit) -> None:
     if getattr(dit, "require_vae_embedding", False) or getattr(dit, "require_clip_embedding", False):
         raise NotImplementedError("the batched DiT forward covers the TI2V-5B DiT (no image or CLIP embedding); "
                                   "this DiT needs DiffSynth's own model_fn")
 
 
-def time_modulation(dit, latents: torch.Tensor, timesteps: torch.Tensor, fuse: bool):
-    """(t, t_mod) for a batch: per token for the TI2V DiT (first latent frame at timestep 0), else per sample."""
+def time_modulation(dit, latents: torch.Tensor, timesteps: torch.Tensor, conditioned: list[bool]):
+    """(t, t_mod) for a batch. With any sample conditioned on its first frame, per token (the TI2V DiT): that
+    sample's first latent frame at timestep 0, every other token at its sample's timestep; else per sample, as
+    DiffSynth's ``model_fn_wan_video`` does without a first-frame condition."""
     batch, _, frames, height, width = latents.shape
-    if dit.seperated_timestep and fuse:
+    if dit.seperated_timestep and any(conditioned):
         tokens_per_frame = height * width // 4
-        per_token = torch.cat([
-            torch.zeros((batch, tokens_per_frame), dtype=latents.dtype, device=latents.device),
-            torch.ones((batch, (frames - 1) * tokens_per_frame), dtype=latents.dtype, device=latents.device)
-            * timesteps.reshape(batch, 1)], dim=1)
+        per_token = torch.ones((batch, frames * tokens_per_frame), dtype=latents.dtype, device=latents.device) \
+            * timesteps.reshape(batch, 1)
+        per_token[torch.tensor(conditioned, device=latents.device), :tokens_per_frame] = 0
         embedded = sinusoidal_embedding_1d(dit.freq_dim, per_token.flatten()).reshape(batch, per_token.shape[1], -1)
         t = dit.time_embedding(embedded)
         return t, dit.time_projection(t).unflatten(2, (6, dit.dim))
@@ -81,10 +94,10 @@ def time_modulation(dit, latents: torch.Tensor, timesteps: torch.Tensor, fuse: b
 
 
 def dit_forward(dit, latents: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, runner: BlockRunner,
-                fuse: bool) -> torch.Tensor:
-    """The DiT's prediction for a batch (B, C, F, H, W) with one timestep per sample."""
+                conditioned: list[bool]) -> torch.Tensor:
+    """The DiT's prediction for a batch (B, C, F, H, W) with one timestep and one condition flag per sample."""
     _refuse_unsupported(dit)
-    t, t_mod = time_modulation(dit, latents, timesteps, fuse)
+    t, t_mod = time_modulation(dit, latents, timesteps, conditioned)
     context = dit.text_embedding(context)
     x, (f, h, w) = dit.patchify(latents)
     freqs = torch.cat([
@@ -94,5 +107,7 @@ def dit_forward(dit, latents: torch.Tensor, timesteps: torch.Tensor, context: to
     ], dim=-1).reshape(f * h * w, 1, -1).to(x.device)
     for index in range(len(dit.blocks)):
         x = runner(index, x, context, t_mod, freqs)
-    x = dit.head(x, t)
+    # DiffSynth's head adds its (1, 2, dim) modulation to a per-sample t of (B, dim), which only broadcasts for B = 1;
+    # as (B, 1, dim) it takes the head's per-token branch: the same sums, for any B.
+    x = dit.head(x, t if t.dim() == 3 else t.unsqueeze(1))
     return dit.unpatchify(x, (f, h, w))

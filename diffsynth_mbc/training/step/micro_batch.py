@@ -6,14 +6,20 @@ from __future__ import annotations
 from diffsynth_mbc.training.distributed import all_reduce_sum
 
 
+def latent_frames(sample: dict) -> int:
+    """Latent frames of one sample (a cache entry's, or a decoded clip's: 4 frames each after the first)."""
+    if "input_latents" in sample:
+        return int(sample["input_latents"].shape[-3])
+    return (len(sample["video"]) - 1) // 4 + 1
+
+
 def sample_tokens(sample: dict) -> int:
     """DiT tokens of one sample: latent frames x (height / 32) x (width / 32) (VAE 4x16x16, patch 1x2x2)."""
     if "input_latents" in sample:
-        _, frames, height, width = sample["input_latents"].shape[-4:]
-        return int(frames * (height // 2) * (width // 2))
-    frames = sample["video"]
-    width, height = frames[0].size
-    return ((len(frames) - 1) // 4 + 1) * (height // 32) * (width // 32)
+        height, width = sample["input_latents"].shape[-2:]
+        return int(latent_frames(sample) * (height // 2) * (width // 2))
+    width, height = sample["video"][0].size
+    return latent_frames(sample) * (height // 32) * (width // 32)
 
 
 def forward(run, batch):
