@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from diffsynth_mbc.monitor.modes import ModeLosses
 from diffsynth_mbc.monitor.series import MAX_POINTS, TREND_POINTS, Series
 from diffsynth_mbc.monitor.status import json_safe, open_regular, to_float
 from diffsynth_mbc.monitor.timestep_bins import LossByTimestep
@@ -110,6 +111,7 @@ class HistoryFile:
         self.val_loss_ema = Series(self.max_points)   # the EMA of the LoRA's (--validate_with both)
         self.val_quantiles: dict[str, Series] = {}   # "0.5" -> validation loss at that timestep quantile
         self.by_timestep = LossByTimestep()   # training loss per timestep bin, EMA over the run
+        self.modes = ModeLosses(self.max_points)   # loss per mode (t2i, i2v, t2v): steps, bins, validation
         self.epoch_marks: list[tuple[float, int]] = []  # (first step seen of an epoch, epoch)
         self._last_epoch: int | None = None
         self.step_times: deque[float] = deque(maxlen=RECENT_STEP_TIMES)
@@ -208,6 +210,7 @@ class HistoryFile:
         self.offset = offset + end
         for name, series in self.series.items():
             series.extend(batch.xs[name], batch.ys[name])
+        self.modes.flush()
         self.step_times.extend(batch.step_times[-RECENT_STEP_TIMES:])
 
     def _bad(self) -> None:
@@ -245,6 +248,7 @@ class HistoryFile:
             by_quantile = get("val_loss_by_quantile")
             if type(by_quantile) is dict:
                 self._add_quantiles(step, by_quantile)
+            self.modes.add_validation(step, get("val_loss_by_mode"))
             return
         if val is not None:
             self.val_loss.add(step, val)
@@ -263,6 +267,9 @@ class HistoryFile:
         drawn = get("timesteps")
         if drawn is not None:
             self.by_timestep.add(drawn, get("timestep_losses"))
+        modes = get("modes")
+        if modes is not None:
+            self.modes.add(step, modes, drawn, get("timestep_losses"))
         epoch = get("epoch")
         if type(epoch) is int and epoch != self._last_epoch:
             self._mark_epoch(step, epoch)

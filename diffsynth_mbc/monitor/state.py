@@ -248,9 +248,9 @@ class MonitorState:
 
         Raw JSONL records with step > since (at most ``limit`` per rank; ``truncated`` says
         more exist and ``next_since`` is where to continue), or with ``points`` the bounded
-        down-sampled series (loss, lr, grad_norm, step_time_s, samples_per_s, val_loss: bucket
+        down-sampled series (loss, lr, grad_norm, step_time_s, samples_per_s, val_loss, loss per mode: bucket
         mean, min, max) with at most that many points per series, where each epoch began, and the training
-        loss by timestep bin (an EMA per bin over the whole run, whatever ``since``).
+        loss by timestep bin, all samples' and per mode (an EMA per bin over the run, whatever ``since``).
         """
         if points is not None:
             self._wait_for_whole_histories(rank)
@@ -272,6 +272,7 @@ class MonitorState:
                         "val_loss_by_quantile": {q: series.points(since, points)
                                                  for q, series in sorted(hf.val_quantiles.items())},
                         "loss_by_timestep": hf.by_timestep.as_dict(),
+                        **hf.modes.payload(since, points),   # loss_by_mode, loss_by_timestep_by_mode, ...
                         "epochs": [{"step": step, "epoch": epoch} for step, epoch in hf.epoch_marks
                                    if since is None or step > since],
                         "last_step": hf.last_step,
@@ -384,6 +385,7 @@ class MonitorState:
             "stalled_since": updated if stalled else None,
             "median_step_time_s": median,
             "loss_trend": hf.loss.trend(TREND_POINTS) if hf.complete else hf.sampled_trend,
+            "loss_by_mode": hf.modes.recent_losses(),   # {mode: mean of its last steps}; {} without modes
             "history_lines": hf.records if hf.complete else None,   # None: read from its tail so far
             "history_complete": hf.complete,
             # what an active, fresh rank waits for (a stalled rank's last word on it is not news)

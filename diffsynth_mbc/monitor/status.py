@@ -37,7 +37,7 @@ _GPU_NUMBERS = ("util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", 
 MAX_OVERHEAD_KINDS = 16   # kinds of overhead kept from one status file (the training writes 4)
 _STR_FIELDS = ("run_id", "hostname", "status", "phase")
 _COMPUTED = ("stalled", "age_s", "stall_after_s", "stalled_since", "median_step_time_s", "loss_trend",
-             "history_lines", "history_complete", "file", "waiting_text")
+             "loss_by_mode", "history_lines", "history_complete", "file", "waiting_text")
 
 
 def exit_code(status: str) -> int:

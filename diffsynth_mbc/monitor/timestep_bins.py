@@ -8,12 +8,16 @@ where the LoRA still learns; one that has flattened has stopped.
 
 from __future__ import annotations
 
-import math
-
 TIMESTEPS = 1000.0   # DiffSynth's training schedule runs over [0, 1000]
 BINS = 20
 ALPHA = 0.05         # weight of each new sample in its bin's average (about the last 20 samples of the bin)
 MAX_PAIRS_PER_RECORD = 4096   # more than any batch: a record claiming more is read up to this
+
+
+def finite_number(value) -> bool:
+    """A finite int or float (not a bool); an int too large for a float (a hostile file's) is none."""
+    kind = type(value)
+    return (kind is float and value - value == 0.0) or (kind is int and -1e300 < value < 1e300)
 
 
 class LossByTimestep:
@@ -33,14 +37,16 @@ class LossByTimestep:
         if type(timesteps) is not list or type(losses) is not list:
             return
         for t, value in zip(timesteps[:MAX_PAIRS_PER_RECORD], losses[:MAX_PAIRS_PER_RECORD]):
-            if type(t) not in (int, float) or type(value) not in (int, float):
-                continue
-            if not (math.isfinite(t) and math.isfinite(value)) or not 0 <= t <= TIMESTEPS:
-                continue
-            index = min(self.bins - 1, int(t * self.bins / TIMESTEPS))
-            previous = self.ema[index]
-            self.ema[index] = value if previous is None else previous + self.alpha * (value - previous)
-            self.count[index] += 1
+            self.add_pair(t, value)
+
+    def add_pair(self, t, value) -> None:
+        """One sample's timestep and loss, left out unless both are finite numbers and ``t`` is in [0, 1000]."""
+        if not (finite_number(t) and finite_number(value)) or not 0 <= t <= TIMESTEPS:
+            return
+        index = min(self.bins - 1, int(t * self.bins / TIMESTEPS))
+        previous = self.ema[index]
+        self.ema[index] = value if previous is None else previous + self.alpha * (value - previous)
+        self.count[index] += 1
 
     def as_dict(self) -> dict:
         width = TIMESTEPS / self.bins

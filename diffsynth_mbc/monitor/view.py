@@ -16,6 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from diffsynth_mbc.monitor.modes import RECENT_STEPS, ordered
 from diffsynth_mbc.monitor.status import printable
 from diffsynth_mbc.run_files import overheads_text
 
@@ -185,6 +186,24 @@ def render_ranks(snap: dict, theme: Theme) -> RenderableType:
     return table
 
 
+def render_mode_losses(snap: dict, theme: Theme) -> RenderableType | None:
+    """Each rank's recent training loss per mode, one short line per rank (``rank 0  t2i 0.4123  i2v 0.5331``), a
+    column per mode; None for a run whose history has no modes."""
+    rows = sorted(((r["rank"], r["loss_by_mode"]) for r in snap.get("ranks", []) if r.get("loss_by_mode")),
+                  key=lambda row: row[0])
+    if not rows:
+        return None
+    modes = ordered({mode for _, losses in rows for mode in losses})
+    grid = Table.grid(padding=(0, 2))
+    for _ in range(2 + len(modes)):
+        grid.add_column(style=theme.label, no_wrap=True)
+    for i, (rank, losses) in enumerate(rows):
+        cells = [Text.assemble((f"{printable(str(mode))} ", theme.label), (fmt_num(losses[mode]), theme.value))
+                 if mode in losses else "" for mode in modes]   # as the loss beside it: 4 significant digits
+        grid.add_row(f"loss by mode (last {RECENT_STEPS} steps)" if i == 0 else "", f"rank {rank}", *cells)
+    return grid
+
+
 def error_groups(errors: list[dict]) -> list[tuple[dict, list[int], list[str]]]:
     """The same error on several ranks (the usual way a DDP run fails) once: (error, its ranks, their hosts)."""
     groups: dict[tuple, tuple[dict, list, list]] = {}
@@ -316,6 +335,9 @@ def render(snap: dict, *, log_dir: str | None = None, theme: Theme = THEME, foot
                                    else render_header(snap, log_dir, theme)]
     if snap.get("ranks") or snap.get("missing_ranks"):
         parts.append(render_compact_ranks(snap, theme) if compact else render_ranks(snap, theme))
+        by_mode = render_mode_losses(snap, theme)
+        if by_mode is not None:
+            parts.append(by_mode)
     else:
         parts.append(Text("No training files yet: waiting for training_gpu*.json.", style=theme.label))
     parts.extend(render_errors(snap, theme))

@@ -73,6 +73,9 @@ def test_each_rank_is_a_line_over_the_timestep_bins_with_the_monitors_averages(t
     assert c["box"].find_element("css selector", ".u-legend").text.count("rank") == 2
     assert json.loads(c["box"].get_attribute("data-x-ticks"))   # the axis has ticks ...
     assert "timestep" in c["box"].text                           # ... and says what they are
+    # a history from before training modes: no chart per mode, no split by mode (test_dashboard_modes.py has them)
+    assert not driver.find_element("css selector", '.chartbox[data-chart="loss_by_mode"]').is_displayed()
+    assert not c["box"].find_element("css selector", 'select[data-control="split"]').is_displayed()
     assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
 
 

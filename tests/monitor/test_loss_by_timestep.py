@@ -73,15 +73,16 @@ def test_metrics_serve_each_ranks_loss_by_timestep(tmp_path):
     assert sum(one["count"]) == 30 and any(v is not None for v in one["ema"])
 
 
-def test_a_step_record_carries_each_samples_timestep_and_loss(tmp_path):
+def test_a_step_record_carries_each_samples_timestep_loss_and_mode(tmp_path):
     status = RankStatusWriter(tmp_path / "logs", "run-t", 0, 0, 1)
     logger = ProgressLogger(str(tmp_path / "out"), status, steps_per_epoch=2, num_epochs=1, samples_per_step=2)
     logger.on_train_begin()
     logger.on_step_end(None, None, loss=0.4, lr=1e-4, samples=2,
-                       timestep_draws=[(912.3456, 0.41234567), (87.0, 0.38)])
+                       timestep_draws=[(912.3456, 0.41234567, "t2i"), (87.0, 0.38, "i2v")])
     logger.on_step_end(None, None, loss=0.4, lr=1e-4, samples=2)
     status.close()
     lines = [json.loads(line) for line in (tmp_path / "logs" / "training_gpu0.jsonl").read_text().splitlines()]
     first, second = [line for line in lines if "kind" not in line]
     assert first["timesteps"] == [912.35, 87.0] and first["timestep_losses"] == [0.412346, 0.38]
-    assert "timesteps" not in second
+    assert first["modes"] == ["t2i", "i2v"]
+    assert "timesteps" not in second and "modes" not in second

@@ -55,3 +55,20 @@ def test_step_loss_and_eta_appear_whole(tmp_path, width, height):
         assert rank_lines[1].rstrip().endswith("…")                # the long phase is cut at the end
     else:
         assert "GPU mem" in text and "trend" in text                # the full table
+
+
+def test_the_loss_per_mode_fits_a_80x24_pane(tmp_path):
+    """A run whose history has modes: each rank's recent loss per mode, whole, under the rank lines."""
+    F.make_run(tmp_path / "logs", world_size=2, steps=100)
+    for rank in (0, 1):
+        with open(tmp_path / "logs" / f"training_gpu{rank}.jsonl", "a", encoding="utf-8") as handle:
+            handle.write("".join(F.history_line(s, rank, timesteps=[100.0, 500.0, 900.0], modes=["t2i", "i2v", "t2v"],
+                                                timestep_losses=[0.4123, 0.5331 + rank / 100, 0.6012])
+                                 for s in range(101, 121)))
+    text = screen(tmp_path, 80, 24)
+    lines = text.splitlines()
+    assert lines and max(len(line) for line in lines) <= 80
+    for whole in ("loss by mode", "rank 0  t2i 0.4123  i2v 0.5331  t2v 0.6012",
+                  "rank 1  t2i 0.4123  i2v 0.5431  t2v 0.6012", "30m00s"):
+        assert whole in text, text
+    assert len(lines) <= 24

@@ -11,22 +11,29 @@
   const PAGE = 2000;         // raw records per rank per incremental poll
   const FIELDS = ["loss", "val_loss", "val_loss_ema", "lr", "grad_norm", "step_time_s", "samples_per_s"];
   const PALETTE = ["#4cc38a", "#5aa2ff", "#f2c94c", "#ff6b6b", "#d67bff", "#56d4e0", "#ff9f43", "#a3e635"];
+  // Training modes (an image; a video on its first frame; a video unconditioned), in the monitor's order, each
+  // in its own colour in the charts per mode (where the line's style, not its colour, tells the rank).
+  const MODE_ORDER = ["t2i", "i2v", "t2v"];
+  const MODE_COLORS = {t2i: "#f2c94c", i2v: "#ff6b6b", t2v: "#56d4e0"};
+  const MAX_MODES = 8, MAX_MODE_NAME = 12, MAX_QUANTILES = 16;   // as the monitor keeps them
   const CHARTS = [
     {id: "loss", title: "Training loss", field: "loss", smoothing: true, logToggle: true},
-    {id: "val_loss", title: "Validation loss (mean of the fixed timesteps t, and each t)", field: "val_loss",
-     points: true, quantiles: true, emaField: "val_loss_ema"},
+    {id: "val_loss", title: "Validation loss (mean of the fixed timesteps t, each t, and each mode)",
+     field: "val_loss", points: true, quantiles: true, emaField: "val_loss_ema", valModes: true},
     {id: "lr", title: "Learning rate", field: "lr", once: true},
     {id: "grad_norm", title: "Gradient norm", field: "grad_norm"},
     {id: "step_time", title: "Step time (s)", field: "step_time_s", highlightSlow: true},
     {id: "samples_per_s", title: "Samples / s", field: "samples_per_s"},
+    {id: "loss_by_mode", title: "Loss by mode (mean of the mode's samples per step; smoothed as the training loss)",
+     byMode: true, smoothed: true},
     {id: "loss_by_timestep", title: "Loss by timestep (average per bin over the run; falling: still learning there)",
-     byTimestep: true, points: true, xLabel: "timestep"},
+     byTimestep: true, points: true, xLabel: "timestep", split: true},
   ];
   const TIMESTEP_BINS = {edges: Array.from({length: 21}, (_, i) => i * 50), alpha: 0.05};  // as the monitor's
 
   const history = {};  // rank -> {fields: {name: {x: [], y: []}}, epochs: Map(step -> epoch), since, loaded}
   const charts = {};   // chart id -> {spec, plot, signature, zoomed, box, tip}
-  const options = {smoothing: 0.6, logLoss: false};
+  const options = {smoothing: 0.6, logLoss: false, timestepSplit: "all"};
   let runId = null;
   let status = null;
   let draws = 0;
@@ -60,6 +67,16 @@
   function badge(state, text) { return el("span", {"class": "badge s-" + state}, text || state.replace("_", " ")); }
   function rankColor(rank) {
     return rank < PALETTE.length ? PALETTE[rank] : "hsl(" + Math.round(rank * 137.508 % 360) + ", 70%, 62%)";
+  }
+  function modeColor(mode) {
+    if (MODE_COLORS[mode]) return MODE_COLORS[mode];
+    let hash = 0;
+    for (const c of mode) hash = (hash * 31 + c.charCodeAt(0)) % 360;
+    return "hsl(" + hash + ", 65%, 65%)";
+  }
+  function orderedModes(names) {
+    const rank = (m) => (MODE_ORDER.indexOf(m) < 0 ? MODE_ORDER.length : MODE_ORDER.indexOf(m));
+    return Array.from(new Set(names)).sort((a, b) => rank(a) - rank(b) || (a < b ? -1 : a > b ? 1 : 0));
   }
   function fade(color, alpha) {
     if (color[0] !== "#") return color.replace("hsl(", "hsla(").replace(")", ", " + alpha + ")");
@@ -215,35 +232,68 @@
   function emptyRank() {
     const fields = {};
     for (const f of FIELDS) fields[f] = {x: [], y: []};
-    return {fields: fields, quantiles: new Map(), epochs: new Map(), since: null, loaded: false, byTimestep: null};
+    // quantiles: validation loss at each fixed timestep quantile ("0.5"), the same on every rank (reduced over
+    // ranks); modes: the mean training loss of each mode's samples per step; valModes: validation loss per mode;
+    // modeBins: the loss per timestep bin of each mode's samples
+    return {fields: fields, quantiles: new Map(), modes: new Map(), valModes: new Map(), modeBins: new Map(),
+            epochs: new Map(), since: null, loaded: false, byTimestep: null};
   }
 
-  function timestepBins(h) {
-    // The loss per timestep bin, an EMA per bin over the run: from the monitor, then carried on record by record.
-    if (!h.byTimestep) {
-      const n = TIMESTEP_BINS.edges.length - 1;
-      h.byTimestep = {edges: TIMESTEP_BINS.edges, alpha: TIMESTEP_BINS.alpha, ema: new Array(n).fill(null),
-                      count: new Array(n).fill(0)};
+  function emptyBins() {
+    const n = TIMESTEP_BINS.edges.length - 1;
+    return {edges: TIMESTEP_BINS.edges, alpha: TIMESTEP_BINS.alpha, ema: new Array(n).fill(null),
+            count: new Array(n).fill(0)};
+  }
+
+  function timestepBins(h, mode) {
+    // The loss per timestep bin (of every sample, or of one mode's), an EMA per bin over the run: from the
+    // monitor, then carried on record by record.
+    if (mode === undefined) {
+      if (!h.byTimestep) h.byTimestep = emptyBins();
+      return h.byTimestep;
     }
-    return h.byTimestep;
+    if (!h.modeBins.has(mode) && h.modeBins.size < MAX_MODES) h.modeBins.set(mode, emptyBins());
+    return h.modeBins.get(mode) || emptyBins();
+  }
+
+  function modeOf(rec, i) {
+    // The mode of a record's i-th sample as the monitor keeps it; null for none.
+    const m = Array.isArray(rec.modes) ? rec.modes[i] : null;
+    return typeof m === "string" && m ? m.slice(0, MAX_MODE_NAME) : null;
   }
 
   function addTimesteps(h, rec) {
     if (!Array.isArray(rec.timesteps) || !Array.isArray(rec.timestep_losses)) return;
-    const b = timestepBins(h), n = b.ema.length, top = b.edges[n];
+    const all = timestepBins(h), n = all.ema.length, top = all.edges[n];
     rec.timesteps.forEach((t, i) => {
       const v = rec.timestep_losses[i];
       if (!num(t) || !num(v) || t < 0 || t > top) return;
-      const k = Math.min(n - 1, Math.floor(t * n / top));
-      b.ema[k] = b.ema[k] === null ? v : b.ema[k] + b.alpha * (v - b.ema[k]);
-      b.count[k]++;
+      const k = Math.min(n - 1, Math.floor(t * n / top)), mode = modeOf(rec, i);
+      for (const b of mode === null ? [all] : [all, timestepBins(h, mode)]) {
+        b.ema[k] = b.ema[k] === null ? v : b.ema[k] + b.alpha * (v - b.ema[k]);
+        b.count[k]++;
+      }
     });
   }
 
-  function quantileLine(h, q) {
-    // Validation loss at one fixed timestep quantile ("0.5"); the same on every rank (reduced over ranks).
-    if (!h.quantiles.has(q) && h.quantiles.size < 16) h.quantiles.set(q, {x: [], y: []});
-    return h.quantiles.get(q) || {x: [], y: []};
+  function addModeLosses(h, rec) {
+    // One point per mode present in the record: the mean loss of its samples (no point for a mode absent).
+    if (!Array.isArray(rec.modes) || !Array.isArray(rec.timestep_losses)) return;
+    const sums = new Map();
+    rec.timestep_losses.forEach((v, i) => {
+      const mode = modeOf(rec, i);
+      if (mode === null || !num(v)) return;
+      const s = sums.get(mode) || [0, 0];
+      s[0] += v; s[1]++;
+      sums.set(mode, s);
+    });
+    for (const [mode, [total, n]] of sums) push(keyedLine(h.modes, mode, MAX_MODES), rec.step, total / n);
+  }
+
+  function keyedLine(map, key, most) {
+    // The line of one quantile or mode; of a file naming absurdly many, the first ``most`` are drawn.
+    if (!map.has(key) && map.size < most) map.set(key, {x: [], y: []});
+    return map.get(key) || {x: [], y: []};
   }
 
   function push(line, x, y) {
@@ -262,21 +312,35 @@
     }
   }
 
+  function binsFrom(bins) {
+    // The monitor's loss by timestep bin ({edges, alpha, ema, count}) as the page carries it on; null if malformed.
+    if (!bins || !Array.isArray(bins.edges) || !Array.isArray(bins.ema) || bins.ema.length !== bins.edges.length - 1) {
+      return null;
+    }
+    return {edges: bins.edges, alpha: num(bins.alpha) ? bins.alpha : TIMESTEP_BINS.alpha,
+            ema: bins.ema.map((v) => (num(v) ? v : null)), count: bins.ema.map((v, i) => (bins.count || [])[i] || 0)};
+  }
+
   async function loadFull(rank) {
     const data = await getJSON(METRICS_URL + "?rank=" + rank + "&points=" + FIRST_POINTS);
     const d = data.ranks[String(rank)];
     const h = history[rank] = emptyRank();
-    for (const f of FIELDS) {
-      for (const p of d[f] || []) if (num(p.step) && num(p.value)) push(h.fields[f], p.step, p.value);
-    }
+    const fill = (line, points) => {
+      for (const p of Array.isArray(points) ? points : []) if (num(p.step) && num(p.value)) push(line, p.step, p.value);
+    };
+    for (const f of FIELDS) fill(h.fields[f], d[f]);
     for (const [q, points] of Object.entries(d.val_loss_by_quantile || {})) {
-      for (const p of points) if (num(p.step) && num(p.value)) push(quantileLine(h, q), p.step, p.value);
+      fill(keyedLine(h.quantiles, q, MAX_QUANTILES), points);
+    }
+    for (const [m, points] of Object.entries(d.loss_by_mode || {})) fill(keyedLine(h.modes, m, MAX_MODES), points);
+    for (const [m, points] of Object.entries(d.val_loss_by_mode || {})) {
+      fill(keyedLine(h.valModes, m, MAX_MODES), points);
     }
     for (const e of d.epochs || []) h.epochs.set(e.step, e.epoch);
-    const bins = d.loss_by_timestep;
-    if (bins && Array.isArray(bins.edges) && Array.isArray(bins.ema) && bins.ema.length === bins.edges.length - 1) {
-      h.byTimestep = {edges: bins.edges, alpha: num(bins.alpha) ? bins.alpha : TIMESTEP_BINS.alpha,
-                      ema: bins.ema.map((v) => (num(v) ? v : null)), count: bins.ema.map((v, i) => (bins.count || [])[i] || 0)};
+    h.byTimestep = binsFrom(d.loss_by_timestep);
+    for (const [m, bins] of Object.entries(d.loss_by_timestep_by_mode || {})) {
+      const b = binsFrom(bins);
+      if (b && h.modeBins.size < MAX_MODES) h.modeBins.set(m, b);
     }
     h.since = num(d.last_step) ? d.last_step : null;
     h.loaded = true;
@@ -290,7 +354,15 @@
       if (num(rec.val_loss_ema)) push(h.fields.val_loss_ema, rec.step, rec.val_loss_ema);
       const byQuantile = rec.val_loss_by_quantile;
       if (byQuantile && typeof byQuantile === "object") {
-        for (const [q, value] of Object.entries(byQuantile)) if (num(value)) push(quantileLine(h, q), rec.step, value);
+        for (const [q, value] of Object.entries(byQuantile)) {
+          if (num(value)) push(keyedLine(h.quantiles, q, MAX_QUANTILES), rec.step, value);
+        }
+      }
+      const byMode = rec.val_loss_by_mode;
+      if (byMode && typeof byMode === "object") {
+        for (const [m, value] of Object.entries(byMode)) {
+          if (m && num(value)) push(keyedLine(h.valModes, m.slice(0, MAX_MODE_NAME), MAX_MODES), rec.step, value);
+        }
       }
       return;
     }
@@ -300,6 +372,7 @@
       push(h.fields.samples_per_s, rec.step, rec.samples / rec.step_time_s);
     }
     addTimesteps(h, rec);
+    addModeLosses(h, rec);
     if (Number.isInteger(rec.epoch)) {
       if (num(h.lastEpoch) && rec.epoch !== h.lastEpoch) h.epochs.set(rec.step, rec.epoch);
       h.lastEpoch = rec.epoch;
@@ -316,7 +389,7 @@
     if (d.truncated) { await loadFull(rank); return; }  // far behind: take the down-sampled view
     for (const rec of d.records) if (num(rec.step)) addRecord(h, rec);
     for (const f of FIELDS) bound(h.fields[f]);
-    for (const line of h.quantiles.values()) bound(line);
+    for (const map of [h.quantiles, h.modes, h.valModes]) for (const line of map.values()) bound(line);
   }
 
   // ---- charts -------------------------------------------------------------------------------
@@ -363,8 +436,40 @@
     };
   }
 
+  function rankStyle(rank, ranks) {
+    // Later ranks are drawn over earlier ones: the first rank's line is solid and wider, the others dashed
+    // and narrower, so where ranks agree (often: the same loss on every rank) each line still shows.
+    const first = rank === ranks[0];
+    return {width: first ? 3 : 1.5, dash: first ? undefined : [6, 6]};
+  }
+
+  function modeLines(ranks, mapOf) {
+    // One line per mode and rank, mode after mode: the mode's colour and the rank's style; the legend names the
+    // mode (and the rank, when there are several).
+    const lines = [];
+    const names = [];
+    for (const rank of ranks) names.push(...mapOf(history[rank]).keys());
+    for (const mode of orderedModes(names)) {
+      for (const rank of ranks) {
+        if (!mapOf(history[rank]).has(mode)) continue;
+        const style = rankStyle(rank, ranks);
+        lines.push({rank: rank, mode: mode, label: ranks.length > 1 ? mode + " · rank " + rank : mode,
+                    stroke: modeColor(mode), width: style.width, dash: style.dash});
+      }
+    }
+    return lines;
+  }
+
+  function splitByMode(spec, ranks) {
+    // The loss by timestep chart, split by mode when asked and the run has modes.
+    return !!spec.split && options.timestepSplit === "mode" && ranks.some((r) => history[r].modeBins.size > 0);
+  }
+
   function lineSpecs(spec, ranks, slowSet) {
     // One line per rank (lr: once); the loss adds a faint raw line per rank, all of them under the smoothed ones.
+    // Per mode: a line per mode and rank.
+    if (spec.byMode) return modeLines(ranks, (h) => h.modes);
+    if (splitByMode(spec, ranks)) return modeLines(ranks, (h) => h.modeBins);
     const lines = [], raw = [];
     for (const rank of spec.once ? ranks.slice(0, 1) : ranks) {
       const color = rankColor(rank);
@@ -373,13 +478,10 @@
       if (spec.smoothing && options.smoothing > 0) {
         raw.push({rank: rank, raw: true, label: label + " raw", stroke: fade(color, 0.3), width: 1});
       }
-      // Later ranks are drawn over earlier ones: the first rank's line is solid and wider, the others dashed
-      // and narrower, so where ranks agree (often: the same loss on every rank) each line still shows.
-      const highlighted = spec.highlightSlow && slowSet.has(rank);
-      const first = rank === ranks[0];
+      const highlighted = spec.highlightSlow && slowSet.has(rank), style = rankStyle(rank, ranks);
       lines.push({rank: rank, raw: false, label: label, stroke: color,
-                  width: highlighted ? 3 : first && !spec.once ? 3 : 1.5,
-                  dash: highlighted ? [6, 3] : first || spec.once ? undefined : [6, 6]});
+                  width: highlighted ? 3 : spec.once ? 1.5 : style.width,
+                  dash: highlighted ? [6, 3] : spec.once ? undefined : style.dash});
     }
     lines.unshift(...raw);
     if (spec.emaField) {
@@ -399,19 +501,27 @@
                     dash: [3, 3]});
       });
     }
+    if (spec.valModes && ranks.length) {   // per mode, once too: the samples of each mode, reduced over ranks
+      const first = ranks[0];
+      for (const mode of orderedModes(history[first].valModes.keys())) {
+        lines.push({rank: first, mode: mode, label: mode, stroke: modeColor(mode), width: 1.5, dash: [8, 3, 2, 3]});
+      }
+    }
     return lines;
   }
 
   function chartData(spec, lines) {
     const tables = lines.map((line) => {
+      const h = history[line.rank];
       if (spec.byTimestep) {   // x: the middle of each timestep bin
-        const b = timestepBins(history[line.rank]);
+        const b = line.mode === undefined ? timestepBins(h) : timestepBins(h, line.mode);
         return [b.ema.map((_, i) => (b.edges[i] + b.edges[i + 1]) / 2), b.ema.slice()];
       }
-      const f = line.quantile !== undefined ? history[line.rank].quantiles.get(line.quantile)
-        : history[line.rank].fields[line.field || spec.field];
+      const f = line.quantile !== undefined ? h.quantiles.get(line.quantile)
+        : line.mode !== undefined ? (spec.byMode ? h.modes : h.valModes).get(line.mode)
+        : h.fields[line.field || spec.field];
       let ys = f.y;
-      if (spec.smoothing && options.smoothing > 0 && !line.raw) ys = ema(ys, options.smoothing);
+      if ((spec.smoothing || spec.smoothed) && options.smoothing > 0 && !line.raw) ys = ema(ys, options.smoothing);
       if (spec.logToggle && options.logLoss) ys = ys.map((v) => (num(v) && v > 0 ? v : null));
       return [f.x, ys];
     });
@@ -488,6 +598,16 @@
         options.smoothing = Number(slider.value); shown.textContent = options.smoothing.toFixed(2); drawCharts();
       });
       label.append(slider, shown);
+      head.appendChild(label);
+    }
+    if (spec.split) {   // the loss by timestep of all samples, or of each mode's (shown once the run has modes)
+      const label = el("label", {"class": "split", hidden: ""});
+      const select = el("select", {"data-control": "split", title: "draw the samples of every mode together, "
+                                   + "or a line per mode"});
+      select.append(el("option", {value: "all"}, "all samples"), el("option", {value: "mode"}, "by mode"));
+      select.value = options.timestepSplit;
+      select.addEventListener("change", () => { options.timestepSplit = select.value; drawCharts(); });
+      label.appendChild(select);
       head.appendChild(label);
     }
     if (spec.logToggle) {
@@ -570,6 +690,7 @@
     // What the chart holds, for people reading the page source and for the browser tests.
     const counts = lines.map((line, i) => data[i + 1] ? data[i + 1].filter(num).length : 0);
     chart.box.dataset.series = lines.map((l) => l.label).join("|");
+    chart.box.dataset.styles = JSON.stringify(lines.map((l) => [l.width, l.dash || null]));
     chart.box.dataset.points = counts.join(",");
     chart.box.dataset.epochMarks = String(chart.epochs.length);
     chart.box.dataset.scale = chart.spec.logToggle && options.logLoss ? "log" : "linear";
@@ -583,9 +704,12 @@
     for (const r of (status && status.slow_ranks) || []) slowSet.set(r, "slow");
     for (const r of (status && status.stalled_ranks) || []) slowSet.set(r, "stalled");
     const epochs = epochMarks(ranks);
+    const modesSeen = ranks.some((r) => history[r].modes.size > 0);
     for (const spec of CHARTS) {
       const chart = ensureBox(spec);
       const lines = lineSpecs(spec, ranks, slowSet);
+      chart.box.hidden = !!spec.byMode && !lines.length;   // a history without modes (an older run's): no chart
+      for (const split of chart.box.querySelectorAll("label.split")) split.hidden = !modesSeen;
       const data = chartData(spec, lines);
       chart.epochs = spec.byTimestep ? [] : epochs;
       const signature = JSON.stringify([lines.map((l) => [l.label, l.width, l.dash]), options.logLoss]);
