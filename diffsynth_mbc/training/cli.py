@@ -6,7 +6,7 @@ from its first instant (status ``starting``), then ``loading``, ``training`` and
 ``finished``, ``failed`` (with the error) or ``stopped``.
 
 Started by a launcher, each rank holds the run's folder locks itself and stops as on SIGTERM when its
-launcher dies (``diffsynth_mbc.training.run_lock``).
+launcher dies; started without one, the ranks take the locks themselves (``diffsynth_mbc.training.run_lock``).
 
 Exit codes: 0 finished, or stopped cleanly by Ctrl-C/SIGTERM (the step finished and a checkpoint
 was saved); 1 failed; 2 bad options, model files or checkpoint; 75 the folders belong to another run;
@@ -29,7 +29,8 @@ from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError
 from diffsynth_mbc.training.checkpoints import resumed_run_id
 from diffsynth_mbc.training.guards import NonFiniteError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
-from diffsynth_mbc.training.run_lock import RunLockError, follow_run_log, hold_run_locks, watch_launcher
+from diffsynth_mbc.training.run_lock import (ENV_LOCKS, RunLockError, follow_run_log, hold_run_locks,
+                                             lock_without_launcher, release, watch_launcher)
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 from diffsynth_mbc.training.stop_signals import StopSignals
 
@@ -54,10 +55,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:   # before any file is written: the folders may be another run's
-        hold_run_locks()
+        unlaunched = take_run_locks(options, run_id, local_rank)
     except RunLockError as exc:
         print(f"[rank {rank}] error: {exc}", file=sys.stderr)
         return 75
+    try:
+        return train_under_lock(options, run_id, rank, local_rank, world_size)
+    finally:
+        release(unlaunched)
+
+
+def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
+    """The launcher's locks (``MBC_RUN_LOCKS``), or, started without a launcher, the folders' locks taken here
+    (returned, to release when the training ends in a process that goes on)."""
+    if ENV_LOCKS in os.environ:
+        hold_run_locks()
+        return []
+    machine_rank = int(os.environ.get("GROUP_RANK") or 0)
+    return lock_without_launcher([options.output_path, options.log_dir, options.checkpoint_dir], run_id,
+                                 local_rank, machine_rank)
+
+
+def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_size: int) -> int:
     status = RankStatusWriter(options.log_dir, run_id, rank, local_rank, world_size,
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))

@@ -116,7 +116,9 @@ def find_run(locks: list[Path]) -> RunProcesses:
         if launcher in holders and is_launcher(launcher):
             run.launchers.add(launcher)
         supervisor = _number(record.get("supervisor"))
-        if supervisor and alive(supervisor, _number(record.get("supervisor_start"))) and is_launcher(supervisor):
+        # Only a supervisor holding this very lock: a copy of the folder carries the record but not the lock.
+        if supervisor in holders and alive(supervisor, _number(record.get("supervisor_start"))) \
+                and is_launcher(supervisor):
             run.launchers.add(supervisor)
             accelerate = _number(record.get("accelerate"))
             if accelerate and parent(accelerate) == supervisor and is_accelerate(accelerate):
@@ -124,6 +126,8 @@ def find_run(locks: list[Path]) -> RunProcesses:
         if record["run_id"]:
             run.ranks |= {pid for pid in holders if is_trainer(pid) and not is_trainer(parent(pid) or 0)
                           and environment_value(pid, "MBC_RUN_ID") == record["run_id"]}
+        if record.get("started_without_launcher") and launcher:   # the ranks it started hold the lock themselves
+            run.ranks |= {pid for pid in holders if is_trainer(pid) and parent(pid) == launcher}
     members = set(run.members())
     run.strangers = [pid for pid in holders if pid not in members and parent(pid) not in members]
     return run
@@ -169,8 +173,7 @@ def stop_run(folder: str | os.PathLike, grace_s: float = 120.0, poll_s: float = 
     _signal_all(targets, signal.SIGTERM, starts)
     if _wait_gone(starts, grace_s, poll_s):
         report_ranks(run, out)
-        print("stopped", file=out)
-        return 0
+        return report_outcome(run, out)
     kill_after_grace(run, starts, grace_s, poll_s, out)
     marked = mark_dead_ranks(run.log_dir, 137, reason=f"killed by stop.sh after its grace of {grace_s:g} s",
                              run_id=run.run_id) if run.log_dir else []
@@ -194,6 +197,38 @@ def kill_after_grace(run: RunProcesses, starts: dict, grace_s: float, poll_s: fl
           f"{' '.join(map(str, left))} (launcher, accelerate)", file=out)
     _signal_all(left, signal.SIGKILL, starts)
     _wait_gone(starts, 10.0, poll_s)
+
+
+def report_outcome(run: RunProcesses, out) -> int:
+    """The run's last word as its ranks wrote it (not what was asked): 0 when every rank stopped or finished."""
+    states = rank_states(run.log_dir, run.run_id) if run.log_dir else {}
+    lines = closing_lines(states, None, None)
+    for line in lines or ["stopped"]:
+        print(line, file=out)
+    ended = {state.get("status") for state in states.values()}
+    return 0 if ended <= {run_files.STATUS_STOPPED, run_files.STATUS_FINISHED} else 1
+
+
+def closing_lines(states: dict, resume_command: str | None, log_file: str | None) -> list[str]:
+    """The run's last word, after everything torch and accelerate printed: why it failed, or how to resume."""
+    failed = {rank: state for rank, state in states.items() if state.get("status") == run_files.STATUS_FAILED}
+    if failed:
+        lines = []
+        for rank, state in sorted(failed.items()):
+            error = state.get("error") or {}
+            message = " ".join(str(error.get("message") or state.get("phase") or "").split())
+            lines.append(f"failed: rank {rank} at step {state.get('step')}: {error.get('type', 'error')}: "
+                         f"{message[:600]}")
+        return lines + ([f"  log: {log_file}"] if log_file else [])
+    if states and all(state.get("status") == run_files.STATUS_STOPPED for state in states.values()):
+        state = states[min(states)]
+        checkpoint = state.get("last_checkpoint")
+        lines = [f"stopped at step {state.get('step')}/{state.get('total_steps')}"
+                 + (f"; resume from {checkpoint}" if checkpoint else "; no checkpoint was written")]
+        if resume_command and checkpoint:
+            lines.append(f"  resume: {resume_command}")
+        return lines
+    return []
 
 
 def report_ranks(run: RunProcesses, out) -> None:

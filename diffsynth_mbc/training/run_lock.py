@@ -12,6 +12,11 @@ rank whose launcher died), then turns it into a *shared* lock and hands the lock
 (``MBC_RUN_LOCKS``). Each rank opens them itself and takes them shared, checking the record names its
 run, so the folders stay locked while any rank of the run lives, whatever became of its launcher.
 
+A training started without the launcher (``accelerate launch -m diffsynth_mbc.train``, torchrun, or
+``python -m diffsynth_mbc.train``) locks its folders itself, the same way (``lock_without_launcher``): each
+node's local rank 0 takes the locks exclusively, records the process that started the ranks as the run's
+launcher, and shares them with the node's other ranks. So the lock belongs to the training, whatever started it.
+
 Each rank also watches its launcher (``MBC_LAUNCHER_PID`` with its start time ``MBC_LAUNCHER_START``, so a
 reused pid is never taken for it): when it is gone, the rank stops as on SIGTERM (finishes the step,
 checkpoints, writes ``stopped``). No torch.
@@ -23,6 +28,7 @@ import fcntl
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -114,6 +120,70 @@ def hold_run_locks(environ=os.environ) -> list[str]:
         _held.append(fd)
         taken.append(path)
     return taken
+
+
+def lock_without_launcher(folders, run_id: str, local_rank: int, machine_rank: int = 0,
+                          wait_s: float = 120.0) -> list[int]:
+    """Lock ``folders`` for a training no launcher locked (``MBC_RUN_LOCKS`` unset); the open descriptors, which
+    hold the locks until ``release`` or the process's end.
+
+    Local rank 0 takes each lock exclusively, so a folder that any process of another run holds is refused
+    (RunLockError naming the folder and that run), writes the record (the ranks' parent process as the launcher,
+    the run id) and turns the lock shared. The node's other ranks wait until the record names their own parent,
+    then take the lock shared."""
+    launcher, held = os.getppid(), []
+    try:
+        for folder in dict.fromkeys(os.path.realpath(str(folder)) for folder in folders if folder):
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, lock_name(machine_rank))
+            problem = regular_lock_problem(path) if os.path.lexists(path) else None
+            if problem:
+                raise RunLockError(f"refusing the run's lock {path}: {problem}")
+            held.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+            if local_rank == 0:
+                _take_first(held[-1], path, launcher, run_id)
+            else:
+                _join(held[-1], path, launcher, wait_s)
+    except BaseException:
+        release(held)
+        raise
+    return held
+
+
+def _take_first(fd: int, path: str, launcher: int, run_id: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = read_record(path)["run_id"] or "of unknown id"
+        folder = os.path.dirname(path)
+        raise RunLockError(f"a training is already running on {folder}: run {other}. Not starting another (this "
+                           f"one was started without the launcher, and takes the same lock); stop that run with: "
+                           f"bash launchers/stop.sh {folder}") from None
+    write_record(path, launcher, run_id, started_without_launcher="true")
+    fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def _join(fd: int, path: str, launcher: int, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        if read_record(path)["launcher"] == launcher:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:   # local rank 0 still holds it exclusively
+                pass
+        if time.monotonic() >= deadline:
+            raise RunLockError(f"local rank 0 of this launch did not take {path} within {wait_s:g} s (another run "
+                               "holds the folder, or rank 0 stopped)")
+        time.sleep(0.05)
+
+
+def release(descriptors: list[int]) -> None:
+    for fd in descriptors:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class LauncherWatch:

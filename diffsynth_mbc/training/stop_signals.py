@@ -11,8 +11,12 @@ received by a small thread with ``sigwait``:
   ``grace_s``, the main thread is interrupted.
 
 Either way, if the main thread has not finished ``hard_grace_s`` after being interrupted, the
-thread calls ``on_stuck`` (which records the stop) and exits the process. A second signal records
-the stop and exits at once.
+thread calls ``on_stuck`` (which records the stop) and exits the process.
+
+A repeated stop request is the same request: another SIGTERM (two ``stop.sh`` at once, a supervisor
+passing on a stop while ``stop.sh`` sends its own) changes nothing, so the step still finishes and the
+checkpoint is still written. Only a second SIGINT, a person's second Ctrl-C (the supervisor passes that
+on as SIGINT), records the stop and exits at once.
 
 ``request(reason)`` asks for the same stop from inside the process (a rank whose launcher died): it
 names the reason and sends the process SIGTERM, so every path above applies unchanged.
@@ -27,6 +31,7 @@ import threading
 from typing import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+NOW_SIGNAL = signal.SIGINT   # after a stop was requested: stop now (a person's second Ctrl-C)
 
 
 class StopSignals:
@@ -38,6 +43,7 @@ class StopSignals:
         self.received: int | None = None
         self.reason: str | None = None
         self.requested = threading.Event()
+        self.repeated = 0   # stop requests received again after the first (ignored)
         self._finished = threading.Event()
 
     def install(self) -> "StopSignals":
@@ -81,7 +87,9 @@ class StopSignals:
         self._give_up(self.received)
 
     def _second_signal(self) -> None:
-        self._give_up(signal.sigwait(STOP_SIGNALS))
+        while signal.sigwait(STOP_SIGNALS) != NOW_SIGNAL:
+            self.repeated += 1   # the same request again: the stop already under way goes on
+        self._give_up(NOW_SIGNAL)
 
     def _give_up(self, received: int) -> None:
         try:

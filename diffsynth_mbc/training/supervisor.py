@@ -11,7 +11,8 @@ the launcher's pid and its locks carry over. It
   signals anything;
 - copies COMMAND's output to its own and appends it to ``--log_file``;
 - on SIGINT, SIGTERM or SIGHUP sends SIGTERM to the ranks (each finishes its step, checkpoints and
-  writes ``stopped``); a second signal again (the ranks then exit at once); a third kills them;
+  writes ``stopped``); a repeated SIGTERM or SIGHUP is the same request and changes nothing; a person's
+  second Ctrl-C (SIGINT) is passed on as SIGINT (the ranks then exit at once), a third kills them;
 - when COMMAND ends, marks ranks that died without a final status failed, ends with the run's last word
   (a failed rank's cause, or the checkpoint and command that resume a stopped run) after whatever torch
   printed, and removes its records.
@@ -32,7 +33,7 @@ from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training import run_lock
 from diffsynth_mbc.training.processes import children, is_trainer, start_time
 from diffsynth_mbc import run_files
-from diffsynth_mbc.training.run_control import mark_dead_ranks, rank_states
+from diffsynth_mbc.training.run_control import closing_lines, mark_dead_ranks, rank_states
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -47,6 +48,7 @@ class Supervisor:
         self.resume_command = resume_command
         self.child: subprocess.Popen | None = None
         self.signals_received = 0
+        self.interrupts = 0   # of them, SIGINTs: a person's Ctrl-C
         self._log = None
 
     # -- the command
@@ -122,14 +124,20 @@ class Supervisor:
         return [pid for pid in children(self.child.pid) if is_trainer(pid)]
 
     def _on_signal(self, signum, _frame) -> None:
+        first = self.signals_received == 0
         self.signals_received += 1
+        self.interrupts += signum == signal.SIGINT
         if self.child is None or self.child.poll() is not None:
             return
+        if not first and signum != signal.SIGINT:
+            return   # the stop already asked for, asked again
         ranks = self.ranks()
-        if self.signals_received >= 3:
+        if self.interrupts >= 3:
             targets, sig = ranks + [self.child.pid], signal.SIGKILL
-        else:   # no rank yet: accelerate itself, which stops what it started
+        elif first:   # no rank yet: accelerate itself, which stops what it started
             targets, sig = ranks or [self.child.pid], signal.SIGTERM
+        else:         # a person's second Ctrl-C: now
+            targets, sig = ranks or [self.child.pid], signal.SIGINT
         for pid in targets:
             try:
                 os.kill(pid, sig)
@@ -162,28 +170,6 @@ class Supervisor:
             self.say(line)
         self.remove_records()
         return code
-
-
-def closing_lines(states: dict, resume_command: str | None, log_file: str | None) -> list[str]:
-    """The run's last word, after everything torch and accelerate printed: why it failed, or how to resume."""
-    failed = {rank: state for rank, state in states.items() if state.get("status") == run_files.STATUS_FAILED}
-    if failed:
-        lines = []
-        for rank, state in sorted(failed.items()):
-            error = state.get("error") or {}
-            message = " ".join(str(error.get("message") or state.get("phase") or "").split())
-            lines.append(f"failed: rank {rank} at step {state.get('step')}: {error.get('type', 'error')}: "
-                         f"{message[:600]}")
-        return lines + ([f"  log: {log_file}"] if log_file else [])
-    if states and all(state.get("status") == run_files.STATUS_STOPPED for state in states.values()):
-        state = states[min(states)]
-        checkpoint = state.get("last_checkpoint")
-        lines = [f"stopped at step {state.get('step')}/{state.get('total_steps')}"
-                 + (f"; resume from {checkpoint}" if checkpoint else "; no checkpoint was written")]
-        if resume_command and checkpoint:
-            lines.append(f"  resume: {resume_command}")
-        return lines
-    return []
 
 
 def build_parser() -> argparse.ArgumentParser:

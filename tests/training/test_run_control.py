@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -104,3 +105,69 @@ def test_stop_sh_kills_a_hung_rank_marks_it_failed_and_says_so(tmp_path):
     assert "rank 1: failed" in result.stderr
     assert not any(alive(pid) for pid in rank_pids)
     assert not lock_holders(output / ".train.lock"), "nothing of the run is left"
+
+
+@pytest.mark.slow
+def test_one_run_per_folder_whatever_starts_it_and_stop_requests_that_overlap_lose_nothing(tmp_path):
+    """A detached demo run, then what a user did to it:
+    - stop.sh on a copy of the run's folder: the copied record names the live supervisor, but no process holds
+      the copy's lock: "no training is running" (exit 3), the run goes on (it was stopped before);
+    - a training started without the launcher on the same folders, with --start_over: refused (75) before it
+      touches anything (it moved the run's checkpoints aside before);
+    - two stop.sh at once: each rank gets SIGTERM twice, which is one request: both report the stop, the ranks
+      finish the step and write the checkpoint (the second SIGTERM used to mean "exit now": the steps since
+      the last checkpoint were lost while both said "stopped")."""
+    env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
+    launched = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--detach",
+                               "--num_epochs", "5000", "--checkpoint_steps", "1000"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert launched.returncode == 0, launched.stderr
+    log_dir, output = tmp_path / "runs/demo/training_logs", tmp_path / "runs/demo/lora"
+    states = wait_for_steps(log_dir, 2)
+    run_id, pids = states[0]["run_id"], [s["pid"] for s in states]
+    try:
+        copy = tmp_path / "copy"
+        subprocess.run(["cp", "-a", str(output), str(copy)], check=True)
+        result = stop(tmp_path, copy)
+        assert result.returncode == 3 and "no training is running" in result.stderr, result.stderr
+        assert all(alive(pid) for pid in pids)
+
+        checkpoints_before = sorted(p.name for p in (output / "checkpoints").iterdir())
+        second = subprocess.run([sys.executable, "-m", "diffsynth_mbc.train", "--config",
+                                 str(REPO / "configs" / "train_demo.yaml"), "--output_path", "runs/demo/lora",
+                                 "--log_dir", "runs/demo/training_logs", "--start_over", "true"],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 75, second.stderr[-2000:]
+        assert f"a training is already running on {output.resolve()}: run {run_id}" in second.stderr
+        assert sorted(p.name for p in (output / "checkpoints").iterdir()) == checkpoints_before
+        assert all(read_status(log_dir, rank)["run_id"] == run_id for rank in (0, 1))
+
+        step_before = max(s["step"] for s in wait_for_steps(log_dir, 3))
+        stops = [subprocess.Popen(["bash", STOP, str(output), "--grace", "120"], cwd=tmp_path, env=env,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [(process.wait(timeout=180), process.stderr.read()) for process in stops]
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    for code, said in results:
+        assert code == 0, said
+    final = [read_status(log_dir, rank) for rank in (0, 1)]
+    assert [s["status"] for s in final] == ["stopped", "stopped"], final
+    step = final[0]["step"]
+    assert step >= step_before and final[0]["last_checkpoint"].endswith(f"checkpoints/step-{step:08d}")
+    assert (output / "checkpoints" / f"step-{step:08d}" / "checkpoint.json").is_file()
+    assert any(f"stopped at step {step}/" in said for _, said in results), results
+
+
+def wait_for_steps(log_dir, step: int, timeout_s: float = 180) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, f"the ranks never reached step {step}"
+        try:
+            states = [read_status(log_dir, rank) for rank in (0, 1)]
+            if all(s["status"] == "training" and (s["step"] or 0) >= step for s in states):
+                return states
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.2)
