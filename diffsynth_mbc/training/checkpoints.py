@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -23,9 +22,17 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_text
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.checkpoint_folder import (
+    TEMP_PREFIX,
+    checkpoint_name,
+    complete_checkpoints,
+    different_configuration,
+    find_latest,
+    resolve_resume,
+    temp_path,
+)
 from diffsynth_mbc.training.checkpoint_integrity import (
     MANIFEST,
-    damage,
     inventory,
     missing_rank_files,
 )
@@ -41,90 +48,9 @@ from diffsynth_mbc.training.lora_variants import check_adapter_shape
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 
 KEEP_MARKER = "KEEP"
-_COMPLETE_NAME = re.compile(r"^step-(\d{8})$")
-TEMP_PREFIX = ".tmp-"
 # Fault injection for tests: every checkpoint save takes this many seconds longer on every rank (a slow shared
 # filesystem), to show on a real run that step times and the ETA keep checkpoints apart. Unset in normal use.
 SLOW_SAVE_ENV = "MBC_FAULT_SLOW_CHECKPOINT_S"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def temp_path(root: str | Path, step: int, attempt: str = "") -> Path:
-    suffix = f".{attempt}" if attempt else ""
-    return Path(root) / f"{TEMP_PREFIX}{checkpoint_name(step)}{suffix}"
-
-
-def read_manifest(folder: str | Path) -> dict | None:
-    try:
-        manifest = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and "step" in manifest else None
-
-
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _COMPLETE_NAME.match(entry.name)
-        if match and entry.is_dir() and read_manifest(entry) is not None:
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-def find_latest(root: str | Path) -> Path | None:
-    checkpoints = complete_checkpoints(root)
-    return checkpoints[-1][1] if checkpoints else None
-
-
-def resolve_resume(resume: str, root: str | Path, world_size: int | None = None, report=None) -> Path:
-    """``latest`` or a path -> an intact checkpoint folder; ValueError saying why not.
-
-    ``latest`` falls back from a damaged checkpoint (a file truncated or altered since it was saved, a
-    rank's state missing) to the newest intact one, telling ``report`` which file was damaged; an
-    explicit path that is damaged is refused, naming the file. A resume is exact or does not happen.
-    """
-    if resume == "latest":
-        checkpoints = complete_checkpoints(root)
-        if not checkpoints:
-            raise ValueError(f"--resume latest: no complete checkpoint in {root}")
-        for _step, folder in reversed(checkpoints):
-            problem = damage(folder, read_manifest(folder), world_size)
-            if problem is None:
-                return folder
-            if report:
-                report(f"skipping damaged checkpoint {folder.name}: {problem}")
-        raise ValueError(f"--resume latest: every checkpoint in {root} is damaged (newest first: "
-                         f"{damage(checkpoints[-1][1], read_manifest(checkpoints[-1][1]), world_size)})")
-    folder = Path(resume)
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise ValueError(f"--resume {resume}: not a complete checkpoint (no readable {MANIFEST})")
-    problem = damage(folder, manifest, world_size)
-    if problem:
-        raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}. Resume from another "
-                         "checkpoint (--resume latest picks the newest intact one)")
-    return folder
-
-
-def resumed_run_id(resume: str | None, root: str | Path) -> str | None:
-    """The run id a ``--resume`` continues (the newest complete checkpoint's for ``latest``), read from its
-    manifest without checking the files: the load checks them, and corrects the id if it falls back."""
-    if not resume:
-        return None
-    if resume == "latest":
-        found = complete_checkpoints(root)
-        manifest = read_manifest(found[-1][1]) if found else None
-    else:
-        manifest = read_manifest(resume)
-    run_id = (manifest or {}).get("run_id")
-    return run_id if isinstance(run_id, str) and run_id else None
 
 
 def publish(temp_folder: Path, manifest: dict) -> Path:
@@ -368,10 +294,7 @@ class Checkpoints(LoraFiles):
         differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
         check_adapter_shape(manifest.get("fingerprint", {}), self.fingerprint)   # DoRA / LoRA+ on or off
         if differences and not self.options.force_resume:
-            raise OptionsError(f"checkpoint {folder} was made with a different configuration:\n  "
-                               + "\n  ".join(differences) + "\nresume with the checkpoint's settings, or pass "
-                               "--force_resume true to resume with this run's (the continuation will not be "
-                               "the run the checkpoint came from)")
+            raise OptionsError(different_configuration(folder, differences))
         self.status.update(phase=f"loading checkpoint {folder.name}")
         if self.deepspeed:
             self.accelerator.load_state(str(folder), load_module_strict=False)

@@ -26,9 +26,10 @@ from diffsynth_mbc.gpu import UnsupportedGpuError
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError
-from diffsynth_mbc.training.checkpoints import resumed_run_id
+from diffsynth_mbc.training.checkpoint_folder import resumed_run_id
 from diffsynth_mbc.training.guards import NonFiniteError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
+from diffsynth_mbc.training.resume import refuse_early
 from diffsynth_mbc.training.run_lock import (ENV_LOCKS, RunLockError, follow_run_log, hold_run_locks,
                                              lock_without_launcher, release, watch_launcher)
 from diffsynth_mbc.training.status_writer import RankStatusWriter
@@ -77,6 +78,13 @@ def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
 
 
 def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_size: int) -> int:
+    try:   # before any file is written: a refusal leaves the folders as they were
+        refuse_early(options, run_id, world_size, report=(lambda message: print(f"note: {message}", file=sys.stderr))
+                     if rank == 0 else None)
+    except OptionsError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
     status = RankStatusWriter(options.log_dir, run_id, rank, local_rank, world_size,
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))

@@ -57,13 +57,13 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
     }
 
 
-def fingerprint_differences(saved: dict, current: dict) -> list[str]:
+def fingerprint_differences(saved: dict, current: dict, keys=FINGERPRINT_KEYS) -> list[str]:
     """Human lines for every fingerprint key whose value differs: ``world_size: checkpoint 2, this run 4``.
 
     A key the checkpoint did not record (saved before it was compared) is not compared, except where what such a
     checkpoint did is known (``SAVED_BEFORE``: it trained DiffSynth's objective)."""
     lines = []
-    for key in FINGERPRINT_KEYS:
+    for key in keys:
         if key not in saved and (key not in SAVED_BEFORE or key not in current):
             continue
         value = saved.get(key, SAVED_BEFORE.get(key))

@@ -61,7 +61,7 @@ class LoraFiles:
         it). Nothing is written then, so the last good checkpoint and LoRA files stay what they were."""
         import torch
 
-        from diffsynth_mbc.training.checkpoints import find_latest
+        from diffsynth_mbc.training.checkpoint_folder import find_latest
 
         converted = self.file_tensors(tensors)
         found = nonfinite_tensors(converted)

@@ -123,9 +123,10 @@ def hold_run_locks(environ=os.environ) -> list[str]:
 
 
 def lock_without_launcher(folders, run_id: str, local_rank: int, machine_rank: int = 0,
-                          wait_s: float = 120.0) -> list[int]:
-    """Lock ``folders`` for a training no launcher locked (``MBC_RUN_LOCKS`` unset); the open descriptors, which
-    hold the locks until ``release`` or the process's end.
+                          wait_s: float = 120.0) -> list[tuple[int, str | None]]:
+    """Lock ``folders`` for a training no launcher locked (``MBC_RUN_LOCKS`` unset); (descriptor, the lock whose
+    record this process wrote, or None) for each, held until ``release`` (which also removes those records) or the
+    process's end.
 
     Local rank 0 takes each lock exclusively, so a folder that any process of another run holds is refused
     (RunLockError naming the folder and that run), writes the record (the ranks' parent process as the launcher,
@@ -139,11 +140,13 @@ def lock_without_launcher(folders, run_id: str, local_rank: int, machine_rank: i
             problem = regular_lock_problem(path) if os.path.lexists(path) else None
             if problem:
                 raise RunLockError(f"refusing the run's lock {path}: {problem}")
-            held.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            held.append((fd, None))
             if local_rank == 0:
-                _take_first(held[-1], path, launcher, run_id)
+                _take_first(fd, path, launcher, run_id)
+                held[-1] = (fd, path)
             else:
-                _join(held[-1], path, launcher, wait_s)
+                _join(fd, path, launcher, wait_s)
     except BaseException:
         release(held)
         raise
@@ -178,8 +181,12 @@ def _join(fd: int, path: str, launcher: int, wait_s: float) -> None:
         time.sleep(0.05)
 
 
-def release(descriptors: list[int]) -> None:
-    for fd in descriptors:
+def release(held: list[tuple[int, str | None]]) -> None:
+    """Remove the records this process wrote (while they still name its launch), then let go of the locks."""
+    launcher = os.getppid()
+    for fd, path in held:
+        if path is not None and read_record(path)["launcher"] == launcher:
+            record_file(path).unlink(missing_ok=True)
         try:
             os.close(fd)
         except OSError:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from diffsynth_mbc.training.checkpoint_integrity import damage, inventory
-from diffsynth_mbc.training.checkpoints import checkpoint_name, resolve_resume
+from diffsynth_mbc.training.checkpoint_folder import checkpoint_name, resolve_resume
 
 
 def make_checkpoint(root, step, world_size=2, listed=True):
@@ -63,3 +63,26 @@ def test_every_checkpoint_damaged_is_an_error_not_a_silent_fresh_start(tmp_path)
 def test_checkpoints_saved_before_file_lists_still_resume(tmp_path):
     make_checkpoint(tmp_path, 4, listed=False)
     assert resolve_resume("latest", tmp_path, world_size=2).name == checkpoint_name(4)
+
+
+@pytest.mark.parametrize("broken, why", [
+    (lambda f: (f / "checkpoint.json").unlink(), "is missing"),
+    (lambda f: (f / "checkpoint.json").write_text('{"step": 8, "epo'), "cannot be read"),
+])
+def test_a_newest_checkpoint_without_a_readable_manifest_is_named_skipped_and_moved_aside(tmp_path, broken, why):
+    """It used to be skipped without a word; the resumed run then failed at that step, unable to publish over a
+    folder 'not written by' its own run."""
+    from diffsynth_mbc.training.checkpoint_folder import set_aside_unreadable
+
+    make_checkpoint(tmp_path, 4)
+    newest = make_checkpoint(tmp_path, 8)
+    (newest / "notes.txt").write_text("kept")
+    broken(newest)
+    reports = []
+    assert resolve_resume("latest", tmp_path, world_size=2, report=reports.append).name == checkpoint_name(4)
+    assert reports == [f"skipping {checkpoint_name(8)}: its checkpoint.json {why}" + (
+        " (damaged or cut off)" if why == "cannot be read" else "")]
+    moved = set_aside_unreadable(tmp_path, after_step=4)
+    assert [p.name for p in moved] == [f"damaged-{checkpoint_name(8)}"]
+    assert (moved[0] / "notes.txt").read_text() == "kept" and not newest.exists()
+    assert set_aside_unreadable(tmp_path, after_step=4) == []

@@ -15,7 +15,8 @@ from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.checkpoint_integrity import damage
 from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError, folder_bytes, human, write_failure
-from diffsynth_mbc.training.checkpoints import Checkpoints, Position, find_latest, read_manifest
+from diffsynth_mbc.training.checkpoints import Checkpoints, Position
+from diffsynth_mbc.training.checkpoint_folder import find_latest, read_manifest
 from diffsynth_mbc.training.lora_format import NonFiniteLoraError
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 from diffsynth_mbc.training.options import resolve_options

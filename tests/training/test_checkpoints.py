@@ -2,9 +2,10 @@ import json
 
 import pytest
 
-from diffsynth_mbc.training.checkpoints import (CheckpointSchedule, checkpoint_name, complete_checkpoints, find_latest,
-                                       fingerprint_differences, prune, publish, resolve_resume, temp_path,
-                                       truncate_history)
+from diffsynth_mbc.training.checkpoint_folder import (checkpoint_name, complete_checkpoints, find_latest,
+                                                      resolve_resume, temp_path)
+from diffsynth_mbc.training.checkpoints import (CheckpointSchedule, fingerprint_differences, prune, publish,
+                                                truncate_history)
 
 
 def make_checkpoint(root, step, complete=True):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffsynth_mbc.training.checkpoints import complete_checkpoints
+from diffsynth_mbc.training.checkpoint_folder import complete_checkpoints
 from e2e_helpers import REPO, free_port, isolated_env, read_history, read_status
 from test_resume import kill_tree
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffsynth_mbc.training.checkpoints import checkpoint_name, complete_checkpoints, read_manifest
+from diffsynth_mbc.training.checkpoint_folder import checkpoint_name, complete_checkpoints, read_manifest
 from diffsynth_mbc.data.demo import prepare
 from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, read_status
 

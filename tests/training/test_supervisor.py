@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from diffsynth_mbc.training.checkpoints import complete_checkpoints
+from diffsynth_mbc.training.checkpoint_folder import complete_checkpoints
 from diffsynth_mbc.training.processes import alive, children, is_accelerate
 from diffsynth_mbc.training.run_control import lock_holders
 from e2e_helpers import REPO, isolated_env, read_status
