@@ -5,8 +5,10 @@ The view is fed a snapshot and never reads files itself; styles live in one Them
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -78,6 +80,41 @@ def fmt_num(value, spec: str = ".4g") -> str:
         return str(value)
 
 
+def fmt_loss(value) -> str:
+    """Every loss the view shows (the mean, each rank's, each mode's), as the dashboard writes it: 4 significant
+    digits with their zeros (``0.4100`` beside ``0.4123``, never ``0.41``); 0.001 <= |v| < 10000 plain, else
+    ``4.123e-5``."""
+    try:
+        value = float(value) if type(value) in (int, float) else math.nan
+    except OverflowError:   # an int too large for a float
+        value = math.nan
+    if not math.isfinite(value):
+        return "-"
+    if value == 0:
+        return "0"
+    exact = Decimal(value)   # rounded half away from zero, as the page's toFixed / toExponential round
+    power = exact.adjusted()
+    rounded = exact.quantize(Decimal(1).scaleb(power - 3), ROUND_HALF_UP)
+    if rounded.adjusted() > power:   # 9999.6 is 1.000e4
+        power += 1
+        rounded = exact.quantize(Decimal(1).scaleb(power - 3), ROUND_HALF_UP)
+    return f"{rounded:f}" if -3 <= power < 4 else f"{rounded.scaleb(-power):f}e{power}"
+
+
+def fmt_lr(value) -> str:
+    return fmt_num(value, ".3g")
+
+
+def fmt_seconds(value) -> str:
+    """A step time: seconds with 2 decimals."""
+    return "-" if value is None else fmt_num(value, ".2f")
+
+
+def fmt_rate(value) -> str:
+    """Samples (or cache rows) per second."""
+    return fmt_num(value, ".3g")
+
+
 def fmt_clock(ts) -> str:
     if ts is None:
         return "-"
@@ -142,13 +179,13 @@ def render_header(snap: dict, log_dir: str | None, theme: Theme) -> RenderableTy
     grid.add_row("cache rows" if cache else "step", step_text, "ranks", world_text)
     bar = ProgressBar(total=100.0, completed=progress or 0.0, width=40)
     rate = snap.get("samples_per_s")
-    grid.add_row("progress", bar, "rows/s" if cache else "samples/s", Text(fmt_num(rate, ".3g"), style=theme.value))
+    grid.add_row("progress", bar, "rows/s" if cache else "samples/s", Text(fmt_rate(rate), style=theme.value))
     grid.add_row("elapsed", Text(fmt_duration(snap.get("elapsed_s")), style=theme.value),
                  "ETA (slowest)", Text(fmt_duration(snap.get("eta_s")), style=theme.value))
     if cache:
         grid.add_row("failed rows", Text(printable(failures_text(cache)), style=theme.value), "", "")
     else:
-        grid.add_row("loss (mean)", Text(fmt_num(snap.get("loss")), style=theme.value),
+        grid.add_row("loss (mean)", Text(fmt_loss(snap.get("loss")), style=theme.value),
                      "between steps", Text(printable(overheads_text(snap.get("overheads")) or "-"), style=theme.value))
     title = escape(printable("diffsynth-mbc monitor" + (f" — {log_dir}" if log_dir else "")))
     return Panel(grid, title=title, title_align="left", border_style=theme.header_border, box=box.ROUNDED)
@@ -175,10 +212,10 @@ def render_ranks(snap: dict, theme: Theme) -> RenderableType:
             _status_text(r, theme),
             Text(phase_text(r)),
             step_text,
-            fmt_num(r.get("loss")),
+            fmt_loss(r.get("loss")),
             Text(sparkline(r.get("loss_trend") or []), style=theme.spark),
-            fmt_num(r.get("lr"), ".3g"),
-            "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.2f}s",
+            fmt_lr(r.get("lr")),
+            "-" if r.get("step_time_s") is None else f"{fmt_seconds(r['step_time_s'])}s",
             util,
             mem,
             "-" if r.get("age_s") is None else f"{fmt_duration(r['age_s'])} ago",
@@ -198,8 +235,8 @@ def render_mode_losses(snap: dict, theme: Theme) -> RenderableType | None:
     for _ in range(2 + len(modes)):
         grid.add_column(style=theme.label, no_wrap=True)
     for i, (rank, losses) in enumerate(rows):
-        cells = [Text.assemble((f"{printable(str(mode))} ", theme.label), (fmt_num(losses[mode]), theme.value))
-                 if mode in losses else "" for mode in modes]   # as the loss beside it: 4 significant digits
+        cells = [Text.assemble((f"{printable(str(mode))} ", theme.label), (fmt_loss(losses[mode]), theme.value))
+                 if mode in losses else "" for mode in modes]   # as the loss beside it
         grid.add_row(f"loss by mode (last {RECENT_STEPS} steps)" if i == 0 else "", f"rank {rank}", *cells)
     return grid
 
@@ -284,10 +321,10 @@ def render_compact_header(snap: dict, theme: Theme) -> RenderableType:
     if progress is not None:
         line.append(f" ({progress:.1f}%)", style=theme.value)
     line.append(f"  ETA {fmt_duration(snap.get('eta_s'))}", style=theme.value)
-    line.append(f"  failed {failures_text(cache)}" if cache else f"  loss {fmt_num(snap.get('loss'))}",
+    line.append(f"  failed {failures_text(cache)}" if cache else f"  loss {fmt_loss(snap.get('loss'))}",
                 style=theme.value)
     second = Text(f"elapsed {fmt_duration(snap.get('elapsed_s'))}  ranks {snap.get('world_size') or '-'}"
-                  f"  {'rows/s' if cache else 'samples/s'} {fmt_num(snap.get('samples_per_s'), '.3g')}",
+                  f"  {'rows/s' if cache else 'samples/s'} {fmt_rate(snap.get('samples_per_s'))}",
                   style=theme.label)
     if snap.get("missing_ranks"):
         second.append(f"  missing: {', '.join(map(str, snap['missing_ranks']))}", style=theme.status["missing"])
@@ -315,8 +352,8 @@ def render_compact_ranks(snap: dict, theme: Theme) -> RenderableType:
         status = "STALLED" if r.get("stalled") else (r.get("status") or "unknown")
         table.add_row(str(rank), Text(status, style=theme.status.get(status.lower(), "")),
                       f"{r.get('step') if r.get('step') is not None else '-'}/{r.get('total_steps') or '-'}",
-                      fmt_num(r.get("loss")),
-                      "-" if r.get("step_time_s") is None else f"{r['step_time_s']:.2f}",
+                      fmt_loss(r.get("loss")),
+                      fmt_seconds(r.get("step_time_s")),
                       "-" if r.get("age_s") is None else fmt_duration(r["age_s"]),
                       Text(phase_text(r)))
     return table

@@ -11,7 +11,7 @@ import pytest
 import monitor_fixtures as F
 from diffsynth_mbc.monitor.history import HistoryFile
 from diffsynth_mbc.monitor.state import MonitorState
-from diffsynth_mbc.monitor.timestep_bins import ALPHA, BINS, LossByTimestep
+from diffsynth_mbc.monitor.timestep_bins import ALPHA, BINS, LAG, MARK_EVERY, LossByTimestep
 from diffsynth_mbc.training.progress import ProgressLogger
 from diffsynth_mbc.training.status_writer import RankStatusWriter
 
@@ -25,6 +25,25 @@ def test_each_pair_lands_in_its_bin_and_the_bin_keeps_an_ema():
     assert out["ema"][0] == pytest.approx(1.0 + ALPHA * (3.0 - 1.0))
     assert out["ema"][-1] == pytest.approx(0.5 + ALPHA * (0.7 - 0.5))
     assert out["ema"][1:-1] == [None] * (BINS - 2)
+
+
+def test_each_bin_keeps_its_average_as_it_was_lag_samples_earlier():
+    """The trend is read from the run, not from one snapshot: beside its average, a bin says what its average was
+    LAG to LAG + MARK_EVERY - 1 of its samples earlier (none before it has that many), from a few marks."""
+    bins, averages = LossByTimestep(), [None]   # averages[n]: bin 3's average after its n-th sample
+    for n in range(1, 3 * LAG + 1):
+        bins.add([160.0], [1.0 / n])   # a falling loss in bin [150, 200)
+        averages.append(bins.ema[3])
+        out = bins.as_dict()
+        assert out["ema"][3] == pytest.approx(averages[n], rel=1e-5) and out["count"][3] == n
+        if n < LAG + MARK_EVERY:
+            assert out["earlier"][3] is None and out["earlier_count"][3] is None, n
+            continue
+        then = out["earlier_count"][3]
+        assert LAG <= n - then < LAG + MARK_EVERY and then % MARK_EVERY == 0, (n, then)
+        assert out["earlier"][3] == pytest.approx(averages[then], rel=1e-5) and out["earlier"][3] > out["ema"][3]
+        assert len(bins.marks[3]) <= LAG // MARK_EVERY + 1   # a few marks a bin, however long the run
+    assert out["earlier"][:3] == [None] * 3 and out["lag"] == LAG and out["mark_every"] == MARK_EVERY
 
 
 def test_nonsense_pairs_are_left_out():

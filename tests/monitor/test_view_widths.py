@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,3 +73,20 @@ def test_the_loss_per_mode_fits_a_80x24_pane(tmp_path):
                   "rank 1  t2i 0.4123  i2v 0.5431  t2v 0.6012", "30m00s"):
         assert whole in text, text
     assert len(lines) <= 24
+
+
+@pytest.mark.parametrize("width,height", [(80, 24), (200, 50)])
+def test_a_loss_reads_the_same_wherever_the_terminal_shows_it(tmp_path, width, height):
+    """Every loss is written by one rule (4 significant digits, zeros kept): 0.41 is "0.4100" in the header's mean,
+    each rank's row and each rank's loss by mode, never "0.41" beside a "0.4123"."""
+    F.make_run(tmp_path / "logs", world_size=2, steps=100, loss=0.41)
+    for rank in (0, 1):
+        with open(tmp_path / "logs" / f"training_gpu{rank}.jsonl", "a", encoding="utf-8") as handle:
+            handle.write("".join(F.history_line(s, rank, timesteps=[100.0, 500.0], modes=["t2i", "i2v"],
+                                                timestep_losses=[0.41, 0.4123]) for s in range(101, 121)))
+    text = screen(tmp_path, width, height)
+    shown = re.findall(r"(?<![\d.])0\.41\d*", text)
+    # the mean, rank 0's and rank 1's loss, and t2i's on both ranks; i2v's on both
+    assert sorted(shown) == ["0.4100"] * 5 + ["0.4123"] * 2, text
+    for rank in (0, 1):
+        assert f"rank {rank}  t2i 0.4100  i2v 0.4123" in text, text

@@ -16,20 +16,24 @@
   const MODE_ORDER = ["t2i", "i2v", "t2v"];
   const MODE_COLORS = {t2i: "#f2c94c", i2v: "#ff6b6b", t2v: "#56d4e0"};
   const MAX_MODES = 8, MAX_MODE_NAME = 12, MAX_QUANTILES = 16;   // as the monitor keeps them
+  // kind: how the chart's values are written in its legend and tooltip, as the same figure in the cards and table
   const CHARTS = [
-    {id: "loss", title: "Training loss", field: "loss", smoothing: true, logToggle: true},
+    {id: "loss", title: "Training loss", field: "loss", kind: "loss", smoothing: true, logToggle: true},
     {id: "val_loss", title: "Validation loss (mean of the fixed timesteps t, each t, and each mode)",
-     field: "val_loss", points: true, quantiles: true, emaField: "val_loss_ema", valModes: true},
-    {id: "lr", title: "Learning rate", field: "lr", once: true},
-    {id: "grad_norm", title: "Gradient norm", field: "grad_norm"},
-    {id: "step_time", title: "Step time (s)", field: "step_time_s", highlightSlow: true},
-    {id: "samples_per_s", title: "Samples / s", field: "samples_per_s"},
+     field: "val_loss", kind: "loss", points: true, quantiles: true, emaField: "val_loss_ema", valModes: true},
+    {id: "lr", title: "Learning rate", field: "lr", kind: "lr", once: true},
+    {id: "grad_norm", title: "Gradient norm", field: "grad_norm", kind: "grad_norm"},
+    {id: "step_time", title: "Step time (s)", field: "step_time_s", kind: "seconds", highlightSlow: true},
+    {id: "samples_per_s", title: "Samples / s", field: "samples_per_s", kind: "rate"},
     {id: "loss_by_mode", title: "Loss by mode (mean of the mode's samples per step; smoothed as the training loss)",
-     byMode: true, smoothed: true},
-    {id: "loss_by_timestep", title: "Loss by timestep (average per bin over the run; falling: still learning there)",
-     byTimestep: true, points: true, xLabel: "timestep", split: true},
+     kind: "loss", byMode: true, smoothed: true},
+    {id: "loss_by_timestep", title: "Loss by timestep (each bin's average of its last ~20 samples)",
+     note: "faint: the same average ~100 of the bin's samples earlier (where the line is below it, the loss fell "
+           + "there); bars: samples per bin; hover for the counts",
+     kind: "loss", byTimestep: true, points: true, xLabel: "timestep", split: true},
   ];
-  const TIMESTEP_BINS = {edges: Array.from({length: 21}, (_, i) => i * 50), alpha: 0.05};  // as the monitor's
+  // as the monitor's (timestep_bins.py): 20 bins, the average's alpha, its earlier value's lag and marks
+  const TIMESTEP_BINS = {edges: Array.from({length: 21}, (_, i) => i * 50), alpha: 0.05, lag: 100, every: 10};
 
   const history = {};  // rank -> {fields: {name: {x: [], y: []}}, epochs: Map(step -> epoch), since, loaded}
   const charts = {};   // chart id -> {spec, plot, signature, zoomed, box, tip}
@@ -53,6 +57,22 @@
     if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(2);
     return Number(v.toPrecision(digits || 4)).toString();
   }
+  function lossText(v) {
+    // Every loss on the page (cards, rank table, legends, tooltips), as the terminal writes it (view.fmt_loss):
+    // 4 significant digits, zeros kept (0.4100 beside 0.4123); 0.001 <= |v| < 10000 plain, else 4.123e-5.
+    if (!num(v)) return "-";
+    if (v === 0) return "0";
+    const parts = v.toExponential(3).split("e"), e = Number(parts[1]);
+    return e >= -3 && e < 4 ? v.toFixed(3 - e) : parts[0] + "e" + e;
+  }
+  // One text per kind of figure, the same in the cards, the rank table and the charts' legends and tooltips.
+  const FORMATS = {
+    loss: lossText,
+    lr: (v) => fmt(v, 3),
+    grad_norm: (v) => fmt(v, 4),
+    seconds: (v) => (num(v) ? v.toFixed(2) + " s" : "-"),
+    rate: (v) => fmt(v, 3),
+  };
   function dur(s) {
     if (!num(s)) return "-";
     s = Math.max(0, Math.round(s));
@@ -102,9 +122,9 @@
     $("sum-bar").style.width = (num(s.progress) ? Math.min(100, s.progress) : 0) + "%";
     $("sum-elapsed").textContent = dur(s.elapsed_s);
     $("sum-eta").textContent = dur(s.eta_s);
-    $("sum-rate").textContent = fmt(s.samples_per_s, 3);
+    $("sum-rate").textContent = FORMATS.rate(s.samples_per_s);
     cacheLabels(s);
-    $("sum-loss").textContent = fmt(s.loss, 4);
+    $("sum-loss").textContent = FORMATS.loss(s.loss);
     let ranksText = s.world_size === null || s.world_size === undefined ? "-" : String(s.world_size);
     if (s.missing_ranks && s.missing_ranks.length) ranksText += " (missing " + s.missing_ranks.join(", ") + ")";
     if (s.stalled_ranks && s.stalled_ranks.length) ranksText += " (stalled " + s.stalled_ranks.join(", ") + ")";
@@ -161,7 +181,7 @@
     const cells = [
       [null, rank], ["l wrap", r.hostname || "-"], null, ["l wrap", (r.phase || "-") + (r.waiting_text ? ": " + r.waiting_text : "")], [null, epoch],
       [null, (num(r.step) ? r.step : "-") + " / " + (num(r.total_steps) ? r.total_steps : "-")],
-      [null, fmt(r.loss, 4)], [null, fmt(r.lr, 3)], [null, num(r.step_time_s) ? r.step_time_s.toFixed(2) + " s" : "-"],
+      [null, FORMATS.loss(r.loss)], [null, FORMATS.lr(r.lr)], [null, FORMATS.seconds(r.step_time_s)],
       [null, gpu ? (num(gpu.util_pct) ? Math.round(gpu.util_pct) + " %" : "-") : "cpu"], ["wrap", mem],
       [null, num(r.age_s) ? dur(r.age_s) + " ago" : "-"],
     ];
@@ -241,8 +261,23 @@
 
   function emptyBins() {
     const n = TIMESTEP_BINS.edges.length - 1;
-    return {edges: TIMESTEP_BINS.edges, alpha: TIMESTEP_BINS.alpha, ema: new Array(n).fill(null),
-            count: new Array(n).fill(0)};
+    return {edges: TIMESTEP_BINS.edges, alpha: TIMESTEP_BINS.alpha, lag: TIMESTEP_BINS.lag, every: TIMESTEP_BINS.every,
+            ema: new Array(n).fill(null), count: new Array(n).fill(0), marks: Array.from({length: n}, () => [])};
+  }
+
+  function addSample(b, k, v) {
+    // One sample in bin k, as the monitor's LossByTimestep.add_pair: the bin's average and count, and a mark
+    // (count, average) every b.every samples, of which only the newest at least b.lag samples old is kept.
+    b.ema[k] = b.ema[k] === null ? v : b.ema[k] + b.alpha * (v - b.ema[k]);
+    const n = ++b.count[k], marks = b.marks[k];
+    if (n % b.every === 0) marks.push([n, b.ema[k]]);
+    while (marks.length > 1 && marks[1][0] <= n - b.lag) marks.shift();
+  }
+
+  function earlierOf(b, k) {
+    // [count, average] of bin k at least b.lag of its samples ago; null while the bin is younger.
+    const mark = b.marks[k][0];
+    return mark && mark[0] <= b.count[k] - b.lag ? mark : null;
   }
 
   function timestepBins(h, mode) {
@@ -269,10 +304,7 @@
       const v = rec.timestep_losses[i];
       if (!num(t) || !num(v) || t < 0 || t > top) return;
       const k = Math.min(n - 1, Math.floor(t * n / top)), mode = modeOf(rec, i);
-      for (const b of mode === null ? [all] : [all, timestepBins(h, mode)]) {
-        b.ema[k] = b.ema[k] === null ? v : b.ema[k] + b.alpha * (v - b.ema[k]);
-        b.count[k]++;
-      }
+      for (const b of mode === null ? [all] : [all, timestepBins(h, mode)]) addSample(b, k, v);
     });
   }
 
@@ -317,8 +349,12 @@
     if (!bins || !Array.isArray(bins.edges) || !Array.isArray(bins.ema) || bins.ema.length !== bins.edges.length - 1) {
       return null;
     }
+    const marks = (m) => (Array.isArray(m) ? m.filter((p) => Array.isArray(p) && num(p[0]) && num(p[1])) : []);
     return {edges: bins.edges, alpha: num(bins.alpha) ? bins.alpha : TIMESTEP_BINS.alpha,
-            ema: bins.ema.map((v) => (num(v) ? v : null)), count: bins.ema.map((v, i) => (bins.count || [])[i] || 0)};
+            lag: num(bins.lag) ? bins.lag : TIMESTEP_BINS.lag,
+            every: num(bins.mark_every) && bins.mark_every > 0 ? bins.mark_every : TIMESTEP_BINS.every,
+            ema: bins.ema.map((v) => (num(v) ? v : null)), count: bins.ema.map((v, i) => (bins.count || [])[i] || 0),
+            marks: bins.ema.map((v, i) => marks((bins.marks || [])[i]))};
   }
 
   async function loadFull(rank) {
@@ -469,7 +505,7 @@
     // One line per rank (lr: once); the loss adds a faint raw line per rank, all of them under the smoothed ones.
     // Per mode: a line per mode and rank.
     if (spec.byMode) return modeLines(ranks, (h) => h.modes);
-    if (splitByMode(spec, ranks)) return modeLines(ranks, (h) => h.modeBins);
+    if (splitByMode(spec, ranks)) return withEarlier(modeLines(ranks, (h) => h.modeBins));
     const lines = [], raw = [];
     for (const rank of spec.once ? ranks.slice(0, 1) : ranks) {
       const color = rankColor(rank);
@@ -507,15 +543,33 @@
         lines.push({rank: first, mode: mode, label: mode, stroke: modeColor(mode), width: 1.5, dash: [8, 3, 2, 3]});
       }
     }
-    return lines;
+    return spec.byTimestep ? withEarlier(lines) : lines;
+  }
+
+  function lineBins(line) {
+    // The bins a line of the loss by timestep chart draws (all samples', or one mode's); null once its rank is gone.
+    const h = history[line.rank];
+    return !h ? null : line.mode === undefined ? timestepBins(h) : timestepBins(h, line.mode);
+  }
+
+  function withEarlier(lines) {
+    // The loss by timestep chart: under each line with an earlier average in some bin, that earlier average,
+    // faint and thin.
+    const faint = lines.filter((line) => {
+      const b = lineBins(line);
+      return b.ema.some((_, i) => earlierOf(b, i) !== null);
+    }).map((line) => Object.assign({}, line, {earlier: true, label: line.label + " earlier",
+                                              stroke: fade(line.stroke, 0.4), width: 1}));
+    return faint.concat(lines);
   }
 
   function chartData(spec, lines) {
     const tables = lines.map((line) => {
       const h = history[line.rank];
-      if (spec.byTimestep) {   // x: the middle of each timestep bin
-        const b = line.mode === undefined ? timestepBins(h) : timestepBins(h, line.mode);
-        return [b.ema.map((_, i) => (b.edges[i] + b.edges[i + 1]) / 2), b.ema.slice()];
+      if (spec.byTimestep) {   // x: the middle of each timestep bin; y: each bin's average, or its earlier one
+        const b = lineBins(line);
+        const ys = line.earlier ? b.ema.map((_, i) => (earlierOf(b, i) || [0, null])[1]) : b.ema.slice();
+        return [b.ema.map((_, i) => (b.edges[i] + b.edges[i + 1]) / 2), ys];
       }
       const f = line.quantile !== undefined ? h.quantiles.get(line.quantile)
         : line.mode !== undefined ? (spec.byMode ? h.modes : h.valModes).get(line.mode)
@@ -561,12 +615,79 @@
     }}};
   }
 
+  // ---- the loss by timestep chart's bins: what a value stands on ------------------------------
+  function binEdges(chart) {
+    const b = chart.lines && chart.lines.length ? lineBins(chart.lines[0]) : null;
+    return b ? b.edges : TIMESTEP_BINS.edges;
+  }
+
+  function binRange(chart, idx) {
+    // "450-500": the timesteps of bin idx (the chart's x values are the bins' middles, one per bin).
+    const edges = binEdges(chart);
+    return idx + 1 < edges.length ? edges[idx] + "-" + edges[idx + 1] : "-";
+  }
+
+  function binSpan(chart) {
+    // The loss by timestep chart's x range, unzoomed: all the bins, from their first edge to their last.
+    const edges = binEdges(chart);
+    return [edges[0], edges[edges.length - 1]];
+  }
+
+  function binSamples(chart, u, idx) {
+    // The samples in bin idx of every line shown (not the earlier ones: the same samples, fewer of them).
+    let n = 0;
+    chart.lines.forEach((line, i) => {
+      const b = lineBins(line);
+      if (b && !line.earlier && u.series[i + 1].show) n += b.count[idx] || 0;
+    });
+    return n;
+  }
+
+  function valueText(chart, si, idx, v) {
+    // A line's value as the legend and the tooltip write it (its chart's kind of figure); in the loss by timestep
+    // chart with the samples behind it: its bin's, or for an earlier average how many samples before now it was.
+    const text = FORMATS[chart.spec.kind](v), line = chart.lines[si - 1];
+    const b = chart.spec.byTimestep && num(v) && num(idx) && line ? lineBins(line) : null;
+    if (!b) return text;
+    if (!line.earlier) return text + " (" + b.count[idx] + " samples)";
+    const mark = earlierOf(b, idx);
+    return mark ? text + " (" + (b.count[idx] - mark[0]) + " samples before)" : text;
+  }
+
+  function xText(chart, u, idx, x) {
+    // The legend's x value: a step, or the hovered bin's timesteps and samples.
+    if (!chart.spec.byTimestep) return x === null || x === undefined ? "-" : String(x);
+    return num(idx) ? binRange(chart, idx) + " (" + binSamples(chart, u, idx) + " samples)" : "-";
+  }
+
+  function countPlugin(chart) {
+    // The loss by timestep chart: a faint bar per bin under the lines, as tall as its samples (of the lines
+    // shown) are to the fullest bin's, the fullest a fifth of the plot; so a bin of 3 samples looks it.
+    return {hooks: {drawAxes: (u) => {
+      if (!chart.spec.byTimestep || !chart.lines.length) return;
+      const edges = binEdges(chart), counts = edges.slice(1).map((_, i) => binSamples(chart, u, i));
+      const most = Math.max(0, ...counts), ctx = u.ctx, box = u.bbox;
+      chart.box.dataset.binSamples = JSON.stringify(counts);
+      ctx.save();
+      ctx.beginPath(); ctx.rect(box.left, box.top, box.width, box.height); ctx.clip();
+      ctx.fillStyle = "rgba(138, 150, 168, .16)";
+      counts.forEach((n, i) => {
+        if (!n) return;
+        const x0 = u.valToPos(edges[i], "x", true), x1 = u.valToPos(edges[i + 1], "x", true);
+        const tall = Math.max(devicePixelRatio, box.height / 5 * n / most);
+        ctx.fillRect(x0 + devicePixelRatio, box.top + box.height - tall, x1 - x0 - 2 * devicePixelRatio, tall);
+      });
+      ctx.restore();
+    }}};
+  }
+
   function showTip(chart, u) {
     const idx = u.cursor.idx;
     const tip = chart.tip;
     if (idx === null || idx === undefined || u.cursor.left < 0) { tip.hidden = true; return; }
     const step = u.data[0][idx];
-    tip.replaceChildren(el("b", null, (chart.spec.xLabel || "step") + " " + step));
+    tip.replaceChildren(el("b", null, chart.spec.byTimestep
+      ? "timestep " + binRange(chart, idx) + " · " + binSamples(chart, u, idx) + " samples" : "step " + step));
     tip.dataset.step = String(step);
     const values = {};
     for (let i = 1; i < u.series.length; i++) {
@@ -574,7 +695,7 @@
       if (!s.show || !num(v)) continue;
       const row = el("div", {"data-label": s.label});
       const mark = el("i"); mark.style.background = chart.lines[i - 1].stroke;
-      row.append(mark, s.label + ": " + fmt(v, 6));
+      row.append(mark, s.label + ": " + valueText(chart, i, idx, v));
       tip.appendChild(row);
       values[s.label] = v;
     }
@@ -619,6 +740,7 @@
       head.appendChild(label);
     }
     box.appendChild(head);
+    if (spec.note) box.appendChild(el("div", {"class": "hint"}, spec.note));
   }
 
   function ensureBox(spec) {
@@ -641,21 +763,23 @@
     const width = Math.max(300, chart.area.clientWidth || 500);
     const opts = {
       width: width, height: 220,
-      scales: {x: {time: false}, y: spec.logToggle && options.logLoss ? {distr: 3} : {}},
+      scales: {x: spec.byTimestep ? {time: false, range: () => binSpan(chart)} : {time: false},
+               y: spec.logToggle && options.logLoss ? {distr: 3} : {}},
       axes: [
         {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: axisValues(chart, "xTicks"),
          label: spec.xLabel || "step", labelSize: 18, font: "11px sans-serif", labelFont: "11px sans-serif"},
         {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: axisValues(chart, "yTicks"),
          size: 60, font: "11px sans-serif"},
       ],
-      series: [{label: "step", value: (u, v) => (v === null ? "-" : String(v))}].concat(lines.map((line) => ({
-        label: line.label, stroke: line.stroke, width: line.width, dash: line.dash, spanGaps: true,
-        points: {show: spec.points ? true : false, size: 5},
-        value: (u, v) => (v === null ? "-" : fmt(v, 6)),
-      }))),
+      series: [{label: spec.xLabel || "step", value: (u, v, si, idx) => xText(chart, u, idx, v)}].concat(lines.map(
+        (line) => ({
+          label: line.label, stroke: line.stroke, width: line.width, dash: line.dash, spanGaps: true,
+          points: {show: spec.points ? true : false, size: line.earlier ? 3 : 5},
+          value: (u, v, si, idx) => (v === null ? "-" : valueText(chart, si, idx, v)),
+        }))),
       cursor: {drag: {x: true, y: false, setScale: true}},
       legend: {live: true},
-      plugins: [epochPlugin(chart)],
+      plugins: [epochPlugin(chart), countPlugin(chart)],
       hooks: {
         setSelect: [() => { chart.zoomed = true; }],
         setScale: [(u, key) => {
@@ -675,13 +799,16 @@
   }
 
   function pairSeries(chart, u, idx, opts) {
-    // Hiding a rank in the loss legend hides its raw line too (and the other way round).
-    if (!chart.spec.smoothing || chart.pairing || !opts || opts.show === undefined || !chart.lines) return;
-    const rank = chart.lines[idx - 1] && chart.lines[idx - 1].rank;
+    // Hiding a rank in the loss legend hides its raw line too (and the other way round); in the loss by timestep
+    // chart a line and its earlier average go together.
+    const paired = chart.spec.smoothing || chart.spec.byTimestep;
+    if (!paired || chart.pairing || !opts || opts.show === undefined || !chart.lines || !chart.lines[idx - 1]) return;
+    const rank = chart.lines[idx - 1].rank, mode = chart.lines[idx - 1].mode;
     chart.pairing = true;
     try {
       chart.lines.forEach((line, i) => {
-        if (i + 1 !== idx && line.rank === rank && u.series[i + 1].show !== opts.show) u.setSeries(i + 1, {show: opts.show});
+        if (i + 1 === idx || line.rank !== rank || line.mode !== mode || u.series[i + 1].show === opts.show) return;
+        u.setSeries(i + 1, {show: opts.show});
       });
     } finally { chart.pairing = false; }
   }
