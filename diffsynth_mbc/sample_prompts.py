@@ -14,9 +14,8 @@ import re
 import unicodedata
 from pathlib import Path
 
-import yaml
-
-from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.errors import OptionsError, clipped
+from diffsynth_mbc.yaml_input import parse_yaml
 
 DEFAULT_STEPS = 30
 DEFAULT_CFG = 5.0
@@ -59,10 +58,7 @@ def _entries(path: Path) -> list:
                 except ValueError as exc:
                     raise OptionsError(f"--sample_prompts {path}: line {number} is not JSON ({exc})") from None
         return entries
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise OptionsError(f"--sample_prompts {path}: not valid YAML ({exc})") from None
+    data = parse_yaml(text, f"--sample_prompts {path}")   # refuses an alias bomb, naming the file
     if isinstance(data, dict) and "prompts" in data:
         data = data["prompts"]
     if not isinstance(data, list):
@@ -83,9 +79,10 @@ def load_sample_prompts(path: str | Path, *, height: int, width: int, num_frames
             entry = {"prompt": entry}
         if not isinstance(entry, dict) or not str(entry.get("prompt") or "").strip():
             raise OptionsError(f"{where}: needs a non-empty 'prompt'")
-        unknown = sorted(set(entry) - FIELDS)
+        unknown = sorted(map(str, set(entry) - FIELDS))
         if unknown:
-            raise OptionsError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(FIELDS))})")
+            raise OptionsError(f"{where}: unknown key(s) {clipped(', '.join(unknown))} "
+                               f"(known: {', '.join(sorted(FIELDS))})")
         values = {"seed": seed + number - 1, "height": height, "width": width, "num_frames": num_frames, **entry}
         try:
             prompt = SamplePrompt(prompt=str(values["prompt"]), seed=int(values["seed"]), height=int(values["height"]),

@@ -11,6 +11,7 @@ data position) drops exactly the samples the uninterrupted run drops.
 from __future__ import annotations
 
 from diffsynth_mbc.data.sample_draws import draw as sample_draw
+from diffsynth_mbc.errors import quoted
 
 EMPTY_PROMPT = ""
 
@@ -42,8 +43,8 @@ def check_caption_options(options: dict) -> str | None:
     for key in ("caption_prefix", "caption_suffix"):
         value = options.get(key)
         if value is not None and not isinstance(value, str):
-            return f"--{key} must be text, got {value!r} (quote it in a YAML preset)"
+            return f"--{key} must be text, got {quoted(value)} (quote it in a YAML preset)"
         if value and (value != value.strip() or "\n" in value or "\r" in value):
             return (f"--{key} must be one line without leading or trailing spaces (it is joined to the caption "
-                    f"with one space), got {value!r}")
+                    f"with one space), got {quoted(value)}")
     return None

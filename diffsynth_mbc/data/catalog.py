@@ -254,6 +254,17 @@ _INVISIBLE_ONLY = re.compile(r"[\s\u200b-\u200f\u2060-\u2064\ufeff\u00ad\u180e\u
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
+def _caption_problem(caption: str) -> tuple[str, str] | None:
+    """(reject code, detail) of a caption that cannot train as it is written, or None."""
+    if _INVISIBLE_ONLY.fullmatch(caption):
+        return Reason.EMPTY_CAPTION, "only zero-width or other invisible characters" if caption.strip() else ""
+    control = _CONTROL_CHARACTER.search(caption)
+    if control:
+        return Reason.CAPTION_CONTROL, f"{control.group()!r} at position {control.start()}"
+    not_text = caption_reads_as_non_text(caption)
+    return (Reason.CAPTION_NOT_TEXT, not_text) if not_text else None
+
+
 def validate_rows(
     catalog: Catalog,
     base_path: str,
@@ -264,14 +275,18 @@ def validate_rows(
     """Check each row; the first problem found is its reject reason.
 
     Order: field count, file_path, inside base path, media_type, extension, caption, duplicate
-    (of an earlier accepted row, then of an accepted validation row), file exists and its real path
+    (of an earlier accepted row, then of an accepted validation row: the same file, ``file_identity``, whatever
+    path names it, through a linked folder say), file exists and its real path
     (symbolic links followed) is inside the base path's real path. ``base_path``
     must be normalised (``normalise_base_path``). ``validation_paths`` maps resolved path to
     validation row number.
     """
     result = Validation(catalog_name)
     base_prefix = base_path.rstrip(os.sep) + os.sep
-    seen: dict[str, int] = {}
+    identify = file_identity if check_files else (lambda path: path)
+    seen: dict = {}   # identity -> (row, resolved path, file_path as written)
+    validation_files = {identify(path): (row, path, path.removeprefix(base_prefix))
+                        for path, row in (validation_paths or {}).items()}
     candidates: list[Entry] = []
     for row in catalog.rows:
         if row.field_count != catalog.expected_field_count:
@@ -299,25 +314,20 @@ def validate_rows(
             result.reject(row, Reason.EXTENSION_CONTRADICTS,
                           f"'.{extension}' is {extension_media_type}, row says {media_type}")
             continue
-        if _INVISIBLE_ONLY.fullmatch(row.caption):
-            invisible = "only zero-width or other invisible characters" if row.caption.strip() else ""
-            result.reject(row, Reason.EMPTY_CAPTION, invisible)
-            continue
-        control = _CONTROL_CHARACTER.search(row.caption)
-        if control:
-            result.reject(row, Reason.CAPTION_CONTROL, f"{control.group()!r} at position {control.start()}")
-            continue
-        caption_problem = caption_reads_as_non_text(row.caption)
+        caption_problem = _caption_problem(row.caption)
         if caption_problem:
-            result.reject(row, Reason.CAPTION_NOT_TEXT, caption_problem)
+            result.reject(row, *caption_problem)
             continue
-        if resolved in seen:
-            result.reject(row, Reason.DUPLICATE, f"row {seen[resolved]}")
+        identity = identify(resolved)
+        earlier = _same_file(seen, identity, resolved, file_path)
+        if earlier:
+            result.reject(row, Reason.DUPLICATE, earlier)
             continue
-        if validation_paths and resolved in validation_paths:
-            result.reject(row, Reason.DUPLICATE_OF_VALIDATION, f"validation row {validation_paths[resolved]}")
+        in_validation = _same_file(validation_files, identity, resolved, file_path)
+        if in_validation:
+            result.reject(row, Reason.DUPLICATE_OF_VALIDATION, f"validation {in_validation}")
             continue
-        seen[resolved] = row.row
+        seen[identity] = (row.row, resolved, file_path)
         relative = resolved[len(base_prefix):]
         if os.sep != "/":
             relative = relative.replace(os.sep, "/")
@@ -333,3 +343,22 @@ def validate_rows(
     else:
         result.accepted = candidates
     return result
+
+
+def file_identity(path: str):
+    """What makes two paths one file: its (device, inode), symbolic links (of the file or its folders) and '..'
+    followed, so a hard link is the same file too; the path itself when it cannot be looked up (a missing file)."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return path
+    return found.st_dev, found.st_ino
+
+
+def _same_file(seen: dict, identity, resolved: str, file_path: str) -> str | None:
+    """The reject detail when an earlier row named this file (``seen``: identity -> (row, resolved path, as written)):
+    ``row N``, and how the two paths name one file when they differ; None for a file not named before."""
+    if identity not in seen:
+        return None
+    row, first_resolved, first_written = seen[identity]
+    return f"row {row}" if first_resolved == resolved else f"row {row}: {file_path} is the same file as {first_written}"

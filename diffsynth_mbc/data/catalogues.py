@@ -20,20 +20,26 @@ from __future__ import annotations
 
 import csv
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import yaml
-
 from diffsynth_mbc.atomic import atomic_open
+from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.data.shapes import IMAGE, VIDEO, shape_key
-from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.errors import MetadataError, OptionsError, clipped, quoted
+from diffsynth_mbc.yaml_input import load_yaml
 
 MEDIA = ("all", VIDEO, IMAGE)
 KEYS = ("base_path", "metadata_path", "repeat", "caption_prefix", "media", "name")
 COLUMNS = ("video", "prompt", "media_type", "dataset")
 COMBINED = Path("datasets") / "metadata.csv"   # under --output_path
+# The largest plan a run takes. The batch sampler draws every sample of an epoch on every rank before the first step
+# (one index each: 10 million samples took 1.3 GB and 51 s per rank and epoch, measured), and no repeat needs more:
+# more passes over the data are --num_epochs, which the sampler draws one at a time.
+MAX_REPEAT = 10_000                   # a catalogue's repeat, and --dataset_repeat
+MAX_SAMPLES_PER_EPOCH = 10_000_000    # rows x repeats of all catalogues together
 
 
 @dataclass(frozen=True)
@@ -68,39 +74,40 @@ def parse_datasets(value, source: str = "datasets") -> list[Catalogue]:
     if isinstance(value, (str, os.PathLike)):
         path = Path(value)
         try:
-            value = yaml.safe_load(path.read_text(encoding="utf-8"))
+            value = load_yaml(path, "--datasets")
         except FileNotFoundError:
             raise OptionsError(f"--datasets: file not found: {path}") from None
-        except yaml.YAMLError as exc:
-            raise OptionsError(f"--datasets: {path} is not valid YAML: {exc}") from None
         source = f"--datasets {path}"
         if isinstance(value, dict) and set(value) == {"datasets"}:
             value = value["datasets"]
     if not isinstance(value, list) or not value:
         raise OptionsError(f"{source} must be a non-empty list of catalogues ({{base_path, metadata_path, repeat, "
-                           f"caption_prefix, media}}), got {value!r}")
+                           f"caption_prefix, media}}), got {quoted(value)}")
     catalogues, names = [], set()
     for position, item in enumerate(value):
         where = f"{source}[{position}]"
         if not isinstance(item, dict):
-            raise OptionsError(f"{where} must be a mapping with base_path and metadata_path, got {item!r}")
-        unknown = sorted(set(item) - set(KEYS))
+            raise OptionsError(f"{where} must be a mapping with base_path and metadata_path, got {quoted(item)}")
+        unknown = sorted(map(str, set(item) - set(KEYS)))
         if unknown:
-            raise OptionsError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(KEYS)})")
+            raise OptionsError(f"{where}: unknown key(s) {clipped(', '.join(unknown))} (known: {', '.join(KEYS)})")
         for key in ("base_path", "metadata_path"):
             if not isinstance(item.get(key), str) or not item[key]:
-                raise OptionsError(f"{where}: {key} is required (a path), got {item.get(key)!r}")
+                raise OptionsError(f"{where}: {key} is required (a path), got {quoted(item.get(key))}")
+        name = clipped(str(item.get("name", Path(item["metadata_path"]).parent.name or f"dataset{position}")), 100)
+        name = name if name not in names else f"{name}#{position}"
         repeat = item.get("repeat", 1)
         if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-            raise OptionsError(f"{where}: repeat must be a positive integer, got {repeat!r}")
+            raise OptionsError(f"{where}: repeat must be a positive integer, got {quoted(repeat)}")
+        if repeat > MAX_REPEAT:
+            raise OptionsError(f"{where} ({name}, {item['metadata_path']}): repeat {repeat:,} is above {MAX_REPEAT:,}, "
+                               "the most a catalogue is repeated per epoch; train more epochs (--num_epochs) instead")
         prefix = item.get("caption_prefix", "") or ""
         if not isinstance(prefix, str):
-            raise OptionsError(f"{where}: caption_prefix must be text, got {prefix!r}")
+            raise OptionsError(f"{where}: caption_prefix must be text, got {quoted(prefix)}")
         media = item.get("media", "all")
         if media not in MEDIA:
-            raise OptionsError(f"{where}: media must be one of {', '.join(MEDIA)}, got {media!r}")
-        name = item.get("name", Path(item["metadata_path"]).parent.name or f"dataset{position}")
-        name = str(name) if name not in names else f"{name}#{position}"
+            raise OptionsError(f"{where}: media must be one of {', '.join(MEDIA)}, got {quoted(media)}")
         names.add(name)
         catalogues.append(Catalogue(name, item["base_path"], item["metadata_path"], repeat, prefix, media))
     return catalogues
@@ -116,13 +123,12 @@ def combined_rows(catalogues: Sequence[Catalogue]) -> list[dict]:
         if not os.path.isdir(base):
             raise OptionsError(f"{where}: base_path {catalogue.base_path} is not a folder")
         try:
-            with open(catalogue.metadata_path, newline="", encoding="utf-8") as handle:
-                records = list(csv.DictReader(handle))
-                fields = set(records[0]) if records else set()
+            records = read_metadata(catalogue.metadata_path)
+            fields = set(records[0]) if records else set()
         except FileNotFoundError:
             raise OptionsError(f"{where}: metadata_path {catalogue.metadata_path} not found") from None
-        except (UnicodeDecodeError, csv.Error) as exc:
-            raise OptionsError(f"{where}: metadata_path {catalogue.metadata_path} cannot be read: {exc}") from None
+        except MetadataError as exc:
+            raise MetadataError(f"{where}: metadata_path {exc}") from None
         missing = [column for column in ("video", "prompt") if records and column not in fields]
         if missing:
             raise OptionsError(f"{where}: {catalogue.metadata_path} has no {' or '.join(missing)} column (use "
@@ -144,11 +150,31 @@ def combined_rows(catalogues: Sequence[Catalogue]) -> list[dict]:
     return rows
 
 
-def write_combined(catalogues: Sequence[Catalogue], output_path: str | os.PathLike) -> Path:
-    """The combined metadata under ``output_path``, written atomically (every rank may write it: same bytes)."""
+def check_epoch_size(counts: Sequence[tuple[str, int, int]], dataset_repeat: int) -> None:
+    """``counts``: (the catalogue, named, its rows, its repeat) of each catalogue. OptionsError naming the catalogue
+    that weighs most, its values and the limit when an epoch would hold more than MAX_SAMPLES_PER_EPOCH samples."""
+    total = sum(rows * repeat for _, rows, repeat in counts) * dataset_repeat
+    if total <= MAX_SAMPLES_PER_EPOCH:
+        return
+    name, rows, repeat = max(counts, key=lambda count: count[1] * count[2])
+    times = (f" x repeat {repeat:,}" if repeat != 1 else "") + \
+        (f" x --dataset_repeat {dataset_repeat:,}" if dataset_repeat != 1 else "")
+    every = f" ({total:,} with every catalogue)" if len(counts) > 1 else ""
+    raise OptionsError(f"{name}: {rows:,} rows{times} = {rows * repeat * dataset_repeat:,} samples per epoch{every}, "
+                       f"above {MAX_SAMPLES_PER_EPOCH:,}, the most one epoch takes (every rank draws all of an "
+                       "epoch's samples before its first step); lower the repeat and train more epochs "
+                       "(--num_epochs) instead")
+
+
+def write_combined(catalogues: Sequence[Catalogue], output_path: str | os.PathLike, dataset_repeat: int = 1) -> Path:
+    """The combined metadata under ``output_path``, written atomically (every rank may write it: same bytes); an
+    epoch too large for the batch sampler (``check_epoch_size``) is refused first."""
     path = Path(output_path) / COMBINED
-    path.parent.mkdir(parents=True, exist_ok=True)
     rows = combined_rows(catalogues)
+    kept = Counter(row["dataset"] for row in rows)
+    check_epoch_size([(f"datasets[{position}] ({catalogue.name}, {catalogue.metadata_path})", kept[position],
+                       catalogue.repeat) for position, catalogue in enumerate(catalogues)], dataset_repeat)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
@@ -173,7 +199,8 @@ def apply_datasets(options: dict, preset: dict | None = None, given: dict | None
         raise OptionsError(f"--datasets lists the catalogues; do not give --{both[0]} beside it (it is the "
                            "one-catalogue shorthand)")
     catalogues = parse_datasets(options["datasets"])
-    path = write_combined(catalogues, options["output_path"])
+    repeat = options.get("dataset_repeat") or 1
+    path = write_combined(catalogues, options["output_path"], repeat if isinstance(repeat, int) else 1)
     options["datasets"] = catalogues
     options["dataset_metadata_path"], options["dataset_base_path"] = str(path), str(path.parent)
 

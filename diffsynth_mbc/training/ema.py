@@ -25,7 +25,7 @@ import math
 import sys
 from pathlib import Path
 
-from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.errors import OptionsError, quoted
 
 STATE_FILE = "ema_state.safetensors"
 FILE_SUFFIX = "_ema"
@@ -40,9 +40,9 @@ def check_options(options: dict) -> None:
     if decay is not None:
         finite = isinstance(decay, (int, float)) and not isinstance(decay, bool) and math.isfinite(decay)
         if not finite or not 0 < decay < 1:
-            raise OptionsError(f"--ema_decay must be a number above 0 and below 1 (e.g. 0.999), got {decay!r}")
+            raise OptionsError(f"--ema_decay must be a number above 0 and below 1 (e.g. 0.999), got {quoted(decay)}")
     if options["validate_with"] not in WEIGHTS:
-        raise OptionsError(f"--validate_with must be one of {', '.join(WEIGHTS)}, got {options['validate_with']!r}")
+        raise OptionsError(f"--validate_with must be one of {', '.join(WEIGHTS)}, got {quoted(options['validate_with'])}")
     if options["validate_with"] != "raw" and decay is None:
         raise OptionsError(f"--validate_with {options['validate_with']} needs --ema_decay (there is no EMA without it)")
 

@@ -45,12 +45,8 @@ def check_init_lora_option(options: dict) -> None:
     source = options.get("init_lora")
     if source in (None, ""):
         return
-    if options.get("resume"):
-        raise InitLoraError(
-            f"{FLAG} and --resume do not go together: --resume {options['resume']} goes on with that run from its "
-            "checkpoint (weights, optimizer, step and data position), so it already has its weights; "
-            f"{FLAG} starts a new run from a LoRA's weights with a fresh optimizer at step 0 (to train it further "
-            "on other data or with other settings). Drop one of them")
+    if options.get("resume"):   # a resume continues its checkpoint: the file is not read (said at start)
+        return
     path = Path(str(source))
     if not path.exists():
         raise InitLoraError(f"{FLAG} {source}: no such file (give a LoRA .safetensors file or a checkpoint folder)")
@@ -234,8 +230,16 @@ def load_init_lora(module, source, *, rank: int | None = None, alpha: float | No
 
 
 def start_from_lora(module, options, status=None) -> dict | None:
-    """The training's hook: with ``--init_lora``, load it into the fresh LoRA and say so in the status and log."""
+    """The training's hook: with ``--init_lora``, load it into the fresh LoRA and say so in the status and log.
+
+    A ``--resume`` goes on with its checkpoint's weights: an ``init_lora`` (typically a preset's, carried into the
+    resume command) does not apply to it, and rank 0 says so once."""
     if not getattr(options, "init_lora", None):
+        return None
+    if options.resume:
+        if status is None or status.state.get("rank") == 0:
+            print(f"note: {FLAG} {options.init_lora} is not applied: --resume {options.resume} continues its "
+                  f"checkpoint's weights, optimizer and step ({FLAG} starts new runs only)", file=sys.stderr)
         return None
     if status is not None:
         status.update(phase=f"loading the LoRA to start from ({options.init_lora})")

@@ -21,11 +21,13 @@ magnitude as ``<x>.dora_scale``; one of shape ``(out, 1)`` it applies on the out
 norms of the *base* weight: ``(W + B A) * dora_scale / ||W||_row``. So the file's ``dora_scale`` is
 ``m * ||W||_row / ||W + s B A||_row``, computed where the base weights are (``dora_ratios``: module -> the
 ratio of the two norms), and ComfyUI then rebuilds exactly the trained weight. DiffSynth's loader reads no
-magnitude, so DoRA files are written in the ``comfyui`` layout only.
+magnitude (it loads a DoRA file as a plain LoRA, wrong, without an error), so DoRA files are written in the ``comfyui``
+layout only; for DiffSynth, ``export --format merged`` writes the DiT's weights with the DoRA merged in
+(``lora_merge``).
 
 ``comfyui`` layout: ``diffusion_model.<module>.lora_A.weight``; ``diffsynth`` layout:
-``<module>.lora_A.weight``. Both load in DiffSynth (plain LoRA). No torch import: tensors are only
-multiplied.
+``<module>.lora_A.weight``. Both load in DiffSynth (plain LoRA; a DoRA's ``dora_scale`` is ignored there). No torch
+import: tensors are only multiplied.
 """
 
 from __future__ import annotations
@@ -126,11 +128,17 @@ def lora_pairs(tensors: dict) -> tuple[dict[str, dict], dict[str, float]]:
 
 
 def check_pairs(pairs: dict[str, dict], rank: int | None = None) -> None:
-    """Every pair is two matrices of one rank, ``rank`` when given; LoraFormatError naming the module if not."""
+    """Every pair is two floating-point matrices of one rank, ``rank`` when given; LoraFormatError naming the module
+    (and the dtype) if not."""
     if not pairs:
         raise LoraFormatError("no LoRA tensors (lora_A/lora_B pairs) in it")
     for module in sorted(pairs):
         down, up = pairs[module]["A"], pairs[module]["B"]
+        for part, tensor in (("lora_A", down), ("lora_B", up)):
+            if not tensor.is_floating_point():   # int8 weights would start a run (or load) as rounded integers
+                raise LoraFormatError(f"module {module!r}: {part} holds {str(tensor.dtype).replace('torch.', '')} "
+                                      "values; a LoRA's weights are floating point (float32, bfloat16, float16), "
+                                      "and these would be read as whole numbers (most of them 0)")
         shapes = f"lora_A {tuple(down.shape)}, lora_B {tuple(up.shape)}"
         if len(down.shape) != 2 or len(up.shape) != 2:
             raise LoraFormatError(f"module {module!r}: {shapes}; both must be matrices")
@@ -162,7 +170,8 @@ def _dora_scales(magnitudes: dict, pairs: dict, target: str, factors: dict, dora
     if magnitudes and target != "comfyui":
         raise LoraFormatError(f"a DoRA LoRA ({len(magnitudes)} magnitudes, e.g. {min(magnitudes)}) cannot be written "
                               f"in the {target} layout: DiffSynth's LoRA loader reads no DoRA magnitude and would load "
-                              "it at the wrong strength; use the comfyui layout")
+                              "it wrong, without an error; for DiffSynth, export with --format merged --model_dir "
+                              "MODEL_DIR (the DiT's weights with the DoRA merged in), for ComfyUI the comfyui layout")
     scales = {}
     for module in sorted(magnitudes):
         magnitude, kind = magnitudes[module]

@@ -133,10 +133,16 @@ class StepPlan:
 def plan_from_options(options, *, rows: int, images: int, world_size: int, datasets: tuple = (),
                       gradient_accumulation: int | None = None) -> StepPlan:
     """The run's step plan from its options and its catalogue's counts: what the training, the launcher's plan and
-    the status files all print (images batched by ``--image_batch_size``, by default one video's tokens)."""
+    the status files all print (images batched by ``--image_batch_size``, by default one video's tokens). An epoch
+    above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit)."""
+    from diffsynth_mbc.data.catalogues import check_epoch_size
     from diffsynth_mbc.training.batches import default_image_batch_size
 
     image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
+    check_epoch_size([(f"datasets[{position}] ({count.name})", count.videos + count.images, count.repeat)
+                      for position, count in enumerate(datasets)] if datasets else
+                     [(f"--dataset_metadata_path {getattr(options, 'dataset_metadata_path', None)}", rows, 1)],
+                     options.dataset_repeat)
     return StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=world_size, batch_size=options.batch_size,
                     gradient_accumulation=gradient_accumulation or options.gradient_accumulation_steps,
                     num_epochs=options.num_epochs, images=images, image_batch_size=image_batch, datasets=datasets,

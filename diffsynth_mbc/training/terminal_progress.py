@@ -121,6 +121,10 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
             lines.append(f"  resume from: {state['last_checkpoint']} (--resume latest)")
     else:
         lines.append(f"  LoRA: {output_path}/lora.safetensors")
+        from diffsynth_mbc.training.export import dora_run_note   # a DoRA: DiffSynth's loader ignores dora_scale
+
+        note = dora_run_note(f"{output_path}/lora.safetensors")
+        lines += [f"  {note}"] if note else []
         if state.get("last_checkpoint"):
             lines.append(f"  last checkpoint: {state['last_checkpoint']}")
     between = overheads_text(state.get("overheads"))

@@ -15,7 +15,7 @@ from diffsynth_mbc.data.dataset import MBCVideoDataset
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
-from diffsynth_mbc.training.init_lora import InitLoraError, load_init_lora, starting_pairs
+from diffsynth_mbc.training.init_lora import InitLoraError, load_init_lora, start_from_lora, starting_pairs
 from diffsynth_mbc.training.lora_format import COMFYUI_PREFIX, convert, file_metadata, lora_pairs, training_scale
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
 from diffsynth_mbc.training.options import resolve_options
@@ -36,14 +36,13 @@ def test_the_default_is_no_init_lora():
     assert resolve_options(REQUIRED).init_lora is None
 
 
-def test_init_lora_with_resume_is_refused_saying_which_to_use_when(tmp_path):
-    lora = tmp_path / "a.safetensors"
-    lora.write_bytes(b"x")
-    with pytest.raises(OptionsError) as error:
-        resolve_options(REQUIRED + ["--init_lora", str(lora), "--resume", "latest"])
-    message = str(error.value)
-    assert "--init_lora" in message and "--resume" in message
-    assert "optimizer" in message and "step 0" in message   # says what each one does
+def test_a_resume_with_init_lora_continues_its_checkpoint_and_says_the_file_is_not_applied(tmp_path, capsys):
+    """The printed resume command of a preset with init_lora used to fail: "--init_lora and --resume do not go
+    together". A resume continues its checkpoint; the file (not even read) is named as not applied, once."""
+    options = resolve_options(REQUIRED + ["--init_lora", str(tmp_path / "gone.safetensors"), "--resume", "latest"])
+    assert start_from_lora(None, options) is None
+    said = capsys.readouterr().err
+    assert said.count("is not applied") == 1 and "--resume latest continues its checkpoint" in said
 
 
 def test_a_missing_init_lora_is_named(tmp_path):
@@ -284,7 +283,7 @@ def test_a_two_rank_run_starts_from_the_file(tmp_path, launch):
     save_file(lora, str(source))
     flags = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": root / "catalog",
              "dataset_metadata_path": root / "metadata" / "metadata.csv", "output_path": root / "lora",
-             "log_dir": root / "logs", "num_epochs": 1, "save_steps": 1, "init_lora": source}
+             "log_dir": root / "logs", "num_epochs": 1, "save_steps": 1, "init_lora": source, "checkpoint_steps": 100}
     command = launch(*[item for key, value in flags.items() for item in (f"--{key}", str(value))])
     result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
                             capture_output=True, text=True, timeout=300)
@@ -302,3 +301,28 @@ def test_a_two_rank_run_starts_from_the_file(tmp_path, launch):
     for key in expected:
         assert (after_one[key] - expected[key]).abs().max() < 1e-3, key
     assert source.read_bytes() and load_file(str(source)).keys() == lora.keys()   # the input is untouched
+    # The resume command a stopped run prints carries the preset's --init_lora: it resumes, the file not applied.
+    resumed = subprocess.run(command + ["--resume", "latest"], cwd=tmp_path,
+                             env=isolated_env(tmp_path, OMP_NUM_THREADS=1), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count(f"--init_lora {source} is not applied") == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.uint8, torch.bool])
+def test_a_file_of_integer_tensors_is_refused_naming_the_dtype(tmp_path, dtype):
+    """A LoRA cast to int8 (a quantiser's output, a wrong save) holds rounded weights, B mostly 0: refused, not
+    started from; the module keeps its weights."""
+    module = make_module()
+    generator = torch.Generator().manual_seed(4)
+    tensors = {key: (torch.randn(value.shape, generator=generator) * 0.05).to(dtype)
+               for key, value in module.lora_state_dict().items()}
+    path = tmp_path / "int.safetensors"
+    save_file(convert(tensors, "comfyui"), str(path),
+              metadata=file_metadata(rank=RANK, alpha=ALPHA, targets=TARGETS, base_model="demo", step=3, run_id="r",
+                                     layout="comfyui"))
+    before = {k: v.clone() for k, v in module.lora_state_dict().items()}
+    name = str(dtype).replace("torch.", "")
+    with pytest.raises(InitLoraError, match=rf"--init_lora {path}: module 'blocks\.0\.cross_attn\.k': lora_A holds "
+                                            rf"{name} values; a LoRA's weights are floating point"):
+        load_init_lora(module, path)
+    assert all(torch.equal(v, before[k]) for k, v in module.lora_state_dict().items())

@@ -63,6 +63,8 @@ from diffsynth_mbc.data.cache.index import (
 )
 from diffsynth_mbc.data.frame_selection import frame_selection_from
 from diffsynth_mbc.data.caption_rules import caption_affixes, check_caption_options
+from diffsynth_mbc.data.metadata_csv import read_metadata
+from diffsynth_mbc.errors import MetadataError
 from diffsynth_mbc.flags import FlagParser
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +133,13 @@ def parse_options(argv=None) -> argparse.Namespace:
     caption_problem = check_caption_options(vars(options))
     if caption_problem:
         raise CacheError(caption_problem)
+    try:   # before any model loads: a quote never closed would stop DiffSynth's pandas with a bare traceback
+        read_metadata(options.dataset_metadata_path, "--dataset_metadata_path")
+    except OSError as exc:
+        raise CacheError(f"--dataset_metadata_path {options.dataset_metadata_path}: cannot be read "
+                         f"({exc.strerror or exc})") from None
+    except MetadataError as exc:
+        raise CacheError(str(exc)) from None
     return options
 
 

@@ -31,6 +31,7 @@ from diffsynth_mbc.data.cache.index import (
     stale_rows,
 )
 from diffsynth_mbc.data.frame_selection import frame_selection_from
+from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.models.wan_units import pad_context
 
 
@@ -197,6 +198,7 @@ def open_training_dataset(options, **media_options):
     if not cache_dir:
         from diffsynth_mbc.data.dataset import MBCVideoDataset
 
+        read_metadata(options.dataset_metadata_path, "--dataset_metadata_path")   # what pandas stops on, named
         return MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path,
                                decoder=getattr(options, "decoder", "fast"), frames=frame_selection_from(options),
                                **caption_affixes(options),
@@ -230,6 +232,7 @@ def open_validation_dataset(options, **media_options):
                                  "metadata with `python -m diffsynth_mbc.cache` and pass it as --val_cache")
     from diffsynth_mbc.data.dataset import MBCVideoDataset
 
+    read_metadata(options.val_metadata_path, "--val_metadata_path")   # what pandas stops on, named
     return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
                            decoder=getattr(options, "decoder", "fast"), frames=frame_selection_from(options),
                            **caption_affixes(options),

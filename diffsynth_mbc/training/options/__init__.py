@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
 from diffsynth_mbc.data.catalogues import apply_datasets
-from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.errors import OptionsError, clipped, quoted
 from diffsynth_mbc.training.options.checks import (MAX_SIDE, TRACKER_PACKAGES, check_frame_options, check_run_id,
                                                    check_tracker, validate)
 from diffsynth_mbc.training.options.parser import _parse_bool, build_parser
 from diffsynth_mbc.training.options.run_options import CHOICES, DEFAULTS, TrainOptions
+from diffsynth_mbc.yaml_input import load_yaml
 
 __all__ = ["CHOICES", "DEFAULTS", "MAX_SIDE", "TRACKER_PACKAGES", "TrainOptions", "build_parser",
            "check_frame_options", "check_run_id", "check_tracker", "load_preset", "resolve_options", "validate"]
@@ -30,23 +29,21 @@ _BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 def load_preset(path: str | Path) -> dict:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path, "--config") or {}
     except FileNotFoundError:
         raise OptionsError(f"--config: file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise OptionsError(f"--config: {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise OptionsError(f"--config: {path} must hold a mapping of option: value")
-    unknown = sorted(set(data) - set(DEFAULTS))
+        raise OptionsError(f"--config: {path} must hold a mapping of option: value, got {quoted(data)}")
+    unknown = sorted(map(str, set(data) - set(DEFAULTS)))
     if unknown:
-        raise OptionsError(f"--config: unknown key(s) in {path}: {', '.join(unknown)}")
+        raise OptionsError(f"--config: unknown key(s) in {path}: {clipped(', '.join(unknown))}")
     types = {action.dest: action.type for action in build_parser()._actions if action.type is not None}
     for key, value in data.items():
         if value is not None and key in types and not isinstance(value, bool):
             try:
                 data[key] = types[key](value)
             except (TypeError, ValueError, argparse.ArgumentTypeError):
-                raise OptionsError(f"--config: {path}: {key}: cannot read {value!r} as "
+                raise OptionsError(f"--config: {path}: {key}: cannot read {quoted(value)} as "
                                    f"{getattr(types[key], '__name__', 'a value')}") from None
     return data
 
@@ -59,6 +56,8 @@ def resolve_options(argv: list[str] | None = None) -> TrainOptions:
     for key in _BOOLEAN:
         if not isinstance(options[key], bool):
             options[key] = _parse_bool(options[key])
+    if "use_gradient_checkpointing" in given and "gradient_checkpointing" not in given:
+        options["gradient_checkpointing"] = None   # the command line's true/false beats a preset's auto
     if options["gradient_checkpointing"] is None:
         options["gradient_checkpointing"] = "all" if options["use_gradient_checkpointing"] else "none"
     options["gradient_checkpointing"] = str(options["gradient_checkpointing"]).strip().lower()

@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 from diffsynth_mbc.data.caption_rules import check_caption_options
-from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.data.catalogues import MAX_REPEAT
+from diffsynth_mbc.errors import OptionsError, quoted
 from diffsynth_mbc.training.ema import check_options as check_ema_options
 from diffsynth_mbc.training.init_lora import check_init_lora_option
 from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES, DEFAULTS
@@ -66,7 +67,7 @@ def check_run_id(value, source: str = "--run_id") -> None:
     """A run id is one plain name: letters, digits, '.', '_', '-', starting with a letter or digit."""
     if not isinstance(value, str) or not _RUN_ID.match(value):
         raise OptionsError(f"{source} must be one plain name (letters, digits, '.', '_', '-', starting with a letter "
-                           f"or digit, at most 128 characters; no '/' or '..'), got {value!r}")
+                           f"or digit, at most 128 characters; no '/' or '..'), got {quoted(value)}")
 
 
 def _check_numbers(options: dict) -> None:
@@ -76,7 +77,7 @@ def _check_numbers(options: dict) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
             what = "a positive integer" if lowest == 1 else "an integer of 0 or more"
-            raise OptionsError(f"--{key} must be {what}, got {value!r}")
+            raise OptionsError(f"--{key} must be {what}, got {quoted(value)}")
     for key, (low, high, low_included, optional) in _FLOATS.items():
         value = options[key]
         if value is None and optional:
@@ -86,7 +87,11 @@ def _check_numbers(options: dict) -> None:
             bound = f"{'at least' if low_included else 'above'} {low:g}"
             if high is not None:
                 bound = f"between {low:g} and {high:g}"
-            raise OptionsError(f"--{key} must be a finite number {bound}, got {value!r}")
+            raise OptionsError(f"--{key} must be a finite number {bound}, got {quoted(value)}")
+    if options["dataset_repeat"] > MAX_REPEAT:
+        catalogue = "each catalogue of --datasets" if options.get("datasets") else options["dataset_metadata_path"]
+        raise OptionsError(f"--dataset_repeat {options['dataset_repeat']:,} is above {MAX_REPEAT:,}, the most a "
+                           f"catalogue ({catalogue}) is repeated per epoch; train more epochs (--num_epochs) instead")
     steps = 1000   # DiffSynth's training schedule: a timestep is drawn from [int(min * 1000), int(max * 1000))
     if int(options["min_timestep_boundary"] * steps) >= int(options["max_timestep_boundary"] * steps):
         raise OptionsError(f"--min_timestep_boundary ({options['min_timestep_boundary']:g}) must be below "
@@ -100,10 +105,11 @@ def _check_names(options: dict) -> None:
     targets = options["lora_target_modules"]
     if not isinstance(targets, str) or not all(_TARGET_MODULE.match(name) for name in targets.split(",")):
         raise OptionsError(f"--lora_target_modules must be a comma-separated list of module names (q,k,v,o,ffn.0, "
-                           f"...), got {targets!r}")
+                           f"...), got {quoted(targets)}")
     for key, allowed in _CHOICES.items():
         if options[key] not in allowed:
-            raise OptionsError(f"--{key} must be one of {', '.join(str(a) for a in allowed if a)}, got {options[key]!r}")
+            raise OptionsError(f"--{key} must be one of {', '.join(str(a) for a in allowed if a)}, "
+                               f"got {quoted(options[key])}")
     for key in ("output_path", "log_dir", "checkpoint_dir"):
         if options[key] and Path(options[key]).exists() and not Path(options[key]).is_dir():
             raise OptionsError(f"--{key} {options[key]} is a file, not a folder")
@@ -114,7 +120,7 @@ def _check_names(options: dict) -> None:
     checkpointing = options["gradient_checkpointing"]
     if checkpointing not in ("all", "none", "auto") and not (checkpointing.isdigit()):
         raise OptionsError("--gradient_checkpointing must be all, none, auto or a number of blocks, got "
-                           f"{checkpointing!r}")
+                           f"{quoted(checkpointing)}")
 
 
 def check_frame_options(options: dict) -> None:
@@ -165,7 +171,7 @@ def validate(options: dict) -> None:
         quantiles = []
     if not quantiles or not all(0 <= q < 1 for q in quantiles):
         raise OptionsError("--val_timestep_quantiles must be comma-separated numbers in [0, 1), got "
-                           f"{options['val_timestep_quantiles']!r}")
+                           f"{quoted(options['val_timestep_quantiles'])}")
     if options["sample_steps"] is not None and not options["sample_prompts"]:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
     if options["val_steps"] and not options["val_metadata_path"]:
