@@ -3,8 +3,10 @@
 #
 # Launcher flags (everything else goes to `python -m diffsynth_mbc.train`; every flag, launcher or training,
 # is shown with underscores and works with dashes too: --learning_rate or --learning-rate):
-#   --demo        tiny random TI2V-architecture model on a synthetic catalogue, 2 CPU processes
-#                 (also chosen when there is no GPU and no --model_dir/MODEL_DIR)
+#   --demo        tiny random TI2V-architecture model on a synthetic catalogue it writes under runs/demo,
+#                 2 CPU processes (also chosen when there is no GPU and no --model_dir/MODEL_DIR); with
+#                 --dataset_metadata_path (and --dataset_base_path) or --datasets it trains on that catalogue
+#                 instead and writes none
 #   --deepspeed   DeepSpeed ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml) instead of DDP
 #   --multinode   several nodes: MASTER_ADDR, MASTER_PORT, NUM_MACHINES, MACHINE_RANK from the environment
 #   --gpus N      processes per node (default: NUM_GPUS, else every GPU nvidia-smi lists)
@@ -12,9 +14,12 @@
 #                 finished entries are skipped), then train the DiT from that latent cache
 #   --detach      run in the background (log file only); prints the pid and returns
 #   --dry_run     validate every flag, check every path the run reads (relative ones are taken from the
-#                 current folder, the presets' too), print the command that would run, start nothing
+#                 current folder, the presets' too), print the command and the step plan, start nothing
 #   --skip_doctor launch even when the quick preflight checks (python -m diffsynth_mbc.doctor --quick) fail
 #   --help        this text, then the training's own flags
+# Before the training's own output a launch prints only the step plan's totals, the preflight summary, the run
+# id, its log and the watch command; the paths read, the full plan, every preflight check and the accelerate
+# command go to the run's log (OUTPUT_PATH/train-RUN_ID.log).
 # Stop a run: bash launchers/stop.sh OUTPUT_PATH [--grace S]   (checkpoint, `stopped`; SIGKILL after S s)
 # Environment: PYTHON (default: the active venv's python, else the project's .venv, else python3; checked first),
 #   MBC_LOG_FILE, MBC_RUN_ID, NCCL_* (see configs/nccl_pcie.env).
@@ -179,6 +184,25 @@ mbc_free_port() {
   "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }
 
+# mbc_dry_run_plan PRESET DEMO_DATA GPUS NODES CACHED [train flags]: the step plan a launch would print. The demo's
+# catalogue (DEMO_DATA: where a launch writes it, or empty) is not written by a dry run: its plan counts a copy made
+# in a temporary folder, removed after.
+mbc_dry_run_plan() {
+  local preset=$1 demo_data=$2 gpus=$3 nodes=$4 cached=$5 data=() scratch="" code=0
+  shift 5
+  if [[ -n $demo_data ]]; then
+    scratch=$(mktemp -d)
+    "$PYTHON" -m diffsynth_mbc.demo prepare "$scratch" > /dev/null 2>&1 ||
+      { rm -rf "$scratch"; mbc_die "could not make the demo catalogue to plan with"; }
+    data=(--dataset_base_path "$scratch/catalog" --dataset_metadata_path "$scratch/metadata/metadata.csv")
+  fi
+  local args=(--brief --gpus "$gpus" --nodes "$nodes")
+  [[ $cached == 1 ]] && args+=(--cached)
+  "$PYTHON" -m diffsynth_mbc.plan "${args[@]}" --config "$preset" "$@" "${data[@]+"${data[@]}"}" || code=2
+  [[ -z $scratch ]] || rm -rf "$scratch"
+  return $code
+}
+
 # mbc_launch PRESET [launcher flags] [train flags]
 mbc_launch() {
   local preset=$1; shift
@@ -218,8 +242,19 @@ mbc_launch() {
   for arg in "${train_args[@]+"${train_args[@]}"}"; do arg=$(mbc_canonical "$arg"); [[ $arg == --model_dir* || $arg == --model_id* ]] && model_given=1; done
   [[ -n "${MODEL_DIR:-}" ]] && { model_given=1; train_args+=(--model_dir "$MODEL_DIR"); }
   if [[ $demo == 0 && $model_given == 0 && $(mbc_count_gpus) == 0 ]]; then
-    echo "no GPU and no --model_dir/MODEL_DIR: running the built-in demo (pass --demo to choose it explicitly)" >&2
+    echo "no GPU and no --model_dir/MODEL_DIR: running the built-in demo (--demo)" >&2
     demo=1
+  fi
+  # The demo trains on its own catalogue, written under runs/demo, unless it is given another one (its metadata, or a
+  # datasets list): then it writes none. A base folder alone would pair the demo's metadata with other files.
+  local demo_data="" data_flags=" "
+  for arg in "${train_args[@]+"${train_args[@]}"}"; do arg=$(mbc_canonical "$arg"); data_flags+="${arg%%=*} "; done
+  if [[ $demo == 1 && $data_flags != *" --dataset_metadata_path "* && $data_flags != *" --datasets "* ]]; then
+    [[ $data_flags != *" --dataset_base_path "* ]] ||
+      mbc_die "--demo with --dataset_base_path but no --dataset_metadata_path: the demo's own metadata lists the" \
+              "files of the catalogue it writes under runs/demo; give --dataset_metadata_path too to train the demo" \
+              "model on your catalogue, or leave out --dataset_base_path"
+    demo_data=runs/demo
   fi
 
   local accelerate_args=() env_prefix=()
@@ -263,19 +298,20 @@ mbc_launch() {
       accelerate_args=(--config_file "$config" --num_processes "$gpus" --main_process_port "${MASTER_PORT:-29500}")
     fi
   fi
-  local world_size=$gpus
-  [[ $multinode == 1 ]] && world_size=$((gpus * NUM_MACHINES))
+  local nodes=1
+  [[ $multinode == 1 ]] && nodes=$NUM_MACHINES
 
   # Where this run writes; validates every flag without reading any data.
   local paths OUTPUT_PATH LOG_DIR CHECKPOINT_DIR
-  paths=$("$PYTHON" -m diffsynth_mbc.plan --paths-only --world_size "$world_size" --config "$preset" \
+  paths=$("$PYTHON" -m diffsynth_mbc.plan --paths-only --gpus "$gpus" --config "$preset" \
           "${train_args[@]+"${train_args[@]}"}") || exit 2
   eval "$paths"
   # Every path the run reads, resolved (relative ones against the current folder) and checked before anything is
   # written: from another folder a preset's data/... and models/... are missing, named here with that folder.
   local reads read_args=(--check-paths --project-root "$MBC_ROOT")
   [[ $cached == 1 ]] && read_args+=(--cached)
-  reads=$("$PYTHON" -m diffsynth_mbc.plan "${read_args[@]}" --world_size "$world_size" --config "$preset" \
+  [[ -n $demo_data ]] && read_args+=(--demo-root "$demo_data")
+  reads=$("$PYTHON" -m diffsynth_mbc.plan "${read_args[@]}" --gpus "$gpus" --config "$preset" \
           "${train_args[@]+"${train_args[@]}"}") || exit 2
   [[ $demo == 1 || -f $config ]] || mbc_die "the accelerate config $config is missing (a damaged checkout?)"
   if [[ $dry_run == 1 ]]; then
@@ -285,9 +321,9 @@ mbc_launch() {
     echo "launcher flags: demo=$demo deepspeed=$deepspeed multinode=$multinode gpus=$gpus cached=$cached" \
          "detach=$detach skip_doctor=$skip_doctor"
     echo "$reads"
-    return 0
+    mbc_dry_run_plan "$preset" "$demo_data" "$gpus" "$nodes" "$cached" "${train_args[@]+"${train_args[@]}"}"
+    return
   fi
-  echo "$reads" >&2
   mkdir -p "$OUTPUT_PATH" "$LOG_DIR" "$CHECKPOINT_DIR"
 
   # One training per output, log and checkpoint folder (per node): a second run sharing any of them
@@ -300,25 +336,33 @@ mbc_launch() {
   mbc_lock 9 "$OUTPUT_PATH" "output folder"
   mbc_lock 8 "$LOG_DIR" "log folder"
   mbc_lock 7 "$CHECKPOINT_DIR" "checkpoint folder"
+  # The detail of the launch goes to the run's log; the terminal gets the lines that matter (80 columns).
+  local log_file=${MBC_LOG_FILE:-$OUTPUT_PATH/train-$MBC_RUN_ID.log}
+  printf '%s\n' "launch of run $MBC_RUN_ID ($(date '+%Y-%m-%d %H:%M:%S')) in $PWD" "$reads" >> "$log_file"
 
-  if [[ $demo == 1 && ${MACHINE_RANK:-0} != 0 && $multinode == 1 ]]; then
-    mbc_wait_for_file runs/demo/metadata/metadata.csv 300 "node 0 to prepare the demo data"
-  elif [[ $demo == 1 ]]; then
-    "$PYTHON" -m diffsynth_mbc.demo prepare runs/demo
+  if [[ -n $demo_data && ${MACHINE_RANK:-0} != 0 && $multinode == 1 ]]; then
+    mbc_wait_for_file "$demo_data/metadata/metadata.csv" 300 "node 0 to prepare the demo data"
+  elif [[ -n $demo_data ]]; then   # the converter's table only when it fails; its last line (the metadata) in the log
+    local prepared
+    if prepared=$("$PYTHON" -m diffsynth_mbc.demo prepare "$demo_data" 2>&1); then
+      printf '%s\n' "${prepared##*$'\n'}" >> "$log_file"
+    else
+      printf '%s\n' "$prepared" | tee -a "$log_file" >&2
+      echo "error: preparing the demo data under $demo_data failed" >&2
+      exit 1
+    fi
   fi
 
-  # The plan: rows, GPUs, steps per GPU per epoch, total steps, and the projected run length.
-  local nodes=1 plan_args=()
-  [[ $multinode == 1 ]] && nodes=$NUM_MACHINES
-  plan_args+=(--nodes "$nodes")
+  # The plan: its totals, modes and projected run length here; rows, GPUs, batches and the rest in the log.
+  local plan_args=(--gpus "$gpus" --nodes "$nodes")
   [[ $cached == 1 ]] && plan_args+=(--cached)
-  "$PYTHON" -m diffsynth_mbc.plan --world_size "$world_size" "${plan_args[@]+"${plan_args[@]}"}" --config "$preset" \
+  "$PYTHON" -m diffsynth_mbc.plan --brief --detail-file "$log_file" "${plan_args[@]}" --config "$preset" \
     "${train_args[@]+"${train_args[@]}"}" || exit 2
 
   # Quick preflight (torch kernels for this GPU, precision, memory estimate, disks, files): a failure stops
   # here, before any process starts; the full report: python -m diffsynth_mbc.doctor --config PRESET ...
   if [[ $skip_doctor == 0 ]]; then
-    local doctor_args=(--quick --brief --gpus "$gpus" --nodes "$nodes")
+    local doctor_args=(--quick --brief --detail-file "$log_file" --gpus "$gpus" --nodes "$nodes")
     [[ $deepspeed == 1 ]] && doctor_args+=(--deepspeed)
     [[ $cached == 1 ]] && doctor_args+=(--cached)
     if ! "$PYTHON" -m diffsynth_mbc.doctor "${doctor_args[@]}" --config "$preset" \
@@ -327,7 +371,6 @@ mbc_launch() {
     fi
   fi
 
-  local log_file=${MBC_LOG_FILE:-$OUTPUT_PATH/train-$MBC_RUN_ID.log}
   # The owner of the run's processes from here on (diffsynth_mbc.training.supervisor): it starts accelerate
   # in a session of its own, hands the ranks the locks, stops them on Ctrl-C and marks dead ranks failed.
   local supervise=("$PYTHON" -m diffsynth_mbc.supervise --log-dir "$LOG_DIR" --resume-command "$resume_command") lock
@@ -336,7 +379,7 @@ mbc_launch() {
   if [[ $cached == 1 ]]; then
     if [[ $detach == 1 ]]; then mbc_die "--cached with --detach: build the cache first, then detach the training"; fi
     local CACHE_DIR VAL_CACHE_DIR CACHE_ARGS=() VAL_CACHE_ARGS=() cache_settings
-    cache_settings=$("$PYTHON" -m diffsynth_mbc.plan --cache-commands --world_size "$world_size" --config "$preset" \
+    cache_settings=$("$PYTHON" -m diffsynth_mbc.plan --cache-commands --gpus "$gpus" --config "$preset" \
                      "${train_args[@]+"${train_args[@]}"}") || exit 2
     eval "$cache_settings"
     local cache_launch=("${supervise[@]}" --launcher-pid $$ --log-file "$log_file" --
@@ -355,8 +398,10 @@ mbc_launch() {
   fi
   local cmd=("${env_prefix[@]+"${env_prefix[@]}"}" "$PYTHON" -m accelerate.commands.launch "${accelerate_args[@]}"
              -m diffsynth_mbc.train --config "$preset" "${train_args[@]+"${train_args[@]}"}")
-  echo "run $MBC_RUN_ID: ${cmd[*]}" | tee -a "$log_file" >&2
-  echo "log: $log_file   per-GPU status: $LOG_DIR/training_gpu*.json   watch: python -m diffsynth_mbc.monitor $(printf %q "$LOG_DIR")" >&2
+  printf '%s\n' "run $MBC_RUN_ID: ${cmd[*]}" "per-GPU status: $LOG_DIR/training_gpu*.json" >> "$log_file"
+  echo "run $MBC_RUN_ID: $gpus process(es) here; the command is in the log" >&2
+  echo "log: $log_file" >&2
+  echo "watch: python -m diffsynth_mbc.monitor $(printf %q "$LOG_DIR")" >&2
 
   if [[ $detach == 1 ]]; then
     # In a session of its own, writing to the log file only; it holds the locks after this shell returns.

@@ -151,6 +151,27 @@ def test_commands_that_pass_flags_on_suggest_from_both_lists(capsys):
     assert "did you mean --learning_rate?" in capsys.readouterr().err
 
 
+def test_the_plan_counts_gpus_as_the_launchers_and_the_doctor_do(tmp_path, capsys):
+    """`plan --world_size` where everything else says --gpus, and `plan --gpu` got no did-you-mean (the plan had
+    no --gpus to suggest)."""
+    demo_preset = str(REPO / "configs" / "train_demo.yaml")
+    with pytest.raises(SystemExit) as exit_:
+        plan.main(["--gpu", "2", "--paths-only", "--config", demo_preset])
+    assert exit_.value.code == 2 and "unknown flag --gpu: did you mean --gpus?" in capsys.readouterr().err
+    help_text = plan.build_parser().format_help()
+    assert "--gpus" in help_text and "--nodes" in help_text and "--world_size" not in help_text
+    metadata = tmp_path / "metadata.csv"
+    metadata.write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 9)
+    flags = ["--config", demo_preset, "--dataset_metadata_path", str(metadata), "--output_path", str(tmp_path / "o")]
+    printed = []
+    for counts in (["--gpus", "2", "--nodes", "2"], ["--world_size", "4", "--nodes", "2"]):   # the old name still works
+        assert plan.main([*counts, *flags]) == 0
+        printed.append(capsys.readouterr().err)
+    assert printed[0] == printed[1] and "GPUs 4 -> 7 samples per GPU per epoch" in printed[0], printed[0]
+    assert plan.main(["--config", demo_preset, "--dataset_metadata_path", str(metadata)]) == 2
+    assert "--gpus N is required" in capsys.readouterr().err
+
+
 def test_a_subcommand_flag_is_suggested_too(capsys):
     with pytest.raises(SystemExit) as exit_:
         demo.main(["prepare", "somewhere", "--vidoes", "3"])

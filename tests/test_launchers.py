@@ -137,6 +137,77 @@ def test_the_demo_says_where_it_writes(tmp_path):
         in result.stdout
 
 
+def test_a_dry_run_of_the_demo_prints_the_step_plan_a_launch_prints(tmp_path):
+    """`--dry_run --demo` printed no plan (the demo's catalogue is made only by a real launch)."""
+    result = launcher(tmp_path, "--demo", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert "step plan: 12 steps in total per GPU (6 x 2 epochs, 2 GPUs)" in lines, result.stderr
+    assert "  modes/epoch: 15 t2i (images) + 18 i2v (videos: --i2v_probability 1)" in lines
+    assert not (tmp_path / "runs").exists()                                 # still creates nothing
+    assert not list((tmp_path / ".cache" / "tmpdir").iterdir())             # its scratch catalogue is gone
+
+
+def test_the_demo_says_what_it_trains_on_and_writes_only_its_own_catalogue(tmp_path):
+    """`--demo --dataset_base_path X` said it wrote its catalogue under X and wrote runs/demo. Given a catalogue
+    (its metadata), the demo model trains on it and writes none; a base folder alone is refused."""
+    alone = launcher(tmp_path, "--demo", "--dry-run", "--dataset_base_path", "mine/catalog")
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    line, = alone.stderr.splitlines()
+    assert line.startswith("error: --demo with --dataset_base_path but no --dataset_metadata_path: "), line
+    assert "runs/demo" in line and "would run" not in alone.stdout
+    (tmp_path / "mine" / "catalog").mkdir(parents=True)
+    (tmp_path / "mine" / "metadata.csv").write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 4)
+    given = launcher(tmp_path, "--demo", "--dry-run", "--dataset_base_path", "mine/catalog",
+                     "--dataset-metadata-path=mine/metadata.csv")
+    assert given.returncode == 0, given.stderr
+    assert (f"demo: the demo model trains on {tmp_path}/mine/metadata.csv (no catalogue of its own written), the run "
+            f"under {tmp_path}/runs/demo/lora") in given.stdout
+    assert "writes its catalogue" not in given.stdout
+    read = [line.split() for line in given.stdout.splitlines() if line.startswith("  --")]
+    assert ["--dataset_metadata_path", str(tmp_path / "mine" / "metadata.csv")] in read, given.stdout
+    # the plan counts the given rows: 4 videos x repeat 3 on 2 GPUs, accumulation 2 -> 3 steps an epoch, 2 epochs
+    assert "step plan: 6 steps in total per GPU (3 x 2 epochs, 2 GPUs)" in given.stderr, given.stderr
+    assert not (tmp_path / "runs").exists()
+    missing = launcher(tmp_path, "--demo", "--dry-run", "--dataset_metadata_path", "mine/nothing.csv")
+    assert missing.returncode == 2 and "--dataset_metadata_path mine/nothing.csv: no such file" in missing.stderr
+
+
+def test_the_reads_list_names_every_catalogue_of_a_datasets_list(tmp_path):
+    """The launcher's 'reads:' left out the catalogues of a `datasets:` list (their paths only showed as the
+    combined metadata the run writes from them)."""
+    media = a_preset_s_files(tmp_path)
+    for name in ("news", "drama"):
+        (tmp_path / "data" / name / "media").mkdir(parents=True)
+        (tmp_path / "data" / name / "metadata.csv").write_text("video,prompt,media_type\na.mp4,a clip,video\n")
+    (tmp_path / "datasets.yaml").write_text(
+        "- {base_path: data/news/media, metadata_path: data/news/metadata.csv}\n"
+        "- {base_path: data/drama/media, metadata_path: data/drama/metadata.csv, repeat: 3}\n")
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_full.sh"), "--dry-run", "--gpus", "2",
+                             "--datasets", "datasets.yaml", "--output_path", "out/lora"], cwd=tmp_path,
+                            env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    read = {" ".join(line.split()[:-1]): line.split()[-1] for line in result.stdout.splitlines()
+            if line.startswith("  ")}
+    for position, name in enumerate(("news", "drama")):
+        assert read[f"datasets[{position}] base_path"] == str(tmp_path / "data" / name / "media"), read
+        assert read[f"datasets[{position}] metadata_path"] == str(tmp_path / "data" / name / "metadata.csv")
+    assert read["--model_dir"] == str(tmp_path / "models" / "Wan2.2-TI2V-5B") and str(media) not in read.values()
+    # 1 + 3 x 1 samples (drama's repeat) on 2 GPUs: 2 steps an epoch, 5 epochs
+    assert "step plan: 10 steps in total per GPU (2 x 5 epochs, 2 GPUs)" in result.stderr
+
+
+def test_stop_sh_help_names_stop_sh(tmp_path):
+    result = subprocess.run(["bash", str(REPO / "launchers" / "stop.sh"), "--help"], cwd=tmp_path,
+                            env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: bash launchers/stop.sh "), result.stdout
+    typo = subprocess.run(["bash", str(REPO / "launchers" / "stop.sh"), "runs/x", "--grce", "3"], cwd=tmp_path,
+                          env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert typo.returncode == 2 and "(full list: bash launchers/stop.sh --help)" in typo.stderr, typo.stderr
+
+
 def hold_lock(folder, run_id):
     """A stand-in for a live run on ``folder``: a process holding its lock, and the run's pid file."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,27 @@ class Target:
     torch_version: str
     rates_from: str | None = None    # the KNOWN_GPUS entry whose TFLOPS and bandwidth apply; None: unknown
     cudnn_version: int | None = None  # this machine's torch's cuDNN (decides cuDNN vs flash attention on sm90)
+    assumptions: list[str] = dataclasses.field(default_factory=list)   # how the count was decided, when assumed
 
 
-def find_target(assume: str | None, gpus: int | None) -> Target:
+ACCELERATE_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
+
+
+def launcher_gpus(deepspeed: bool = False) -> tuple[int, str]:
+    """(GPUs per node, where that comes from) of a launch on a machine that is not here: the processes per node
+    of the launchers' accelerate settings (``num_processes`` / ``num_machines``), else 1."""
+    import yaml
+
+    path = ACCELERATE_CONFIGS / ("deepspeed_zero2.yaml" if deepspeed else "ddp.yaml")
+    try:
+        settings = yaml.safe_load(path.read_text(encoding="utf-8"))
+        count = int(settings["num_processes"]) // max(1, int(settings.get("num_machines", 1)))
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return 1, f"1 (--gpus not given, and no num_processes in {path})"
+    return max(1, count), f"{max(1, count)} (--gpus not given: num_processes of configs/accelerate/{path.name})"
+
+
+def find_target(assume: str | None, gpus: int | None, deepspeed: bool = False) -> Target:
     import torch
 
     from diffsynth_mbc.gpu import current_device, known_gpu, spec_for_device
@@ -49,7 +67,9 @@ def find_target(assume: str | None, gpus: int | None) -> Target:
     arch_list = (torch._C._cuda_getArchFlags() or "").split() if torch.version.cuda else []
     if assume:
         spec = known_gpu(assume)
-        return Target(spec, gpus or 1, True, arch_list, torch.__version__, spec.name)
+        count, why = (gpus, f"{gpus} (--gpus)") if gpus else launcher_gpus(deepspeed)
+        return Target(spec, count, True, arch_list, torch.__version__, spec.name,
+                      assumptions=[f"GPUs per node: {why}"])
     device = current_device()
     if device is None:
         return Target(None, 0, False, arch_list, torch.__version__)
@@ -58,12 +78,22 @@ def find_target(assume: str | None, gpus: int | None) -> Target:
                   torch.backends.cudnn.version())
 
 
+def assume_hint() -> str:
+    """The --assume names of every V100 the doctor knows (from KNOWN_GPUS), and where the rest are listed."""
+    from diffsynth_mbc.gpu import KNOWN_GPUS
+
+    volta = [name for name, spec in KNOWN_GPUS.items() if spec.capability == (7, 0)]
+    return (f"plan with --assume NAME: {', '.join(volta)} (every known GPU: python -m diffsynth_mbc.doctor --help)")
+
+
 def gpu_check(target: Target) -> Check:
     if target.spec is None:
         return Check("GPU", WARN, "no CUDA GPU on this machine: only the CPU demo can train here",
-                     "run the doctor on the training machine, or plan with --assume V100-32GB / A100-80GB / H100-80GB")
+                     f"run the doctor on the training machine, or {assume_hint()}")
     spec = target.spec
-    where = "assumed (not this machine's)" if target.assumed else "found"
+    where = "found"
+    if target.assumed:
+        where = f"assumed (not this machine's; {'; '.join(target.assumptions) or 'GPUs per node: --gpus'})"
     rates = (f"rates of {target.rates_from}: {spec.fp16_tflops:g} TFLOPS fp16, {spec.bandwidth_gbs:g} GB/s"
              if target.rates_from else "rates unknown (no speed estimate; --probe N measures it)")
     return Check("GPU", OK, f"{target.count} x {spec.name} {where}: {sm(spec.capability)}, {spec.memory_gib:.0f} GiB, "
@@ -139,32 +169,6 @@ def open_files_check() -> Check:
         return Check("open files", WARN, detail + f" (data-loader workers and NCCL want {OPEN_FILES_WANTED}+)",
                      f"ulimit -n {min(hard, 65536) if hard != resource.RLIM_INFINITY else 65536}")
     return Check("open files", OK, detail)
-
-
-def _nearest_existing(path: str) -> Path:
-    p = Path(path).resolve()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def disk_checks(options, rows: int | None) -> list[Check]:
-    from diffsynth_mbc.data.cache.index import projected_bytes_per_sample
-
-    lora = memory.lora_params(options.lora_rank, options.lora_target_modules.split(","))
-    checkpoint = lora * 16 + 64 * 2**20   # LoRA + AdamW m, v + file for export, plus RNG/scheduler/manifest
-    wanted = {options.checkpoint_dir: checkpoint * (options.keep_checkpoints + 1)}
-    if options.cache and rows:
-        sample = projected_bytes_per_sample(options.height, options.width, options.num_frames, text_tokens=120)["bytes"]
-        wanted[options.cache] = wanted.get(options.cache, 0) + rows * sample
-    out = []
-    for path, needed in wanted.items():
-        where = _nearest_existing(path)
-        free = shutil.disk_usage(where).free
-        detail = f"{path}: {free / GIB:.1f} GiB free, needs about {needed / GIB:.1f} GiB"
-        status = FAIL if free < needed else WARN if free < 1.5 * needed else OK
-        out.append(Check("disk", status, detail, "" if status == OK else "free space or point it at a larger disk"))
-    return out
 
 
 def download_command(model_id: str | None, folder: str) -> str:

@@ -14,7 +14,7 @@ import contextlib
 import json
 import sys
 
-from diffsynth_mbc.doctor import checks, estimates, memory
+from diffsynth_mbc.doctor import checks, disk, estimates, memory
 from diffsynth_mbc.doctor.checks import FAIL, GIB, Check
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
@@ -25,7 +25,8 @@ def build_parser():
     parser = FlagParser(prog="python -m diffsynth_mbc.doctor", add_help=False, passes_on_to=training_parser,
                         description=__doc__.split("\n\n")[1])
     parser.add_argument("--assume", help="plan for a GPU that is not here: " + ", ".join(checks_known_gpus()))
-    parser.add_argument("--gpus", type=int, help="GPUs per node (default: those found, or 1 with --assume)")
+    parser.add_argument("--gpus", type=int, help="GPUs per node (default: those found; with --assume, the processes "
+                                                 "per node of the launchers' configs/accelerate settings)")
     parser.add_argument("--nodes", type=int, help="nodes of the run (default: NUM_MACHINES, else 1)")
     parser.add_argument("--cached", action="store_true",
                         help="the run builds the latent cache first and trains from it (the launchers' --cached)")
@@ -38,6 +39,9 @@ def build_parser():
                         help="skip the slow checks (NCCL bandwidth, decoding rows); the launchers run this")
     parser.add_argument("--brief", action="store_true",
                         help="one summary line, plus a line for each warning or failure (the launchers use this)")
+    parser.add_argument("--detail-file", metavar="FILE",
+                        help="with --brief: every check's line goes to FILE (appended; the launchers pass the run's "
+                             "log) and only the failures to the terminal")
     parser.add_argument("-h", "--help", action="store_true")
     return parser
 
@@ -64,18 +68,23 @@ def checks_known_gpus():
     return list(KNOWN_GPUS)
 
 
-def estimate_run(options, ours, target: checks.Target, precision: str, media) -> tuple[Check, dict, dict, list]:
-    """The memory check and its detail, the speed and projection, and the assumptions behind them."""
+def estimate_run(options, ours, target: checks.Target, precision: str, media) -> tuple[list, dict, dict, list]:
+    """The memory and speed checks with the memory's detail, the speed and projection, and the assumptions."""
+    from diffsynth_mbc.doctor.advice import speed_check
     from diffsynth_mbc.gpu import attention_kernel
 
     spec = target.spec
-    run = estimates.estimate_run(options, spec, target.rates_from, precision, cudnn_version=target.cudnn_version,
-                                 gpus=target.count, nodes=ours.nodes, cached_launch=ours.cached, media=media,
-                                 zero2_world_size=target.count if ours.deepspeed else 1)
+
+    def estimate(these):
+        return estimates.estimate_run(these, spec, target.rates_from, precision, cudnn_version=target.cudnn_version,
+                                      gpus=target.count, nodes=ours.nodes, cached_launch=ours.cached, media=media,
+                                      zero2_world_size=target.count if ours.deepspeed else 1)
+
+    run = estimate(options)
     if spec is None:
-        return Check("memory", checks.SKIP, "no GPU: use --assume NAME to plan for one"), {}, run.speed, []
+        return [Check("memory", checks.SKIP, "no GPU: use --assume NAME to plan for one")], {}, run.speed, []
     assumptions = run.assumptions + [f"CUDA context {memory.CUDA_CONTEXT_BYTES / GIB:.1f} GiB; 'fits' = under "
-                                     f"{memory.FITS_BELOW:.0%} of the GPU"]
+                                     f"{memory.FITS_BELOW:.0%} of the GPU"] + target.assumptions
     gpu_bytes = int(spec.memory_gib * GIB)
     report = estimates.memory_summary(run.plans, gpu_bytes)
     largest = run.plans[report["batch"]]
@@ -85,24 +94,25 @@ def estimate_run(options, ours, target: checks.Target, precision: str, media) ->
                                    "total_bytes": memory.total(memory.estimate(p))} for flags, p in changes]
     detail = (f"{report['total_bytes'] / GIB:.1f} GiB estimated ({report['batch']} batch, "
               f"{largest.recomputed_blocks} of 30 blocks recomputed) of {spec.memory_gib:.0f} GiB on {spec.name}")
+    speed = [c for c in (speed_check(options, run, estimate, gpu_bytes),) if c is not None]
     if report["fits"]:
-        return Check("memory", checks.OK, detail + " (fits)"), report, run.speed, assumptions
+        return [Check("memory", checks.OK, detail + " (fits)"), *speed], report, run.speed, assumptions
     fix = (f"{changes[0][0]} (at {changes[0][1].precision}) -> "
            f"{report['changes_that_fit'][0]['total_bytes'] / GIB:.1f} GiB") if changes else \
         "no single change or pair fits: lower --height/--width/--num_frames"
-    return Check("memory", FAIL, detail + " (does not fit)", fix), report, run.speed, assumptions
+    return [Check("memory", FAIL, detail + " (does not fit)", fix), *speed], report, run.speed, assumptions
 
 
 def run_checks(ours, options) -> dict:
-    target = checks.find_target(ours.assume, ours.gpus)
+    target = checks.find_target(ours.assume, ours.gpus, ours.deepspeed)
     precision_check, precision = checks.precision_check(target, options.mixed_precision)
     metadata_check, media = checks.metadata_check(options, ours.quick)
-    rows = sum(media) if media else None
     found = [checks.gpu_check(target), checks.arch_check(target), precision_check,
              checks.nccl_check(target, ours.quick), checks.shm_check(options), checks.open_files_check(),
-             *checks.disk_checks(options, rows), checks.model_check(options), metadata_check, checks.ffmpeg_check(options)]
-    memory_check, memory_detail, speed, assumptions = estimate_run(options, ours, target, precision, media)
-    found.append(memory_check)
+             *disk.disk_checks(options, media, ours.cached), checks.model_check(options), metadata_check,
+             checks.ffmpeg_check(options)]
+    estimated, memory_detail, speed, assumptions = estimate_run(options, ours, target, precision, media)
+    found += estimated
     exit_code = 1 if any(c.status == FAIL for c in found) else 0
     return {"exit_code": exit_code, "gpu": None if target.spec is None else {
                 "name": target.spec.name, "capability": list(target.spec.capability), "count": target.count,
@@ -138,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     if ours.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     elif ours.brief:
-        report.print_brief(result)
+        try:
+            report.print_brief(result, ours.detail_file)
+        except OSError as exc:
+            print(f"error: --detail_file {ours.detail_file}: {exc.strerror}", file=sys.stderr)
+            return 2
     else:
         report.print_table(result)
     return result["exit_code"]

@@ -89,8 +89,9 @@ class RunEstimate:
 
 def estimate_run(options, spec, rates_from: str | None, precision: str, *, cudnn_version: int | None = None,
                  gpus: int = 1, nodes: int | None = None, cached_launch: bool = False,
-                 media: tuple[int, int] | None = None, zero2_world_size: int = 1) -> RunEstimate:
-    """The run's plans on ``spec`` (a ``GpuSpec``, or None without a GPU), its speed and projected length."""
+                 media: tuple[int, int] | None = None, zero2_world_size: int = 1, plan=None) -> RunEstimate:
+    """The run's plans on ``spec`` (a ``GpuSpec``, or None without a GPU), its speed and projected length; ``plan``:
+    the step plan already worked out for these rows (``step_plan``), else worked out here."""
     from diffsynth_mbc.gpu import attention_kernel
 
     capability = spec.capability if spec is not None else None
@@ -112,12 +113,12 @@ def estimate_run(options, spec, rates_from: str | None, precision: str, *, cudnn
                    f"{gpus} GPU(s) per node x {nodes} node(s)" + ("" if nodes_given else " (nodes: NUM_MACHINES, else 1)")]
     if build_cache:
         assumptions.append("the latent cache is built first (--cached, or --cache without a finished cache)")
-    speed_figures, run = speed_summary(options, spec, rates_from, plans, media, gpus, nodes, build_cache)
+    speed_figures, run = speed_summary(options, spec, rates_from, plans, media, gpus, nodes, build_cache, plan)
     return RunEstimate(plans, speed_figures, run, assumptions)
 
 
 def speed_summary(options, spec, rates_from: str | None, plans: dict, media: tuple[int, int] | None, gpus: int,
-                  nodes: int, build_cache: bool) -> tuple[dict, projection.Projection | None]:
+                  nodes: int, build_cache: bool, plan=None) -> tuple[dict, projection.Projection | None]:
     """Seconds per step per batch kind, where each figure comes from, and the run's length when the rows are known."""
     if spec is None:
         return {"unknown": "no GPU: the speed model covers GPUs (plan with --assume NAME, or measure this machine "
@@ -125,37 +126,43 @@ def speed_summary(options, spec, rates_from: str | None, plans: dict, media: tup
     if rates_from is None:
         return {"unknown": f"no rates for {spec.name}: plan with --assume NAME of a similar GPU, or measure it with "
                            "--probe N"}, None
-    steps = {kind: speed.seconds_per_step(plan, spec, rates_from, options.gradient_accumulation_steps)
-             for kind, plan in plans.items()}
+    steps = {kind: speed.seconds_per_step(batch, spec, rates_from, options.gradient_accumulation_steps)
+             for kind, batch in plans.items()}
     out = {"rates_from": rates_from, "flop_convention": f"{speed.STEP_FLOPS:.3g} FLOPs per 4,400-token step",
            **{kind: estimate.as_dict() for kind, estimate in steps.items()}}
     run = None
     if media is not None:
-        run = project(options, steps, plans, spec, media, gpus, nodes, build_cache)
+        run = project(options, steps, plans, spec, run_shape(options, media, gpus, nodes, plan), build_cache)
         out["projection"] = run.as_dict()
     return out, run
 
 
-def project(options, steps: dict, plans: dict, spec, media: tuple[int, int], gpus: int, nodes: int,
+def project(options, steps: dict, plans: dict, spec, shape: projection.RunShape,
             build_cache: bool) -> projection.Projection:
-    shape = run_shape(options, media, gpus, nodes)
     encode = {}
     if build_cache:
         tensor_ratio = speed.gpu_ratios(spec, plans[next(iter(plans))].precision)[0]
-        for kind, plan in run_plans(options, "bf16", "cudnn", False, False).items():
-            encode[kind] = speed.encode_seconds(plan.but(batch_size=1), tensor_ratio)
+        for kind, batch in run_plans(options, "bf16", "cudnn", False, False).items():
+            encode[kind] = speed.encode_seconds(batch.but(batch_size=1), tensor_ratio)
     seconds = {kind: estimate.seconds for kind, estimate in steps.items()}
     kind = "measured" if all(e.measured for e in steps.values()) and not build_cache else "estimate"
     return projection.project(shape, seconds.get("video"), seconds.get("image"), encode.get("video"),
                               encode.get("image"), kind=kind)
 
 
-def run_shape(options, media: tuple[int, int], gpus: int, nodes: int) -> projection.RunShape:
-    """The run's shape; with several catalogues each one's rows count its own repeat, as the sampler draws them."""
+def step_plan(options, media: tuple[int, int], world_size: int):
+    """The training's step plan for these rows on ``world_size`` GPUs (every node's): the one function the training,
+    ``python -m diffsynth_mbc.plan`` and the status files plan with; several catalogues count their own repeats."""
     from diffsynth_mbc.data.catalogues import metadata_counts
+    from diffsynth_mbc.training.step_plan import plan_from_options
 
     counts = metadata_counts(options) if getattr(options, "datasets", None) else ()
-    if counts:
-        media = (sum(c.videos * c.repeat for c in counts), sum(c.images * c.repeat for c in counts))
-    return projection.RunShape(media[0], media[1], options.num_epochs, options.dataset_repeat, options.batch_size,
-                               image_batch(options), options.gradient_accumulation_steps, max(1, gpus), max(1, nodes))
+    return plan_from_options(options, rows=media[0] + media[1], images=media[1], world_size=max(1, world_size),
+                             datasets=counts)
+
+
+def run_shape(options, media: tuple[int, int], gpus: int, nodes: int, plan=None,
+              unit: str = "GPU") -> projection.RunShape:
+    """The run's shape: ``plan`` (the step plan already printed), else the step plan of ``gpus`` x ``nodes``."""
+    nodes = max(1, nodes)
+    return projection.RunShape(plan or step_plan(options, media, max(1, gpus) * nodes), nodes, unit)

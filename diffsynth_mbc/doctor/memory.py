@@ -248,15 +248,20 @@ def changes_that_fit(plan: Plan, memory_bytes: int, native_bf16: bool,
 
     ``attention_for(precision)`` gives the attention kernel of the GPU for a precision. On a GPU without
     native bf16 every candidate also uses fp16 (bf16 there is emulated and several times slower).
+    ``--gradient_checkpointing auto`` (the fewest recomputed blocks that fit) comes before recomputing all of
+    them, and offloading the recomputed blocks' inputs (slower still) only when nothing else fits.
     """
     base = plan
     if not native_bf16 and plan.precision == "bf16":
         base = plan.but(precision="fp16", attention=attention_for("fp16"))
     prefix = "--mixed_precision fp16 + " if base is not plan else ""
-    steps = []
+    steps, singles = [], []
     if not base.cached:
         steps.append(("--cache (encode once, train without the text encoder and VAE)", {"cached": True}))
     if base.recomputed_blocks < DIT["num_layers"]:
+        auto = checkpointing_choice(base, memory_bytes)
+        if auto.fits and base.recomputed_blocks < auto.recomputed_blocks < DIT["num_layers"]:
+            singles.append(("--gradient_checkpointing auto", {"recomputed_blocks": auto.recomputed_blocks}))
         steps.append(("--gradient_checkpointing all", {"recomputed_blocks": DIT["num_layers"]}))
     if base.precision == "no":
         precision = "bf16" if native_bf16 else "fp16"
@@ -268,7 +273,7 @@ def changes_that_fit(plan: Plan, memory_bytes: int, native_bf16: bool,
     found = []
     if prefix and fits(base, memory_bytes):
         found.append(("--mixed_precision fp16", base))
-    for label, change in steps:
+    for label, change in singles + steps:   # auto is a single change: paired, its block count would not be auto's
         candidate = base.but(**change)
         if fits(candidate, memory_bytes):
             found.append((prefix + label, candidate))
@@ -279,4 +284,5 @@ def changes_that_fit(plan: Plan, memory_bytes: int, native_bf16: bool,
             candidate = base.but(**{**change_a, **change_b})   # both may set the same field
             if fits(candidate, memory_bytes):
                 found.append((prefix + label_a + " + " + label_b, candidate))
-    return found
+    without_offload = [item for item in found if not item[1].checkpointing_offload]
+    return without_offload or found

@@ -182,13 +182,9 @@ def measured_projection(ours, options, result: dict, measured: dict) -> dict | N
         return None
     gpus = ours.gpus or (result["gpu"]["count"] if result.get("gpu") else 1)
     nodes = ours.nodes or estimates.nodes_from_environment()
-    per_micro_batch = {kind: max(1, round(m["samples_per_step"] / options.gradient_accumulation_steps))
-                       for kind, m in measured.items()}
-    shape = projection.RunShape(media["videos"], media["images"], options.num_epochs, options.dataset_repeat,
-                                per_micro_batch.get("video", options.batch_size),
-                                per_micro_batch.get("image", estimates.image_batch(options)),
-                                options.gradient_accumulation_steps, max(1, gpus), max(1, nodes),
-                                "GPU" if result.get("gpu") else "CPU process")
+    # the training's own step plan (what the launcher and the status files print), timed at the measured rates
+    shape = estimates.run_shape(options, (media["videos"], media["images"]), gpus, nodes,
+                                unit="GPU" if result.get("gpu") else "CPU process")
     encode = {kind: m["encode_seconds_per_row"] for kind, m in measured.items()}
     build = estimates.cache_to_build(options, ours.cached)
     run = projection.project(shape, measured.get("video", {}).get("seconds_per_step"),

@@ -1,72 +1,97 @@
-"""How long a run takes: optimizer steps per GPU for clips and images, times seconds per step (pure Python).
+"""How long a run takes: the training's own step plan, times seconds per step (pure Python).
 
-Clips and images are batched apart (``--batch_size`` clips or ``--image_batch_size`` images per forward),
-so each GPU takes, per epoch,
-
-    ceil(ceil(videos x repeat / GPUs) / batch_size / accumulation)
-  + ceil(ceil(images x repeat / GPUs) / image_batch / accumulation)     optimizer steps,
-
-GPUs being every GPU of every node. Building the latent cache first (``--cached``) encodes every row
+The steps are the training's (``training/step_plan.StepPlan``, built by ``plan_from_options`` as the training,
+``python -m diffsynth_mbc.plan`` and the status files build it): clips in batches of ``--batch_size``, images in
+batches of ``--image_batch_size``, all batches dealt to the GPUs in turn, one optimizer step per
+``accumulation`` batches. The batches are shuffled together, so the steps split between clips and images as
+their batches do; the projection times each part at its own seconds per step, and the total it prints is the
+plan's. GPUs are every GPU of every node. Building the latent cache first (``--cached``) encodes every row
 once on every GPU in parallel. Used by ``python -m diffsynth_mbc.doctor`` and ``python -m diffsynth_mbc.plan``.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 from pathlib import Path
 
 from diffsynth_mbc.data.catalog import IMAGE_EXTENSIONS
+from diffsynth_mbc.data.metadata_csv import read_metadata
+from diffsynth_mbc.training.step_plan import StepPlan
 
 
 def count_media(metadata_path: str | Path) -> tuple[int, int]:
     """(videos, images) of a metadata CSV: its media_type column, else each file's extension."""
     videos = images = 0
-    with open(metadata_path, newline="", encoding="utf-8-sig") as handle:
-        reader = csv.DictReader(handle)
-        fields = reader.fieldnames or []
-        for row in reader:
-            kind = (row.get("media_type") or "").strip().lower() if "media_type" in fields else ""
-            if not kind:
-                kind = "image" if Path(row.get("video") or "").suffix.lower().lstrip(".") in IMAGE_EXTENSIONS else "video"
-            if kind == "image":
-                images += 1
-            else:
-                videos += 1
+    for row in read_metadata(metadata_path):   # MetadataError names the file and line DiffSynth's pandas stops at
+        kind = (row.get("media_type") or "").strip().lower()
+        if not kind:
+            kind = "image" if Path(row.get("video") or "").suffix.lower().lstrip(".") in IMAGE_EXTENSIONS else "video"
+        if kind == "image":
+            images += 1
+        else:
+            videos += 1
     return videos, images
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunShape:
-    videos: int
-    images: int
-    num_epochs: int = 1
-    repeat: int = 1
-    batch_size: int = 1
-    image_batch: int = 1
-    accumulation: int = 1
-    gpus_per_node: int = 1
+    """The run's steps (``plan``: the training's StepPlan, its ``world_size`` every GPU of every node) and what
+    runs one rank: a GPU, or on a machine without one a CPU process."""
+    plan: StepPlan
     nodes: int = 1
-    unit: str = "GPU"   # what runs one rank: a GPU, or on a machine without one a CPU process
+    unit: str = "GPU"
 
     @property
     def gpus(self) -> int:
-        return max(1, self.gpus_per_node) * max(1, self.nodes)
+        return self.plan.world_size
 
-    def steps_per_epoch(self, rows: int, batch: int) -> int:
-        if rows == 0:
-            return 0
-        return math.ceil(math.ceil(math.ceil(rows * self.repeat / self.gpus) / batch) / self.accumulation)
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, self.plan.world_size // max(1, self.nodes))
+
+    @property
+    def videos(self) -> int:
+        return self.plan.videos
+
+    @property
+    def images(self) -> int:
+        return self.plan.images
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps per GPU over the whole run: the plan's."""
+        return self.plan.total_steps
+
+    def _batches(self) -> tuple[int, int]:
+        """Clip batches and image batches of one epoch, all GPUs together."""
+        plan = self.plan
+        return (_ceil_div(plan._samples("videos"), plan.batch_size),
+                _ceil_div(plan._samples("images"), plan.image_batch_size))
 
     @property
     def video_steps(self) -> int:
-        """Optimizer steps on clips, per GPU, over the whole run."""
-        return self.steps_per_epoch(self.videos, self.batch_size) * self.num_epochs
+        """Of the plan's steps per GPU, those on clips: the clips' share of the batches (they are shuffled together)."""
+        video_batches, image_batches = self._batches()
+        if not video_batches + image_batches:
+            return 0
+        return round(self.total_steps * video_batches / (video_batches + image_batches))
 
     @property
     def image_steps(self) -> int:
-        return self.steps_per_epoch(self.images, self.image_batch) * self.num_epochs
+        return self.total_steps - self.video_steps
+
+    def as_dict(self) -> dict:
+        plan = self.plan
+        return {"videos": plan.videos, "images": plan.images, "num_epochs": plan.num_epochs, "repeat": plan.repeat,
+                "batch_size": plan.batch_size, "image_batch": plan.image_batch_size,
+                "accumulation": plan.gradient_accumulation, "gpus_per_node": self.gpus_per_node, "nodes": self.nodes,
+                "unit": self.unit, "gpus": self.gpus, "total_steps_per_gpu": self.total_steps,
+                "video_steps_per_gpu": self.video_steps, "image_steps_per_gpu": self.image_steps}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,27 +113,31 @@ class Projection:
         return self.training_seconds + (self.cache_build_seconds or 0.0)
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self.shape), "gpus": self.shape.gpus, "video_steps_per_gpu": self.shape.video_steps,
-                "image_steps_per_gpu": self.shape.image_steps, "video_seconds_per_step": _round(self.video_seconds),
+        return {**self.shape.as_dict(), "video_seconds_per_step": _round(self.video_seconds),
                 "image_seconds_per_step": _round(self.image_seconds), "training_seconds": round(self.training_seconds),
                 "cache_build_seconds": None if self.cache_build_seconds is None else round(self.cache_build_seconds),
                 "total_seconds": round(self.total_seconds), "total": duration(self.total_seconds), "kind": self.kind,
                 "line": self.line(), "cache_line": self.cache_line()}
 
     def line(self) -> str:
-        shape = self.shape
+        shape, plan = self.shape, self.shape.plan
         media = []
         if shape.videos:
-            media.append(f"{shape.videos:,} videos (batch {shape.batch_size})")
+            media.append(f"{shape.videos:,} videos (batch {plan.batch_size})")
         if shape.images:
-            media.append(f"{shape.images:,} images (batch {shape.image_batch})")
-        steps = " + ".join(f"{n:,} {what}" for n, what in ((shape.video_steps, "video"), (shape.image_steps, "image")) if n)
+            media.append(f"{shape.images:,} images (batch {plan.image_batch_size})")
+        repeat = (" x each catalogue's repeat" if plan.datasets else "") + (
+            f" x repeat {plan.repeat}" if plan.repeat > 1 else "")
+        split = " + ".join(f"{n:,} {what}" for n, what in ((shape.video_steps, "video"), (shape.image_steps, "image"))
+                           if n)
+        steps = f"{shape.total_steps:,}" + (f" ({split})" if shape.videos and shape.images else "")
         rates = " / ".join(f"{s:.2f}" for s in (self.video_seconds if shape.videos else None,
                                                 self.image_seconds if shape.images else None) if s is not None)
+        units = "CPU process(es)" if shape.unit == "CPU process" else shape.unit + "(s)"
         text = (f"projected run length: {duration(self.total_seconds)} ({self.kind}): {' + '.join(media) or 'no rows'}"
-                f"{f' x repeat {shape.repeat}' if shape.repeat > 1 else ''} x {shape.num_epochs} epoch(s)"
-                f"{f' x accumulation {shape.accumulation}' if shape.accumulation > 1 else ''} on {shape.gpus} "
-                f"{'CPU process(es)' if shape.unit == 'CPU process' else shape.unit + '(s)'} ({shape.nodes} node(s) x {shape.gpus_per_node}): {steps or 0} optimizer steps per "
+                f"{repeat} x {plan.num_epochs} epoch(s)"
+                f"{f' x accumulation {plan.gradient_accumulation}' if plan.gradient_accumulation > 1 else ''} on "
+                f"{shape.gpus} {units} ({shape.nodes} node(s) x {shape.gpus_per_node}): {steps} optimizer steps per "
                 f"{shape.unit} at {rates} s/step")
         if self.cache_build_seconds is not None:
             text += f", after building the latent cache ({duration(self.cache_build_seconds)})"

@@ -36,7 +36,7 @@ def print_table(result: dict) -> None:
         items.add_row(Text("total", style="bold"), Text(f"{mem['total_bytes'] / GIB:.1f}", style="bold"))
         items.add_row(Text(f"limit ({memory.FITS_BELOW:.0%} of the GPU)"), f"{mem['limit_bytes'] / GIB:.1f}")
         console.print(items)
-        for change in mem["changes_that_fit"][:4]:
+        for change in ([] if mem["fits"] else mem["changes_that_fit"][:4]):   # fits: nothing to change for memory
             console.print(Text(f"fits with {change['flags']} (at {change['precision']}): "
                                f"{change['total_bytes'] / GIB:.1f} GiB"))
     for line in speed_lines(result["speed"]) + probe_lines(result.get("probe")):
@@ -94,12 +94,27 @@ def probe_lines(probe: dict | None) -> list[str]:
     return lines
 
 
-def print_brief(result: dict) -> None:
-    counts = {}
+def check_line(c: dict) -> str:
+    return f"  {c['status']}: {c['name']}: {c['detail']}" + (f" (fix: {c['fix']})" if c["fix"] else "")
+
+
+def print_brief(result: dict, detail_file: str | None = None) -> None:
+    """One summary line (counts, and which checks warned or failed), then a line for each warning or failure.
+    With ``detail_file`` (the launchers pass the run's log) every check's line goes there instead, and only the
+    failures stay on the terminal: the summary then fits in 80 columns."""
+    counts, names = {}, {}
     for c in result["checks"]:
         counts[c["status"]] = counts.get(c["status"], 0) + 1
-    print("preflight: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())), file=sys.stderr)
+        names.setdefault(c["status"], []).append(c["name"])
+    summary = "preflight: " + ", ".join(f"{n} {status}" + (f" ({', '.join(names[status])})" if status in ("warn", "fail")
+                                                           else "") for status, n in sorted(counts.items()))
+    shown = ("warn", "fail")
+    if detail_file:
+        with open(detail_file, "a", encoding="utf-8") as handle:
+            handle.write("\n".join([summary] + [check_line(c) for c in result["checks"]]) + "\n")
+        shown = ("fail",)
+        summary += "; detail in the log" if len(summary) <= 60 else ""
+    print(summary, file=sys.stderr)
     for c in result["checks"]:
-        if c["status"] in ("warn", "fail"):
-            print(f"  {c['status']}: {c['name']}: {c['detail']}" + (f" (fix: {c['fix']})" if c["fix"] else ""),
-                  file=sys.stderr)
+        if c["status"] in shown:
+            print(check_line(c), file=sys.stderr)

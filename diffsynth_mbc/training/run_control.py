@@ -63,8 +63,10 @@ def run_locks(folder: str | os.PathLike) -> list[Path]:
 
 
 def describe_holders(folder: str | os.PathLike) -> str:
-    """'launcher 123, ranks 130 131' for the message that refuses a second run on a folder."""
-    pids = sorted({pid for lock in run_locks(folder) for pid in lock_holders(lock)})
+    """'launcher 123, ranks 130 131' for the message that refuses a second run on a folder: the holders other than
+    the process asking and the processes that started it (a refused launcher holds the lock file open itself)."""
+    asking = ancestors(os.getpid())
+    pids = sorted({pid for lock in run_locks(folder) for pid in lock_holders(lock)} - asking)
     if not pids:
         return "no process of it is visible on this host"
     ranks = [pid for pid in pids if is_trainer(pid)]
@@ -75,6 +77,15 @@ def describe_holders(folder: str | os.PathLike) -> str:
     if ranks:
         parts.append("ranks " + " ".join(map(str, ranks)))
     return ", ".join(parts)
+
+
+def ancestors(pid: int) -> set[int]:
+    """``pid`` and every process above it."""
+    found = set()
+    while pid and pid not in found:
+        found.add(pid)
+        pid = parent(pid) or 0
+    return found
 
 
 @dataclass
@@ -306,8 +317,8 @@ def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str
     return marked
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(prog="python -m diffsynth_mbc.stop", allow_abbrev=False,
+def build_parser(prog: str = "python -m diffsynth_mbc.stop") -> argparse.ArgumentParser:
+    parser = FlagParser(prog=prog, allow_abbrev=False,
                         description="Stop the training running on OUTPUT_PATH gracefully (as Ctrl-C: "
                                     "checkpoint, status 'stopped'), then forcibly after --grace seconds.")
     parser.add_argument("output_path", help="the run's output folder (or its log or checkpoint folder)")
@@ -317,8 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    options = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m diffsynth_mbc.stop") -> int:
+    options = build_parser(prog).parse_args(argv)
     if options.mark_dead_ranks is not None:
         marked = mark_dead_ranks(options.output_path, options.mark_dead_ranks)
         if marked:

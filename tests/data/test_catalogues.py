@@ -139,9 +139,10 @@ def test_the_doctor_projects_each_catalogue_at_its_own_repeat(two, tmp_path):
     options = resolve_options(["--config", str(preset)])
     counts = metadata_counts(options)
     shape = run_shape(options, (sum(c.videos for c in counts), sum(c.images for c in counts)), gpus=2, nodes=1)
-    assert (shape.videos, shape.images) == (sum(c.videos * c.repeat for c in counts),
-                                            sum(c.images * c.repeat for c in counts))
-    assert shape.videos > sum(c.videos for c in counts)   # the second catalogue's repeat 3 counts
+    # the projection times the training's own step plan, which draws each catalogue's rows at its repeat
+    assert shape.plan.datasets == counts
+    assert shape.plan.samples_per_epoch == sum((c.videos + c.images) * c.repeat for c in counts)
+    assert shape.plan.samples_per_epoch > shape.videos + shape.images   # the second catalogue's repeat 3 counts
 
 
 def test_a_resume_with_another_catalogue_repeat_is_a_difference(two, tmp_path):

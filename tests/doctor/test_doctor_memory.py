@@ -127,16 +127,29 @@ def test_the_default_image_batch_holds_a_clips_tokens():
     assert memory.default_image_batch(704, 1280, 1) == 1
 
 
-def test_on_a_v100_without_recomputation_the_cheapest_fix_is_recomputing_every_block():
+def test_on_a_v100_without_recomputation_the_cheapest_fix_is_auto_then_recomputing_every_block():
     v100 = int(known_gpu("V100-32GB").memory_gib * GIB)
     assert not fits(v100_plan(recomputed_blocks=0), v100)
     assert fits(v100_plan(), v100)        # encoding every step fits with every block recomputed (26.0 GiB measured)
     # asked for bf16 on a V100: every suggestion also moves to fp16 (bf16 is emulated there)
     bf16 = Plan(704, 1280, 17, precision="bf16", attention="math", recomputed_blocks=0)
     found = changes_that_fit(bf16, v100, native_bf16=False, attention_for=lambda p: attention_kernel((7, 0), p))
-    flags, plan = found[0]
+    (auto_flags, auto), (flags, plan) = found[:2]
+    # the fewest recomputed blocks that fit (what the training's auto picks) before all of them
+    fp16 = bf16.but(precision="fp16", attention="mem_efficient")
+    assert auto_flags == "--mixed_precision fp16 + --gradient_checkpointing auto"
+    assert auto.recomputed_blocks == blocks_to_recompute(fp16, v100) < 30 and fits(auto, v100)
     assert flags == "--mixed_precision fp16 + --gradient_checkpointing all"
     assert plan.precision == "fp16" and plan.attention == "mem_efficient" and plan.recomputed_blocks == 30
+
+
+def test_offloading_is_suggested_only_when_nothing_else_fits():
+    """The doctor recommended --use_gradient_checkpointing_offload (slower) where recomputing fewer blocks fit."""
+    v100 = int(known_gpu("V100-32GB").memory_gib * GIB)
+    found = changes_that_fit(v100_plan(recomputed_blocks=0, cached=True), v100, native_bf16=False,
+                             attention_for=lambda p: attention_kernel((7, 0), p))
+    assert found and not any("offload" in flags or plan.checkpointing_offload for flags, plan in found)
+    assert found[0][0] == "--gradient_checkpointing auto"
 
 
 def test_the_items_add_up_and_the_math_kernel_costs_the_score_matrices():

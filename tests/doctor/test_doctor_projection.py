@@ -12,6 +12,7 @@ from diffsynth_mbc.doctor import estimates, projection
 from diffsynth_mbc.doctor.projection import RunShape, count_media, duration
 from diffsynth_mbc.gpu import known_gpu
 from diffsynth_mbc.training.options import TrainOptions, resolve_options
+from diffsynth_mbc.training.step_plan import StepPlan
 from e2e_helpers import REPO
 
 FULL = str(REPO / "configs" / "train_full.yaml")
@@ -33,34 +34,54 @@ def test_media_are_counted_by_the_media_type_column_or_the_extension(tmp_path):
     assert count_media(write_metadata(tmp_path / "b.csv", 4, 1, media_type_column=False)) == (4, 1)
 
 
+def shape_of(videos, images, *, epochs=1, repeat=1, batch=1, image_batch=5, accumulation=1, gpus=1, nodes=1,
+             unit="GPU"):
+    plan = StepPlan(videos + images, repeat, world_size=gpus * nodes, batch_size=batch,
+                    gradient_accumulation=accumulation, num_epochs=epochs, images=images, image_batch_size=image_batch)
+    return RunShape(plan, nodes, unit)
+
+
 def test_the_full_run_takes_200000_clip_steps_and_45090_image_steps_per_gpu_on_2_gpus():
-    shape = RunShape(80_000, 90_180, num_epochs=5, batch_size=1, image_batch=5, gpus_per_node=2)
-    assert (shape.video_steps, shape.image_steps) == (200_000, 45_090)
-    two_nodes = RunShape(80_000, 90_180, num_epochs=5, batch_size=1, image_batch=5, gpus_per_node=2, nodes=2,
-                         accumulation=2, repeat=2)
-    assert two_nodes.gpus == 4 and two_nodes.video_steps == 5 * 20_000 and two_nodes.image_steps == 5 * 4_509
+    shape = shape_of(80_000, 90_180, epochs=5, gpus=2)
+    assert (shape.video_steps, shape.image_steps, shape.total_steps) == (200_000, 45_090, 245_090)
+    two_nodes = shape_of(80_000, 90_180, epochs=5, gpus=2, nodes=2, accumulation=2, repeat=2)
+    assert two_nodes.gpus == 4 and two_nodes.gpus_per_node == 2
+    assert two_nodes.video_steps == 5 * 20_000 and two_nodes.image_steps == 5 * 4_509
+
+
+@pytest.mark.parametrize("gpus, accumulation, image_batch", [(2, 3, 7), (3, 8, 5), (16, 16, 1), (2, 1, 5)])
+def test_the_projection_counts_the_step_plans_steps(gpus, accumulation, image_batch):
+    """The projection counted its own steps (clips and images apart, each rounded up): 77,410 where the plan the
+    launcher and the training print says 77,405. It splits the plan's total between clips and images instead."""
+    shape = shape_of(80_000, 90_180, epochs=5, gpus=gpus, accumulation=accumulation, image_batch=image_batch)
+    assert shape.video_steps + shape.image_steps == shape.total_steps == shape.plan.total_steps
+    run = projection.project(shape, 2.0, 1.0)
+    assert f": {shape.plan.total_steps:,} ({shape.video_steps:,} video + {shape.image_steps:,} image) optimizer " \
+           "steps per GPU" in run.line()
+    assert run.training_seconds == shape.video_steps * 2.0 + shape.image_steps * 1.0
 
 
 def test_the_length_is_steps_times_seconds_plus_the_cache_build():
-    shape = RunShape(10, 20, batch_size=1, image_batch=5, gpus_per_node=2)
+    shape = shape_of(10, 20, gpus=2)
     run = projection.project(shape, 2.0, 1.0, encode_video_seconds=3.0, encode_image_seconds=0.5)
+    assert shape.total_steps == 7 and (shape.video_steps, shape.image_steps) == (5, 2)   # 10 + 4 batches on 2 GPUs
     assert run.training_seconds == 5 * 2.0 + 2 * 1.0
     assert run.cache_build_seconds == 5 * 3.0 + 10 * 0.5 and run.total_seconds == 12 + 20
     line = run.line()
     assert line.startswith("projected run length: 32 seconds (estimate): 10 videos (batch 1) + 20 images (batch 5)")
-    assert "5 video + 2 image optimizer steps per GPU at 2.00 / 1.00 s/step" in line
+    assert "7 (5 video + 2 image) optimizer steps per GPU at 2.00 / 1.00 s/step" in line
     assert "after building the latent cache (20 seconds)" in line
     assert projection.project(shape, 2.0, 1.0).cache_build_seconds is None
 
 
 def test_the_cache_build_has_a_line_of_its_own_that_says_whether_it_is_measured():
-    shape = RunShape(10, 20, batch_size=1, image_batch=5, gpus_per_node=2)
+    shape = shape_of(10, 20, gpus=2)
     estimated = projection.project(shape, 2.0, 1.0, encode_video_seconds=3.0, encode_image_seconds=0.5)
     assert estimated.cache_line() == ("latent cache build: 20 seconds (estimate), before the first step: 5 clips x "
                                       "3.00 s + 10 images x 0.50 s per GPU, 2 GPU(s) in parallel; each row is encoded "
                                       "once (the build shows in the monitor as the caching phase)")
     assert estimated.as_dict()["cache_line"] == estimated.cache_line()
-    measured = projection.project(RunShape(0, 7, unit="CPU process"), 1.0, 1.0, encode_image_seconds=2.0,
+    measured = projection.project(shape_of(0, 7, unit="CPU process"), 1.0, 1.0, encode_image_seconds=2.0,
                                   kind="measured")
     assert measured.cache_line().startswith("latent cache build: 14 seconds (measured), before the first step: "
                                             "7 images x 2.00 s per CPU process, 1 CPU process(es) in parallel")
@@ -80,7 +101,7 @@ def full_options(metadata, *flags):
 def test_the_full_run_on_v100s_and_h100s(tmp_path):
     metadata = write_metadata(tmp_path / "metadata.csv", 80_000, 90_180)
     media = count_media(metadata)
-    options = full_options(metadata)
+    options = full_options(metadata, "--gradient_checkpointing", "all")
     v100 = estimates.estimate_run(options, known_gpu("V100S-32GB"), "V100S-32GB", "fp16", gpus=2, nodes=1,
                                   cached_launch=True, media=media)
     h100 = estimates.estimate_run(options, known_gpu("H100-80GB"), "H100-80GB", "bf16", gpus=2, nodes=1,

@@ -17,7 +17,8 @@ def test_random_window_at_a_source_fps_trains_two_epochs_on_two_ranks(tmp_path):
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    run_line, = [line for line in output.splitlines() if line.startswith("run run-")]
+    log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's command is in the run's log
+    run_line, = [line for line in log.read_text().splitlines() if line.startswith("run run-")]
     assert "--frame_sampling random_window --source_fps 6 --short_clips loop" in run_line, run_line
     log_dir = tmp_path / "runs" / "demo" / "training_logs"
     for rank in (0, 1):

@@ -28,7 +28,8 @@ def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
     cache = tmp_path / "runs" / "demo" / "latent_cache"
     summary = json.loads((cache / "summary.json").read_text())
     assert summary["written"] + summary["skipped"] == 11 and summary["failed"] == 0
-    assert "--cache runs/demo/latent_cache" in output
+    log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's command is in the run's log
+    assert "--cache runs/demo/latent_cache" in log.read_text()
     index = json.loads((cache / "cache.json").read_text())
     assert index["settings"]["caption_prefix"] == "mbcstyle" and index["empty_prompt"]["text_tokens"] >= 1
     assert all(row["prompt"].startswith("mbcstyle ") for row in index["rows"])
@@ -56,7 +57,8 @@ def test_a_cache_folder_given_with_cached_reaches_the_training_once(tmp_path):
                             env=env, capture_output=True, text=True, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    run_line, = [line for line in output.splitlines() if line.startswith("run run-")]
+    log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's command is in the run's log
+    run_line, = [line for line in log.read_text().splitlines() if line.startswith("run run-")]
     assert run_line.count("--cache") == 1 and "--cache runs/my_cache " in run_line, run_line
     assert json.loads((tmp_path / "runs" / "my_cache" / "summary.json").read_text())["failed"] == 0
     assert not (tmp_path / "runs" / "demo" / "latent_cache").exists()
@@ -87,8 +89,10 @@ def test_two_catalogues_cache_and_train_as_one_on_two_ranks(tmp_path):
     # The demo preset's dataset_repeat 3 multiplies each catalogue's own: news 5 rows x 3, drama 3 rows x 6.
     counts = [{"name": "news", "rows": 5, "videos": 3, "images": 2, "repeat": 1, "samples_per_epoch": 15},
               {"name": "drama", "rows": 3, "videos": 2, "images": 1, "repeat": 2, "samples_per_epoch": 18}]
-    assert "news: 5 rows (3 videos + 2 images) x repeat 3 = 15 samples" in output
-    assert "drama: 3 rows (2 videos + 1 images) x repeat 6 = 18 samples" in output
+    log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's full plan is in the run's log
+    assert "news: 5 rows (3 videos + 2 images) x repeat 3 = 15 samples" in log.read_text()
+    assert "drama: 3 rows (2 videos + 1 images) x repeat 6 = 18 samples" in log.read_text()
+    assert "step plan: 7 steps in total per GPU (7 x 1 epoch, 2 GPUs)" in output   # and its total here
     # videos 3x3 + 2x6 = 21 batches of 1, images 2x3 + 1x6 = 12 in batches of 3 -> 25 batches -> 13 per rank
     # -> accumulation 2 -> 7 steps.
     expected = StepPlan(rows=8, repeat=3, world_size=2, batch_size=1, gradient_accumulation=2, num_epochs=1,

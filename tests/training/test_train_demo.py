@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 
 import psutil
 import pytest
@@ -23,7 +24,7 @@ DEMO_SEED = 42
 def demo(tmp_path_factory):
     """One demo run; a stale lock is left beforehand and a second launch is tried while it runs."""
     work = tmp_path_factory.mktemp("demo")
-    env = isolated_env(work, OMP_NUM_THREADS=1)
+    env = isolated_env(work, OMP_NUM_THREADS=1, COLUMNS=80)   # an 80-column terminal's width
     output = work / "runs" / "demo" / "lora"
     output.mkdir(parents=True)
     (output / ".train.pid").write_text("999999\n")          # left by a run that died without cleaning up
@@ -35,7 +36,9 @@ def demo(tmp_path_factory):
         assert first.poll() is None, first.stdout.read()
         assert time.monotonic() < deadline, "the demo never started its ranks"
         time.sleep(0.2)
-    second = subprocess.run(launcher, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    refused = subprocess.Popen(launcher, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = refused.communicate(timeout=120)
+    second = types.SimpleNamespace(pid=refused.pid, returncode=refused.returncode, stdout=out, stderr=err)
     trainers_while_second_tried = _trainer_processes_in(work)
     first_output, _ = first.communicate(timeout=300)
     return {"work": work, "log_dir": log_dir, "output": output, "code": first.returncode, "log": first_output,
@@ -87,6 +90,39 @@ def test_totals_match_the_formula_with_repeat_odd_rows_and_accumulation(demo):
     assert f"{plan.total_steps} steps in total" in demo["log"]
 
 
+def test_the_launcher_the_training_and_the_status_files_plan_the_same_steps(demo):
+    """The launcher printed '18 steps in total' (images batched by 1), the training planned and ran 12."""
+    import re
+
+    totals = re.findall(r"([\d,]+) steps in total", demo["log"])
+    launcher = [line for line in demo["log"].splitlines() if line.startswith("step plan: ") and "rows" not in line]
+    training = [line for line in demo["log"].splitlines() if line.startswith("step plan: 11 rows")]
+    assert len(launcher) == len(training) == 1 and len(totals) == 2, demo["log"][:3000]
+    assert totals == ["12", "12"]
+    for rank in (0, 1):
+        assert read_status(demo["log_dir"], rank)["plan"]["total_steps"] == 12
+
+
+def test_before_the_training_speaks_the_launcher_prints_a_few_lines_within_80_columns(demo):
+    """At 80 columns the pre-run block wrapped to about 25 lines; the detail now goes to the run's log."""
+    lines = demo["log"].splitlines()
+    block = lines[:next(i for i, line in enumerate(lines) if line.startswith("watch: ")) + 1]
+    assert len(block) <= 12 and all(len(line) <= 80 for line in block), "\n".join(block)
+    for wanted in ("step plan: 12 steps in total per GPU", "  modes/epoch: ", "preflight: ", "run run-", "log: ",
+                   "watch: python -m diffsynth_mbc.monitor runs/demo/training_logs"):
+        assert any(line.startswith(wanted) for line in block), (wanted, block)
+    run_id = read_status(demo["log_dir"], 0)["run_id"]
+    log = (demo["output"] / f"train-{run_id}.log").read_text()
+    assert f"log: runs/demo/lora/train-{run_id}.log" in block
+    for detail in ("demo: writes its catalogue and metadata under",                                # paths, the data
+                   "demo metadata: runs/demo/metadata/metadata.csv",
+                   "  rows 11 (6 videos + 5 images) x repeat 3 = 33 samples per epoch",          # the full plan
+                   "  ok: model files: demo", "  warn: GPU: no CUDA GPU",                        # every check
+                   f"run {run_id}: env ACCELERATE_USE_CPU=1", "-m accelerate.commands.launch"):   # the command
+        assert detail in log, detail
+    assert "-m accelerate.commands.launch" not in "\n".join(block)
+
+
 def test_epoch_lora_files_are_numbered_as_the_terminal_counts_epochs(demo):
     assert "epoch 1/2 done" in demo["log"] and "epoch 2/2 done" in demo["log"]
     assert sorted(p.name for p in demo["output"].glob("epoch-*")) == ["epoch-001.safetensors", "epoch-002.safetensors"]
@@ -134,6 +170,8 @@ def test_ranks_draw_different_noise(demo):
 def test_second_launch_is_refused_while_the_first_runs(demo):
     assert demo["second"].returncode == 75
     assert "already running" in demo["second"].stderr
+    # It names the live run's processes only: the refused launcher holds the lock file open too, and was listed.
+    assert f" {demo['second'].pid}" not in demo["second"].stderr.split("already running")[1], demo["second"].stderr
     assert demo["trainers"] <= 2, "more than two training processes were alive at once"
 
 
