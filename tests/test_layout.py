@@ -22,7 +22,9 @@ TORCH_FREE = ["atomic.py", "errors.py", "run_files.py", "data/catalog.py", "data
               "doctor/speed.py", "doctor/projection.py", "doctor/estimates.py", "sample_prompts.py", "data/shapes.py",
               "training/batches.py", "training/step/compile_policy.py", "training/step/checkpointing.py",
               "data/file_checks.py", "data/captions.py", "data/caption_rules.py", "training/processes.py", "training/run_lock.py",
-              "training/supervisor.py", "training/objective.py", "data/sample_draws.py"]
+              "training/supervisor.py", "training/objective.py", "data/sample_draws.py",
+              "doctor/disk.py", "doctor/advice.py", "training/checkpoint_folder.py", "yaml_input.py",
+              "data/metadata_csv.py"]
 
 
 def modules(folder: str = "") -> list[Path]:
