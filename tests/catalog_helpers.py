@@ -37,3 +37,14 @@ def write_catalog(path, rows: Iterable[Sequence[str]], header: Sequence[str] = H
 def read_csv_records(path) -> list[dict[str, str]]:
     with open(path, encoding="utf-8", newline="") as handle:
         return list(csv.DictReader(handle))
+
+
+def write_media_metadata(path, videos: int, images: int):
+    """A metadata.csv as `python -m diffsynth_mbc.convert` writes it (video, prompt, media_type): ``videos`` clip rows
+    then ``images`` image rows, none of them with a file behind it (for plans and estimates)."""
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["video", "prompt", "media_type"])
+        writer.writerows([f"clips/{i}.mp4", "a clip", "video"] for i in range(videos))
+        writer.writerows([f"images/{i}.jpg", "an image", "image"] for i in range(images))
+    return path

@@ -3,7 +3,6 @@ space of its disk, beside the checkpoints; a finished cache adds nothing, an unf
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -14,22 +13,14 @@ import pytest
 from diffsynth_mbc.doctor import disk
 from diffsynth_mbc.doctor.checks import FAIL, GIB, OK, WARN
 from diffsynth_mbc.training.options import resolve_options
+from catalog_helpers import write_media_metadata
 from e2e_helpers import REPO
 
 FULL = str(REPO / "configs" / "train_full.yaml")
 
 
-def write_metadata(path, videos, images):
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["video", "prompt", "media_type"])
-        writer.writerows([f"clips/{i}.mp4", "a clip", "video"] for i in range(videos))
-        writer.writerows([f"images/{i}.jpg", "an image", "image"] for i in range(images))
-    return path
-
-
 def options_for(tmp_path, *flags):
-    metadata = write_metadata(tmp_path / "metadata.csv", 8, 9)
+    metadata = write_media_metadata(tmp_path / "metadata.csv", 8, 9)
     return resolve_options(["--config", FULL, "--dataset_metadata_path", str(metadata),
                             "--output_path", str(tmp_path / "runs" / "full" / "lora"), *flags])
 
@@ -76,7 +67,7 @@ def test_a_cache_dir_is_counted_less_what_it_holds_and_nothing_once_finished(tmp
 @pytest.mark.slow
 def test_doctor_cached_counts_the_cache_in_the_disk_check(tmp_path):
     """`doctor --cached` on 170K rows counted 5.1 GiB of checkpoints; with `--cache DIR` it said 423.6 GiB."""
-    metadata = write_metadata(tmp_path / "metadata.csv", 80_000, 90_180)
+    metadata = write_media_metadata(tmp_path / "metadata.csv", 80_000, 90_180)
     flags = ["--config", FULL, "--dataset_metadata_path", str(metadata), "--output_path", str(tmp_path / "out" / "lora"),
              "--assume", "V100S-32GB", "--gpus", "2", "--quick", "--json"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -3,7 +3,6 @@ lines and the doctor's projection all give the total of ``plan_from_options`` (t
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -12,6 +11,7 @@ import sys
 
 import pytest
 
+from catalog_helpers import write_media_metadata
 from e2e_helpers import REPO
 
 FULL = str(REPO / "configs" / "train_full.yaml")
@@ -21,13 +21,7 @@ VIDEOS, IMAGES = 80_000, 90_180   # the team's 170,180-row catalogue
 @pytest.fixture(scope="module")
 def catalogue(tmp_path_factory):
     """A metadata.csv as `python -m diffsynth_mbc.convert` writes it (video, prompt, media_type), 170,180 rows."""
-    path = tmp_path_factory.mktemp("catalogue") / "metadata.csv"
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["video", "prompt", "media_type"])
-        writer.writerows([f"clips/{i}.mp4", "a clip", "video"] for i in range(VIDEOS))
-        writer.writerows([f"images/{i}.jpg", "an image", "image"] for i in range(IMAGES))
-    return path
+    return write_media_metadata(tmp_path_factory.mktemp("catalogue") / "metadata.csv", VIDEOS, IMAGES)
 
 
 def run(module, *args, cwd):

@@ -41,7 +41,9 @@ def test_bad_frame_options_name_the_flag(flags, named):
         resolve_options(BASE + flags)
 
 
-def test_the_cache_command_refuses_random_window_and_gets_the_trainings_frame_flags():
+def test_the_cache_command_refuses_random_window_and_gets_the_trainings_frame_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # the cache's options read the metadata file (its errors come before any model)
+    (tmp_path / "m.csv").write_text("video,prompt\na.mp4,a clip\n")
     common = ["--demo", "--dataset_base_path", ".", "--dataset_metadata_path", "m.csv", "--cache_dir", "c"]
     with pytest.raises(CacheError, match="random_window draws a clip's frames anew every epoch"):
         cache.parse_options(common + ["--frame_sampling", "random_window"])

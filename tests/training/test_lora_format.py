@@ -269,15 +269,10 @@ def trained_dora():
     """The tiny DiT with a DoRA as training holds it: non-zero B, magnitudes moved off the base row norms."""
     from diffsynth_mbc.training.lora_variants import dora_norm_ratios
 
-    module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False), lora_rank=RANK, lora_alpha=ALPHA,
-                               use_gradient_checkpointing=False, lora_variant="dora")
-    generator = torch.Generator().manual_seed(5)
+    from test_lora_merge import trained_module
+
+    module = trained_module("dora", seed=0)
     with torch.no_grad():
-        for name, parameter in module.pipe.dit.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-            elif "lora_magnitude_vector" in name:
-                parameter.mul_(1 + 0.2 * torch.rand(parameter.shape, generator=generator))
         output = dit_output(module.pipe.dit)
     tensors = {k: v.detach().clone() for k, v in module.lora_state_dict().items()}
     return {"output": output, "tensors": tensors, "ratios": dora_norm_ratios(module.pipe.dit)}

@@ -35,9 +35,9 @@ def base_dit():
     return build_demo_pipeline(load_encoders=False, seed=SEED).dit
 
 
-def trained_module(variant: str):
+def trained_module(variant: str, seed: int = SEED):
     """The demo DiT with a LoRA or DoRA as training holds it: non-zero B, magnitudes moved off the base norms."""
-    module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False, seed=SEED), lora_rank=RANK, lora_alpha=ALPHA,
+    module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False, seed=seed), lora_rank=RANK, lora_alpha=ALPHA,
                                use_gradient_checkpointing=False, lora_variant=variant)
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():

@@ -180,12 +180,13 @@ def test_sigterm_on_one_rank_stops_all_ranks_with_a_resumable_checkpoint(tmp_pat
     assert states[1]["step"] == stopped_at and 3 <= stopped_at < 12
     assert [step for step, _ in complete_checkpoints(run_dir / "lora" / "checkpoints")] == [stopped_at]
 
-    # A different configuration is refused, naming what differs.
+    # A different configuration is refused, naming what differs, before anything is written: the stopped run's
+    # status files stay as they were.
+    statuses = [(run_dir / "logs" / f"training_gpu{rank}.json").read_bytes() for rank in (0, 1)]
     code, output = run(tmp_path, train_flags(data_root, run_dir, checkpoint_steps=100, lora_rank=8, resume="latest"))
     assert code != 0   # each rank exits 2; accelerate launch reports any failed rank as 1
     assert "lora_rank: checkpoint 4, this run 8" in output
-    refused = read_status(run_dir / "logs", 0)
-    assert refused["status"] == "failed" and refused["error"]["type"] == "OptionsError"
+    assert [(run_dir / "logs" / f"training_gpu{rank}.json").read_bytes() for rank in (0, 1)] == statuses
 
     code, output = run(tmp_path, train_flags(data_root, run_dir, checkpoint_steps=100, resume="latest"))
     assert code == 0, output[-3000:]
@@ -242,10 +243,10 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes_exact
     damaged = newest / "random_states_1.pkl"
     damaged.write_bytes(damaged.read_bytes()[:20])
 
+    finished = [(run_dir / "logs" / f"training_gpu{rank}.json").read_bytes() for rank in (0, 1)]
     code, output = run(tmp_path, train_flags(data_root, run_dir, resume=str(newest)))
-    refused = read_status(run_dir / "logs", 1)                 # explicit: refused, the file named
-    assert code != 0 and refused["status"] == "failed" and refused["error"]["type"] == "OptionsError"
-    assert f"{damaged}: 20 bytes" in refused["error"]["message"] and "damaged" in refused["error"]["message"]
+    assert code != 0 and f"{damaged}: 20 bytes" in output and "damaged" in output   # explicit: refused, file named
+    assert [(run_dir / "logs" / f"training_gpu{rank}.json").read_bytes() for rank in (0, 1)] == finished
 
     code, output = run(tmp_path, train_flags(data_root, run_dir, resume="latest"))
     assert code == 0, output[-3000:]
