@@ -37,9 +37,12 @@ def refuse_early(options, run_id: str, world_size: int, report=None) -> None:
         raise OptionsError(str(exc)) from None
     if options.force_resume:
         return
+    try:
+        current = early_fingerprint(options, world_size)
+    except OSError:   # the metadata cannot be read: opening the dataset says so, naming the file
+        return
     keys = [key for key in FINGERPRINT_KEYS if key not in KNOWN_LATE]
-    differences = fingerprint_differences((read_manifest(folder) or {}).get("fingerprint", {}),
-                                          early_fingerprint(options, world_size), keys)
+    differences = fingerprint_differences((read_manifest(folder) or {}).get("fingerprint", {}), current, keys)
     if differences:
         raise OptionsError(different_configuration(folder, differences))
 
