@@ -206,14 +206,25 @@ def _live(state: MonitorState, log_dir: str, interval: float, url: str | None) -
 
     console = _console()
     served = f" · dashboard {url}" if url else ""
-    with Live(console=console, auto_refresh=False, transient=False, redirect_stderr=False) as live:
-        while True:
-            tick = time.monotonic()
-            snap = state.refresh()
-            footer = (f"refreshed {time.strftime('%H:%M:%S')} in {snap['refresh_ms']:.0f} ms · every {interval:g}s"
-                      f"{served} · Ctrl-C to quit")
-            live.update(render(snap, log_dir=str(log_dir), footer=footer, width=live.console.width), refresh=True)
-            time.sleep(max(0.05, interval - (time.monotonic() - tick)))
+    # Ctrl-C ends the loop between two refreshes rather than as an exception inside a read or a render, so the
+    # display is always stopped whole (cursor shown again) however loaded the machine is.
+    quit_requested = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, lambda *_: quit_requested.set())
+    try:
+        with Live(console=console, auto_refresh=False, transient=False, redirect_stderr=False) as live:
+            while not quit_requested.is_set():
+                tick = time.monotonic()
+                snap = state.refresh()
+                footer = (f"refreshed {time.strftime('%H:%M:%S')} in {snap['refresh_ms']:.0f} ms · every "
+                          f"{interval:g}s{served} · Ctrl-C to quit")
+                live.update(render(snap, log_dir=str(log_dir), footer=footer, width=live.console.width),
+                            refresh=True)
+                quit_requested.wait(max(0.05, interval - (time.monotonic() - tick)))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":
