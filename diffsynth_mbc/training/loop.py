@@ -364,5 +364,9 @@ def finish(run: Run) -> None:
 
 
 def cleanup(run: Run) -> None:
+    from diffsynth_mbc.training.run_lock import follow_run_log, launcher_gone
+
+    if launcher_gone():   # a rank that stopped on another rank's word has not followed the log yet
+        follow_run_log()
     run.logger.print_summary()   # once: after finish() it was printed already; after a stop, here
     run.accelerator.end_training()

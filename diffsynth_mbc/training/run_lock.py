@@ -222,6 +222,12 @@ def watch_launcher(on_gone: Callable[[str], None], environ=os.environ, interval_
     return LauncherWatch(int(pid), int(started) if started.isdigit() else None, on_gone, interval_s).start()
 
 
+def launcher_gone(environ=os.environ) -> bool:
+    """Whether the launcher that started this process (``MBC_LAUNCHER_PID``/``_START``) has ended; False without one."""
+    pid, started = environ.get(ENV_LAUNCHER_PID, ""), environ.get(ENV_LAUNCHER_START, "")
+    return pid.isdigit() and not alive(int(pid), int(started) if started.isdigit() else None)
+
+
 def follow_run_log(environ=os.environ) -> None:
     """The launcher copied this process's output into the run's log; with it gone, write there directly."""
     log = environ.get(ENV_RUN_LOG)
