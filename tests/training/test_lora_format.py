@@ -13,16 +13,11 @@ from diffsynth_mbc.training.export import main as export_main
 from diffsynth_mbc.training.lora_format import (LoraFormatError, convert, file_metadata, split_lora_key,
                                                  training_scale)
 from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
+from test_lora_merge import dit_output, trained_module
 
 RANK, ALPHA = 4, 12.0          # alpha != rank: trained at scale 3
 
 
-def dit_output(dit):
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(1, 48, 2, 4, 4, generator=generator)
-    context = torch.randn(1, 8, 32, generator=generator)
-    with torch.no_grad():
-        return dit(x, timestep=torch.tensor([500.0]), context=context)
 
 
 @pytest.fixture(scope="module")
@@ -268,8 +263,6 @@ def test_export_refuses_to_replace_an_existing_output_without_overwrite(tmp_path
 def trained_dora():
     """The tiny DiT with a DoRA as training holds it: non-zero B, magnitudes moved off the base row norms."""
     from diffsynth_mbc.training.lora_variants import dora_norm_ratios
-
-    from test_lora_merge import trained_module
 
     module = trained_module("dora", seed=0)
     with torch.no_grad():
