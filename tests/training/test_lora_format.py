@@ -18,8 +18,6 @@ from test_lora_merge import dit_output, trained_module
 RANK, ALPHA = 4, 12.0          # alpha != rank: trained at scale 3
 
 
-
-
 @pytest.fixture(scope="module")
 def trained():
     """The tiny TI2V DiT with a LoRA as training holds it (non-zero B, so the LoRA changes the output)."""
