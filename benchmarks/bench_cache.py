@@ -163,7 +163,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.warmup < 0:
         parser.error("--warmup must be 0 or more")
     if args.image_batch is None:
-        from diffsynth_mbc.training.batches import default_image_batch_size
+        from diffsynth_mbc.training.plan.batches import default_image_batch_size
         args.image_batch = default_image_batch_size(args.batch, args.num_frames)
     return args
 

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffsynth_mbc.data.dataset import MBCVideoDataset  # noqa: E402
-from diffsynth_mbc.data.frame_selection import FrameSelection  # noqa: E402
+from diffsynth_mbc.data.media.frame_selection import FrameSelection  # noqa: E402
 
 FFMPEG = imageio_ffmpeg.get_ffmpeg_exe()
 

@@ -161,9 +161,9 @@ def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun
     """Accelerator, model, LoRA module, AdamW and accelerate's prepare, as ``training.loop`` does them."""
     import torch
 
-    from diffsynth_mbc.training.accelerator_setup import start_accelerator
-    from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
-    from diffsynth_mbc.training.step.choices import step_choices
+    from diffsynth_mbc.training.distributed.accelerator import start_accelerator
+    from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
+    from diffsynth_mbc.training.plan.step_choices import step_choices
 
     options = training_options(setting, lora_rank)
     status = BenchStatus()

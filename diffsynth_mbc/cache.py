@@ -7,7 +7,7 @@ from diffsynth_mbc.data.cache import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffsynth_mbc.training.status_writer import RankStatusWriter
+    from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
     return cli.main(argv, status_writer=RankStatusWriter)
 

@@ -191,18 +191,3 @@ def suggest(flag: str, candidates: dict[str, bool]) -> list[str]:
 
 def _words_begin(typed: list[str], real: list[str]) -> bool:
     return len(typed) == len(real) and typed != real and all(r.startswith(t) for t, r in zip(typed, real) if t)
-
-
-def check_launcher_args(argv: Sequence[str]) -> int:
-    """``LAUNCHER LAUNCHER_FLAG... -- TRAINING_ARGS...``: the launchers' check, before anything is locked or
-    started, that every flag they pass on is a training flag; 2 with one line naming the unknown one."""
-    launcher, rest = argv[0], list(argv[1:])
-    split = rest.index("--") if "--" in rest else len(rest)
-    from diffsynth_mbc.training.options import build_parser
-
-    line = unknown_flag_line(rest[split + 1:], [build_parser()], also=rest[:split],
-                             full_list=f"bash {launcher} --help")
-    if line:
-        print(f"error: {line}", file=sys.stderr)
-        return 2
-    return 0

@@ -97,7 +97,7 @@ mbc_new_run_id() {
 
 # mbc_lock FD FOLDER WHAT: one training per folder (per node of a run). The lock is taken exclusively
 # (no process of another run holds it, not even a rank whose launcher died), then turned into a shared
-# lock that every rank of this run takes too (diffsynth_mbc.training.run_lock): the folder stays locked
+# lock that every rank of this run takes too (diffsynth_mbc.lifecycle.run_lock): the folder stays locked
 # while any process of the run lives, and the kernel releases it when all have exited.
 mbc_lock() {
   local fd=$1 folder=$2 what=$3 lock pid_file
@@ -109,7 +109,7 @@ mbc_lock() {
   eval "exec $fd>>\"\$lock\""
   if ! flock -n -x "$fd"; then
     echo "error: a training is already running on $folder (its $what): run $(sed -n 2p "$pid_file" 2>/dev/null || echo '?')," \
-         "$("$PYTHON" -c 'import sys; from diffsynth_mbc.training.run_control import describe_holders as d; print(d(sys.argv[1]))' "$folder")." \
+         "$("$PYTHON" -c 'import sys; from diffsynth_mbc.lifecycle.stop_command import describe_holders as d; print(d(sys.argv[1]))' "$folder")." \
          "Not starting another; stop it with: bash launchers/stop.sh $folder" >&2
     exit 75
   fi
@@ -232,7 +232,7 @@ mbc_launch() {
     shift
   done
   # A flag neither the launcher nor the training knows: one line with the closest real ones, before anything starts.
-  "$PYTHON" -c 'import sys; from diffsynth_mbc.flags import check_launcher_args as c; sys.exit(c(sys.argv[1:]))' \
+  "$PYTHON" -c 'import sys; from diffsynth_mbc.training.options.parser import check_launcher_args as c; sys.exit(c(sys.argv[1:]))' \
     "${MBC_LAUNCHER:-launchers/train_test.sh}" "${MBC_LAUNCHER_FLAGS[@]}" -- "${train_args[@]+"${train_args[@]}"}" || exit 2
   # Relative paths (in the presets too: data/..., models/..., runs/...) are taken from the folder the launcher is
   # started in, as every flag's; the launch lists what each resolved to and refuses a missing one.
@@ -371,7 +371,7 @@ mbc_launch() {
     fi
   fi
 
-  # The owner of the run's processes from here on (diffsynth_mbc.training.supervisor): it starts accelerate
+  # The owner of the run's processes from here on (diffsynth_mbc.lifecycle.supervisor): it starts accelerate
   # in a session of its own, hands the ranks the locks, stops them on Ctrl-C and marks dead ranks failed.
   local supervise=("$PYTHON" -m diffsynth_mbc.supervise --log-dir "$LOG_DIR" --resume-command "$resume_command") lock
   for lock in "${MBC_LOCK_FILES[@]}"; do supervise+=(--lock "$lock"); done

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,3 +98,49 @@ def build_demo_cache(root, metadata, cache_dir, *extra: str, seed: int = 42) -> 
             "--dataset_metadata_path", str(metadata), "--height", "64", "--width", "64", "--num_frames", "9",
             "--cache_dir", str(cache_dir), "--dataset_num_workers", "0", "--dtype", "fp32", *extra]
     assert cache.main(args) == 0
+
+
+def demo_flags(data_root, run_dir=None, **overrides) -> list[str]:
+    """The demo preset's training flags on a demo catalogue prepared in ``data_root``, writing to ``run_dir``
+    (``data_root`` itself by default); ``overrides``: more flags."""
+    run_dir = Path(run_dir or data_root)
+    flags = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": Path(data_root) / "catalog",
+             "dataset_metadata_path": Path(data_root) / "metadata" / "metadata.csv", "output_path": run_dir / "lora",
+             "log_dir": run_dir / "logs", **overrides}
+    return [item for key, value in flags.items() for item in (f"--{key}", str(value))]
+
+
+def launch(tmp_path, flags, **popen):
+    return subprocess.Popen(cpu_launch_command(*flags), cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def run(tmp_path, flags, timeout=300):
+    process = launch(tmp_path, flags)
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
+
+
+def wait_for(condition, process, timeout=180, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}: {process.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def kill_tree(pid):
+    """SIGKILL the launcher and every process under it, as a reboot would (torchrun starts each rank in a
+    session of its own, so killing the launcher's process group would leave the ranks running)."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    processes = parent.children(recursive=True) + [parent]
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    # A killed process lets go of its files (the run's locks among them) only once it has exited, which on a
+    # loaded machine takes a moment: wait, as a reboot's next start would.
+    psutil.wait_procs(processes[:-1], timeout=60)   # the launcher itself is the caller's to wait for

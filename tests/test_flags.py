@@ -13,15 +13,18 @@ from diffsynth_mbc import install
 from diffsynth_mbc.data import convert, demo
 from diffsynth_mbc.data.cache import cli as cache_cli
 from diffsynth_mbc.doctor import cli as doctor_cli
+from diffsynth_mbc.lifecycle import stop_command, supervisor
 from diffsynth_mbc.monitor import cli as monitor_cli
-from diffsynth_mbc.training import export, options, plan, run_control, supervisor
+from diffsynth_mbc.training import options
+from diffsynth_mbc.training.lora import export
+from diffsynth_mbc.training.plan import command as plan
 from e2e_helpers import REPO, a_preset_s_files, a_value_for, isolated_env
 
 # Every `python -m diffsynth_mbc.X` and the function that builds its parser.
 ENTRY_POINTS = {
     "convert": convert.build_parser, "monitor": monitor_cli.build_parser, "doctor": doctor_cli.build_parser,
     "install": install.build_parser, "export": export.build_parser, "cache": cache_cli.build_parser, "plan": plan.build_parser,
-    "stop": run_control.build_parser, "supervise": supervisor.build_parser, "train": options.build_parser,
+    "stop": stop_command.build_parser, "supervise": supervisor.build_parser, "train": options.build_parser,
     "demo": demo.build_parser,
 }
 LAUNCHER = str(REPO / "launchers" / "train_test.sh")

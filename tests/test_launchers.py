@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from diffsynth_mbc.training import plan
+from diffsynth_mbc.lifecycle.stop_command import lock_holders
 from diffsynth_mbc.training.options import build_parser
-from diffsynth_mbc.training.run_control import lock_holders
+from diffsynth_mbc.training.plan import command as plan
 from e2e_helpers import REPO, a_preset_s_files, a_value_for, isolated_env, read_status
 
 LAUNCHER = str(REPO / "launchers" / "train_test.sh")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,18 +14,27 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffsynth_mbc"
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 # Pure logic: importable without torch (what it needs of torch, if anything, is imported inside functions).
-TORCH_FREE = ["atomic.py", "errors.py", "run_files.py", "data/catalog.py", "data/selection.py", "data/cache/index.py",
-              "models/model_files.py", "training/options/__init__.py", "training/options/run_options.py",
-              "training/options/parser.py", "training/options/checks.py", "training/step_plan.py", "training/eta.py",
-              "training/step_timing.py", "training/checkpoints.py", "training/status_writer.py",
-              "training/history_appender.py", "training/log_folder.py",
-              "training/run_control.py", "training/lora_format.py", "training/guards.py", "gpu.py", "doctor/memory.py",
-              "doctor/speed.py", "doctor/projection.py", "doctor/estimates.py", "sample_prompts.py", "data/shapes.py",
-              "training/batches.py", "training/step/compile_policy.py", "training/step/checkpointing.py",
-              "data/file_checks.py", "data/captions.py", "data/caption_rules.py", "training/processes.py", "training/run_lock.py",
-              "training/supervisor.py", "training/objective.py", "data/sample_draws.py",
-              "doctor/disk.py", "doctor/advice.py", "training/checkpoint_folder.py", "yaml_input.py",
-              "data/metadata_csv.py"]
+TORCH_FREE = [
+    "atomic.py", "errors.py", "run_files.py", "gpu.py", "sample_prompts.py", "yaml_input.py", "values.py",
+    "environment.py",
+    "models/model_files.py",
+    "data/convert/catalogue_rows.py", "data/convert/selection.py", "data/convert/file_checks.py",
+    "data/convert/caption_lengths.py", "data/cache/index.py", "data/media/shapes.py", "data/caption_rules.py",
+    "data/sample_draws.py", "data/metadata_csv.py",
+    "lifecycle/processes.py", "lifecycle/run_lock.py", "lifecycle/supervisor.py", "lifecycle/signals.py",
+    "lifecycle/stop_command.py",
+    "training/options/__init__.py", "training/options/run_options.py", "training/options/parser.py",
+    "training/options/checks.py",
+    "training/plan/step_plan.py", "training/plan/batches.py", "training/plan/memory.py", "training/plan/speed.py",
+    "training/plan/run_length.py", "training/plan/estimates.py", "training/plan/compile_policy.py",
+    "training/plan/recompute.py",
+    "training/step/objective.py", "training/step/guards.py",
+    "training/lora/file_format.py", "training/lora/read.py",
+    "training/checkpoints/state.py", "training/checkpoints/folder.py",
+    "training/reporting/eta.py", "training/reporting/step_timing.py", "training/reporting/status_writer.py",
+    "training/reporting/history_appender.py", "training/reporting/log_folder.py",
+    "doctor/disk.py", "doctor/advice.py",
+]
 
 
 def modules(folder: str = "") -> list[Path]:
@@ -51,18 +61,129 @@ def offenders(paths, forbidden, module_level_only=False):
                                   for f in forbidden)}
 
 
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the package's modules it imports (anywhere in it; ``TYPE_CHECKING`` blocks
+    aside). ``from a.b import c`` counts module ``a.b.c`` when it is one, else ``a.b``."""
+    names = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in names.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {known(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {known(f"{node.module}.{alias.name}") for alias in node.names}
+        graph[name] = {other for other in found if other and other != name}
+    return graph
+
+
+def import_circles(package: Path) -> list[list[str]]:
+    """The import circles of ``package``: each a sorted list of the modules that import each other, round."""
+    graph, order, low, stack, on_stack, circles = module_graph(package), {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        on_stack.add(module)
+        for other in sorted(graph[module]):
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            members = []
+            while not members or members[-1] != module:
+                members.append(stack.pop())
+                on_stack.discard(members[-1])
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return sorted(circles)
+
+
 def test_data_and_monitor_never_import_training():
     assert offenders(modules("data") + modules("monitor"), ["diffsynth_mbc.training"]) == {}
 
 
+def test_training_never_imports_the_doctor():
+    """The cost model lives in training/plan/: the doctor reads it, the training never asks the doctor."""
+    assert offenders(modules("training"), ["diffsynth_mbc.doctor"]) == {}
+
+
 def test_monitor_imports_neither_torch_diffsynth_nor_other_stages():
     assert offenders(modules("monitor"), ["torch", "diffsynth", "diffsynth_mbc.data", "diffsynth_mbc.models",
-                                          "diffsynth_mbc.training", "safetensors"]) == {}
+                                          "diffsynth_mbc.training", "diffsynth_mbc.doctor", "diffsynth_mbc.lifecycle",
+                                          "safetensors"]) == {}
 
 
 def test_models_import_no_other_stage():
     assert offenders(modules("models"), ["diffsynth_mbc.data", "diffsynth_mbc.training",
                                          "diffsynth_mbc.monitor"]) == {}
+
+
+def test_no_import_circles():
+    assert import_circles(PACKAGE) == []
+
+
+def test_a_planted_circle_is_found(tmp_path):
+    """The circle check on a package with one planted: a -> b -> c -> a (one import inside a function)."""
+    package = tmp_path / "diffsynth_mbc"
+    (package / "stage").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "stage" / "__init__.py").write_text("")
+    (package / "stage" / "a.py").write_text("from diffsynth_mbc.stage import b\n")
+    (package / "stage" / "b.py").write_text("from diffsynth_mbc.stage.c import thing\n")
+    (package / "stage" / "c.py").write_text("def thing():\n    import diffsynth_mbc.stage.a\n")
+    (package / "stage" / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                            "    from diffsynth_mbc.stage import e\n")
+    (package / "stage" / "e.py").write_text("from diffsynth_mbc.stage import d\n")
+    assert import_circles(package) == [["diffsynth_mbc.stage.a", "diffsynth_mbc.stage.b", "diffsynth_mbc.stage.c"]]
+
+
+def test_no_folder_holds_more_than_20_modules():
+    crowded = {str(folder.relative_to(PACKAGE)): count for folder in [PACKAGE, *PACKAGE.rglob("*/")]
+               if folder.is_dir() and (count := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > 20}
+    assert crowded == {}
+
+
+def test_options_are_read_as_typed_attributes_never_with_getattr():
+    reads = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in modules()
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args
+             and isinstance(node.args[0], ast.Name) and node.args[0].id in ("options", "opts", "train_options")]
+    assert reads == []
+
+
+def test_each_environment_name_is_spelled_in_one_module():
+    """Every ``MBC_*`` name in code (docstrings aside) is ``diffsynth_mbc/environment.py``'s."""
+    spelled = {}
+    for path in modules():
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and ast.get_docstring(node) is not None}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                for name in re.findall(r"\bMBC_[A-Z_]+", node.value):
+                    spelled.setdefault(name, set()).add(str(path.relative_to(PACKAGE)))
+    assert spelled and {name: sorted(where) for name, where in spelled.items() if where != {"environment.py"}} == {}
 
 
 def test_pure_modules_import_no_torch_at_module_level():
@@ -71,9 +192,9 @@ def test_pure_modules_import_no_torch_at_module_level():
 
 
 @pytest.mark.parametrize("module", ["diffsynth_mbc.monitor.cli", "diffsynth_mbc.monitor.server",
-                                    "diffsynth_mbc.training.step_plan", "diffsynth_mbc.data.selection",
-                                    "diffsynth_mbc.training.checkpoints", "diffsynth_mbc.training.options",
-                                    "diffsynth_mbc.doctor.estimates", "diffsynth_mbc.training.plan"])
+                                    "diffsynth_mbc.training.plan.step_plan", "diffsynth_mbc.data.convert.selection",
+                                    "diffsynth_mbc.training.checkpoints.state", "diffsynth_mbc.training.options",
+                                    "diffsynth_mbc.training.plan.estimates", "diffsynth_mbc.training.plan.command"])
 def test_light_modules_load_without_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

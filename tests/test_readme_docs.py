@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from diffsynth_mbc.training.lora_format import convert
+from diffsynth_mbc.training.lora.file_format import convert
 from diffsynth_mbc.training.options import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,8 +24,8 @@ def with_affixes(caption: str, prefix: str = "", suffix: str = "") -> str:
 
 
 def caption_affixes(options) -> dict:
-    """--caption_prefix / --caption_suffix of training or cache options (none where the options have no such key)."""
-    return {key: getattr(options, key, "") or "" for key in ("caption_prefix", "caption_suffix")}
+    """--caption_prefix / --caption_suffix of training or cache options ("" where one is not given)."""
+    return {"caption_prefix": options.caption_prefix or "", "caption_suffix": options.caption_suffix or ""}
 
 
 def draw(seed: int, rank: int, epoch: int, batch: int, place: int) -> float:

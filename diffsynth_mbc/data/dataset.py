@@ -32,9 +32,10 @@ from diffsynth.trainers.utils import VideoDataset
 from PIL import Image
 
 from diffsynth_mbc.data.caption_rules import with_affixes
-from diffsynth_mbc.data.clip_reader import DECODERS, ReferenceReaderNeeded, read_leading_frames, read_selected_frames
-from diffsynth_mbc.data.frame_selection import FrameSelection, ShortClip, select_frames
-from diffsynth_mbc.data.shapes import shape_key
+from diffsynth_mbc.data.media.clip_reader import (DECODERS, ReferenceReaderNeeded, read_leading_frames,
+                                                  read_selected_frames)
+from diffsynth_mbc.data.media.frame_selection import FrameSelection, ShortClip, select_frames
+from diffsynth_mbc.data.media.shapes import shape_key
 
 MAX_CONSECUTIVE_BAD_ROWS = 20
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from diffsynth_mbc.doctor import memory
 from diffsynth_mbc.doctor.checks import OK, WARN, Check
-from diffsynth_mbc.doctor.projection import duration
+from diffsynth_mbc.training.plan import memory
+from diffsynth_mbc.training.plan.run_length import duration
 
 # (the flags as the user passes them, the options they change)
 CANDIDATES = (("--gradient_checkpointing auto", {"gradient_checkpointing": "auto"}),)
@@ -43,10 +43,10 @@ def describe(run) -> str:
 def faster_settings(options, run, estimate: Callable, gpu_bytes: int) -> list[tuple[str, object]]:
     """[(flags, its RunEstimate)] of the candidates that fit and are faster than ``run``, fastest first.
     ``estimate(options)``: the RunEstimate of other options on the same GPU, rows and GPUs."""
-    current = seconds(run)
+    current, values = seconds(run), options.as_dict()
     found = []
     for flags, changes in CANDIDATES:
-        if current is None or all(getattr(options, key) == value for key, value in changes.items()):
+        if current is None or all(values[key] == value for key, value in changes.items()):
             continue
         other = estimate(options.replace(**changes))
         faster = seconds(other)

@@ -12,9 +12,9 @@ import resource
 import shutil
 from pathlib import Path
 
-from diffsynth_mbc.doctor import memory
 from diffsynth_mbc.gpu import GpuSpec, arch_problem, attention_kernel, resolve_precision, sm
 from diffsynth_mbc.models.model_files import MODELSCOPE_ID
+from diffsynth_mbc.training.plan import memory
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 GIB = 1024 ** 3
@@ -216,7 +216,7 @@ def decode_memory_problem(width: int, height: int, num_frames: int, available: i
 
 def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]:
     """The metadata's rows as (videos, images), and whether the first rows decode at the training size."""
-    from diffsynth_mbc.doctor.projection import count_media
+    from diffsynth_mbc.training.plan.run_length import count_media
 
     path = options.dataset_metadata_path
     if not os.path.isfile(path):
@@ -253,9 +253,9 @@ def ffmpeg_needed_by(options) -> list[str]:
     """What in this run calls ffmpeg: writing sample clips, DiffSynth's own reader. The fast decoder (PyAV) needs
     it only for the odd clip it cannot show as ffmpeg does."""
     needed = []
-    if options is not None and getattr(options, "sample_prompts", None):
+    if options is not None and options.sample_prompts:
         needed.append("--sample_prompts (the sample clips are written with ffmpeg)")
-    if options is not None and getattr(options, "decoder", "fast") == "diffsynth":
+    if options is not None and options.decoder == "diffsynth":
         needed.append("--decoder diffsynth")
     return needed
 

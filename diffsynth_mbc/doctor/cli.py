@@ -14,11 +14,12 @@ import contextlib
 import json
 import sys
 
-from diffsynth_mbc.doctor import checks, disk, estimates, memory
+from diffsynth_mbc.doctor import checks, disk
 from diffsynth_mbc.doctor.checks import FAIL, GIB, Check
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.options import build_parser as training_parser
+from diffsynth_mbc.training.plan import estimates, memory
 
 
 def build_parser():
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):   # libraries' notices must not end up inside --json
             result = run_checks(ours, options)
             if ours.probe:
-                from diffsynth_mbc.doctor.probe import probe_report
+                from diffsynth_mbc.doctor.step_probe import probe_report
 
                 result["probe"] = probe_report(ours, options, result)
                 if result["probe"].get("error"):

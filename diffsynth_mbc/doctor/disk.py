@@ -15,8 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
-from diffsynth_mbc.doctor import memory
 from diffsynth_mbc.doctor.checks import FAIL, GIB, OK, WARN, Check
+from diffsynth_mbc.training.plan import memory
 
 TEXT_TOKENS = 120   # a caption's tokens, as the cache's own projection takes them
 
@@ -67,7 +67,7 @@ def cache_need(folder: str, options, media: tuple[int, int], how: str) -> Need:
 def disk_needs(options, media: tuple[int, int] | None, cached_launch: bool,
                val_media: tuple[int, int] | None = None) -> list[Need]:
     """Every folder the run writes into and how much: checkpoints, and the cache(s) it builds or reads."""
-    from diffsynth_mbc.training.plan import cache_dirs
+    from diffsynth_mbc.training.plan.command import cache_dirs
 
     needs = [Need(options.checkpoint_dir, "checkpoints", checkpoint_bytes(options) * (options.keep_checkpoints + 1),
                   f"{options.keep_checkpoints + 1} at a time")]
@@ -100,7 +100,7 @@ def disk_check(free: int, needs: list[Need]) -> Check:
 
 def disk_checks(options, media: tuple[int, int] | None, cached_launch: bool = False) -> list[Check]:
     """One check per disk the run writes to (folders on one disk share its free space)."""
-    from diffsynth_mbc.doctor.projection import count_media
+    from diffsynth_mbc.training.plan.run_length import count_media
 
     val_media = None
     if options.val_metadata_path and os.path.isfile(options.val_metadata_path):

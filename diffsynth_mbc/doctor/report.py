@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from diffsynth_mbc.doctor import memory
+from diffsynth_mbc.training.plan import memory
 
 GIB = 1024 ** 3
 STATUS_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}

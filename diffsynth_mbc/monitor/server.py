@@ -39,7 +39,6 @@ from urllib.parse import parse_qs, quote, urlsplit
 from diffsynth_mbc.monitor import samples
 from diffsynth_mbc.monitor.access import (HEADER_DEADLINE_S, MAX_CONNECTIONS_PER_CLIENT, Access, ClientSlots,
                                           DeadlineReader, refuse_busy)
-from diffsynth_mbc.monitor.access import parse_serve  # noqa: F401 - where callers found it
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.status import json_safe
 

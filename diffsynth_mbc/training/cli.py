@@ -6,7 +6,7 @@ from its first instant (status ``starting``), then ``loading``, ``training`` and
 ``finished``, ``failed`` (with the error) or ``stopped``.
 
 Started by a launcher, each rank holds the run's folder locks itself and stops as on SIGTERM when its
-launcher dies; started without one, the ranks take the locks themselves (``diffsynth_mbc.training.run_lock``).
+launcher dies; started without one, the ranks take the locks themselves (``diffsynth_mbc.lifecycle.run_lock``).
 
 Exit codes: 0 finished, or stopped cleanly by Ctrl-C/SIGTERM (the step finished and a checkpoint
 was saved); 1 failed; 2 bad options, model files or checkpoint; 75 the folders belong to another run;
@@ -21,26 +21,27 @@ import time
 import traceback
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc import environment
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.gpu import UnsupportedGpuError
+from diffsynth_mbc.lifecycle.run_lock import (RunLockError, follow_run_log, hold_run_locks, lock_without_launcher,
+                                              release, watch_launcher)
+from diffsynth_mbc.lifecycle.signals import StopSignals
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
-from diffsynth_mbc.training.checkpoint_space import CheckpointWriteError
-from diffsynth_mbc.training.checkpoint_folder import resumed_run_id
-from diffsynth_mbc.training.guards import NonFiniteError
+from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
+from diffsynth_mbc.training.checkpoints.resume import refuse_early
+from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
-from diffsynth_mbc.training.resume import refuse_early
-from diffsynth_mbc.training.run_lock import (ENV_LOCKS, RunLockError, follow_run_log, hold_run_locks,
-                                             lock_without_launcher, release, watch_launcher)
-from diffsynth_mbc.training.status_writer import RankStatusWriter
-from diffsynth_mbc.training.stop_signals import StopSignals
+from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+from diffsynth_mbc.training.step.guards import NonFiniteError
 
 
 def default_run_id() -> str:
     """Same on every rank of one launch: the launcher exports MBC_RUN_ID; else derived from the rendezvous."""
-    if os.environ.get("MBC_RUN_ID"):
-        check_run_id(os.environ["MBC_RUN_ID"], "MBC_RUN_ID (environment)")
-        return os.environ["MBC_RUN_ID"]
+    if os.environ.get(environment.RUN_ID):
+        check_run_id(os.environ[environment.RUN_ID], f"{environment.RUN_ID} (environment)")
+        return os.environ[environment.RUN_ID]
     return f"run-{os.environ.get('MASTER_PORT', '0')}-{time.strftime('%Y%m%d-%H%M')}"
 
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
     """The launcher's locks (``MBC_RUN_LOCKS``), or, started without a launcher, the folders' locks taken here
     (returned, to release when the training ends in a process that goes on)."""
-    if ENV_LOCKS in os.environ:
+    if environment.RUN_LOCKS in os.environ:
         hold_run_locks()
         return []
     machine_rank = int(os.environ.get("GROUP_RANK") or 0)
@@ -88,7 +89,7 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
     status = RankStatusWriter(options.log_dir, run_id, rank, local_rank, world_size,
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))
-    status.update(launch_id=os.environ.get("MBC_RUN_ID"))   # the launch that started this process
+    status.update(launch_id=os.environ.get(environment.RUN_ID))   # the launch that started this process
     signals = StopSignals(grace_s=options.stop_grace_s, on_stuck=lambda sig: status.set_status(
         run_files.STATUS_STOPPED, phase=f"stopped by signal {sig} while in: {status.state['phase']}"))
     signals.install()

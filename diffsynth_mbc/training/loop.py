@@ -12,57 +12,68 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from diffsynth_mbc import run_files
-from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.training.accelerator_setup import start_accelerator
-from diffsynth_mbc.training.caption_dropout import CaptionDropout
-from diffsynth_mbc.training.checkpoints import CheckpointSchedule, Checkpoints, Position
-from diffsynth_mbc.training.distributed import (agree, all_reduce_sum, broadcast_from_main, iterate_waiting_at_start,
-                                                wait_for_everyone, watch_gradient_all_reduce)
-from diffsynth_mbc.training.ema import make_ema
-from diffsynth_mbc.training.resume import claim_checkpoint_folder, resume
-from diffsynth_mbc.training.guards import BadMediaGuard, NonFiniteGuard, injected_steps
-from diffsynth_mbc.training.lora_files import epoch_file_name
-from diffsynth_mbc.training.init_lora import start_from_lora
-from diffsynth_mbc.training.sampling import make_sampler, maybe_sample
-from diffsynth_mbc.training.status_writer import RankStatusWriter
-from diffsynth_mbc.training.step.blocks import CompileTimer
+from diffsynth_mbc.lifecycle.signals import StopSignals, unblock_in_child
+from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, resume
+from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpoints, Position
+from diffsynth_mbc.training.distributed.accelerator import start_accelerator
+from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
+                                                            watch_gradient_all_reduce)
+from diffsynth_mbc.training.evaluation.sample_clips import make_sampler, maybe_sample
+from diffsynth_mbc.training.evaluation.validation import Validator
+from diffsynth_mbc.training.lora.ema import make_ema
+from diffsynth_mbc.training.lora.init_from_file import start_from_lora
+from diffsynth_mbc.training.lora.saved_files import epoch_file_name
+from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+from diffsynth_mbc.training.step.block_runner import CompileTimer
+from diffsynth_mbc.training.step.caption_dropout import CaptionDropout
+from diffsynth_mbc.training.step.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 from diffsynth_mbc.training.step.micro_batch import forward_backward, latent_frames, sample_tokens
-from diffsynth_mbc.training.stop_signals import StopSignals, unblock_in_child
-from diffsynth_mbc.training.validation import Validator
+
+if TYPE_CHECKING:   # the types of Run's parts; importing them here would load torch before setup says so
+    import torch
+    from accelerate import Accelerator
+
+    from diffsynth_mbc.training.evaluation.sample_clips import Sampler
+    from diffsynth_mbc.training.lora.ema import LoraEma
+    from diffsynth_mbc.training.options import TrainOptions
+    from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler
+    from diffsynth_mbc.training.plan.step_plan import StepPlan
+    from diffsynth_mbc.training.reporting.progress import ProgressLogger
 
 RECENT_SKIPS_SHOWN = 5
 
 
 @dataclass
 class Run:
-    """The parts of one training run, built by ``setup``."""
-    options: object
+    """The parts of one training run, built by ``setup``; what ``prepare`` leaves empty, ``setup`` fills in."""
+    options: TrainOptions
     status: RankStatusWriter
     signals: StopSignals
-    accelerator: object
-    module: object
-    optimizer: object
-    scheduler: object
-    loader: object
-    trainable: list
-    plan: object
+    accelerator: Accelerator
+    module: torch.nn.Module          # the WanTI2VLoraModule, as accelerate wrapped it (DDP or DeepSpeed)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: torch.utils.data.DataLoader
+    trainable: list[torch.nn.Parameter]
+    plan: StepPlan
     steps_per_epoch: int
     checkpoints: Checkpoints
     validator: Validator | None
-    logger: object = None
+    batches: ShapeGroupedBatchSampler   # its epoch is set with the loader's
+    logger: ProgressLogger | None = None
     position: Position = dataclasses.field(default_factory=Position)
     schedule: CheckpointSchedule | None = None
     bad_media: BadMediaGuard | None = None
     nonfinite: NonFiniteGuard | None = None
-    injected_nonfinite: frozenset = frozenset()
-    sampler: object = None
+    injected_nonfinite: frozenset[int] = frozenset()
+    sampler: Sampler | None = None          # --sample_prompts (training/evaluation/sample_clips.py)
     first_step: int = 0
-    batches: object = None          # the shape-grouped batch sampler (its epoch is set with the loader's)
-    compile_timer: object = None
-    captions: object = None         # --caption_dropout (training/caption_dropout.py)
-    ema: object = None              # the EMA of the LoRA weights (--ema_decay; training/ema.py)
+    compile_timer: CompileTimer | None = None
+    captions: CaptionDropout | None = None  # --caption_dropout (training/step/caption_dropout.py)
+    ema: LoraEma | None = None              # the EMA of the LoRA weights (--ema_decay; training/lora/ema.py)
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -111,7 +122,7 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
 
     from diffsynth_mbc.data.cache.dataset import open_training_dataset
     from diffsynth_mbc.models.pipeline import training_pipeline
-    from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
+    from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
 
     # The data first: a latent cache that does not match these options fails before any model loads.
     status.update(phase="reading metadata" + (f" and the latent cache {options.cache}" if options.cache else ""))
@@ -123,8 +134,8 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
                   + ("" if encoders else " (DiT only: training from the latent cache)"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     pipe = training_pipeline(options, str(accelerator.device), dtype, accelerator.process_index)
-    from diffsynth_mbc.training.step.choices import step_choices
-    from diffsynth_mbc.training.timestep_sampling import sampler_from_options
+    from diffsynth_mbc.training.plan.step_choices import step_choices
+    from diffsynth_mbc.training.step.timestep_sampling import sampler_from_options
 
     recompute, compile_blocks = step_choices(options, status, accelerator, len(pipe.dit.blocks))
     module = WanTI2VLoraModule(
@@ -144,10 +155,11 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     import torch
 
     from diffsynth_mbc.data.cache.index import file_sha256
-    from diffsynth_mbc.data.catalogues import catalogue_plan
-    from diffsynth_mbc.training.batches import IMAGE, VIDEO, ShapeGroupedBatchSampler
-    from diffsynth_mbc.training.fingerprint import run_fingerprint
-    from diffsynth_mbc.training.step_plan import lr_factor, plan_from_options, steps_from_loader
+    from diffsynth_mbc.data.dataset_list import catalogue_plan
+    from diffsynth_mbc.data.media.shapes import IMAGE, VIDEO
+    from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler
+    from diffsynth_mbc.training.checkpoints.fingerprint import run_fingerprint
+    from diffsynth_mbc.training.plan.step_plan import lr_factor, plan_from_options, steps_from_loader
 
     keys = dataset.batch_keys()
     row_repeats, catalogues = catalogue_plan(options, dataset, keys)   # several catalogues: their repeats, counts
@@ -169,7 +181,7 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
         # resumed run (which starts its iterator after restoring the RNG). Keep the two apart.
         generator=torch.Generator().manual_seed(options.seed))
     trainable = [p for p in module.parameters() if p.requires_grad]
-    from diffsynth_mbc.training.lora_variants import optimizer_groups
+    from diffsynth_mbc.training.lora.variants import optimizer_groups
 
     optimizer = torch.optim.AdamW(optimizer_groups(module.named_parameters(), options.learning_rate,
                                                    options.loraplus_lr_ratio),
@@ -206,9 +218,9 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
 
 
 def start_progress(run: Run) -> None:
-    from diffsynth_mbc.training.eta import OverheadSchedule
-    from diffsynth_mbc.training.progress import ProgressLogger
-    from diffsynth_mbc.training.terminal_progress import TerminalProgress, launcher_streams
+    from diffsynth_mbc.training.reporting.eta import OverheadSchedule
+    from diffsynth_mbc.training.reporting.progress import ProgressLogger
+    from diffsynth_mbc.training.reporting.terminal import TerminalProgress, launcher_streams
 
     options, position = run.options, run.position
     main = run.accelerator.is_main_process
@@ -242,7 +254,7 @@ def start_progress(run: Run) -> None:
 
 def train_epochs(run: Run) -> str:
     """Every remaining epoch; 'stopped' when a stop request ended the run, else 'done'."""
-    maybe_sample(run)   # the baseline, before the first step of a fresh run (see training/sampling.py)
+    maybe_sample(run)   # the baseline, before the first step of a fresh run (see training/evaluation/sample_clips.py)
     run.logger.on_train_begin()
     run.signals.graceful = True
     for epoch in range(run.position.epoch, run.options.num_epochs):
@@ -295,8 +307,8 @@ def train_epoch(run: Run, epoch: int) -> str:
 
 
 def choose_modes(run: Run, batch: list[dict], epoch: int) -> None:
-    """Each sample's training mode (t2i / i2v / t2v, ``training/objective.py``), from its place in the run."""
-    from diffsynth_mbc.training.objective import training_mode
+    """Each sample's training mode (t2i / i2v / t2v, ``training/step/objective.py``), from its place in the run."""
+    from diffsynth_mbc.training.step.objective import training_mode
 
     options, rank = run.options, run.accelerator.process_index
     for place, sample in enumerate(batch):
@@ -364,7 +376,7 @@ def finish(run: Run) -> None:
 
 
 def cleanup(run: Run) -> None:
-    from diffsynth_mbc.training.run_lock import follow_run_log, launcher_gone
+    from diffsynth_mbc.lifecycle.run_lock import follow_run_log, launcher_gone
 
     if launcher_gone():   # a rank that stopped on another rank's word has not followed the log yet
         follow_run_log()

@@ -4,9 +4,9 @@ import pytest
 
 from diffsynth_mbc.data.caption_rules import draw, dropped, with_affixes
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.training.fingerprint import fingerprint_differences, run_fingerprint
+from diffsynth_mbc.training.checkpoints.fingerprint import fingerprint_differences, run_fingerprint
 from diffsynth_mbc.training.options import resolve_options
-from diffsynth_mbc.training.plan import cache_arguments
+from diffsynth_mbc.training.plan.command import cache_arguments
 
 
 def options(*flags):

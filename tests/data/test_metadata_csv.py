@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from diffsynth_mbc.data.cache.dataset import open_training_dataset
-from diffsynth_mbc.data.catalogues import parse_datasets, write_combined
+from diffsynth_mbc.data.dataset_list import parse_datasets, write_combined
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.errors import MetadataError
 from diffsynth_mbc.training.options import resolve_options

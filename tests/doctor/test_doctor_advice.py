@@ -12,10 +12,11 @@ import sys
 import pytest
 import yaml
 
-from diffsynth_mbc.doctor import advice, checks, estimates
+from diffsynth_mbc.doctor import advice, checks
 from diffsynth_mbc.doctor.checks import GIB
 from diffsynth_mbc.gpu import KNOWN_GPUS, known_gpu
 from diffsynth_mbc.training.options import resolve_options
+from diffsynth_mbc.training.plan import estimates
 from e2e_helpers import REPO
 
 FULL = str(REPO / "configs" / "train_full.yaml")

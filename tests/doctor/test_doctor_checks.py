@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from diffsynth_mbc.doctor import checks, estimates, report
+from diffsynth_mbc.doctor import checks, report
 from diffsynth_mbc.gpu import known_gpu
 from diffsynth_mbc.training.options import resolve_options
+from diffsynth_mbc.training.plan import estimates
 from e2e_helpers import REPO
 
 FULL = str(REPO / "configs" / "train_full.yaml")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
-from diffsynth_mbc.doctor import projection
+from diffsynth_mbc.training.plan import run_length
 from e2e_helpers import REPO
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def test_auto_checkpointing_speed_and_run_length_for_the_full_run_on_two_v100s(t
     assert "projected run length:" in table and "0.0 days" not in table and "scaled to V100S-32GB" in table
     # the cache build, the longest wait before the first step, on a line of its own, said to be an estimate
     cache_line = projected["cache_line"]
-    assert cache_line.startswith(f"latent cache build: {projection.duration(projected['cache_build_seconds'])} "
+    assert cache_line.startswith(f"latent cache build: {run_length.duration(projected['cache_build_seconds'])} "
                                  "(estimate), before the first step: 400 clips x ")
     assert " + 450 images x " in cache_line and " per GPU, 2 GPU(s) in parallel" in cache_line
     assert "\nlatent cache build: " in table.replace("\n\n", "\n")
@@ -120,3 +120,5 @@ def test_usage_errors_are_exit_2():
     assert code == 2 and "multiple of 32" in err
     code, _, err = doctor("--config", FULL, "--assume", "V100-32GB", "--probe", "3")
     assert code == 2 and "--probe measures this machine" in err
+    code, _, err = doctor("--config", FULL, "--assume", "V100-32GB", "--gradient_checkpointing", "45")
+    assert code == 2 and "--gradient_checkpointing 45: the DiT has 30 blocks" in err, err   # the training's own error

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from diffsynth_mbc.data.cache.status import CacheStatus
-from diffsynth_mbc.training.status_writer import RankStatusWriter
+from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 from test_dashboard_browser import _have_browser, browser, wait_for  # noqa: F401 - browser is a fixture
 from test_server import start_server, stop_server
 

@@ -12,8 +12,8 @@ import monitor_fixtures as F
 from diffsynth_mbc.monitor.history import HistoryFile
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.timestep_bins import ALPHA, BINS, LAG, MARK_EVERY, LossByTimestep
-from diffsynth_mbc.training.progress import ProgressLogger
-from diffsynth_mbc.training.status_writer import RankStatusWriter
+from diffsynth_mbc.training.reporting.progress import ProgressLogger
+from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
 
 def test_each_pair_lands_in_its_bin_and_the_bin_keeps_an_ema():

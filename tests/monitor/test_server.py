@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 
 import monitor_fixtures as F
-from diffsynth_mbc.monitor.server import parse_serve
+from diffsynth_mbc.monitor.access import parse_serve
 
 pytestmark = pytest.mark.slow
 

@@ -3,16 +3,16 @@
 import pytest
 
 from e2e_helpers import read_history
-from test_resume import demo_data, run, train_flags  # noqa: F401  (demo_data is a fixture)
+from e2e_helpers import demo_flags, run
 
 pytestmark = pytest.mark.slow
 
 
-def test_fast_and_diffsynth_decoders_train_to_the_same_losses(tmp_path, demo_data):  # noqa: F811
+def test_fast_and_diffsynth_decoders_train_to_the_same_losses(tmp_path, demo_data):
     data_root, _ = demo_data
     losses = {}
     for decoder in ("fast", "diffsynth"):
-        code, output = run(tmp_path, train_flags(data_root, tmp_path / decoder, decoder=decoder, num_epochs=1,
+        code, output = run(tmp_path, demo_flags(data_root, tmp_path / decoder, decoder=decoder, num_epochs=1,
                                                   checkpoint_steps=100))
         assert code == 0, output[-3000:]
         losses[decoder] = [[line["loss"] for line in read_history(tmp_path / decoder / "logs", rank)]

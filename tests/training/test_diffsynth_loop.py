@@ -18,9 +18,9 @@ def test_progress_logger_inside_diffsynths_launch_training_task(tmp_path, monkey
     from diffsynth_mbc.data.dataset import MBCVideoDataset
     from diffsynth_mbc.data.demo import prepare
     from diffsynth_mbc.models.pipeline import build_demo_pipeline
-    from diffsynth_mbc.training.progress import ProgressLogger
-    from diffsynth_mbc.training.status_writer import RankStatusWriter
-    from diffsynth_mbc.training.lora_module import WanTI2VLoraModule
+    from diffsynth_mbc.training.reporting.progress import ProgressLogger
+    from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+    from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
 
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "demo"

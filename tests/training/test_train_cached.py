@@ -69,7 +69,7 @@ def test_two_catalogues_cache_and_train_as_one_on_two_ranks(tmp_path):
     prefix), the 2 ranks draw each catalogue its own repeat, and plan, status and history agree on the steps."""
     from diffsynth_mbc.data.cache.index import read_index
     from diffsynth_mbc.data.demo import prepare
-    from diffsynth_mbc.training.step_plan import StepPlan
+    from diffsynth_mbc.training.plan.step_plan import StepPlan
 
     prepare(tmp_path / "news", num_videos=3, num_images=2, seed=1)
     prepare(tmp_path / "drama", num_videos=2, num_images=1, seed=2)

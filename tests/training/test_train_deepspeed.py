@@ -10,16 +10,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, free_port, isolated_env, read_history, read_status
+from e2e_helpers import REPO, demo_flags, free_port, isolated_env, read_history, read_status
 
 pytestmark = pytest.mark.slow
-
-
-def demo_flags(root, **overrides):
-    flags = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": root / "catalog",
-             "dataset_metadata_path": root / "metadata" / "metadata.csv", "output_path": root / "lora",
-             "log_dir": root / "logs", **overrides}
-    return [item for key, value in flags.items() for item in (f"--{key}", str(value))]
 
 
 # The training's entry with accelerate's whole-model gather made to fail: saving the LoRA must never use it

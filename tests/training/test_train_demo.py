@@ -10,8 +10,8 @@ import psutil
 import pytest
 import torch
 
-from diffsynth_mbc.training.batches import epoch_batches
-from diffsynth_mbc.training.step_plan import StepPlan
+from diffsynth_mbc.training.plan.batches import epoch_batches
+from diffsynth_mbc.training.plan.step_plan import StepPlan
 from e2e_helpers import REPO, isolated_env, read_history, read_status
 
 pytestmark = pytest.mark.slow

@@ -43,8 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from diffsynth_mbc import environment
 from diffsynth_mbc.atomic import atomic_write_json
-from diffsynth_mbc.data.clip_reader import DECODERS
 from diffsynth_mbc.data.cache.build import (
     Ranks,
     describe,
@@ -61,8 +61,9 @@ from diffsynth_mbc.data.cache.index import (
     encoder_identities,
     file_sha256,
 )
-from diffsynth_mbc.data.frame_selection import frame_selection_from
 from diffsynth_mbc.data.caption_rules import caption_affixes, check_caption_options
+from diffsynth_mbc.data.media.clip_reader import DECODERS
+from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.errors import MetadataError
 from diffsynth_mbc.flags import FlagParser
@@ -108,14 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the training's --short_clips; skip lists short clips in failures.csv")
     parser.add_argument("--log_dir", help="where each rank writes its status file training_gpu{rank}.json for the "
                                           "monitor (default: CACHE_DIR/logs; the launchers give the training's)")
-    parser.add_argument("--run_id", help="the run id in the status files (default: $MBC_RUN_ID, else time-based)")
+    parser.add_argument("--run_id", help=f"the run id in the status files (default: ${environment.RUN_ID}, else "
+                                          "time-based)")
     return parser
 
 
 def parse_options(argv=None) -> argparse.Namespace:
     options = build_parser().parse_args(argv)
-    for key in ("height", "width"):
-        value = getattr(options, key)
+    for key, value in (("height", options.height), ("width", options.width)):
         if value < 32 or value % 32:
             raise CacheError(f"--{key} must be a positive multiple of 32, got {value}")
     if options.num_frames < 1 or options.num_frames % 4 != 1:

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from diffsynth_mbc.data.caption_rules import caption_affixes
 from diffsynth_mbc.data.cache.index import (
     CacheError,
     demo_identity,
@@ -30,7 +29,8 @@ from diffsynth_mbc.data.cache.index import (
     read_index,
     stale_rows,
 )
-from diffsynth_mbc.data.frame_selection import frame_selection_from
+from diffsynth_mbc.data.caption_rules import caption_affixes
+from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.models.wan_units import pad_context
 
@@ -72,7 +72,7 @@ class CachedLatentDataset(torch.utils.data.Dataset):
 
     def batch_keys(self) -> list[str]:
         """Each row's shape key (``video`` or ``image``): samples are batched only with samples of their key."""
-        from diffsynth_mbc.data.shapes import shape_key
+        from diffsynth_mbc.data.media.shapes import shape_key
 
         return [shape_key(row.get("media_type"), row.get("file")) for row in self.entries]
 
@@ -117,7 +117,8 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
     """
     settings, metadata = index["settings"], index["metadata"]
     problems = []
-    sizes = [(key, settings[key], getattr(options, key)) for key in ("height", "width", "num_frames")]
+    asked_sizes = {"height": options.height, "width": options.width, "num_frames": options.num_frames}
+    sizes = [(key, settings[key], asked) for key, asked in asked_sizes.items()]
     if any(built != asked for _, built, asked in sizes):
         problems.append("it was built for " + ", ".join(f"{key} {built}" for key, built, _ in sizes)
                         + "; this run asks for " + ", ".join(f"{key} {asked}" for key, _, asked in sizes))
@@ -134,12 +135,12 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
     base_path = str(Path(base_path or options.dataset_base_path).resolve())
     if base_path != metadata["base_path"]:
         problems.append(f"it was built with --dataset_base_path {metadata['base_path']}; this run has {base_path}")
-    if getattr(options, "demo", False):
+    if options.demo:
         expected = demo_identity(options.seed)
         if settings["vae"] != expected or settings["text_encoder"] != expected:
             problems.append(f"it was encoded with {settings['vae']}; this run trains the demo model of "
                             f"--seed {options.seed} ({expected})")
-    elif getattr(options, "model_dir", None):
+    elif options.model_dir:
         identities = model_dir_identities(options.model_dir)
         differing = [name for name in ("vae", "text_encoder") if identities[name] != settings[name]]
         if differing:
@@ -149,21 +150,21 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
                                         for name in differing) + ")")
     elif str(settings["vae"]).startswith("demo-seed-"):
         problems.append(f"it was encoded by the demo model ({settings['vae']}); this run trains real weights")
-    for key in ("caption_prefix", "caption_suffix"):   # caches built before these options had none
-        built, asked = settings.get(key, ""), getattr(options, key, "") or ""
+    for key, asked in caption_affixes(options).items():   # caches built before these options had none
+        built = settings.get(key, "")
         if built != asked:
             problems.append(f"its captions were encoded with --{key} {built!r}; this run has --{key} {asked!r}")
     if problems:
         raise CacheMismatchError(f"the latent cache {cache_dir} does not match this run: " + "; ".join(problems)
                                  + ". Rebuild it with `python -m diffsynth_mbc.cache` using these settings.")
-    if not getattr(options, "allow_stale_cache", False):
+    if not options.allow_stale_cache:
         described, count = stale_rows(index["rows"], base_path)
         if count:
             raise CacheMismatchError(f"{count} media file(s) changed since the latent cache {cache_dir} was built, so "
                                      f"their latents are stale: {'; '.join(described)}. Rerun `python -m "
                                      "diffsynth_mbc.cache` (it encodes changed files again) or pass "
                                      "--allow_stale_cache true to train on the old latents")
-    if getattr(options, "caption_dropout", 0) and "empty_prompt" not in index:
+    if options.caption_dropout and "empty_prompt" not in index:
         raise CacheMismatchError(f"--caption_dropout {options.caption_dropout:g} trains on the empty prompt, whose "
                                  f"embedding the latent cache {cache_dir} does not hold (built by an older version): "
                                  "rerun `python -m diffsynth_mbc.cache` with the same settings (it adds it; nothing "
@@ -194,19 +195,19 @@ def open_training_dataset(options, **media_options):
 
     ``media_options`` go to MBCVideoDataset only (the cache holds no undecodable rows).
     """
-    cache_dir = getattr(options, "cache", None)
+    cache_dir = options.cache
     if not cache_dir:
         from diffsynth_mbc.data.dataset import MBCVideoDataset
 
         read_metadata(options.dataset_metadata_path, "--dataset_metadata_path")   # what pandas stops on, named
         return MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path,
-                               decoder=getattr(options, "decoder", "fast"), frames=frame_selection_from(options),
+                               decoder=options.decoder, frames=frame_selection_from(options),
                                **caption_affixes(options),
                                num_frames=options.num_frames, height=options.height, width=options.width,
                                repeat=options.dataset_repeat, **media_options)
     index = read_index(cache_dir)
     check_cache_matches(index, options, cache_dir)
-    if getattr(options, "model_id", None) and not getattr(options, "model_dir", None):
+    if options.model_id and not options.model_dir:
         print(f"note: the latent cache {cache_dir} cannot be checked against the weights of --model_id "
               f"{options.model_id}; it was encoded with VAE {index['settings']['vae'][:19]}", file=sys.stderr)
     if index["failed"]:
@@ -220,13 +221,13 @@ def open_validation_dataset(options, **media_options):
     """The validation set: ``CachedLatentDataset(options.val_cache)`` (checked against --val_metadata_path),
     else MBCVideoDataset over --val_metadata_path, which needs the encoders: refused when training from
     ``options.cache``, since the VAE and text encoder are then not loaded."""
-    base_path = getattr(options, "val_base_path", None) or options.dataset_base_path
-    val_cache = getattr(options, "val_cache", None)
+    base_path = options.val_base_path or options.dataset_base_path
+    val_cache = options.val_cache
     if val_cache:
         index = read_index(val_cache)
         check_cache_matches(index, options, val_cache, metadata_path=options.val_metadata_path, base_path=base_path)
         return CachedLatentDataset(val_cache, index=index)
-    if getattr(options, "cache", None):
+    if options.cache:
         raise CacheMismatchError(f"--val_metadata_path {options.val_metadata_path} needs the VAE and text encoder, "
                                  "which are not loaded when training from --cache: build a cache of the validation "
                                  "metadata with `python -m diffsynth_mbc.cache` and pass it as --val_cache")
@@ -234,6 +235,6 @@ def open_validation_dataset(options, **media_options):
 
     read_metadata(options.val_metadata_path, "--val_metadata_path")   # what pandas stops on, named
     return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
-                           decoder=getattr(options, "decoder", "fast"), frames=frame_selection_from(options),
+                           decoder=options.decoder, frames=frame_selection_from(options),
                            **caption_affixes(options),
                            height=options.height, width=options.width, **media_options)

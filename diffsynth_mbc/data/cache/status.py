@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc import environment
 from diffsynth_mbc.data.cache.progress import RowRate
 
 PHASE = "caching"
@@ -23,7 +24,7 @@ PHASE = "caching"
 
 def default_run_id(environ=os.environ) -> str:
     """The launch's run id (the launcher exports MBC_RUN_ID, which the training then uses too), else time-based."""
-    return environ.get("MBC_RUN_ID") or f"cache-{environ.get('MASTER_PORT', '0')}-{time.strftime('%Y%m%d-%H%M')}"
+    return environ.get(environment.RUN_ID) or f"cache-{environ.get('MASTER_PORT', '0')}-{time.strftime('%Y%m%d-%H%M')}"
 
 
 def default_log_dir(cache_dir: str | os.PathLike) -> Path:
@@ -43,7 +44,7 @@ class CacheStatus:
         self.rate: RowRate | None = None
         self.failures, self.last_failure = 0, None
         self.writer.set_status(run_files.STATUS_CACHING, phase=f"{PHASE}: planning the rows",
-                               cache_dir=str(cache_dir), launch_id=os.environ.get("MBC_RUN_ID"),
+                               cache_dir=str(cache_dir), launch_id=os.environ.get(environment.RUN_ID),
                                rows_done=0, rows_total=None, failures=0, last_failure=None)
 
     @property

@@ -14,7 +14,7 @@ from diffsynth_mbc.data.convert.outputs import (
     rejects_text,
     spreadsheet_safe,
 )
-from diffsynth_mbc.data.convert.probing import Flag, ProbeOutcome, short_video_reason
+from diffsynth_mbc.data.convert.probe_rejects import Flag, ProbeOutcome, short_video_reason
 
 __all__ = ["OUTPUT_NAMES", "Flag", "ProbeOutcome", "UsageError", "build_parser", "flagged_text", "left_out_text",
            "main", "metadata_text", "rejects_text", "run", "short_video_reason", "spreadsheet_safe"]

@@ -26,9 +26,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from diffsynth_mbc.data import catalog as cat
-from diffsynth_mbc.data import selection
-from diffsynth_mbc.data.captions import TokenizerError, long_captions
+from diffsynth_mbc.data.convert import catalogue_rows as cat
+from diffsynth_mbc.data.convert import selection
+from diffsynth_mbc.data.convert.caption_lengths import TokenizerError, long_captions
+from diffsynth_mbc.data.convert.output_set import OutputError, publish_output_set
 from diffsynth_mbc.data.convert.outputs import (
     FLAGGED_NAME,
     METADATA_NAME,
@@ -42,11 +43,11 @@ from diffsynth_mbc.data.convert.outputs import (
     metadata_text,
     rejects_text,
 )
-from diffsynth_mbc.data.convert.probing import probe_entries
+from diffsynth_mbc.data.convert.probe_rejects import probe_entries
 from diffsynth_mbc.data.convert.report import build_summary, print_summary_table, summarise_probe
-from diffsynth_mbc.data.output_set import OutputError, publish_output_set
-from diffsynth_mbc.data.probe import default_workers
+from diffsynth_mbc.data.media.media_probe import default_workers
 from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.values import positive_number
 
 
 class UsageError(Exception):
@@ -105,7 +106,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
     if (args.reject_short or args.source_fps is not None) and not args.probe:
         raise UsageError("--reject_short and --source_fps need --probe (the frame counts come from probing)")
-    if args.source_fps is not None and not (args.source_fps > 0 and args.source_fps != float("inf")):
+    if args.source_fps is not None and positive_number(args.source_fps) is None:
         raise UsageError(f"--source_fps must be a finite number above 0, got {args.source_fps}")
     if not args.no_check_files and not os.path.isdir(args.base_path):
         raise UsageError(f"--base_path {args.base_path}: not a folder (use --no_check_files if it is not mounted here)")

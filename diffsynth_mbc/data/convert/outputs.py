@@ -6,9 +6,9 @@ from __future__ import annotations
 import csv
 import io
 
-from diffsynth_mbc.data import catalog as cat
-from diffsynth_mbc.data.convert.probing import Flag
-from diffsynth_mbc.data.probe import MediaInfo
+from diffsynth_mbc.data.convert import catalogue_rows as cat
+from diffsynth_mbc.data.convert.probe_rejects import Flag
+from diffsynth_mbc.data.media.media_probe import MediaInfo
 
 METADATA_NAME = "metadata.csv"
 METADATA_VAL_NAME = "metadata_val.csv"

@@ -11,11 +11,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from diffsynth_mbc.data import catalog as cat
-from diffsynth_mbc.data import selection
+from diffsynth_mbc.data.convert import catalogue_rows as cat
+from diffsynth_mbc.data.convert import selection
 from diffsynth_mbc.data.convert.outputs import FLAGGED_NAME, NOT_IN_SUBSET_NAME
-from diffsynth_mbc.data.convert.probing import SHORT_VIDEO, SMALL_MEDIA, Flag, ProbeOutcome
-from diffsynth_mbc.data.probe import histogram
+from diffsynth_mbc.data.convert.probe_rejects import SHORT_VIDEO, SMALL_MEDIA, Flag, ProbeOutcome
+from diffsynth_mbc.data.media.media_probe import histogram
 
 NAMED_IN_A_WARNING = 3  # files a warning names before "and N more"
 

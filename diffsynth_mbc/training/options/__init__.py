@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diffsynth_mbc.data.catalogues import apply_datasets
+from diffsynth_mbc.data.dataset_list import apply_datasets
 from diffsynth_mbc.errors import OptionsError, clipped, quoted
 from diffsynth_mbc.training.options.checks import (MAX_SIDE, TRACKER_PACKAGES, check_frame_options, check_run_id,
                                                    check_tracker, validate)

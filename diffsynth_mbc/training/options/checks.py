@@ -7,11 +7,13 @@ import re
 from pathlib import Path
 
 from diffsynth_mbc.data.caption_rules import check_caption_options
-from diffsynth_mbc.data.catalogues import MAX_REPEAT
+from diffsynth_mbc.data.dataset_list import MAX_REPEAT
 from diffsynth_mbc.errors import OptionsError, quoted
-from diffsynth_mbc.training.ema import check_options as check_ema_options
-from diffsynth_mbc.training.init_lora import check_init_lora_option
+from diffsynth_mbc.training.lora.ema import check_options as check_ema_options
+from diffsynth_mbc.training.lora.init_from_file import check_init_lora_option
 from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES, DEFAULTS
+from diffsynth_mbc.training.plan.recompute import parse_choice
+from diffsynth_mbc.values import finite_number
 
 MAX_SIDE = 4096   # pixels, each of --height and --width
 
@@ -82,8 +84,8 @@ def _check_numbers(options: dict) -> None:
         value = options[key]
         if value is None and optional:
             continue
-        finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not finite or value < low or (value == low and not low_included) or (high is not None and value > high):
+        below = finite_number(value) is None or value < low or (value == low and not low_included)
+        if below or (high is not None and value > high):
             bound = f"{'at least' if low_included else 'above'} {low:g}"
             if high is not None:
                 bound = f"between {low:g} and {high:g}"
@@ -117,10 +119,7 @@ def _check_names(options: dict) -> None:
     caption_problem = check_caption_options(options)
     if caption_problem:
         raise OptionsError(caption_problem)
-    checkpointing = options["gradient_checkpointing"]
-    if checkpointing not in ("all", "none", "auto") and not (checkpointing.isdigit()):
-        raise OptionsError("--gradient_checkpointing must be all, none, auto or a number of blocks, got "
-                           f"{quoted(checkpointing)}")
+    parse_choice(options["gradient_checkpointing"])
 
 
 def check_frame_options(options: dict) -> None:

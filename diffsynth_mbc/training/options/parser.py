@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Sequence
 
-from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.flags import FlagParser, unknown_flag_line
 from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES
 
 
@@ -168,7 +170,7 @@ def _add_memory_and_speed_arguments(optim) -> None:
     optim.add_argument("--gradient_checkpointing",
                        help="all (every DiT block recomputes its activations in backward), none, N (the first N "
                             "of the 30 blocks recompute, the rest keep theirs), or auto: the fewest recomputed "
-                            "blocks that fit under 90%% of the GPU's memory (the doctor's memory model; all "
+                            "blocks that fit under 90%% of the GPU's memory (the memory model; all "
                             "without a GPU). Default: all, or none with --use_gradient_checkpointing false")
     optim.add_argument("--compile", choices=_CHOICES["compile"],
                        help="torch.compile each DiT block: auto (default: on CUDA GPUs where torch can compile "
@@ -215,3 +217,16 @@ def _parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def check_launcher_args(argv: Sequence[str]) -> int:
+    """``LAUNCHER LAUNCHER_FLAG... -- TRAINING_ARGS...``: the launchers' check, before anything is locked or
+    started, that every flag they pass on is a training flag; 2 with one line naming the unknown one."""
+    launcher, rest = argv[0], list(argv[1:])
+    split = rest.index("--") if "--" in rest else len(rest)
+    line = unknown_flag_line(rest[split + 1:], [build_parser()], also=rest[:split],
+                             full_list=f"bash {launcher} --help")
+    if line:
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+    return 0

@@ -20,7 +20,7 @@ class TrainOptions:
     num_frames: int = 17
     dataset_repeat: int = 1
     dataset_num_workers: int = 2
-    # several catalogues (data/catalogues.py: Catalogue items once resolved); the keys above are the one-catalogue form
+    # several catalogues (data/dataset_list.py: Catalogue items once resolved); the keys above: one catalogue
     datasets: list | None = None
     # model
     model_dir: str | None = None
@@ -104,7 +104,7 @@ class TrainOptions:
     caption_dropout: float = 0.0
     caption_prefix: str = ""
     caption_suffix: str = ""
-    # EMA of the LoRA weights (training/ema.py)
+    # EMA of the LoRA weights (training/lora/ema.py)
     ema_decay: float | None = None
     ema_warmup: bool = True
     validate_with: str = "raw"

@@ -7,7 +7,7 @@ What changes is that the B samples' latents and text embeddings are stacked and 
 with its own timestep and its own condition flag (the TI2V DiT takes a timestep per token: a conditioned sample's
 first-frame tokens get 0, every other token the sample's timestep), that the blocks run through a ``BlockRunner``
 (how many recompute, compiled or not), and that a conditioned sample whose inputs say
-``first_frame_in_loss: False`` (``training/objective.py``) leaves frame 0, whose target is zero, out of its MSE.
+``first_frame_in_loss: False`` (``training/step/objective.py``) leaves frame 0, whose target is zero, out of its MSE.
 The step's loss is the mean of the samples' losses.
 
 The forward follows DiffSynth 1.1.8's ``model_fn_wan_video`` for the parts a TI2V-5B training uses
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from diffsynth.models.wan_video_dit import sinusoidal_embedding_1d
 
-from diffsynth_mbc.training.step.blocks import BlockRunner
+from diffsynth_mbc.training.step.block_runner import BlockRunner
 
 
 def draw_timestep_ids(pipe, samples: list[dict]) -> list[int]:

@@ -3,7 +3,7 @@ compile), backward, and at the end of a step the agreed skip-or-step of the opti
 
 from __future__ import annotations
 
-from diffsynth_mbc.training.distributed import all_reduce_sum
+from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
 
 
 def latent_frames(sample: dict) -> int:

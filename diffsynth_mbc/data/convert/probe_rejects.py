@@ -1,0 +1,78 @@
+"""--probe: open every written file, reject the unreadable (and, with --reject_short, the short) ones and flag
+the short or small ones that are still written."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from diffsynth_mbc.data.convert import catalogue_rows as cat
+from diffsynth_mbc.data.media.media_probe import MediaInfo, probe_files
+
+
+@dataclass(frozen=True)
+class Flag:
+    entry: cat.Entry
+    flag: str    # SHORT_VIDEO or SMALL_MEDIA
+    detail: str  # e.g. "5 frames, fewer than 17"
+
+
+SHORT_VIDEO = "short video"
+SMALL_MEDIA = "small media"
+
+
+@dataclass
+class ProbeOutcome:
+    info: dict[int, MediaInfo]  # id(entry) -> info, for entries that were readable
+    unreadable: list[cat.Reject]
+    flags: list[Flag]
+
+    def flagged(self, flag: str) -> list[Flag]:
+        return [f for f in self.flags if f.flag == flag]
+
+
+def probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: Console) -> ProbeOutcome:
+    items = [(e.resolved_path, e.media_type) for e in entries]
+    if console.is_terminal and items:
+        from rich.progress import Progress
+
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("probing media", total=len(items))
+            results = probe_files(items, args.workers, on_done=lambda _result: progress.advance(task),
+                                  decoder=args.decoder)
+    else:
+        results = probe_files(items, args.workers, decoder=args.decoder)
+    info: dict[int, MediaInfo] = {}
+    unreadable: list[cat.Reject] = []
+    flags: list[Flag] = []
+    for entry, result in zip(entries, results):
+        if result.info is None:
+            unreadable.append(cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
+                                         cat.Reason.UNREADABLE_MEDIA, f"{cat.Reason.UNREADABLE_MEDIA} ({result.error})"))
+            continue
+        short = short_video_reason(result.info, args) if entry.media_type == "video" else None
+        if short and args.reject_short:
+            unreadable.append(cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
+                                         SHORT_VIDEO, short))
+            continue
+        info[id(entry)] = result.info
+        if short:   # "short video (N frames..., fewer than ...)": the part in brackets
+            flags.append(Flag(entry, SHORT_VIDEO, short[len(SHORT_VIDEO) + 2:-1]))
+        if result.info.width < args.min_width or result.info.height < args.min_height:
+            flags.append(Flag(entry, SMALL_MEDIA, f"{result.info.width}x{result.info.height}, smaller than "
+                                                  f"{args.min_width}x{args.min_height}"))
+    return ProbeOutcome(info, unreadable, flags)
+
+
+def short_video_reason(info: MediaInfo, args: argparse.Namespace) -> str | None:
+    """Why a probed video is shorter than the --min_frames that train (at --source_fps when given), or None."""
+    from diffsynth_mbc.data.media.frame_selection import timeline
+
+    source_fps = getattr(args, "source_fps", None)
+    frames = len(timeline(info.num_frames, info.fps, source_fps))
+    if frames >= args.min_frames:
+        return None
+    rate = f" at --source_fps {source_fps:g} ({info.num_frames} at {info.fps:g} fps)" if source_fps and info.fps else ""
+    return f"{SHORT_VIDEO} ({frames} frames{rate}, fewer than --min_frames {args.min_frames})"

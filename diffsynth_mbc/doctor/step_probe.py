@@ -1,0 +1,197 @@
+"""``python -m diffsynth_mbc.doctor --probe N``: N real optimizer steps of the run on this machine, measured.
+
+The run's own settings (model, precision, compile, checkpointing, batches: every resolved option, written
+to a temporary preset) train on two small metadata files, the first video rows and the first image rows
+of the run's metadata, through the real training entry (``python -m diffsynth_mbc.train``, one process)
+in a temporary folder that is removed afterwards: nothing reaches the run's output, log or checkpoint
+folders. One epoch, no validation, samples, trackers or checkpoints. A run that trains from the latent
+cache first builds a cache of each subset with ``python -m diffsynth_mbc.cache``, which measures the
+encoding rate too. The first step(s) of each run are left out of the timing (model warm-up, compilation).
+Read back: the rank's history ``training_gpu0.jsonl`` (``step_time_s``, ``samples`` per optimizer step)
+and status file ``training_gpu0.json`` (the GPU's peak allocated memory); on the CPU the process's peak
+resident memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from diffsynth_mbc.training.plan import estimates
+
+from diffsynth_mbc import environment
+from diffsynth_mbc.training.plan import run_length
+
+LOG_TAIL = 3000
+WARMUP_STEPS = 2   # left out of the timing: the first steps load kernels, autotune and compile
+# What the probe changes in the run's options; everything else (model, precision, compile, checkpointing,
+# LoRA, sizes, batches, decoder, workers) is the run's own.
+NEUTRAL = {"datasets": None, "num_epochs": 1, "dataset_repeat": 1, "val_metadata_path": None, "val_base_path": None, "val_steps": None,
+           "val_cache": None, "sample_prompts": None, "sample_steps": None, "checkpoint_steps": None,
+           "checkpoint_minutes": None, "save_steps": None, "resume": None, "force_resume": False, "report_to": "none",
+           "lr_scheduler": "constant", "warmup_steps": 0, "status_interval_s": 0.01, "print_every_s": 3600.0,
+           "keep_old_histories": 0}
+
+
+def write_subset(metadata_path: str, kind: str, rows_wanted: int, out: Path) -> int:
+    """The first ``rows_wanted`` rows of one media type (repeated when there are fewer); how many distinct rows."""
+    with open(metadata_path, newline="", encoding="utf-8-sig") as handle:
+        reader = csv.DictReader(handle)
+        fields = reader.fieldnames or []
+        rows = []
+        for row in reader:
+            if media_type(row, fields) == kind:
+                rows.append(row)
+                if len(rows) == rows_wanted:
+                    break
+    if rows:
+        with open(out, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows[i % len(rows)] for i in range(rows_wanted))
+    return len(rows)
+
+
+def media_type(row: dict, fields: list[str]) -> str:
+    kind = (row.get("media_type") or "").strip().lower() if "media_type" in fields else ""
+    if kind:
+        return "image" if kind == "image" else "video"
+    from diffsynth_mbc.data.convert.catalogue_rows import IMAGE_EXTENSIONS
+
+    return "image" if Path(row.get("video") or "").suffix.lower().lstrip(".") in IMAGE_EXTENSIONS else "video"
+
+
+def run_logged(command: list[str], log: Path, env: dict, cwd: str | None = None) -> tuple[int, int | None]:
+    """(exit code, peak resident memory of the process in bytes, where the OS says it) of one command."""
+    with open(log, "w", encoding="utf-8") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        except KeyboardInterrupt:
+            process.kill()
+            raise
+        process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, usage.ru_maxrss * 1024 if sys.platform.startswith("linux") else None
+
+
+def tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")[-LOG_TAIL:]
+    except OSError:
+        return ""
+
+
+def child_environment() -> dict:
+    env = {key: value for key, value in os.environ.items()
+           if key not in (*environment.LAUNCH_VARIABLES, "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def build_cache(options, subset: Path, folder: Path, env: dict) -> tuple[str, float | None]:
+    """A latent cache of the subset (the run trains from one); (its folder, encoding seconds per row)."""
+    from diffsynth_mbc.training.plan.command import cache_arguments
+
+    cache_dir = folder / "cache"
+    arguments = cache_arguments(options, str(subset), options.dataset_base_path, str(cache_dir))
+    code, _ = run_logged([sys.executable, "-m", "diffsynth_mbc.cache", *arguments], folder / "cache.log", env)
+    if code != 0:
+        raise ProbeError(f"building the latent cache of the probe's rows failed (exit {code}):\n"
+                         + tail(folder / "cache.log"))
+    summary = json.loads((cache_dir / "summary.json").read_text())
+    rank = summary["per_rank"][0]
+    written = rank.get("written") or 0
+    seconds = (rank["seconds"] - rank.get("model_load_seconds", 0.0)) / written if written else None
+    return str(cache_dir), seconds
+
+
+class ProbeError(RuntimeError):
+    """The probe's training or cache run failed; the message holds the tail of its log."""
+
+
+def train(options, kind: str, subset: Path, folder: Path, env: dict, cache_dir: str | None) -> dict:
+    """One training run on the subset; its measured step times and peak memory."""
+    preset = {**options.as_dict(), **NEUTRAL, "dataset_metadata_path": str(subset), "output_path": str(folder / "out"),
+              "log_dir": str(folder / "logs"), "checkpoint_dir": str(folder / "checkpoints"),
+              "run_id": f"doctor-probe-{kind}", "cache": cache_dir}
+    (folder / "probe.yaml").write_text(yaml.safe_dump(preset, sort_keys=True), encoding="utf-8")
+    code, rss = run_logged([sys.executable, "-m", "diffsynth_mbc.train", "--config", str(folder / "probe.yaml")],
+                           folder / "train.log", env)
+    status_file, history_file = folder / "logs" / "training_gpu0.json", folder / "logs" / "training_gpu0.jsonl"
+    status = json.loads(status_file.read_text()) if status_file.is_file() else {}
+    if code != 0:
+        message = (status.get("error") or {}).get("message") or ""
+        raise ProbeError(f"the {kind} run failed (exit {code}){': ' + message if message else ''}:\n"
+                         + tail(folder / "train.log"))
+    lines = [json.loads(line) for line in history_file.read_text().splitlines() if line.strip()]
+    steps = [line for line in lines if "step_time_s" in line and line.get("kind") != "val"]
+    return {"steps": steps, "status": status, "rss": rss}
+
+
+def summarise(run: dict, warmup: int, distinct_rows: int, encode_seconds: float | None) -> dict:
+    steps = run["steps"]
+    timed = steps[warmup:] or steps[-1:]
+    gpu = run["status"].get("gpu") or {}
+    return {"seconds_per_step": round(statistics.median(s["step_time_s"] for s in timed), 4),
+            "samples_per_step": statistics.median(s.get("samples") or 1 for s in timed),
+            "steps_timed": len(timed), "warmup_steps": len(steps) - len(timed), "distinct_rows": distinct_rows,
+            "first_steps_s": [s["step_time_s"] for s in steps[:len(steps) - len(timed)]],
+            "max_allocated_mb": gpu.get("max_allocated_mb"),
+            "peak_rss_mb": None if run["rss"] is None else round(run["rss"] / 2**20),
+            "mixed_precision": run["status"].get("mixed_precision"),
+            "attention_kernel": run["status"].get("attention_kernel"),
+            "encode_seconds_per_row": None if encode_seconds is None else round(encode_seconds, 4)}
+
+
+def probe_report(ours, options, result: dict) -> dict:
+    """The probe's measurements and the run's length projected from them (``{"error": ...}`` on a failure)."""
+    if result["exit_code"] != 0:
+        return {"error": "skipped: a check above failed (fix it first; the probe runs the real training)"}
+    steps, warmup = ours.probe, WARMUP_STEPS
+    media = result.get("media") or {}
+    cached = bool(options.cache) or ours.cached
+    measured, env = {}, child_environment()
+    with tempfile.TemporaryDirectory(prefix="mbc-probe-") as temporary:
+        for kind in ("video", "image"):
+            if not media.get(f"{kind}s"):
+                continue
+            folder = Path(temporary) / kind
+            folder.mkdir()
+            batch = options.batch_size if kind == "video" else estimates.image_batch(options)
+            subset = folder / "metadata.csv"
+            distinct = write_subset(options.dataset_metadata_path, kind,
+                                    (steps + warmup) * batch * options.gradient_accumulation_steps, subset)
+            try:
+                cache_dir, encode = build_cache(options, subset, folder, env) if cached else (None, None)
+                run = train(options, kind, subset, folder, env, cache_dir)
+            except ProbeError as exc:
+                return {"error": str(exc), "measured": measured}
+            measured[kind] = summarise(run, warmup, distinct, encode)
+    return {"steps": steps, "warmup_steps": warmup, "measured": measured, "cached": cached,
+            "projection": measured_projection(ours, options, result, measured)}
+
+
+def measured_projection(ours, options, result: dict, measured: dict) -> dict | None:
+    media = result.get("media")
+    if not media or not measured:
+        return None
+    gpus = ours.gpus or (result["gpu"]["count"] if result.get("gpu") else 1)
+    nodes = ours.nodes or estimates.nodes_from_environment()
+    # the training's own step plan (what the launcher and the status files print), timed at the measured rates
+    shape = estimates.run_shape(options, (media["videos"], media["images"]), gpus, nodes,
+                                unit="GPU" if result.get("gpu") else "CPU process")
+    encode = {kind: m["encode_seconds_per_row"] for kind, m in measured.items()}
+    build = estimates.cache_to_build(options, ours.cached)
+    run = run_length.project(shape, measured.get("video", {}).get("seconds_per_step"),
+                             measured.get("image", {}).get("seconds_per_step"),
+                             encode.get("video") if build else None, encode.get("image") if build else None,
+                             kind="measured")
+    return run.as_dict()

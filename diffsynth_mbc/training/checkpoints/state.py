@@ -1,0 +1,311 @@
+"""Checkpoints, in one home: folder naming, ``latest``, pruning, fingerprint checks (pure, no torch), and
+``Checkpoints``, which saves and resumes the whole training state through accelerate (torch imported
+inside its methods, so the rest of this module imports without torch).
+
+A checkpoint is ``CHECKPOINTS/step-00001234/`` holding the LoRA (``lora.safetensors``, loadable by
+DiffSynth), accelerate's saved state (optimizer, LR scheduler, RNG state of every rank) and
+``checkpoint.json`` (step, epoch, data position, configuration fingerprint). It is written as
+``.tmp-step-00001234.<run id>/`` and renamed when complete, so a crash mid-save leaves only a temp folder,
+which is never picked as ``latest`` and is removed by the next save. A folder with a ``KEEP`` file
+is never pruned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diffsynth_mbc import environment
+from diffsynth_mbc.atomic import atomic_write_text
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.checkpoints.fingerprint import apply_run_settings, fingerprint_differences
+from diffsynth_mbc.training.checkpoints.folder import (
+    TEMP_PREFIX,
+    checkpoint_name,
+    complete_checkpoints,
+    different_configuration,
+    find_latest,
+    resolve_resume,
+    temp_path,
+)
+from diffsynth_mbc.training.checkpoints.integrity import (
+    MANIFEST,
+    inventory,
+    missing_rank_files,
+)
+from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
+from diffsynth_mbc.training.distributed.collectives import broadcast_from_main
+from diffsynth_mbc.training.lora.saved_files import LoraFiles
+from diffsynth_mbc.training.lora.variants import check_adapter_shape
+from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+
+KEEP_MARKER = "KEEP"
+# Fault injection for tests: every checkpoint save takes this many seconds longer on every rank (a slow shared
+# filesystem), to show on a real run that step times and the ETA keep checkpoints apart. Unset in normal use.
+
+
+def publish(temp_folder: Path, manifest: dict) -> Path:
+    """Write the manifest last, then rename the temp folder into place. Returns the final folder."""
+    atomic_write_text(temp_folder / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    final = temp_folder.with_name(temp_folder.name[len(TEMP_PREFIX):].split(".")[0])
+    if final.exists():
+        from diffsynth_mbc.training.checkpoints.owner import check_replaceable
+
+        check_replaceable(final, manifest.get("run_id"))   # never replace a folder another run wrote
+        shutil.rmtree(final)
+    os.replace(temp_folder, final)
+    return final
+
+
+def prune(root: str | Path, keep_last: int, run_id: str | None = None) -> list[Path]:
+    """Remove complete checkpoints beyond the newest ``keep_last`` (never a KEEP one, and with ``run_id`` only
+    that run's own) and stale temp folders."""
+    from diffsynth_mbc.training.checkpoints.owner import owner
+
+    root = Path(root)
+    removed = []
+    checkpoints = [(step, folder) for step, folder in complete_checkpoints(root)
+                   if run_id is None or owner(folder) == run_id]
+    for _step, folder in checkpoints[:max(0, len(checkpoints) - keep_last)]:
+        if not (folder / KEEP_MARKER).exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry.name.startswith(TEMP_PREFIX) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+class CheckpointSchedule:
+    """Due every ``every_steps`` optimizer steps and/or every ``every_minutes``, whichever comes first."""
+
+    def __init__(self, every_steps: int | None, every_minutes: float | None, monotonic=time.monotonic):
+        self.every_steps = every_steps or None
+        self.every_seconds = every_minutes * 60 if every_minutes else None
+        self._monotonic = monotonic
+        self._last = monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every_steps or self.every_seconds)
+
+    def due_by_steps(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due_by_time(self) -> bool:
+        return bool(self.every_seconds) and self._monotonic() - self._last >= self.every_seconds
+
+    def saved(self) -> None:
+        self._last = self._monotonic()
+
+
+def truncate_history(path: str | Path, last_step: int) -> int:
+    """Keep the JSONL lines up to ``last_step`` (a resumed run repeats what came after); returns lines kept."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a torn last line from a killed process
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
+                kept.append(json.dumps(record, ensure_ascii=False) + "\n")
+    atomic_write_text(path, "".join(kept))
+    return len(kept)
+
+
+@dataclass
+class Position:
+    """Where the run is; saved in every checkpoint."""
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0   # batches of ``epoch`` already consumed (a multiple of the accumulation)
+    samples_seen: int = 0       # this rank's, including replaced bad files
+    skipped_samples: int = 0    # this rank's bad files
+    recent_skips: list = field(default_factory=list)
+    run_id: str | None = None   # the run a resumed position came from (its run id goes on)
+    elapsed_s: float = 0.0      # training time before this position, so a resumed run's clock goes on
+    checkpoint: str = ""        # the checkpoint folder it was loaded from
+
+
+def _attempt(write) -> str | None:
+    """Run ``write``; None, or what went wrong (a string every rank can be told)."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - a failed write on one rank: gathered, said, raised on every rank
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class Checkpoints(LoraFiles):
+    """Saving and loading the full training state through accelerate, with only the LoRA weights.
+
+    accelerate's ``save_state`` would write the whole 5B DiT; a pre-hook keeps only the trainable
+    (LoRA) tensors for DDP, and DeepSpeed is asked to exclude frozen parameters.
+    """
+
+    def __init__(self, accelerator, module, scheduler, options, status: RankStatusWriter, fingerprint: dict):
+        from accelerate.utils import DistributedType
+
+        self.accelerator = accelerator
+        self.module = module
+        self.scheduler = scheduler
+        self.options = options
+        self.status = status
+        self.fingerprint = fingerprint
+        self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
+        self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        self.last_step = None
+        self.injected_delay_s = float(os.environ.get(environment.FAULT_SLOW_CHECKPOINT_S) or 0)
+        unwrapped = accelerator.unwrap_model(module)
+        trainable = {name for name, parameter in unwrapped.named_parameters() if parameter.requires_grad}
+
+        def keep_only_trainable(models, weights, output_dir):
+            for index, state in enumerate(weights):
+                weights[index] = {key: value for key, value in state.items()
+                                  if key in trainable or key.removeprefix("module.") in trainable}
+
+        accelerator.register_save_state_pre_hook(keep_only_trainable)
+        accelerator.register_for_checkpointing(scheduler)
+
+    # -- full training state --------------------------------------------------------------------
+    def save(self, position: Position) -> Path:
+        """Every rank's state into a temp folder, then rank 0 adds the LoRA and manifest and renames it into place.
+        A write that fails on any rank (a full disk) stops every rank with one message naming the folder and the
+        space needed; the partial folder is removed and the previous checkpoints stay (CheckpointWriteError)."""
+        accelerator = self.accelerator
+        name = checkpoint_name(position.step)
+        self.status.update(phase=f"saving checkpoint {name}")
+        # Named by run and step, so no rank ever deletes a folder another rank is writing into;
+        # folders left by killed saves are removed by prune() after the next successful one.
+        temporary = temp_path(self.root, position.step, self.status.state["run_id"])
+        # Checked before anything is written: a broken LoRA never becomes a checkpoint, nor prunes a good one.
+        file_tensors = self.checked_file_tensors(self.lora_tensors(), self.root / name)
+        error = _attempt(lambda: temporary.mkdir(parents=True, exist_ok=True))
+        accelerator.wait_for_everyone()
+        extra = {"exclude_frozen_parameters": True} if self.deepspeed else {}
+        error = error or _attempt(lambda: accelerator.save_state(str(temporary), **extra))
+        time.sleep(self.injected_delay_s)
+        errors = [error for error in self.gather_objects(error) if error]
+        if errors:
+            message = self.failure_message(name, temporary, errors[0]) if accelerator.is_main_process else None
+            raise CheckpointWriteError(broadcast_from_main(accelerator, message))
+        final = self.root / name
+        per_rank = self.gather_positions(position)
+        problem = failure = None
+        if accelerator.is_main_process:
+            try:
+                problem = self.publish_state(temporary, position, per_rank, file_tensors)
+            except Exception as exc:  # noqa: BLE001 - a failed write (full disk): said with the folder, then raised
+                failure = self.failure_message(name, temporary, exc)
+        problem, failure = broadcast_from_main(accelerator, (problem, failure))
+        if failure:
+            raise CheckpointWriteError(failure)
+        if problem:
+            raise RuntimeError(problem)
+        accelerator.wait_for_everyone()
+        self.last_step = position.step
+        self.status.update(phase=f"saved checkpoint {name}", last_checkpoint=str(final),
+                           last_checkpoint_step=position.step)
+        return final
+
+    def publish_state(self, temporary: Path, position: Position, per_rank: list, file_tensors: dict) -> str | None:
+        """Rank 0: the LoRA file, the manifest, the rename, pruning. Returns why it was not published, or None."""
+        name = checkpoint_name(position.step)
+        self.write_lora(temporary / "lora.safetensors", position.step, file_tensors)
+        if self.ema is not None:
+            self.ema.save_state(temporary)
+        files = inventory(temporary)
+        missing = missing_rank_files(files, self.accelerator.num_processes)
+        if missing:   # published only when every rank's state is in it
+            return (f"checkpoint {name} is incomplete: {temporary / missing[0]} was not written (that rank "
+                    f"saved elsewhere?); {self.root} must be one folder shared by every node. Not published.")
+        publish(temporary, {
+            "step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch,
+            "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
+            "run_id": self.status.state["run_id"], "created_at": time.time(),
+            "elapsed_s": self.status.state.get("elapsed_s") or 0.0,
+            "fingerprint": self.fingerprint, "per_rank": per_rank,
+            "world_size": self.accelerator.num_processes, "files": files})
+        prune(self.root, self.options.keep_checkpoints, self.status.state["run_id"])
+        return None
+
+    def failure_message(self, name: str, temporary: Path, error) -> str:
+        """Rank 0, after a failed write: remove the partial folder, then say why (free space measured after)."""
+        written = folder_bytes(temporary)
+        shutil.rmtree(temporary, ignore_errors=True)
+        previous = find_latest(self.root)
+        trainable = sum(p.numel() * p.element_size() for p in self.accelerator.unwrap_model(self.module).parameters()
+                        if p.requires_grad)
+        # The previous checkpoint's size, else the LoRA weights, AdamW's two moments and the LoRA file.
+        needed = folder_bytes(previous) or max(written, 4 * trainable)
+        return write_failure(name, self.root, error, free=free_bytes(self.root), needed=needed, previous=previous)
+
+    def verify_lora(self, path: Path) -> None:
+        """strict=False loads nothing silently if names drift: check every LoRA tensor arrived."""
+        import torch
+        from safetensors.torch import load_file
+
+        expected = load_file(str(path))
+        loaded = self.file_tensors(self.lora_tensors())
+        wrong = sorted(key for key in expected if key not in loaded or not torch.equal(
+            loaded[key].to(expected[key].dtype), expected[key]))
+        if wrong or not expected:
+            raise RuntimeError(f"resuming from {path.parent}: {len(wrong)} of {len(expected)} LoRA tensors were not "
+                               f"restored (first: {wrong[:1]})")
+
+    def gather_positions(self, position: Position) -> list:
+        """Every rank's own counters (collective: all ranks call it)."""
+        return self.gather_objects({"samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
+                                    "recent_skips": position.recent_skips})
+
+    def gather_objects(self, mine) -> list:
+        """Every rank's ``mine``, in rank order (collective: all ranks call it)."""
+        if self.accelerator.num_processes == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        everyone = [None] * self.accelerator.num_processes
+        # accelerate's gather_object returns its input unchanged on CPU ranks; this works on gloo and NCCL.
+        dist.all_gather_object(everyone, mine)
+        return everyone
+
+    def load(self, resume: str) -> Position:
+        try:
+            folder = resolve_resume(resume, self.root, self.accelerator.num_processes,
+                                    report=lambda message: print(f"[rank {self.accelerator.process_index}] "
+                                                                 f"{message}", file=sys.stderr))
+        except ValueError as exc:
+            raise OptionsError(str(exc)) from None
+        manifest = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
+        differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
+        check_adapter_shape(manifest.get("fingerprint", {}), self.fingerprint)   # DoRA / LoRA+ on or off
+        if differences and not self.options.force_resume:
+            raise OptionsError(different_configuration(folder, differences))
+        self.status.update(phase=f"loading checkpoint {folder.name}")
+        if self.deepspeed:
+            self.accelerator.load_state(str(folder), load_module_strict=False)
+        else:
+            self.accelerator.load_state(str(folder), strict=False)
+        self.verify_lora(folder / "lora.safetensors")
+        if differences:   # --force_resume: this run's settings, not the saved optimizer's, and said so
+            applied = apply_run_settings(self.scheduler, self.options)
+            if self.accelerator.is_main_process:
+                print(f"resuming from {folder} with --force_resume true despite:\n  " + "\n  ".join(differences)
+                      + "\nthe optimizer now uses this run's " + ", ".join(applied), file=sys.stderr)
+            self.status.update(resumed_with_changes=differences)
+        rank_state = (manifest.get("per_rank") or [{}] * self.accelerator.num_processes)
+        mine = rank_state[self.accelerator.process_index] if len(rank_state) > self.accelerator.process_index else {}
+        return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],
+                        samples_seen=mine.get("samples_seen", 0), skipped_samples=mine.get("skipped_samples", 0),
+                        recent_skips=mine.get("recent_skips", []), run_id=manifest.get("run_id"),
+                        elapsed_s=float(manifest.get("elapsed_s") or 0.0), checkpoint=folder.name)

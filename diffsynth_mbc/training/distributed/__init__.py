@@ -1,0 +1,1 @@
+"""The process group: the Accelerator and the few collectives the loop needs."""

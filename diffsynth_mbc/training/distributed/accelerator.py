@@ -1,0 +1,64 @@
+"""The run's ``Accelerator``: precision chosen for this GPU, the process group (gloo on CPU, NCCL's timeout),
+DeepSpeed's clipping from ``--max_grad_norm``, trackers, and one run id for every rank."""
+
+from __future__ import annotations
+
+import os
+
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.training.distributed.collectives import broadcast_from_main
+from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+
+
+def start_accelerator(options, status: RankStatusWriter):
+    import datetime
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
+                                  InitProcessGroupKwargs)
+
+    from diffsynth_mbc.gpu import attention_kernel, require_supported_gpu, resolve_precision
+
+    require_supported_gpu()   # a torch build without this GPU's kernels: stop now, naming the fix
+    capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    try:
+        precision, precision_why = resolve_precision(options.mixed_precision, capability)
+    except ValueError as exc:
+        raise OptionsError(str(exc)) from None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # The engine clips, not us: hand it --max_grad_norm (0 disables) instead of the config's fixed value.
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(float(options.max_grad_norm))
+    status.update(phase="joining the process group", mixed_precision=precision, precision_reason=precision_why,
+                  attention_kernel=attention_kernel(capability, precision))
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=options.find_unused_parameters)]
+    if (status.state["world_size"] > 1 and not torch.cuda.is_available()
+            and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true"):
+        # Without this, accelerate on a machine with no GPU shards the data over the processes but
+        # wraps nothing in DDP: every rank would silently train a model of its own.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+    if status.state["world_size"] > 1:
+        # NCCL_TIMEOUT is not read by NCCL itself; it becomes the process group's timeout here.
+        timeout = datetime.timedelta(seconds=int(os.environ.get("NCCL_TIMEOUT", "1800")))
+        backend = options.dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
+    tracking = {} if options.report_to == "none" else {
+        "log_with": options.report_to, "project_dir": os.path.join(options.output_path, "tracking")}
+    accelerator = Accelerator(
+        mixed_precision=precision, gradient_accumulation_steps=options.gradient_accumulation_steps,
+        kwargs_handlers=handlers,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=options.seed), **tracking)
+    if accelerator.state.deepspeed_plugin is not None:
+        status.update(deepspeed_gradient_clipping=accelerator.state.deepspeed_plugin.deepspeed_config.get(
+            "gradient_clipping"))
+    if accelerator.num_processes != status.state["world_size"]:
+        status.update(world_size=accelerator.num_processes)
+    # One run id for the whole run, rank 0's: nodes launched seconds or minutes apart each proposed their own.
+    run_id = broadcast_from_main(accelerator, status.state["run_id"], status, what="rank 0's run id")
+    if run_id != status.state["run_id"]:
+        status.update(run_id=run_id, phase=f"joined run {run_id}")
+    if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.NO:
+        raise OptionsError(f"{accelerator.num_processes} processes were launched but accelerate set up no distributed "
+                           "training, so gradients would never be averaged; check the accelerate config "
+                           "(distributed_type) and that the GPUs are visible")
+    return accelerator

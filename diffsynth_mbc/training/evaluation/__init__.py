@@ -1,0 +1,1 @@
+"""What the run reports about quality while it trains: validation loss and sample clips."""

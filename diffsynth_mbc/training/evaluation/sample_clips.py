@@ -1,0 +1,212 @@
+"""Sample clips during training with DiffSynth's own ``WanVideoPipeline.__call__`` and the LoRA as it is.
+
+Rank 0 generates every prompt of ``--sample_prompts`` (in eval mode, without gradients, inside a forked
+RNG so training draws the same numbers as without sampling) and writes
+``OUTPUT/samples/step-000NNNNN/NN-<slug>.mp4`` plus the first frame as png, each through a temp file and a
+rename; the slug only summarises the prompt, whose full text is in ``prompts.json`` beside the clips. Its status phase moves with every denoising step; the other ranks wait at an asynchronous
+barrier and keep their status fresh meanwhile, so the monitor never calls a sampling run stalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from pathlib import Path
+
+from diffsynth_mbc.atomic import atomic_open, atomic_path, atomic_write_json
+from diffsynth_mbc.sample_prompts import (PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt, prompts_file_record,
+                                          sample_file_stem, sample_set_name, sampling_due)
+from diffsynth_mbc.training.lora.ema import CLIP_SUFFIX, weights_for
+
+FPS = 16
+WAIT_POLL_S = 1.0
+
+
+class Sampler:
+    def __init__(self, options, status, prompts: list[SamplePrompt], contexts: dict | None = None):
+        self.options, self.status, self.prompts = options, status, prompts
+        self.every = options.sample_steps
+        self.root = Path(options.output_path) / SAMPLES_FOLDER
+        self.contexts = contexts    # prompt text -> embedding from the latent cache (no text encoder loaded)
+        self.accelerator = self.module = None
+        self.last_step: int | None = None
+        self.ema = None             # the run's LoraEma: --validate_with ema|both render with it (NN-slug-ema.mp4)
+
+    def attach(self, accelerator, module) -> None:
+        self.accelerator, self.module = accelerator, module
+
+    def due(self, step: int, total_steps: int, first_step: int) -> bool:
+        return step != self.last_step and sampling_due(step, self.every, total_steps, first_step=first_step)
+
+    def run(self, step: int) -> None:
+        """Every rank calls this at the same step; rank 0 samples, the others wait for it."""
+        self.last_step = step
+        accelerator = self.accelerator
+        if accelerator.is_main_process:
+            started = time.monotonic()
+            files = self._generate_all(step)
+            self._record(step, files, time.monotonic() - started)
+        self._wait_for_main(step)
+
+    # -- rank 0 -------------------------------------------------------------------------------
+    def _generate_all(self, step: int) -> list[str]:
+        import torch
+
+        pipe = self.accelerator.unwrap_model(self.module).pipe
+        target = self.root / sample_set_name(step)
+        target.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(target / PROMPTS_FILE, prompts_file_record(self.prompts))   # before the clips it names
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        was_training = pipe.dit.training
+        training_scheduler = copy.deepcopy(pipe.scheduler)   # generation re-times it for its few steps
+        pipe.dit.eval()
+        files = []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), \
+                    _prompts_from(pipe, self.contexts):
+                for weights in self._weights():
+                    with self.ema.weights(weights) if self.ema is not None else contextlib.nullcontext():
+                        for index, prompt in enumerate(self.prompts):
+                            frames = self._generate(pipe, prompt, step, index)
+                            suffix = CLIP_SUFFIX if weights == "ema" else ""
+                            files += self._write(target, sample_file_stem(index, prompt) + suffix, frames)
+        finally:
+            pipe.scheduler = training_scheduler
+            pipe.dit.train(was_training)
+            if devices:
+                torch.cuda.empty_cache()
+        return files
+
+    def _weights(self) -> list[str]:
+        return ["raw"] if self.ema is None else weights_for(self.options.validate_with, self.ema.updates)
+
+    def _generate(self, pipe, prompt: SamplePrompt, step: int, index: int) -> list:
+        from PIL import Image
+
+        def heartbeat(timesteps):
+            for number, timestep in enumerate(timesteps, 1):
+                self.status.update(phase=f"sampling at step {step}: prompt {index + 1}/{len(self.prompts)}, "
+                                         f"denoising {number}/{prompt.steps}")
+                yield timestep
+
+        image = Image.open(prompt.image).convert("RGB").resize((prompt.width, prompt.height)) if prompt.image else None
+        with self.accelerator.autocast():
+            return pipe(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt, input_image=image,
+                        seed=prompt.seed, height=prompt.height, width=prompt.width, num_frames=prompt.num_frames,
+                        num_inference_steps=prompt.steps, cfg_scale=prompt.cfg_scale, tiled=False,
+                        rand_device=str(self.accelerator.device), progress_bar_cmd=heartbeat)
+
+    def _write(self, target: Path, stem: str, frames: list) -> list[str]:
+        video, still = target / f"{stem}.mp4", target / f"{stem}.png"
+        with atomic_path(video, suffix=".mp4") as tmp:   # the encoder picks the format from the name
+            write_video(frames, str(tmp), fps=FPS, quality=8)
+        with atomic_open(still, "wb") as handle:
+            frames[0].save(handle, format="PNG")
+        return [video.name, still.name]
+
+    def _record(self, step: int, files: list[str], seconds: float) -> None:
+        folder = self.root / sample_set_name(step)
+        record = {"kind": "samples", "step": step, "dir": str(folder), "files": files,
+                  "prompts": [p.prompt for p in self.prompts], "seconds": round(seconds, 2), "time": round(time.time(), 3)}
+        self.status.append_history(record)
+        self._to_trackers(step, folder, files)
+        self.status.update(samples_dir=str(self.root.resolve()), last_samples={"step": step, "dir": str(folder),
+                                                                               "files": files})
+
+    def _to_trackers(self, step: int, folder: Path, files: list[str]) -> None:
+        """Samples for --report_to: W&B gets the clips as videos captioned with their prompts; TensorBoard (whose
+        video panel needs moviepy) the first frames as images, and each full prompt as text beside them."""
+        import numpy as np
+        from PIL import Image
+
+        texts = {sample_file_stem(index, prompt): prompt.prompt for index, prompt in enumerate(self.prompts)}
+        for tracker in getattr(self.accelerator, "trackers", None) or []:
+            for name in files:
+                stem, suffix = name.rsplit(".", 1)
+                if tracker.name == "tensorboard" and suffix == "png":
+                    still = np.asarray(Image.open(folder / name).convert("RGB"))
+                    tracker.writer.add_image(f"samples/{stem}", still, global_step=step, dataformats="HWC")
+                    tracker.writer.add_text(f"samples/{stem}/prompt", texts.get(stem, ""), global_step=step)
+                elif tracker.name == "wandb" and suffix == "mp4":
+                    import wandb
+
+                    tracker.log({f"samples/{stem}": wandb.Video(str(folder / name), caption=texts.get(stem),
+                                                                format="mp4")}, step=step)
+
+    # -- every rank ----------------------------------------------------------------------------
+    def _wait_for_main(self, step: int) -> None:
+        accelerator = self.accelerator
+        if accelerator.num_processes == 1:
+            return
+        import torch.distributed as dist
+
+        if accelerator.is_main_process:
+            dist.barrier()
+            return
+        started = time.monotonic()
+        work = dist.barrier(async_op=True)
+        while not work.is_completed():
+            self.status.update(phase=f"waiting for rank 0's samples at step {step} "
+                                     f"({time.monotonic() - started:.0f} s)")
+            time.sleep(WAIT_POLL_S)
+        work.wait()
+
+
+def write_video(frames: list, path: str, fps: int, quality: int) -> None:
+    """DiffSynth's ``save_video`` (the same imageio writer and settings) without its tqdm bar, which drew
+    "Saving video: 0%|" lines on the launcher's terminal and into the log beside the live bar."""
+    import imageio
+    import numpy as np
+
+    writer = imageio.get_writer(path, fps=fps, quality=quality)
+    try:
+        for frame in frames:
+            writer.append_data(np.array(frame))
+    finally:
+        writer.close()
+
+
+def make_sampler(options, status, accelerator, module, ema=None):
+    from diffsynth_mbc.sample_prompts import load_sample_prompts
+
+    prompts = load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
+                                  num_frames=options.num_frames, seed=options.seed)
+    contexts = None
+    if options.cache:   # no text encoder in a cached run: the cache holds the prompts' embeddings
+        from diffsynth_mbc.data.cache.sample_texts import read_sample_texts, texts_of
+        contexts = read_sample_texts(Path(options.cache), texts_of(prompts))
+    sampler = Sampler(options, status, prompts, contexts)
+    sampler.attach(accelerator, module)
+    sampler.ema = ema
+    return sampler
+
+
+def maybe_sample(run) -> None:
+    """Sample clips when due (before the first step, every --sample_steps, at the end); every rank calls it."""
+    sampler = run.sampler
+    if sampler is None or not sampler.due(run.position.step, run.logger.total_steps, run.first_step):
+        return
+    with run.logger.overhead("samples") as section:   # timed apart from the steps, on every rank (others wait)
+        sampler.run(run.position.step)
+    last = run.status.state.get("last_samples")
+    if last:
+        run.logger.printer.event(f"samples at step {last['step']}: {len(last['files']) // 2} clip(s) in {last['dir']} "
+                                 f"({section.seconds:.1f} s)")
+
+
+@contextlib.contextmanager
+def _prompts_from(pipe, contexts: dict | None):
+    """While sampling from a cached run, DiffSynth's prompt unit gets each text's embedding from the cache."""
+    if contexts is None:
+        yield
+        return
+
+    def encode_prompt(prompt, positive=True, device=None, **kwargs):
+        return contexts[prompt].to(device=device or pipe.device, dtype=pipe.torch_dtype)[None]
+
+    pipe.prompter.encode_prompt = encode_prompt   # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del pipe.prompter.encode_prompt

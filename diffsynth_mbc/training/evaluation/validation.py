@@ -1,0 +1,104 @@
+"""Validation loss on a fixed subset, at fixed timestep quantiles, with a fixed seed per sample.
+
+The same samples, the same noise and the same timesteps every time: two evaluations differ only by
+the LoRA. The headline ``val_loss`` is the mean over the quantiles; each quantile's loss is kept too. Each sample
+is measured in the training's objective and in a mode fixed for the run (an image t2i, a video i2v or t2v as
+``--i2v_probability`` chooses, ``training/step/objective.py``); ``val_loss_by_mode`` is the mean per mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
+from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+
+
+class Validator:
+    """Each rank takes every world_size-th sample of the subset; the RNG of training is left untouched.
+
+    With ``--validate_with ema`` the headline ``val_loss`` is the EMA's (``val_weights: "ema"``); with ``both`` it
+    is the raw weights' and the EMA's is ``val_loss_ema`` (and ``val_loss_ema_by_quantile``) beside it."""
+
+    ema = None   # the run's LoraEma, set by training/lora/ema.make_ema
+
+    def __init__(self, options, status: RankStatusWriter):
+        from diffsynth_mbc.data.cache.dataset import open_validation_dataset
+
+        self.status = status
+        self.seed = options.seed + 7919
+        self.dataset = open_validation_dataset(options, substitute_bad_media=True)
+        self.indices = list(range(min(options.val_samples, self.dataset.rows)))
+        self.quantiles = [float(q) for q in options.val_timestep_quantiles.split(",")]
+        self.validate_with = options.validate_with
+        self.objective, self.i2v_probability = options.objective, options.i2v_probability
+        self.accelerator = self.module = None
+
+    def attach(self, accelerator, module) -> None:
+        self.accelerator, self.module = accelerator, module
+
+    def run(self, step: int) -> float | None:
+        from diffsynth_mbc.training.lora.ema import weights_for
+
+        self.status.update(phase=f"validation at step {step}")
+        which = weights_for(self.validate_with, self.ema.updates) if self.ema is not None else ["raw"]
+        measured = {}
+        for weights in which:
+            with self.ema.weights(weights) if self.ema is not None else contextlib.nullcontext():
+                measured[weights] = self.measure()
+        by_quantile, by_mode, samples = measured[which[0]]
+        if samples == 0:
+            return None
+        val_loss = sum(by_quantile.values()) / len(by_quantile)
+        extra = {"val_weights": "ema"} if which == ["ema"] else {}
+        if "ema" in which and which[0] != "ema":
+            ema_by_quantile, ema_by_mode, _ = measured["ema"]
+            extra = {"val_loss_ema": sum(ema_by_quantile.values()) / len(ema_by_quantile),
+                     "val_loss_ema_by_quantile": ema_by_quantile, "val_loss_ema_by_mode": ema_by_mode}
+        self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss,
+                                    "val_loss_by_quantile": by_quantile, "val_loss_by_mode": by_mode,
+                                    "val_samples": samples, "time": round(time.time(), 3), **extra})
+        self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_loss_by_mode=by_mode,
+                           val_step=step, phase=f"validated at step {step}", **extra)
+        return val_loss
+
+    def mode(self, sample: dict, index: int) -> str:
+        from diffsynth_mbc.training.step.objective import validation_mode
+        from diffsynth_mbc.training.step.micro_batch import latent_frames
+
+        return validation_mode(self.objective, self.i2v_probability, latent_frames(sample) == 1, self.seed, index)
+
+    def measure(self) -> tuple[dict, dict, int]:
+        """({quantile: mean loss}, {mode: mean loss}, samples) over every rank's share of the subset, with the
+        weights as they are. A sample's loss in its mode is its mean over the quantiles."""
+        import torch
+
+        from diffsynth_mbc.training.step.objective import MODES
+
+        model = self.accelerator.unwrap_model(self.module)
+        mine = self.indices[self.accelerator.process_index::self.accelerator.num_processes]
+        quantiles, modes = len(self.quantiles), len(MODES)
+        # per quantile: sum of losses; per mode: sum of the samples' losses, then samples; last: samples
+        total = torch.zeros(quantiles + 2 * modes + 1, dtype=torch.float64, device=self.accelerator.device)
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for index in mine:
+                sample = self.dataset[index]
+                sample.pop("skipped", None)
+                sample["mode"] = self.mode(sample, index)
+                for position, quantile in enumerate(self.quantiles):
+                    torch.manual_seed(self.seed + index)   # the same noise for this sample at every quantile
+                    with self.accelerator.autocast():
+                        loss = model.sample_loss(dict(sample), timestep_quantile=quantile).double()
+                    total[position] += loss
+                    total[quantiles + MODES.index(sample["mode"])] += loss / quantiles
+                total[quantiles + modes + MODES.index(sample["mode"])] += 1
+                total[-1] += 1
+        total = all_reduce_sum(self.accelerator, total, self.status, "ranks in all-reduce (validation loss)")
+        samples = int(total[-1])
+        if samples == 0:
+            return {}, {}, 0
+        by_mode = {mode: float(total[quantiles + m] / total[quantiles + modes + m]) for m, mode in enumerate(MODES)
+                   if total[quantiles + modes + m] > 0}
+        return {f"{q:g}": float(total[i] / samples) for i, q in enumerate(self.quantiles)}, by_mode, samples

@@ -1,0 +1,118 @@
+"""Batches of one shape: videos with videos, images with images. Pure Python: no torch, no diffsynth.
+
+A batch goes through the DiT in one forward, so its samples must share a latent shape. Each row has a
+shape key (``video`` or ``image`` today; any further resolution or frame-count bucket is just another key),
+each key a batch size (``--batch_size`` for videos, ``--image_batch_size`` for images). An epoch's batches:
+
+1. the ``rows x repeat`` sample indices of each key, shuffled (seeded by seed and epoch), cut into batches
+   of the key's size (the last batch of a key may be smaller: nothing is dropped);
+2. all batches shuffled together (same seed), so videos and images interleave;
+3. padded to a multiple of the world size by repeating batches from the start, so every rank runs the same
+   number (the sharding gives batch ``i`` to rank ``i % world_size``).
+
+The loader gets each index plus ``epoch x rows x repeat``: the datasets read row ``index % rows``, and the
+epoch the sample belongs to is ``index // (rows x repeat)`` in whichever worker process loads it (a random
+frame window is drawn per epoch). The same seed and epoch give the same batches on every rank and on resume. ``batches_per_rank`` counts
+them without building them, for the step plan.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Mapping, Sequence
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def default_image_batch_size(video_batch_size: int, num_frames: int) -> int:
+    """As many images as ``video_batch_size`` videos have tokens: a video has (frames - 1) / 4 + 1 latent
+    frames, an image one, so 5 images per video at 17 frames."""
+    return video_batch_size * ((num_frames - 1) // 4 + 1)
+
+
+def key_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int],
+                row_repeats: Sequence[int] | None = None) -> dict[str, int]:
+    """Batches of each key in one epoch (before padding)."""
+    counts = Counter()
+    for row, key in enumerate(keys):
+        counts[key] += row_repeats[row] if row_repeats else 1
+    return {key: _ceil_div(count * repeat, _batch_size(batch_sizes, key)) for key, count in counts.items()}
+
+
+def batches_per_rank(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int,
+                     row_repeats: Sequence[int] | None = None) -> int:
+    return _ceil_div(sum(key_batches(keys, repeat, batch_sizes, row_repeats).values()), world_size)
+
+
+def _sample_indices(rows: int, repeat: int, row_repeats: Sequence[int] | None):
+    """Each row ``repeat`` (x its own repeat, from ``row_repeats``) times: copy ``k`` of row ``r`` is sample
+    ``k * rows + r`` (the dataset reads row ``index % rows``). Without ``row_repeats``: ``range(rows * repeat)``."""
+    if not row_repeats:
+        yield from range(rows * repeat)
+        return
+    for copy in range(max(row_repeats) * repeat):
+        for row in range(rows):
+            if copy < row_repeats[row] * repeat:
+                yield copy * rows + row
+
+
+def epoch_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int, seed: int,
+                  epoch: int, row_repeats: Sequence[int] | None = None) -> list[list[int]]:
+    """Every rank's batches of one epoch, in order (sample indices into ``rows x repeat``), padded to a multiple
+    of ``world_size``. ``row_repeats``: each row's own repeat (several catalogues, ``data/dataset_list.py``)."""
+    rows = len(keys)
+    rng = random.Random(f"mbc-batches:{seed}:{epoch}")
+    by_key: dict[str, list[int]] = {}
+    for index in _sample_indices(rows, repeat, row_repeats):
+        by_key.setdefault(keys[index % rows], []).append(index)
+    batches = []
+    for key in sorted(by_key):
+        indices = by_key[key]
+        rng.shuffle(indices)
+        size = _batch_size(batch_sizes, key)
+        batches.extend(indices[start:start + size] for start in range(0, len(indices), size))
+    rng.shuffle(batches)
+    if batches and len(batches) % world_size:
+        padding = world_size - len(batches) % world_size
+        batches.extend(batches[i % len(batches)] for i in range(padding))
+    return batches
+
+
+def _batch_size(batch_sizes: Mapping[str, int], key: str) -> int:
+    try:
+        size = int(batch_sizes[key])
+    except KeyError:
+        raise ValueError(f"no batch size for samples of shape {key!r} (sizes given: {dict(batch_sizes)})") from None
+    if size < 1:
+        raise ValueError(f"the batch size of {key!r} must be at least 1, got {size}")
+    return size
+
+
+class ShapeGroupedBatchSampler:
+    """A data loader's ``batch_sampler``: ``epoch_batches`` of the current epoch (``set_epoch``), all ranks'
+    batches in turn; accelerate's sharding hands batch ``i`` to rank ``i % world_size``."""
+
+    batch_size = None   # batches differ in size: accelerate then shards them whole, one per rank in turn
+    drop_last = False
+
+    def __init__(self, keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int,
+                 seed: int, row_repeats: Sequence[int] | None = None):
+        self.keys, self.repeat, self.batch_sizes = list(keys), repeat, dict(batch_sizes)
+        self.row_repeats = list(row_repeats) if row_repeats else None
+        self.world_size, self.seed, self.epoch = world_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        offset = self.epoch * len(self.keys) * self.repeat   # the epoch rides along in the index (module docstring)
+        batches = epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch,
+                                self.row_repeats)
+        return iter([[index + offset for index in batch] for batch in batches])
+
+    def __len__(self) -> int:
+        return batches_per_rank(self.keys, self.repeat, self.batch_sizes, self.world_size,
+                                self.row_repeats) * self.world_size

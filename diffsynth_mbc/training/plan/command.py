@@ -1,0 +1,295 @@
+"""Print the step plan of a training before it starts: ``python -m diffsynth_mbc.plan --gpus N [train flags]``.
+
+Reads the same preset and flags as ``diffsynth_mbc.training.loop`` and counts the metadata rows the way
+DiffSynth's loader will, and prints the plan on stderr: the training's own ``plan_from_options``, and the
+doctor's projected run length of that same plan. ``--gpus`` counts the GPUs of one node, as the launchers'
+and the doctor's do (x ``--nodes``); the old ``--world_size`` (every node's GPUs together) still works.
+``--brief`` prints what the launchers show (within 80 columns), ``--detail_file`` appends the full plan to the
+run's log. ``--paths_only`` reads no data and prints the output and log folders as shell assignments for the
+launchers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from diffsynth_mbc.data.dataset_list import metadata_counts
+from diffsynth_mbc.data.media.frame_selection import frame_arguments
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.training.options import build_parser as training_parser, resolve_options
+from diffsynth_mbc.training.plan.step_plan import plan_from_options
+
+
+def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str) -> list[str]:
+    arguments = ["--dataset_base_path", base_path, "--dataset_metadata_path", metadata_path,
+                 "--height", str(options.height), "--width", str(options.width),
+                 "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed),
+                 "--decoder", options.decoder, "--log_dir", options.log_dir]   # the monitor sees the build there
+    arguments += frame_arguments(options)
+    if options.sample_prompts and metadata_path == options.dataset_metadata_path:
+        arguments += ["--sample_prompts", options.sample_prompts]
+    affixes = {"caption_prefix": options.caption_prefix, "caption_suffix": options.caption_suffix}
+    for key, value in affixes.items():   # part of what the cache encodes
+        if value:
+            arguments += [f"--{key}", value]
+    if options.mixed_precision != "auto":   # auto: the cache picks as the training will, from the GPU
+        arguments += ["--dtype", options.mixed_precision]
+    if options.demo:
+        return arguments + ["--demo"]
+    if options.model_dir:
+        return arguments + ["--model_dir", options.model_dir]
+    return arguments + ["--model_id", options.model_id or "Wan-AI/Wan2.2-TI2V-5B"]
+
+
+def cache_dirs(options) -> tuple[str, str]:
+    """(the cache folder, the validation cache folder or "") a --cached launch builds: --cache/--val_cache, else
+    beside the output folder."""
+    from pathlib import Path
+
+    cache_dir = options.cache or str(Path(options.output_path).parent / "latent_cache")
+    val_cache_dir = ""
+    if options.val_metadata_path:
+        val_cache_dir = options.val_cache or str(Path(options.output_path).parent / "latent_cache_val")
+    return cache_dir, val_cache_dir
+
+
+def print_cache_commands(options) -> None:
+    """Shell assignments for the launchers; the default cache folder sits beside the output folder."""
+    cache_dir, val_cache_dir = cache_dirs(options)
+    print(f"CACHE_DIR={shlex.quote(cache_dir)}")
+    arguments = cache_arguments(options, options.dataset_metadata_path, options.dataset_base_path, cache_dir)
+    print("CACHE_ARGS=(" + " ".join(shlex.quote(a) for a in arguments) + ")")
+    val_arguments = []
+    if val_cache_dir:
+        val_arguments = cache_arguments(options, options.val_metadata_path,
+                                        options.val_base_path or options.dataset_base_path, val_cache_dir)
+    print(f"VAL_CACHE_DIR={shlex.quote(val_cache_dir)}")
+    print("VAL_CACHE_ARGS=(" + " ".join(shlex.quote(a) for a in val_arguments) + ")")
+
+
+def paths_read(options, cached: bool = False, demo_root: str | None = None) -> list[tuple[str, str, str]]:
+    """(what, value, "file" or "folder") of every path the run reads, as given (relative ones not yet resolved):
+    each option's (``--key``) and, with a ``datasets:`` list, each catalogue's base_path and metadata_path (the
+    combined metadata is written from them). The preset itself is read (and checked) with the options; the demo's
+    own catalogue (``demo_root``: the launcher writes it there) and a cache that --cached builds are written, not
+    read: none of them is listed."""
+    wanted = []
+    if not (options.datasets or (options.demo and demo_root)):
+        wanted += [("dataset_metadata_path", options.dataset_metadata_path, "file"),
+                   ("dataset_base_path", options.dataset_base_path, "folder")]
+    if not options.demo:
+        wanted += [("model_dir", options.model_dir, "folder")]
+    wanted += [("val_metadata_path", options.val_metadata_path, "file"),
+               ("val_base_path", options.val_base_path, "folder")]
+    if not cached:
+        wanted += [("cache", options.cache, "folder"), ("val_cache", options.val_cache, "folder")]
+    wanted += [("sample_prompts", options.sample_prompts, "file")]
+    read = [(f"--{key}", str(value), kind) for key, value, kind in wanted if value]
+    for position, catalogue in enumerate(options.datasets or ()):
+        read += [(f"datasets[{position}] base_path", catalogue.base_path, "folder"),
+                 (f"datasets[{position}] metadata_path", catalogue.metadata_path, "file")]
+    return read
+
+
+def check_paths(options, cached: bool, project_root: str | None, demo_root: str | None = None) -> int:
+    """Print each path the run reads and what it resolved to; 2 naming the first missing one and the folder it
+    was resolved against (and the project root, when the path is there instead). The demo says what it trains on:
+    the catalogue it writes under ``demo_root``, or the one it was given."""
+    from pathlib import Path
+
+    here, read = Path.cwd(), paths_read(options, cached, demo_root)
+    if read:
+        print(f"reads (relative paths are taken from the current folder, {here}):")
+    for key, value, kind in read:
+        resolved = (here / value).resolve()
+        present = resolved.is_file() if kind == "file" else resolved.is_dir()
+        print(f"  {key:<24} {resolved}{'' if present else f'   MISSING ({kind})'}")
+        if present:
+            continue
+        where = "" if Path(value).is_absolute() else f" (resolved against the current folder {here})"
+        hint = ""
+        if project_root and not Path(value).is_absolute() and (Path(project_root) / value).exists():
+            hint = f"; it is there under the project folder: run from {project_root}, or give an absolute path"
+        print(f"error: {key} {value}: no such {kind}: {resolved}{where}{hint}", file=sys.stderr)
+        return 2
+    if options.demo:
+        run = (here / options.output_path).resolve()
+        if demo_root:
+            print(f"demo: writes its catalogue and metadata under {(here / demo_root).resolve()}, the run under {run}")
+        else:
+            data = "the --datasets catalogues" if options.datasets else \
+                f"{(here / options.dataset_metadata_path).resolve()}"
+            print(f"demo: the demo model trains on {data} (no catalogue of its own written), the run under {run}")
+    return 0
+
+
+def projection_of(options, plan, cached: bool, assume: str | None, nodes: int):
+    """(the doctor's projection of this plan on this machine's GPUs or ``assume``'s, None, why it is unknown)."""
+    from diffsynth_mbc.training.plan import estimates
+    from diffsynth_mbc.gpu import known_gpu, nvidia_smi_device, resolve_precision
+
+    if assume:
+        spec = known_gpu(assume)
+        rates_from = spec.name
+    else:
+        found = nvidia_smi_device()
+        if found is None:
+            return None, "without a GPU (python -m diffsynth_mbc.doctor --probe N measures this machine)"
+        spec, rates_from, _ = found
+    precision, _ = resolve_precision(options.mixed_precision, spec.capability)
+    videos, images = plan.videos, plan.images
+    run = estimates.estimate_run(options, spec, rates_from, precision, gpus=max(1, plan.world_size // nodes),
+                                 nodes=nodes, cached_launch=cached, media=(videos, images), plan=plan)
+    if run.projection is None:
+        return None, run.speed["unknown"]
+    return run.projection, ""
+
+
+def plan_lines(options, plan) -> list[str]:
+    """The step plan in full: rows, catalogues, GPUs, batches, steps, modes, precision."""
+    repeat = "repeats per catalogue" if plan.datasets else f"repeat {plan.repeat}"
+    kinds = f" ({plan.videos:,} videos + {plan.images:,} images)" if plan.images else ""
+    lines = [f"step plan: {options.dataset_metadata_path}",
+             f"  rows {plan.rows:,}{kinds} x {repeat} = {plan.samples_per_epoch:,} samples per epoch"]
+    lines += [f"    {item['name']}: {item['rows']:,} rows ({item['videos']:,} videos + {item['images']:,} images) "
+              f"x repeat {item['repeat'] * plan.repeat} = {item['samples_per_epoch']:,} samples"
+              for item in plan.dataset_dicts()]
+    batch = (f"batches of {plan.batch_size} videos / {plan.image_batch_size} images" if plan.images
+             else f"batch {plan.batch_size}")
+    precision = {"auto": "auto: bf16 on GPUs with native bf16 (A100, H100), fp16 with loss scaling below (V100)"}
+    return lines + [
+        f"  GPUs {plan.world_size} -> {plan.samples_per_rank_per_epoch:,} samples per GPU per epoch",
+        f"  {batch} x accumulation {plan.gradient_accumulation} -> "
+        f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch",
+        f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)",
+        f"  {plan.describe_modes()}",
+        f"  precision {precision.get(options.mixed_precision, options.mixed_precision)} "
+        "(the training prints what it chose)"]
+
+
+def projection_lines(run, unknown: str) -> list[str]:
+    if run is None:
+        return [f"  projected run length: unknown {unknown}"]
+    cache = run.cache_line()
+    return ([f"  {run.line()}"] + ([f"  {cache}"] if cache else [])
+            + ["  (where each figure comes from: python -m diffsynth_mbc.doctor with the same flags)"])
+
+
+def brief_lines(plan, run, unknown: str, width: int = 80) -> list[str]:
+    """What the launchers show of the plan, each line within ``width`` columns: the totals, the modes and the
+    projected length (the full plan goes to the run's log)."""
+    import textwrap
+
+    from diffsynth_mbc.training.plan.run_length import duration
+
+    if run is None:
+        projected = f"projected run length: unknown {unknown.split(' (')[0]}"
+    else:
+        cache = (f"; the latent cache build {duration(run.cache_build_seconds)}"
+                 if run.cache_build_seconds is not None else "")
+        projected = f"projected run length: {duration(run.total_seconds)} ({run.kind}{cache})"
+    epochs = f"{plan.num_epochs} epoch{'s' if plan.num_epochs != 1 else ''}"
+    gpus = f"{plan.world_size} GPU{'s' if plan.world_size != 1 else ''}"
+    lines = [f"step plan: {plan.total_steps:,} steps in total per GPU ({plan.steps_per_epoch:,} x {epochs}, {gpus})",
+             "  " + plan.describe_modes().replace("modes per epoch: ", "modes/epoch: ", 1), f"  {projected}"]
+    return [part for line in lines for part in textwrap.wrap(line, width, subsequent_indent="    ")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = FlagParser(prog="python -m diffsynth_mbc.plan", add_help=True, allow_abbrev=False,
+                        passes_on_to=training_parser)
+    parser.add_argument("--gpus", type=int, help="GPUs (processes) per node of the run, as the launchers' --gpus")
+    parser.add_argument("--world_size", type=int, help=argparse.SUPPRESS)   # the old name: every node's GPUs together
+    parser.add_argument("--nodes", type=int, help="nodes of the run (default: NUM_MACHINES, else 1)")
+    parser.add_argument("--paths-only", action="store_true",
+                        help="only validate the flags and print OUTPUT_PATH=... LOG_DIR=... CHECKPOINT_DIR=... (reads no data)")
+    parser.add_argument("--cache-commands", action="store_true",
+                        help="print CACHE_DIR=..., CACHE_ARGS=(...) (and VAL_ CACHE_... for --val_metadata_path): "
+                             "the arguments of `python -m diffsynth_mbc.cache` for the same preset and flags")
+    parser.add_argument("--cached", action="store_true",
+                        help="the run builds the latent cache first (the launchers' --cached): its time is projected too")
+    parser.add_argument("--check-paths", action="store_true",
+                        help="print every path the run reads, resolved; exit 2 naming the first missing one")
+    parser.add_argument("--project-root", help="with --check_paths: also say when a missing relative path is there")
+    parser.add_argument("--demo-root", help="with --check_paths and a demo: the folder the launcher writes the demo's "
+                                            "own catalogue into (its data paths are then not checked)")
+    parser.add_argument("--assume", help="project the run's length for this GPU (python -m diffsynth_mbc.doctor "
+                                         "--help lists them) instead of this machine's")
+    parser.add_argument("--brief", action="store_true",
+                        help="print only the totals, the modes and the projected length, within 80 columns")
+    parser.add_argument("--detail-file", metavar="FILE",
+                        help="also append the full plan to FILE (the launchers pass the run's log)")
+    return parser
+
+
+def world_size_of(known) -> tuple[int, int]:
+    """(GPUs of every node, nodes) from --gpus x --nodes, or the old --world_size; OptionsError without either."""
+    from diffsynth_mbc.training.plan.estimates import nodes_from_environment
+
+    nodes = known.nodes or nodes_from_environment()
+    if known.gpus is not None and known.world_size is not None:
+        raise OptionsError("give --gpus (GPUs per node), not --world_size beside it")
+    if known.world_size is not None:
+        world_size = known.world_size
+    elif known.gpus is not None:
+        world_size = known.gpus * nodes
+    else:
+        raise OptionsError("--gpus N is required: the GPUs per node of the run (python -m diffsynth_mbc.plan --help)")
+    if world_size < 1 or nodes < 1:
+        raise OptionsError(f"--gpus and --nodes must be at least 1, got --gpus {known.gpus or world_size} "
+                           f"--nodes {nodes}")
+    return world_size, nodes
+
+
+def print_plan(options, known, plan, nodes: int) -> int:
+    try:
+        run, unknown = projection_of(options, plan, known.cached, known.assume, nodes)
+    except ValueError as exc:   # an unknown --assume name, or a precision this GPU cannot take
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    full = plan_lines(options, plan) + projection_lines(run, unknown)
+    if known.detail_file:
+        try:
+            with open(known.detail_file, "a", encoding="utf-8") as handle:
+                handle.write("\n".join(full) + "\n")
+        except OSError as exc:
+            print(f"error: --detail_file {known.detail_file}: {exc.strerror}", file=sys.stderr)
+            return 2
+    print("\n".join(brief_lines(plan, run, unknown) if known.brief else full), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    known, train_argv = build_parser().parse_known_args(argv)
+    try:
+        options = resolve_options(train_argv)
+        if known.cache_commands:
+            print_cache_commands(options)
+            return 0
+        if known.check_paths:
+            return check_paths(options, known.cached, known.project_root, known.demo_root)
+        if known.paths_only:
+            print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
+            print(f"LOG_DIR={shlex.quote(options.log_dir)}")
+            print(f"CHECKPOINT_DIR={shlex.quote(options.checkpoint_dir)}")
+            return 0
+        world_size, nodes = world_size_of(known)
+        from diffsynth_mbc.training.plan.run_length import count_media
+
+        videos, images = count_media(options.dataset_metadata_path)
+        plan = plan_from_options(options, rows=videos + images, images=images, world_size=world_size,
+                                 datasets=metadata_counts(options))
+    except FileNotFoundError as exc:
+        print(f"error: metadata not found: {exc.filename}", file=sys.stderr)
+        return 2
+    except (OptionsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return print_plan(options, known, plan, nodes)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

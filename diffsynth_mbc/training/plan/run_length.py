@@ -1,0 +1,185 @@
+"""How long a run takes: the training's own step plan, times seconds per step (pure Python).
+
+The steps are the training's (``training/plan/step_plan.StepPlan``, built by ``plan_from_options`` as the training,
+``python -m diffsynth_mbc.plan`` and the status files build it): clips in batches of ``--batch_size``, images in
+batches of ``--image_batch_size``, all batches dealt to the GPUs in turn, one optimizer step per
+``accumulation`` batches. The batches are shuffled together, so the steps split between clips and images as
+their batches do; the projection times each part at its own seconds per step, and the total it prints is the
+plan's. GPUs are every GPU of every node. Building the latent cache first (``--cached``) encodes every row
+once on every GPU in parallel. Used by ``python -m diffsynth_mbc.doctor`` and ``python -m diffsynth_mbc.plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from diffsynth_mbc.data.convert.catalogue_rows import IMAGE_EXTENSIONS
+from diffsynth_mbc.data.metadata_csv import read_metadata
+from diffsynth_mbc.training.plan.step_plan import StepPlan
+
+
+def count_media(metadata_path: str | Path) -> tuple[int, int]:
+    """(videos, images) of a metadata CSV: its media_type column, else each file's extension."""
+    videos = images = 0
+    for row in read_metadata(metadata_path):   # MetadataError names the file and line DiffSynth's pandas stops at
+        kind = (row.get("media_type") or "").strip().lower()
+        if not kind:
+            kind = "image" if Path(row.get("video") or "").suffix.lower().lstrip(".") in IMAGE_EXTENSIONS else "video"
+        if kind == "image":
+            images += 1
+        else:
+            videos += 1
+    return videos, images
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """The run's steps (``plan``: the training's StepPlan, its ``world_size`` every GPU of every node) and what
+    runs one rank: a GPU, or on a machine without one a CPU process."""
+    plan: StepPlan
+    nodes: int = 1
+    unit: str = "GPU"
+
+    @property
+    def gpus(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, self.plan.world_size // max(1, self.nodes))
+
+    @property
+    def videos(self) -> int:
+        return self.plan.videos
+
+    @property
+    def images(self) -> int:
+        return self.plan.images
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps per GPU over the whole run: the plan's."""
+        return self.plan.total_steps
+
+    def _batches(self) -> tuple[int, int]:
+        """Clip batches and image batches of one epoch, all GPUs together."""
+        plan = self.plan
+        return (_ceil_div(plan._samples("videos"), plan.batch_size),
+                _ceil_div(plan._samples("images"), plan.image_batch_size))
+
+    @property
+    def video_steps(self) -> int:
+        """Of the plan's steps per GPU, those on clips: the clips' share of the batches (they are shuffled together)."""
+        video_batches, image_batches = self._batches()
+        if not video_batches + image_batches:
+            return 0
+        return round(self.total_steps * video_batches / (video_batches + image_batches))
+
+    @property
+    def image_steps(self) -> int:
+        return self.total_steps - self.video_steps
+
+    def as_dict(self) -> dict:
+        plan = self.plan
+        return {"videos": plan.videos, "images": plan.images, "num_epochs": plan.num_epochs, "repeat": plan.repeat,
+                "batch_size": plan.batch_size, "image_batch": plan.image_batch_size,
+                "accumulation": plan.gradient_accumulation, "gpus_per_node": self.gpus_per_node, "nodes": self.nodes,
+                "unit": self.unit, "gpus": self.gpus, "total_steps_per_gpu": self.total_steps,
+                "video_steps_per_gpu": self.video_steps, "image_steps_per_gpu": self.image_steps}
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    shape: RunShape
+    video_seconds: float | None          # per optimizer step
+    image_seconds: float | None
+    cache_build_seconds: float | None    # None: no cache to build
+    kind: str                            # "estimate" or "measured"
+    encode_video_seconds: float | None = None   # one clip / one image through the VAE and the text encoder
+    encode_image_seconds: float | None = None
+
+    @property
+    def training_seconds(self) -> float:
+        return self.shape.video_steps * (self.video_seconds or 0.0) + self.shape.image_steps * (self.image_seconds or 0.0)
+
+    @property
+    def total_seconds(self) -> float:
+        return self.training_seconds + (self.cache_build_seconds or 0.0)
+
+    def as_dict(self) -> dict:
+        return {**self.shape.as_dict(), "video_seconds_per_step": _round(self.video_seconds),
+                "image_seconds_per_step": _round(self.image_seconds), "training_seconds": round(self.training_seconds),
+                "cache_build_seconds": None if self.cache_build_seconds is None else round(self.cache_build_seconds),
+                "total_seconds": round(self.total_seconds), "total": duration(self.total_seconds), "kind": self.kind,
+                "line": self.line(), "cache_line": self.cache_line()}
+
+    def line(self) -> str:
+        shape, plan = self.shape, self.shape.plan
+        media = []
+        if shape.videos:
+            media.append(f"{shape.videos:,} videos (batch {plan.batch_size})")
+        if shape.images:
+            media.append(f"{shape.images:,} images (batch {plan.image_batch_size})")
+        repeat = (" x each catalogue's repeat" if plan.datasets else "") + (
+            f" x repeat {plan.repeat}" if plan.repeat > 1 else "")
+        split = " + ".join(f"{n:,} {what}" for n, what in ((shape.video_steps, "video"), (shape.image_steps, "image"))
+                           if n)
+        steps = f"{shape.total_steps:,}" + (f" ({split})" if shape.videos and shape.images else "")
+        rates = " / ".join(f"{s:.2f}" for s in (self.video_seconds if shape.videos else None,
+                                                self.image_seconds if shape.images else None) if s is not None)
+        units = "CPU process(es)" if shape.unit == "CPU process" else shape.unit + "(s)"
+        text = (f"projected run length: {duration(self.total_seconds)} ({self.kind}): {' + '.join(media) or 'no rows'}"
+                f"{repeat} x {plan.num_epochs} epoch(s)"
+                f"{f' x accumulation {plan.gradient_accumulation}' if plan.gradient_accumulation > 1 else ''} on "
+                f"{shape.gpus} {units} ({shape.nodes} node(s) x {shape.gpus_per_node}): {steps} optimizer steps per "
+                f"{shape.unit} at {rates} s/step")
+        if self.cache_build_seconds is not None:
+            text += f", after building the latent cache ({duration(self.cache_build_seconds)})"
+        return text
+
+    def cache_line(self) -> str | None:
+        """The latent cache build on its own line (None when there is none to build): its length, whether that is
+        an estimate or measured, and what it is made of. Each GPU encodes its share of the rows once."""
+        if self.cache_build_seconds is None:
+            return None
+        shape = self.shape
+        parts = [f"{math.ceil(rows / shape.gpus):,} {what} x {seconds:.2f} s" for rows, what, seconds in
+                 ((shape.videos, "clips", self.encode_video_seconds), (shape.images, "images", self.encode_image_seconds))
+                 if rows and seconds is not None]
+        units = "CPU process(es)" if shape.unit == "CPU process" else f"{shape.unit}(s)"
+        return (f"latent cache build: {duration(self.cache_build_seconds)} ({self.kind}), before the first step: "
+                f"{' + '.join(parts) or 'no rows'} per {shape.unit}, {shape.gpus} {units} in parallel; each row is encoded "
+                f"once (the build shows in the monitor as the caching phase)")
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def project(shape: RunShape, video_seconds: float | None, image_seconds: float | None,
+            encode_video_seconds: float | None = None, encode_image_seconds: float | None = None,
+            kind: str = "estimate") -> Projection:
+    """The run's length; with the encode seconds of one clip and one image, the cache build first."""
+    cache = None
+    if encode_video_seconds is not None or encode_image_seconds is not None:
+        rows_per_gpu = lambda rows: math.ceil(rows / shape.gpus)  # noqa: E731
+        cache = (rows_per_gpu(shape.videos) * (encode_video_seconds or 0.0)
+                 + rows_per_gpu(shape.images) * (encode_image_seconds or 0.0))
+    return Projection(shape, video_seconds, image_seconds, cache, kind, encode_video_seconds, encode_image_seconds)
+
+
+def duration(seconds: float) -> str:
+    """Days when a day or more, else hours, minutes or seconds: never '0.0 days'."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} hours"
+    if seconds >= 60:
+        return f"{seconds / 60:.0f} minutes"
+    return f"{seconds:.0f} seconds"

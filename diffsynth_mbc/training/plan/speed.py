@@ -1,0 +1,185 @@
+"""Seconds per optimizer step from step times measured on an H100, scaled to other GPUs (pure Python, no torch).
+
+Measured on one H100 80GB SXM (torch 2.11, diffsynth 1.1.8, full-size TI2V-5B with random weights,
+1280x704x17 = 4,400 tokens, batch 1, LoRA rank 32 on q,k,v,o,ffn.0,ffn.2, AdamW, from the latent cache):
+
+    LoRA fp32, eager, every block recomputed, cuDNN attention        0.77 s
+        ... memory-efficient attention                               0.95 s
+        ... math attention                                           1.91 s
+        ... no block recomputed                                      0.51 s
+        ... one image (880 tokens)                                   0.61 s
+    LoRA bf16, eager, every block recomputed                         0.55 s
+    LoRA bf16, compiled blocks, every block recomputed               0.39 s
+    LoRA bf16, compiled blocks, no block recomputed                  0.27 s
+    fp16, LoRA fp16, compiled, every block, memory-efficient         0.57 s
+    encoding every step (the launcher, bf16)                         1.44 s   (so encoding adds 0.67 s a clip)
+
+How the rest follows (each figure says which rule made it):
+
+- FLOPs: 1.56e14 per 4,400-token step (the convention of the MFU figures). Other sizes scale it by the
+  forward pass's own split: the linear layers grow with tokens, self-attention with tokens squared
+  (15% of it at 4,400 tokens); a batch multiplies it.
+- Recomputed blocks: linear between every block (30) and none (0). Where only one end was measured,
+  the other follows the measured ratio none/all (0.69 compiled, 0.66 eager).
+- Attention kernel: flash is taken as fast as cuDNN; memory-efficient adds 0.18 s (measured twice),
+  math 1.14 s, for every block recomputed; without recomputation 3/4 of that (forward + backward of
+  attention, without its second forward).
+- Tokens: a step is a part that does not grow with tokens plus a part that grows with the FLOPs. The
+  one-image measurement gives the second part: 0.194 s of a 4,400-token step with every block recomputed
+  (3/4 of it with none); the rest of each configuration's time is the first part.
+- Other GPUs: the FLOP-bound part is scaled by the ratio of dense tensor-core TFLOPS in the training
+  precision (fp32 CUDA-core TFLOPS for emulated bf16 and for fp32), the rest by the ratio of memory
+  bandwidth. These are estimates; only the H100 rows above are measurements.
+- Encoding every step: 0.67 s per 1280x704x17 clip on the H100, scaled by frames x pixels and by the
+  tensor-rate ratio.
+
+The real training loop measured 0.68 s/step for fp16 from the cache on that H100, where a bare loop of
+the same step took 0.86 s: the figures above come from bare loops and are on the slow side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from diffsynth_mbc.training.plan import memory
+
+REFERENCE_GPU = "H100-80GB"
+REFERENCE_TFLOPS = 989.0          # dense bf16 tensor cores
+REFERENCE_BANDWIDTH_GBS = 3350.0
+REFERENCE_TOKENS = 4400
+STEP_FLOPS = 1.56e14              # per 4,400-token training step, batch 1
+LAYERS = memory.DIT["num_layers"]
+
+# (lora_dtype, compiled, recomputed: "all" | "none", attention) -> seconds per step on the H100 at 4,400 tokens
+H100_STEPS = {
+    ("fp32", False, "all", "cudnn"): 0.77, ("fp32", False, "all", "mem_efficient"): 0.95,
+    ("fp32", False, "all", "math"): 1.91, ("fp32", False, "none", "cudnn"): 0.51,
+    ("base", False, "all", "cudnn"): 0.55, ("base", True, "all", "cudnn"): 0.39,
+    ("base", True, "none", "cudnn"): 0.27, ("base", True, "all", "mem_efficient"): 0.57,
+}
+H100_ONE_IMAGE = 0.61             # LoRA fp32, eager, every block recomputed, cuDNN, 880 tokens
+H100_ENCODE_STEP = 1.44           # the launcher encoding every step (bf16), against the cached 0.77
+ATTENTION_EXTRA = {"cudnn": 0.0, "flash": 0.0, "mem_efficient": 0.18, "math": 1.14}
+
+
+def attention_share(tokens: int = REFERENCE_TOKENS) -> float:
+    """Self-attention's share of the forward FLOPs of one sample of ``tokens`` tokens."""
+    d, f, text = memory.DIT["dim"], memory.DIT["ffn_dim"], memory.TEXT_TOKENS
+    attention = 4 * tokens * tokens * d
+    linear = 2 * tokens * (6 * d * d + 2 * d * f) + 4 * tokens * text * d + 4 * d * d * text
+    return attention / (attention + linear)
+
+
+def work(tokens: int, batch: int = 1) -> float:
+    """FLOPs of a step of ``batch`` samples of ``tokens`` tokens, relative to one 4,400-token sample."""
+    quadratic = attention_share()
+    x = tokens / REFERENCE_TOKENS
+    return batch * ((1 - quadratic) * x + quadratic * x * x)
+
+
+def step_flops(tokens: int, batch: int = 1) -> float:
+    return STEP_FLOPS * work(tokens, batch)
+
+
+FLOP_BOUND_ALL = (0.77 - H100_ONE_IMAGE) / (1 - work(880))   # s of a 4,400-token step that scales with FLOPs
+
+
+def _recompute_work(recomputed: int) -> float:
+    """Compute of a step with ``recomputed`` blocks, relative to all 30 (forward 1 + backward 2 + recompute 1)."""
+    return (3 + recomputed / LAYERS) / 4
+
+
+def _h100_end(lora: str, compiled: bool, end: str) -> tuple[float, str]:
+    """Seconds per 4,400-token step with cuDNN attention and every block (end 'all') or none recomputed."""
+    key = (lora, compiled, end, "cudnn")
+    if key in H100_STEPS:
+        return H100_STEPS[key], "measured"
+    if end == "all":   # compiled with an fp32 LoRA: the compiled time x what fp32 costs eager
+        return H100_STEPS[("base", True, "all", "cudnn")] * 0.77 / 0.55, "compiled x (fp32 LoRA / bf16 LoRA eager)"
+    ratio = 0.27 / 0.39 if compiled else 0.51 / 0.77
+    return _h100_end(lora, compiled, "all")[0] * ratio, f"every block recomputed x {ratio:.2f} (measured none/all)"
+
+
+def h100_seconds(plan: memory.Plan) -> tuple[float, float, list[str], bool]:
+    """(seconds, FLOP-bound seconds, sources, measured) of a 4,400-token step on the H100 with ``plan``'s settings."""
+    lora = "fp32" if plan.lora_dtype == "fp32" else "base"
+    attention = plan.attention if plan.attention in ATTENTION_EXTRA else "cudnn"
+    recomputed = max(0, min(LAYERS, plan.recomputed_blocks))
+    exact = {0: "none", LAYERS: "all"}.get(recomputed)
+    key = (lora, plan.compiled, exact, attention)
+    what = (f"LoRA {'fp32' if lora == 'fp32' else 'in the training precision'}, "
+            f"{'compiled' if plan.compiled else 'eager'}, {recomputed} of {LAYERS} blocks recomputed, "
+            f"{attention} attention")
+    flop_bound = FLOP_BOUND_ALL * _recompute_work(recomputed)
+    extra = ATTENTION_EXTRA[attention] * _recompute_work(recomputed)
+    if key in H100_STEPS:
+        return H100_STEPS[key], flop_bound + extra, [f"H100 {what}: {H100_STEPS[key]} s measured"], True
+    (all_s, all_how), (none_s, none_how) = (_h100_end(lora, plan.compiled, end) for end in ("all", "none"))
+    seconds = none_s + (all_s - none_s) * recomputed / LAYERS + extra
+    sources = [f"H100 {what}: {seconds:.2f} s derived from every block recomputed {all_s:.2f} s ({all_how}) "
+               f"and none {none_s:.2f} s ({none_how})"
+               + (f", + {extra:.2f} s for {attention} attention (measured difference)" if extra else "")]
+    if attention == "flash":
+        sources.append("flash attention taken as fast as cuDNN (not measured)")
+    return seconds, flop_bound + extra, sources, False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    seconds: float                # one optimizer step (all accumulated micro-batches)
+    flops: float                  # model FLOPs of that step (the 1.56e14 convention)
+    mfu: float | None             # model-FLOPs utilisation against the GPU's tensor peak in the precision
+    measured: bool                # True only for an H100 row measured as such
+    sources: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        return {"seconds_per_step": round(self.seconds, 3), "model_tflop_per_step": round(self.flops / 1e12, 1),
+                "mfu": None if self.mfu is None else round(self.mfu, 3),
+                "kind": "measured" if self.measured else "estimate", "sources": list(self.sources)}
+
+
+def gpu_ratios(spec, precision: str) -> tuple[float, float] | None:
+    """(tensor-rate ratio, bandwidth ratio) of the H100 over ``spec`` in ``precision``; None without rates."""
+    rate = spec.tensor_tflops(precision) if spec is not None else None
+    if not rate or not spec.bandwidth_gbs:
+        return None
+    reference = REFERENCE_TFLOPS if precision in ("bf16", "fp16") else 67.0   # the H100's fp32 rate
+    return reference / rate, REFERENCE_BANDWIDTH_GBS / spec.bandwidth_gbs
+
+
+def encode_seconds(plan: memory.Plan, tensor_ratio: float = 1.0) -> float:
+    """Encoding (VAE + text encoder) of one optimizer step's samples, from the H100's 0.67 s per 1280x704x17 clip."""
+    per_clip = H100_ENCODE_STEP - H100_STEPS[("fp32", False, "all", "cudnn")]
+    share = plan.num_frames * plan.height * plan.width / (17 * 704 * 1280)
+    return per_clip * share * plan.batch_size * tensor_ratio
+
+
+def seconds_per_step(plan: memory.Plan, spec, rates_from: str | None, accumulation: int = 1) -> StepEstimate | None:
+    """Seconds per optimizer step of ``plan`` on ``spec`` (None when the GPU's rates are unknown)."""
+    ratios = gpu_ratios(spec, plan.precision)
+    if ratios is None:
+        return None
+    tensor_ratio, bandwidth_ratio = ratios
+    reference, flop_bound, sources, measured = h100_seconds(plan)
+    fixed = max(0.0, reference - flop_bound)
+    attention = ATTENTION_EXTRA.get(plan.attention, 0.0) * _recompute_work(plan.recomputed_blocks)
+    scale = work(plan.tokens, plan.batch_size)
+    quadratic = plan.batch_size * (plan.tokens / REFERENCE_TOKENS) ** 2
+    if plan.precision == "no":
+        fixed *= 2   # twice the bytes
+    seconds = fixed * bandwidth_ratio + ((flop_bound - attention) * scale + attention * quadratic) * tensor_ratio
+    if scale != 1:
+        sources.append(f"{plan.tokens} tokens x batch {plan.batch_size}: {scale:.3f} of the FLOPs of 4,400 tokens "
+                       f"(the {fixed:.2f} s that does not grow with tokens kept)")
+    if not plan.cached:
+        seconds += encode_seconds(plan, tensor_ratio)
+        sources.append("encoding every step: 0.67 s per 1280x704x17 clip on the H100 (1.44 - 0.77 s measured), "
+                       "scaled by frames x pixels")
+    measured = measured and rates_from == REFERENCE_GPU and scale == 1 and plan.cached
+    if rates_from != REFERENCE_GPU:
+        sources.append(f"scaled to {rates_from}: tensor rate {tensor_ratio:.1f}x, bandwidth {bandwidth_ratio:.1f}x "
+                       f"lower than the H100 (estimate)")
+    seconds *= accumulation
+    flops = step_flops(plan.tokens, plan.batch_size) * accumulation
+    peak = spec.tensor_tflops(plan.precision)
+    return StepEstimate(seconds, flops, flops / (seconds * peak * 1e12) if peak else None, measured, tuple(sources))

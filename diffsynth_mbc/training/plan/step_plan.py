@@ -1,0 +1,173 @@
+"""How many steps a run takes, per rank, under DDP. Pure arithmetic: no torch, no diffsynth.
+
+Samples are batched by shape (``training/plan/batches.py``): the videos' ``rows * repeat`` samples in batches
+of ``batch_size``, the images' in batches of ``image_batch_size``; the batches are dealt to the ranks in
+turn (padded so every rank runs the same number), and each rank takes one optimizer step per
+``gradient_accumulation`` batches (a partial group at the end of an epoch still steps). So
+
+    batches_per_epoch = ceil((ceil(videos * repeat / batch_size) + ceil(images * repeat / image_batch_size))
+                             / world_size)
+    steps_per_epoch   = ceil(batches_per_epoch / gradient_accumulation)
+    total_steps       = steps_per_epoch * num_epochs
+
+The users' dashboard showed 5,000 steps for 5,000 samples on 2 GPUs; each rank really runs 2,500.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from diffsynth_mbc.training.step.objective import describe_modes, modes_per_epoch
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rows: int
+    repeat: int
+    world_size: int
+    batch_size: int
+    gradient_accumulation: int
+    num_epochs: int
+    images: int = 0                     # of the rows, how many are images (batched apart from the videos)
+    image_batch_size: int | None = None   # None: batch_size
+    # Several catalogues (data/dataset_list.py DatasetCount: name, videos, images, repeat): each catalogue's rows
+    # count its own repeat times (then x ``repeat``); () is one catalogue, as before.
+    datasets: tuple = ()
+    # What the samples train (training/step/objective.py): images t2i, videos i2v with this probability, else t2v.
+    objective: str = "modes"
+    i2v_probability: float = 1.0
+
+    def __post_init__(self):
+        if self.image_batch_size is None:
+            object.__setattr__(self, "image_batch_size", self.batch_size)
+        for name in ("repeat", "world_size", "batch_size", "gradient_accumulation", "num_epochs", "image_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.rows < 0 or not 0 <= self.images <= self.rows:
+            raise ValueError(f"rows must not be negative and images at most rows, got {self.rows}, {self.images}")
+
+    @property
+    def videos(self) -> int:
+        return self.rows - self.images
+
+    def _samples(self, kind: str) -> int:
+        if not self.datasets:
+            return (self.images if kind == "images" else self.videos) * self.repeat
+        return sum(getattr(d, kind) * d.repeat for d in self.datasets) * self.repeat
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self._samples("videos") + self._samples("images")
+
+    @property
+    def modes_per_epoch(self) -> dict:
+        """Samples of each training mode per epoch, all ranks together (i2v/t2v expected when drawn)."""
+        return modes_per_epoch(self.objective, self.i2v_probability, self._samples("videos"),
+                               self._samples("images"))
+
+    @property
+    def samples_per_rank_per_epoch(self) -> int:
+        return _ceil_div(self.samples_per_epoch, self.world_size)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches each rank loads per epoch (what len() of the prepared data loader says)."""
+        video_batches = _ceil_div(self._samples("videos"), self.batch_size)
+        image_batches = _ceil_div(self._samples("images"), self.image_batch_size)
+        return _ceil_div(video_batches + image_batches, self.world_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps each rank takes per epoch."""
+        return _ceil_div(self.batches_per_epoch, self.gradient_accumulation)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.num_epochs
+
+    @property
+    def effective_batch(self) -> int:
+        """Samples per optimizer step across all ranks."""
+        return self.world_size * self.batch_size * self.gradient_accumulation
+
+    def dataset_dicts(self) -> list[dict]:
+        """Each catalogue's rows and samples per epoch (with ``repeat`` applied), for the plan and status files."""
+        return [{"name": d.name, "rows": d.videos + d.images, "videos": d.videos, "images": d.images,
+                 "repeat": d.repeat, "samples_per_epoch": (d.videos + d.images) * d.repeat * self.repeat}
+                for d in self.datasets]
+
+    def as_dict(self) -> dict:
+        plan = asdict(self)
+        if self.datasets:
+            plan["datasets"] = self.dataset_dicts()
+        else:
+            plan.pop("datasets")   # one catalogue: the plan reads as it always did
+        return {**plan, "samples_per_epoch": self.samples_per_epoch,
+                "samples_per_rank_per_epoch": self.samples_per_rank_per_epoch,
+                "batches_per_epoch": self.batches_per_epoch, "steps_per_epoch": self.steps_per_epoch,
+                "total_steps": self.total_steps, "effective_batch": self.effective_batch,
+                "modes_per_epoch": self.modes_per_epoch}
+
+    def describe(self) -> str:
+        kinds = f" ({self.videos:,} videos + {self.images:,} images)" if self.images else ""
+        batch = (f"batches of {self.batch_size} videos / {self.image_batch_size} images" if self.images
+                 else f"batch {self.batch_size}")
+        repeat = f"repeat {self.repeat}" if not self.datasets else "repeats (" + ", ".join(
+            f"{d['name']}: {d['rows']:,} x {d['repeat'] * self.repeat}" for d in self.dataset_dicts()) + ")"
+        return (f"{self.rows:,} rows{kinds} x {repeat} = {self.samples_per_epoch:,} samples/epoch; "
+                f"{self.world_size} GPU(s) -> {self.samples_per_rank_per_epoch:,} samples per GPU per epoch; "
+                f"{batch} x accumulation {self.gradient_accumulation} -> "
+                f"{self.steps_per_epoch:,} optimizer steps per GPU per epoch; "
+                f"{self.num_epochs} epoch(s) -> {self.total_steps:,} steps in total (per GPU); "
+                f"{self.describe_modes()}")
+
+    def describe_modes(self) -> str:
+        return describe_modes(self.objective, self.i2v_probability, self.modes_per_epoch)
+
+
+def plan_from_options(options, *, rows: int, images: int, world_size: int, datasets: tuple = (),
+                      gradient_accumulation: int | None = None) -> StepPlan:
+    """The run's step plan from its options and its catalogue's counts: what the training, the launcher's plan and
+    the status files all print (images batched by ``--image_batch_size``, by default one video's tokens). An epoch
+    above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit)."""
+    from diffsynth_mbc.data.dataset_list import check_epoch_size
+    from diffsynth_mbc.training.plan.batches import default_image_batch_size
+
+    image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
+    check_epoch_size([(f"datasets[{position}] ({count.name})", count.videos + count.images, count.repeat)
+                      for position, count in enumerate(datasets)] if datasets else
+                     [(f"--dataset_metadata_path {options.dataset_metadata_path}", rows, 1)],
+                     options.dataset_repeat)
+    return StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=world_size, batch_size=options.batch_size,
+                    gradient_accumulation=gradient_accumulation or options.gradient_accumulation_steps,
+                    num_epochs=options.num_epochs, images=images, image_batch_size=image_batch, datasets=datasets,
+                    objective=options.objective, i2v_probability=options.i2v_probability)
+
+
+def steps_from_loader(batches_per_epoch: int, gradient_accumulation: int, num_epochs: int) -> tuple[int, int]:
+    """(steps_per_epoch, total_steps) from the length of the already-sharded data loader."""
+    steps_per_epoch = _ceil_div(batches_per_epoch, gradient_accumulation)
+    return steps_per_epoch, steps_per_epoch * num_epochs
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
+              min_factor: float = 0.0) -> float:
+    """Multiplier of the base learning rate before optimizer step ``step`` (0-based).
+
+    Linear warm-up from 1/(warmup+1) to 1 over ``warmup_steps`` steps, then constant, or cosine
+    down to ``min_factor`` at ``total_steps``.
+    """
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"unknown lr schedule {schedule!r}; use 'constant' or 'cosine'")
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / decay_steps))
+    return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,93 @@
+"""Running the DiT's blocks: the first N recompute their activations in backward, the rest keep them; each
+block optionally ``torch.compile``d.
+
+DiffSynth checkpoints every block or none. Keeping a block's activations costs memory (about 1.25 GiB per
+block at 4,400 tokens in bf16) and saves its recomputation (a third of its cost), so on a GPU with room to
+spare the fastest plan recomputes only as many blocks as the memory needs (``--gradient_checkpointing N``,
+or ``auto`` through the memory model, training/plan/memory.py). Compiling is done in place (``Module.compile``), so the
+blocks' parameter names, and with them checkpoints and LoRA files, do not change.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.utils.checkpoint
+
+DYNAMO_CACHE_LIMIT = 64   # one graph serves the 30 identical blocks; head room for partial batches
+
+
+class BlockRunner:
+    """Calls block ``i`` of the DiT: recomputed in backward when ``i < recompute``, through its compiled form
+    when compiling is on. ``offload`` keeps the recomputed blocks' inputs in CPU memory (DiffSynth's offload)."""
+
+    def __init__(self, blocks, recompute: int, offload: bool = False, compile_blocks: bool = False):
+        self.blocks = list(blocks)
+        self.recompute = max(0, min(int(recompute), len(self.blocks)))
+        self.offload = offload
+        self.compiled = False
+        self.compile_seconds: float | None = None
+        if compile_blocks:
+            self.compile()
+
+    def compile(self) -> None:
+        import torch._dynamo
+
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), DYNAMO_CACHE_LIMIT))
+        for block in self.blocks:
+            block.compile()
+        self.compiled = True
+
+    def give_up_compiling(self, error: BaseException) -> None:
+        """A compile failed: say so once and run the blocks as they are from now on."""
+        for block in self.blocks:
+            block._compiled_call_impl = None
+        self.compiled = False
+        print(f"note: compiling the DiT blocks failed ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+              "training on uncompiled (--compile off skips the attempt)", file=sys.stderr)
+
+    def __call__(self, index: int, x, context, t_mod, freqs):
+        block = self.blocks[index]
+        if index >= self.recompute:
+            return block(x, context, t_mod, freqs)
+        if self.offload:
+            with torch.autograd.graph.save_on_cpu():
+                return torch.utils.checkpoint.checkpoint(block, x, context, t_mod, freqs, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(block, x, context, t_mod, freqs, use_reentrant=False)
+
+    def describe(self) -> str:
+        total = len(self.blocks)
+        which = ("every block" if self.recompute == total else "no block" if self.recompute == 0
+                 else f"the first {self.recompute} of {total} blocks")
+        return (f"gradient checkpointing: {which} recompute(s) in backward"
+                + (" (inputs offloaded to CPU)" if self.offload and self.recompute else "")
+                + ("; blocks compiled" if self.compiled else ""))
+
+
+class CompileTimer:
+    """Says on the terminal that the first steps are compiling, and for how long they took."""
+
+    def __init__(self, enabled: bool, stream=sys.stderr, steps: int = 2):
+        self.enabled, self.stream, self.steps = enabled, stream, steps
+        self.started = None
+        self.seen = 0
+
+    def step_started(self) -> None:
+        if not self.enabled or self.seen >= self.steps:
+            return
+        if self.seen == 0:
+            self.started = time.monotonic()
+            print("compiling the DiT blocks: the first steps take longer ...", file=self.stream, flush=True)
+
+    def step_finished(self) -> None:
+        if not self.enabled or self.seen >= self.steps:
+            return
+        self.seen += 1
+        if self.seen == self.steps:
+            print(f"compiled: the first {self.steps} steps took {time.monotonic() - self.started:.1f} s",
+                  file=self.stream, flush=True)

@@ -1,0 +1,178 @@
+"""Two nodes, one run, on one machine: two launchers with --demo --multinode started seconds apart (one CPU
+process each, gloo), as a several-node run would be started by hand on each node."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints
+from e2e_helpers import REPO, free_port, isolated_env, read_history, read_status
+from e2e_helpers import kill_tree
+
+pytestmark = pytest.mark.slow
+LAUNCHER = str(REPO / "launchers" / "train_test.sh")
+STEPS = list(range(1, 13))       # configs/train_demo.yaml on 2 ranks
+
+
+def start_nodes(work, port, *args, log_dirs=(None, None), delay_s=2.5):
+    nodes = []
+    for machine_rank in (0, 1):
+        extra = ["--log_dir", str(log_dirs[machine_rank])] if log_dirs[machine_rank] else []
+        env = isolated_env(work, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NUM_MACHINES=2,
+                           MACHINE_RANK=machine_rank, OMP_NUM_THREADS=1)
+        nodes.append(subprocess.Popen(["bash", LAUNCHER, "--demo", "--multinode", *args, *extra], cwd=work, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if machine_rank == 0:
+            time.sleep(delay_s)   # nodes are never started at the same instant
+    return nodes
+
+
+def finish(nodes, timeout=300):
+    """Wait for every node; a node that fails ends the wait for all (the other one would wait for it until its
+    rendezvous timeout), and the assertion shows each node's output. Outputs are read all along, so a node
+    never blocks on a full pipe."""
+    outputs = [""] * len(nodes)
+
+    def read(index):
+        outputs[index] = nodes[index].communicate()[0]
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(nodes))]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    while any(node.poll() is None for node in nodes):
+        if any(node.poll() not in (None, 0) for node in nodes) or time.monotonic() > deadline:
+            for node in nodes:
+                if node.poll() is None:
+                    kill_tree(node.pid)
+            break
+        time.sleep(0.2)
+    for reader in readers:
+        reader.join(timeout=60)
+    report = "\n".join(f"--- node {r} (exit {n.poll()}):\n{o[-3000:]}" for r, (n, o) in enumerate(zip(nodes, outputs)))
+    assert all(node.poll() == 0 for node in nodes), report
+    return outputs
+
+
+def monitor_json(*sources) -> dict:
+    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.monitor", *map(str, sources), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    return json.loads(result.stdout)
+
+
+def wait_until(condition, nodes, timeout=240, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for node in nodes:
+            assert node.poll() is None, f"a node ended before {what}: {node.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def both_training(log_dirs):
+    def check():
+        try:
+            return all(read_status(log_dirs[r], r)["status"] == "training" for r in (0, 1))
+        except (FileNotFoundError, ValueError, KeyError):
+            return False
+    return check
+
+
+def assert_whole_run_seen(snap):
+    assert [r["rank"] for r in snap["ranks"]] == [0, 1] and snap["missing_ranks"] == []
+    assert not any("ignored files of run" in note for note in snap["notes"]), snap["notes"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Node-local log folders, watched by one monitor over two sources: a folder and another monitor's URL."""
+    work = tmp_path_factory.mktemp("nodes-local-logs")
+    logs = (work / "node0-logs", work / "node1-logs")
+    for folder in logs:   # the monitor refuses a folder that does not exist; the launchers would make them
+        folder.mkdir()
+    nodes = start_nodes(work, free_port(), log_dirs=logs)
+    server = subprocess.Popen([sys.executable, "-m", "diffsynth_mbc.monitor", str(logs[0]), "--serve", "127.0.0.1:0",
+                               "--no-view"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = re.search(r"http://127\.0\.0\.1:\d+/", server.stdout.readline()).group(0)
+        wait_until(both_training(logs), nodes, what="both nodes training")
+        during = monitor_json(logs[1], url)
+        alone = monitor_json(logs[1])
+        finish(nodes)
+        after = monitor_json(logs[1], url)
+        unanswered = monitor_json(logs[1], "http://127.0.0.1:9/")   # nothing listens on the discard port
+    finally:
+        server.kill()
+        server.wait()
+        for node in nodes:
+            if node.poll() is None:
+                kill_tree(node.pid)
+    return {"work": work, "logs": logs, "during": during, "after": after, "alone": alone, "unanswered": unanswered}
+
+
+def test_a_monitor_over_two_sources_sees_every_node(uninterrupted):
+    assert_whole_run_seen(uninterrupted["during"])
+    assert uninterrupted["during"]["status"] == "training"
+    assert_whole_run_seen(uninterrupted["after"])
+    assert uninterrupted["after"]["status"] == "finished"
+    assert uninterrupted["alone"]["missing_ranks"] == [0]      # one node's folder alone shows half the run
+    unanswered = uninterrupted["unanswered"]
+    assert unanswered["missing_ranks"] == [0] and any("did not answer" in n for n in unanswered["notes"])
+
+
+def test_one_run_id_and_complete_checkpoints_with_node_local_logs(uninterrupted):
+    run_ids = {read_status(uninterrupted["logs"][r], r)["run_id"] for r in (0, 1)}
+    assert len(run_ids) == 1
+    checkpoints = complete_checkpoints(uninterrupted["work"] / "runs/demo/lora/checkpoints")
+    assert checkpoints
+    for _step, folder in checkpoints:
+        assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in folder.iterdir()}
+        assert json.loads((folder / "checkpoint.json").read_text())["run_id"] in run_ids
+
+
+def test_killing_both_nodes_and_resuming_both_equals_the_uninterrupted_run(uninterrupted, tmp_path):
+    work = tmp_path
+    log_dir = work / "runs/demo/training_logs"          # shared by both nodes
+    checkpoints = work / "runs/demo/lora/checkpoints"
+    nodes = start_nodes(work, free_port())
+    try:
+        wait_until(lambda: complete_checkpoints(checkpoints) and both_training((log_dir, log_dir))()
+                   and max((line["step"] for line in read_history(log_dir, 0)), default=0) >= 5, nodes,
+                   what="a checkpoint and step 5")
+        during = monitor_json(log_dir)
+        first_ids = {read_status(log_dir, r)["run_id"] for r in (0, 1)}
+    finally:
+        for node in nodes:
+            kill_tree(node.pid)
+        for node in nodes:
+            node.wait(timeout=60)
+    assert_whole_run_seen(during)
+    assert len(first_ids) == 1, "both nodes must agree on one run id"
+
+    nodes = start_nodes(work, free_port(), "--resume", "latest")
+    finish(nodes)
+    after = monitor_json(log_dir)
+    assert_whole_run_seen(after)
+    assert after["status"] == "finished"
+    resumed_ids = {read_status(log_dir, r)["run_id"] for r in (0, 1)}
+    assert len(resumed_ids) == 1
+    for rank in (0, 1):
+        assert [line["step"] for line in read_history(log_dir, rank) if line.get("kind") != "val"] == STEPS
+    for _step, folder in complete_checkpoints(checkpoints):
+        assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in folder.iterdir()}
+        assert json.loads((folder / "checkpoint.json").read_text())["run_id"] in first_ids | resumed_ids
+
+    expected = load_file(str(uninterrupted["work"] / "runs/demo/lora/lora.safetensors"))
+    actual = load_file(str(work / "runs/demo/lora/lora.safetensors"))
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-5, msg=key)

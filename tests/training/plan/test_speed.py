@@ -1,0 +1,73 @@
+"""The speed model: the H100 step times it is built on come back as measured, the rest says how it was derived."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffsynth_mbc.gpu import known_gpu
+from diffsynth_mbc.training.plan import speed
+from diffsynth_mbc.training.plan.memory import Plan
+
+H100 = known_gpu("H100-80GB")
+AS_BUILT = Plan(704, 1280, 17, precision="bf16", attention="cudnn", cached=True, lora_dtype="fp32")
+DEFAULTS = AS_BUILT.but(lora_dtype="base", compiled=True)   # the training's defaults on an H100
+MEASURED = [   # 1280x704x17, batch 1, from the cache, seconds per step on one H100 80GB
+    (AS_BUILT, 0.77), (AS_BUILT.but(attention="mem_efficient"), 0.95), (AS_BUILT.but(attention="math"), 1.91),
+    (AS_BUILT.but(recomputed_blocks=0), 0.51), (AS_BUILT.but(lora_dtype="base"), 0.55), (DEFAULTS, 0.39),
+    (DEFAULTS.but(recomputed_blocks=0), 0.27), (DEFAULTS.but(precision="fp16", attention="mem_efficient"), 0.57),
+]
+
+
+def on(plan, gpu="H100-80GB", accumulation=1):
+    return speed.seconds_per_step(plan, known_gpu(gpu), gpu, accumulation)
+
+
+@pytest.mark.parametrize("plan, seconds", MEASURED)
+def test_the_h100_measurements_come_back_labelled_measured(plan, seconds):
+    step = on(plan)
+    assert step.seconds == pytest.approx(seconds) and step.measured and step.sources[0].endswith("s measured")
+    assert step.as_dict()["kind"] == "measured"
+
+
+def test_the_flop_convention_and_the_mfu_of_the_table():
+    assert speed.step_flops(4400) == 1.56e14
+    assert on(AS_BUILT).mfu == pytest.approx(0.20, abs=0.01) and on(DEFAULTS.but(recomputed_blocks=0)).mfu == \
+        pytest.approx(0.59, abs=0.01)
+    assert 0.14 < speed.attention_share() < 0.17                     # self-attention's share at 4,400 tokens
+    assert speed.work(880) == pytest.approx(0.2 * (1 - speed.attention_share()) + 0.04 * speed.attention_share())
+    assert 0.85 < speed.work(880, 5) < 0.9                            # five images: a bit less than one clip
+
+
+def test_the_one_image_step_and_encoding_every_step_are_reproduced():
+    one_image = on(AS_BUILT.but(num_frames=1))
+    assert one_image.seconds == pytest.approx(0.61, rel=0.01) and not one_image.measured
+    assert on(AS_BUILT.but(cached=False)).seconds == pytest.approx(1.44, rel=0.01)
+
+
+def test_recomputed_blocks_interpolate_between_every_block_and_none():
+    halfway = on(DEFAULTS.but(recomputed_blocks=15))
+    assert halfway.seconds == pytest.approx((0.39 + 0.27) / 2) and not halfway.measured
+    assert "derived from every block recomputed 0.39 s (measured) and none 0.27 s (measured)" in halfway.sources[0]
+    eager_none = on(DEFAULTS.but(compiled=False, recomputed_blocks=0))   # not measured: the eager none/all ratio
+    assert eager_none.seconds == pytest.approx(0.55 * 0.51 / 0.77)
+
+
+def test_other_gpus_are_scaled_by_tensor_rate_and_bandwidth_and_labelled_estimates():
+    v100s_path = DEFAULTS.but(precision="fp16", attention="mem_efficient", recomputed_blocks=17)
+    step = on(v100s_path, "V100S-32GB")
+    tensor, bandwidth = speed.gpu_ratios(known_gpu("V100S-32GB"), "fp16")
+    assert tensor == pytest.approx(7.6, abs=0.05) and bandwidth == pytest.approx(3.0, abs=0.1)
+    assert not step.measured and "scaled to V100S-32GB: tensor rate 7.6x, bandwidth 3.0x lower" in step.sources[-1]
+    h100 = on(v100s_path)
+    assert 3 * h100.seconds < step.seconds < 7.6 * h100.seconds
+    assert on(DEFAULTS, "H200-141GB").seconds < on(DEFAULTS).seconds < on(DEFAULTS.but(attention="flash"),
+                                                                          "A100-80GB").seconds
+    # bf16 on a V100 is emulated on the CUDA cores and its attention takes the math kernel: far slower
+    assert on(DEFAULTS.but(attention="math"), "V100-32GB").seconds > 10 * step.seconds
+    assert speed.seconds_per_step(DEFAULTS, known_gpu("H100-80GB").__class__("B200", (10, 0), 180, None, None),
+                                  None) is None
+
+
+def test_accumulation_multiplies_the_optimizer_step():
+    assert on(DEFAULTS, accumulation=4).seconds == pytest.approx(4 * 0.39)
+    assert on(DEFAULTS, accumulation=4).flops == pytest.approx(4 * 1.56e14)

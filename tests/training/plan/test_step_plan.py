@@ -1,0 +1,67 @@
+import math
+
+import pytest
+
+from diffsynth_mbc.training.plan.step_plan import StepPlan, lr_factor, steps_from_loader
+
+
+def test_the_users_test_run_is_2500_steps_per_gpu_not_5000():
+    plan = StepPlan(rows=5000, repeat=1, world_size=2, batch_size=1, gradient_accumulation=1, num_epochs=1)
+    assert plan.samples_per_rank_per_epoch == 2500
+    assert plan.total_steps == 2500
+
+
+def test_the_users_full_run():
+    plan = StepPlan(rows=170_180, repeat=1, world_size=2, batch_size=1, gradient_accumulation=1, num_epochs=5)
+    assert plan.steps_per_epoch == 85_090
+    assert plan.total_steps == 425_450
+
+
+@pytest.mark.parametrize("rows,repeat,world,batch,accum,epochs,expected_per_epoch", [
+    (11, 2, 2, 1, 2, 2, 6),    # the demo: 22 samples -> 11 per rank -> 6 steps (last one partial)
+    (5, 1, 2, 1, 1, 1, 3),     # odd rows: the sampler pads the last round
+    (7, 3, 4, 2, 3, 1, 1),     # 21 -> 6 per rank -> 3 batches -> 1 step
+    (1, 1, 8, 1, 1, 4, 1),     # fewer rows than ranks still gives each rank a step
+    (100, 10, 2, 1, 4, 5, 125),
+])
+def test_formula(rows, repeat, world, batch, accum, epochs, expected_per_epoch):
+    plan = StepPlan(rows, repeat, world, batch, accum, epochs)
+    per_rank = math.ceil(rows * repeat / world)
+    assert plan.steps_per_epoch == math.ceil(math.ceil(per_rank / batch) / accum) == expected_per_epoch
+    assert plan.total_steps == expected_per_epoch * epochs
+    assert steps_from_loader(plan.batches_per_epoch, accum, epochs) == (plan.steps_per_epoch, plan.total_steps)
+
+
+def test_zero_rows_means_zero_steps():
+    assert StepPlan(0, 1, 2, 1, 1, 3).total_steps == 0
+
+
+@pytest.mark.parametrize("field", ["repeat", "world_size", "batch_size", "gradient_accumulation", "num_epochs"])
+def test_rejects_non_positive_settings(field):
+    values = dict(rows=10, repeat=1, world_size=1, batch_size=1, gradient_accumulation=1, num_epochs=1)
+    values[field] = 0
+    with pytest.raises(ValueError, match=field):
+        StepPlan(**values)
+
+
+def test_describe_names_every_number():
+    text = StepPlan(5000, 1, 2, 1, 1, 1).describe()
+    assert "5,000 rows" in text and "2 GPU(s)" in text and "2,500 optimizer steps per GPU per epoch" in text
+
+
+def test_constant_schedule_with_warmup():
+    factors = [lr_factor(step, total_steps=10, warmup_steps=3) for step in range(10)]
+    assert factors[:3] == [0.25, 0.5, 0.75]
+    assert factors[3:] == [1.0] * 7
+
+
+def test_cosine_schedule_decays_to_the_floor():
+    factors = [lr_factor(step, total_steps=12, warmup_steps=2, schedule="cosine", min_factor=0.1) for step in range(13)]
+    assert factors[2] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[2:], factors[3:]))
+    assert factors[12] == pytest.approx(0.1)
+
+
+def test_unknown_schedule_is_named():
+    with pytest.raises(ValueError, match="'linear'"):
+        lr_factor(0, 10, schedule="linear")
