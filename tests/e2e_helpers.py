@@ -7,17 +7,21 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The environment when the tests were collected: what a test's in-process run sets in this process's environment
+# (the training sets ACCELERATE_* for its Accelerator) never reaches the processes later tests start.
+SESSION_ENVIRONMENT = dict(os.environ)
 
 
 def isolated_env(work: Path, **extra) -> dict:
-    env = dict(os.environ)
-    for var in ("HF_HOME", "TORCH_EXTENSIONS_DIR", "MODELSCOPE_CACHE", "TMPDIR", "TRITON_CACHE_DIR"):
+    """The session's environment with the caches a run writes kept in ``work``; C++ extensions that DeepSpeed
+    builds on the CPU (its shared-memory all-reduce) stay in the session's folder (conftest.py): built once."""
+    env = dict(SESSION_ENVIRONMENT)
+    for var in ("HF_HOME", "MODELSCOPE_CACHE", "TMPDIR", "TRITON_CACHE_DIR"):
         path = work / ".cache" / var.lower()
         path.mkdir(parents=True, exist_ok=True)
         env[var] = str(path)
@@ -110,9 +114,12 @@ def demo_flags(data_root, run_dir=None, **overrides) -> list[str]:
     return [item for key, value in flags.items() for item in (f"--{key}", str(value))]
 
 
-def launch(tmp_path, flags, **popen):
-    return subprocess.Popen(cpu_launch_command(*flags), cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+def launch(tmp_path, flags):
+    """2 training ranks started as ``accelerate launch`` starts them, forked (``forked_ranks``): a handle used as
+    its Popen (stdout and stderr in one)."""
+    from forked_ranks import start_training
+
+    return start_training(tmp_path, flags, combined=True, OMP_NUM_THREADS=1)
 
 
 def run(tmp_path, flags, timeout=300):

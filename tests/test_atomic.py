@@ -58,6 +58,7 @@ def test_keep_if_same_leaves_an_identical_file_and_its_mtime_alone(tmp_path):
     assert target.read_bytes() == b"new bytes" and os.listdir(tmp_path) == ["clip.bin"]
 
 
+@pytest.mark.slow   # starts a Python process that imports torch
 def test_the_same_tensors_and_metadata_save_the_same_bytes_in_any_process(tmp_path):
     """safetensors orders the metadata by a per-process hash: each process here would write other bytes (the test
     failed before). The files still load, metadata and all."""

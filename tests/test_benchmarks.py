@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow   # each test starts Python processes that import torch
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cache.py"
 
 

@@ -194,6 +194,7 @@ def spelled(flag: str, dashes: bool) -> str:
     return "--" + flag[2:].replace("_", "-") if dashes else flag
 
 
+@pytest.mark.slow   # starts a Python process that imports torch
 def test_both_spellings_of_every_launcher_flag_read_the_same(tmp_path):
     env = dict(MODEL_DIR="models/Wan2.2-TI2V-5B", MASTER_ADDR="127.0.0.1", NUM_MACHINES="2", MACHINE_RANK="1")
     help_text = launcher(tmp_path, "--help", **env).stdout

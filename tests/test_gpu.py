@@ -112,6 +112,7 @@ def train(tmp_path, *flags, entry=("-m", "diffsynth_mbc.train")):
                           capture_output=True, text=True, timeout=120, env=isolated_env(tmp_path))
 
 
+@pytest.mark.slow   # starts a Python process that imports torch
 def test_the_training_refuses_a_mismatched_gpu_before_anything_loads(tmp_path):
     """A fake device description (a V100 under a build without sm_70): exit 2, the fix named, status failed."""
     result = train(tmp_path, entry=("-c", FAKE_V100))
@@ -122,6 +123,7 @@ def test_the_training_refuses_a_mismatched_gpu_before_anything_loads(tmp_path):
     assert state["error"]["type"] == "UnsupportedGpuError"
 
 
+@pytest.mark.slow   # starts a Python process that imports torch
 def test_fp16_on_the_cpu_is_refused_naming_the_flag(tmp_path):
     """accelerate neither autocasts nor scales the loss on the CPU (its Accelerator(mixed_precision='fp16',
     cpu=True) has no scaler), so fp16 there would silently train in fp32: refused instead."""

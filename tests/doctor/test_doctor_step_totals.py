@@ -14,6 +14,8 @@ import pytest
 from catalog_helpers import write_media_metadata
 from e2e_helpers import REPO
 
+pytestmark = pytest.mark.slow   # each test starts Python processes that import torch
+
 FULL = str(REPO / "configs" / "train_full.yaml")
 VIDEOS, IMAGES = 80_000, 90_180   # the team's 170,180-row catalogue
 

@@ -3,13 +3,13 @@ them stops the training with the message."""
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, read_status
+from e2e_helpers import REPO, read_history, read_status
+from forked_ranks import run_training
 
 pytestmark = pytest.mark.slow
 
@@ -17,15 +17,14 @@ pytestmark = pytest.mark.slow
 def run_demo(tmp_path, inject: str, *flags):
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
-    command = cpu_launch_command("--config", str(REPO / "configs" / "train_demo.yaml"),
+    flags = ["--config", str(REPO / "configs" / "train_demo.yaml"),
                                  "--dataset_base_path", str(root / "catalog"),
                                  "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"),
                                  "--output_path", str(root / "lora"), "--log_dir", str(root / "logs"),
                                  "--gradient_accumulation_steps", "1", "--num_epochs", "1",
                                  # 5 steps per rank: the plan these checks are written for
-                                 "--dataset_repeat", "2", "--image_batch_size", "1", *flags)
-    env = isolated_env(tmp_path, OMP_NUM_THREADS=1, MBC_FAULT_NONFINITE_LOSS=inject)
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                                 "--dataset_repeat", "2", "--image_batch_size", "1", *flags]
+    result = run_training(tmp_path, flags, timeout=300, OMP_NUM_THREADS=1, MBC_FAULT_NONFINITE_LOSS=inject)
     return root, result
 
 

@@ -1,8 +1,6 @@
 """The shipped DeepSpeed ZeRO-2 config trains on 2 CPU ranks (mid-run failures: tests/test_resume.py)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,31 +8,27 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, demo_flags, free_port, isolated_env, read_history, read_status
+from e2e_helpers import REPO, demo_flags, read_history, read_status
+from forked_ranks import run_training
 
 pytestmark = pytest.mark.slow
 
 
-# The training's entry with accelerate's whole-model gather made to fail: saving the LoRA must never use it
-# (under DeepSpeed it would gather the 5B model to the CPU on every rank at every save).
+# Accelerate's whole-model gather made to fail in each rank: saving the LoRA must never use it (under DeepSpeed it
+# would gather the 5B model to the CPU on every rank at every save).
 NO_GATHER = """
-import sys
 from accelerate import Accelerator
 
 def refuse(*args, **kwargs):
     raise AssertionError("Accelerator.get_state_dict was called")
 
 Accelerator.get_state_dict = refuse
-from diffsynth_mbc.training.cli import main
-sys.exit(main(sys.argv[1:]))
 """
 
 
 def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
-    entry = tmp_path / "train_without_gather.py"
-    entry.write_text(NO_GATHER)
     # The catalogue as a one-item `datasets` list (several catalogues' path) and a frame choice, under ZeRO-2 too.
     listing = tmp_path / "datasets.yaml"
     listing.write_text(json.dumps([{"base_path": str(root / "catalog"),
@@ -46,12 +40,8 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
                        lora_variant="dora", loraplus_lr_ratio=4, ema_decay=0.9)
     for one_catalogue in ("--dataset_base_path", "--dataset_metadata_path"):
         del flags[flags.index(one_catalogue):flags.index(one_catalogue) + 2]
-    command = [sys.executable, "-m", "accelerate.commands.launch",
-               "--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
-               "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-               str(entry), *flags]
-    result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
-                            capture_output=True, text=True, timeout=540)
+    result = run_training(tmp_path, flags, timeout=540, prelude=NO_GATHER, OMP_NUM_THREADS=1,
+                          config_file=str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "DeepSpeed" in result.stdout + result.stderr or "deepspeed" in result.stdout + result.stderr
     # 5 rows x repeat 2 = 10 samples -> 5 per rank -> accumulation 2 -> 3 steps, on both ranks.

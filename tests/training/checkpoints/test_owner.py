@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 
 import pytest
 
@@ -14,7 +13,8 @@ from diffsynth_mbc.training.checkpoints.folder import checkpoint_name, complete_
 from diffsynth_mbc.training.checkpoints.owner import (check_claim, check_replaceable, foreign_checkpoints,
                                                       foreign_outputs, lora_file_owner, refusal, set_aside)
 from diffsynth_mbc.training.checkpoints.state import prune, publish
-from e2e_helpers import REPO, cpu_launch_command, isolated_env
+from e2e_helpers import REPO
+from forked_ranks import run_training
 
 
 def make_checkpoint(root, step, run_id, notes=None):
@@ -69,13 +69,12 @@ def test_a_fresh_run_refuses_another_runs_checkpoints_and_start_over_moves_them_
     run_dir = tmp_path / "run"
 
     def train(*extra):
-        command = cpu_launch_command("--config", str(REPO / "configs" / "train_demo.yaml"),
+        flags = ["--config", str(REPO / "configs" / "train_demo.yaml"),
                                      "--dataset_base_path", str(data / "catalog"),
                                      "--dataset_metadata_path", str(data / "metadata" / "metadata.csv"),
                                      "--output_path", str(run_dir / "lora"), "--log_dir", str(run_dir / "logs"),
-                                     "--num_epochs", "1", "--checkpoint_steps", "2", *extra)
-        return subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
-                              capture_output=True, text=True, timeout=300)
+                                     "--num_epochs", "1", "--checkpoint_steps", "2", *extra]
+        return run_training(tmp_path, flags, timeout=300, OMP_NUM_THREADS=1)
 
     first = train("--run_id", "first-run")
     assert first.returncode == 0, first.stderr[-3000:]

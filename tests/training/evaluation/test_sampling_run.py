@@ -15,7 +15,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, read_status
+from e2e_helpers import REPO, isolated_env, read_history, read_status
+from forked_ranks import start_training
 
 pytestmark = pytest.mark.slow
 PROMPTS = """\
@@ -53,15 +54,14 @@ def runs(tmp_path_factory):
                         ("without", []),
                         ("cached", ["--sample_prompts", str(root / "prompts.yaml"), "--cache", str(cache)])):
         base = root / name
-        command = cpu_launch_command("--config", str(REPO / "configs" / "train_demo.yaml"),
+        flags = ["--config", str(REPO / "configs" / "train_demo.yaml"),
                                      "--dataset_base_path", str(root / "demo" / "catalog"),
                                      "--dataset_metadata_path", str(root / "demo" / "metadata" / "metadata.csv"),
                                      "--output_path", str(base / "lora"), "--log_dir", str(base / "logs"),
                                      "--gradient_accumulation_steps", "1", "--num_epochs", "1",
                                  # 5 steps per rank: the plan these checks are written for
-                                 "--dataset_repeat", "2", "--image_batch_size", "1", *extra)
-        process = subprocess.Popen(command, cwd=root, env=isolated_env(root, OMP_NUM_THREADS=1),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                 "--dataset_repeat", "2", "--image_batch_size", "1", *extra]
+        process = start_training(root, flags, OMP_NUM_THREADS=1)
         out[f"{name}-seen"] = watch(base / "logs", process) if name == "with" else []
         _, stderr = process.communicate(timeout=400)
         assert process.returncode == 0, stderr[-4000:]

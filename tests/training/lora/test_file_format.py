@@ -218,6 +218,7 @@ def test_export_never_writes_inside_the_checkpoint_it_reads(tmp_path, trained, c
     assert export_main([str(checkpoint), "--output", str(tmp_path / "out.safetensors")]) == 0
 
 
+@pytest.mark.slow   # starts a Python process that imports torch
 def test_no_torch_notice_above_the_exports_line(tmp_path, trained):
     import os
     import subprocess

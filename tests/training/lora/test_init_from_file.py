@@ -3,8 +3,6 @@ the file was trained with, with a fresh optimizer at step 0; mismatches are refu
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,8 +17,8 @@ from diffsynth_mbc.training.lora.file_format import COMFYUI_PREFIX, convert, fil
 from diffsynth_mbc.training.lora.init_from_file import InitLoraError, load_init_lora, start_from_lora, starting_pairs
 from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
 from diffsynth_mbc.training.options import resolve_options
-from e2e_helpers import (REPO, build_demo_cache, cpu_launch_command, free_port, isolated_env, read_history,
-                         read_status)
+from e2e_helpers import REPO, build_demo_cache, read_history, read_status
+from forked_ranks import run_training
 
 SEED = 42
 RANK, ALPHA = 4, 12.0     # alpha != rank: trained at scale 3, so a wrong unfolding shows
@@ -258,17 +256,10 @@ def test_a_mismatched_file_leaves_the_module_as_it_was(tmp_path, trained):
 # the real run: 2 CPU ranks (DDP over gloo, and DeepSpeed ZeRO-2, which copies the weights when it wraps them)
 
 
-def zero2_launch_command(*train_args: str) -> list[str]:
-    """accelerate launch with the shipped DeepSpeed ZeRO-2 config, on 2 CPU ranks."""
-    return [sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"),
-            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-            "-m", "diffsynth_mbc.train", *train_args]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", [cpu_launch_command, zero2_launch_command], ids=["ddp", "zero2"])
-def test_a_two_rank_run_starts_from_the_file(tmp_path, launch):
+@pytest.mark.parametrize("config_file", [None, str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml")],
+                         ids=["ddp", "zero2"])
+def test_a_two_rank_run_starts_from_the_file(tmp_path, config_file):
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
     module = WanTI2VLoraModule(build_demo_pipeline(load_encoders=False, seed=SEED), lora_rank=4,
@@ -284,9 +275,8 @@ def test_a_two_rank_run_starts_from_the_file(tmp_path, launch):
     flags = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": root / "catalog",
              "dataset_metadata_path": root / "metadata" / "metadata.csv", "output_path": root / "lora",
              "log_dir": root / "logs", "num_epochs": 1, "save_steps": 1, "init_lora": source, "checkpoint_steps": 100}
-    command = launch(*[item for key, value in flags.items() for item in (f"--{key}", str(value))])
-    result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
-                            capture_output=True, text=True, timeout=300)
+    arguments = [item for key, value in flags.items() for item in (f"--{key}", str(value))]
+    result = run_training(tmp_path, arguments, timeout=300, config_file=config_file, OMP_NUM_THREADS=1)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in (0, 1):
         state = read_status(root / "logs", rank)
@@ -302,8 +292,8 @@ def test_a_two_rank_run_starts_from_the_file(tmp_path, launch):
         assert (after_one[key] - expected[key]).abs().max() < 1e-3, key
     assert source.read_bytes() and load_file(str(source)).keys() == lora.keys()   # the input is untouched
     # The resume command a stopped run prints carries the preset's --init_lora: it resumes, the file not applied.
-    resumed = subprocess.run(command + ["--resume", "latest"], cwd=tmp_path,
-                             env=isolated_env(tmp_path, OMP_NUM_THREADS=1), capture_output=True, text=True, timeout=300)
+    resumed = run_training(tmp_path, arguments + ["--resume", "latest"], timeout=300, config_file=config_file,
+                           OMP_NUM_THREADS=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stderr.count(f"--init_lora {source} is not applied") == 1
 

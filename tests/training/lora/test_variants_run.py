@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 import torch
@@ -11,9 +10,9 @@ from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
-from e2e_helpers import cpu_launch_command, isolated_env, read_status
+from e2e_helpers import demo_flags, read_status
+from forked_ranks import run_training
 from test_file_format import comfyui_merge, dit_output
-from e2e_helpers import demo_flags
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +20,9 @@ pytestmark = pytest.mark.slow
 def test_dora_with_loraplus_trains_on_two_ranks_and_writes_a_comfyui_dora_file(tmp_path):
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
-    command = cpu_launch_command(*demo_flags(root, num_epochs=1, lora_variant="dora", loraplus_lr_ratio=4,
-                                             checkpoint_steps=2))
-    result = subprocess.run(command, cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
-                            capture_output=True, text=True, timeout=540)
+    flags = [*demo_flags(root, num_epochs=1, lora_variant="dora", loraplus_lr_ratio=4,
+                                             checkpoint_steps=2)]
+    result = run_training(tmp_path, flags, timeout=540, OMP_NUM_THREADS=1)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in (0, 1):
         assert read_status(root / "logs", rank)["status"] == "finished"

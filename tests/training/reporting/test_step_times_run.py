@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_history, read_overheads, read_status
+from e2e_helpers import REPO, read_history, read_overheads, read_status
+from forked_ranks import run_training
 
 pytestmark = pytest.mark.slow
 DELAY_S = 3.0     # added to every checkpoint save; a step of the demo takes a tenth of a second or so
@@ -25,15 +26,14 @@ def run(tmp_path_factory):
     root = work / "demo"
     prepare(root, num_videos=3, num_images=2)       # 5 rows x repeat 2 on 2 ranks: 5 steps, batch 1
     val = prepare(root / "val", num_videos=1, num_images=1)
-    command = cpu_launch_command(
+    flags = [
         "--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(root / "catalog"),
         "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"), "--output_path", str(root / "lora"),
         "--log_dir", str(root / "logs"), "--gradient_accumulation_steps", "1", "--num_epochs", "1",
         "--dataset_repeat", "2", "--image_batch_size", "1",   # the 5-step plan these checks are written for
         "--checkpoint_steps", "2", "--val_metadata_path", str(val), "--val_base_path", str(root / "val" / "catalog"),
-        "--val_steps", "3", "--val_samples", "2", "--val_timestep_quantiles", "0.5")
-    env = isolated_env(work, OMP_NUM_THREADS=1, MBC_FAULT_SLOW_CHECKPOINT_S=DELAY_S)
-    result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        "--val_steps", "3", "--val_samples", "2", "--val_timestep_quantiles", "0.5"]
+    result = run_training(work, flags, timeout=300, OMP_NUM_THREADS=1, MBC_FAULT_SLOW_CHECKPOINT_S=DELAY_S)
     assert result.returncode == 0, result.stderr[-4000:]
     return root / "logs", result.stderr
 

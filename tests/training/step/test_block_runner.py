@@ -4,49 +4,14 @@ partial checkpointing and compiled blocks give the same gradients and losses."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffsynth_mbc.data.cache.dataset import CachedLatentDataset
-from diffsynth_mbc.data.demo import prepare
-from diffsynth_mbc.models.pipeline import build_demo_pipeline
-from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
 from diffsynth_mbc.training.step.batch_loss import batch_loss, draw_timestep_ids
 from diffsynth_mbc.training.step.block_runner import BlockRunner
 from diffsynth_mbc.training.step.guards import NonFiniteGuard
-from e2e_helpers import build_demo_cache
-
-SEED = 42
-
-
-@pytest.fixture(scope="module")
-def entries(tmp_path_factory):
-    """Cache entries of 3 demo videos and 3 images (64x64, 9 frames): same-shape groups to batch."""
-    root = tmp_path_factory.mktemp("step")
-    metadata = prepare(root, num_videos=3, num_images=3)
-    cache_dir = root / "cache"
-    build_demo_cache(root, metadata, cache_dir, seed=SEED)
-    dataset = CachedLatentDataset(cache_dir)
-    samples = [dataset[i] for i in range(dataset.rows)]
-    videos = [s for s in samples if s["input_latents"].shape[1] > 1]
-    images = [s for s in samples if s["input_latents"].shape[1] == 1]
-    assert len(videos) == 3 and len(images) == 3
-    return videos, images
-
-
-def make_module(dtype=torch.float32, **kwargs) -> WanTI2VLoraModule:
-    pipe = build_demo_pipeline(device="cpu", torch_dtype=torch.float32, seed=SEED, load_encoders=False)
-    pipe = pipe.to(dtype=dtype)
-    pipe.torch_dtype = dtype
-    torch.manual_seed(0)
-    module = WanTI2VLoraModule(pipe, lora_rank=4, **kwargs)
-    for name, param in module.named_parameters():   # B starts at zero: give the LoRA a visible effect
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
-    return module
+from tiny_step import make_module
 
 
 def test_with_objective_diffsynth_a_batch_of_one_is_diffsynths_training_loss_bit_for_bit(entries):

@@ -9,7 +9,7 @@ import torch
 
 from diffsynth_mbc.training.step import batch_loss as batch_loss_module
 from diffsynth_mbc.training.step.batch_loss import batch_loss, sample_mse
-from test_block_runner import entries, make_module  # noqa: F401 - the fixture is used by name
+from tiny_step import make_module
 
 
 def models_of(module) -> dict:

@@ -10,7 +10,7 @@ import torch
 from diffsynth_mbc.training.options import resolve_options
 from diffsynth_mbc.training.step import batch_loss as batch_loss_module
 from diffsynth_mbc.training.step.timestep_sampling import TimestepSampler, sampler_from_options
-from test_block_runner import entries, make_module  # noqa: F401 - the fixture is used by name
+from tiny_step import make_module
 
 REQUIRED = ["--dataset_base_path", "data", "--dataset_metadata_path", "data/metadata.csv"]
 

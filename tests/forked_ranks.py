@@ -1,0 +1,215 @@
+"""2 CPU ranks (gloo) of the training, forked from a process that has imported torch, diffsynth and this package once.
+
+``accelerate launch -m diffsynth_mbc.train`` costs three Python start-ups and ~7 s of imports per rank before the
+first step; most end-to-end tests only need what the ranks then do. Here a per-run agent (forked from a
+``multiprocessing`` forkserver that preloaded the training's modules) forks the ranks with the environment that
+``accelerate launch --multi_gpu`` gives them (read from a real launch: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``PORT``, ``ACCELERATE_*``, ``OMP_NUM_THREADS=1``) and each rank runs the same entry as
+``python -m diffsynth_mbc.train``: real processes, a real process group, real files. Like accelerate's agent,
+the agent stops the other ranks when one fails and exits 1 if any rank failed. Tests of the launchers themselves
+(supervisor, stop.sh, the launcher watch) start the real launchers instead.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from e2e_helpers import free_port, isolated_env
+
+PRELOAD = ["torch", "accelerate", "peft", "diffsynth", "diffsynth_mbc.training.cli", "diffsynth_mbc.training.loop",
+           "diffsynth_mbc.models.pipeline", "diffsynth_mbc.data.cache.dataset", "diffsynth_mbc.training.lora.module",
+           "diffsynth_mbc.training.evaluation.validation", "diffsynth_mbc.training.evaluation.sample_clips",
+           "diffsynth_mbc.training.reporting.progress", "diffsynth_mbc.training.plan.step_choices",
+           "diffsynth_mbc.training.step.micro_batch", "diffsynth_mbc.training.checkpoints.state",
+           # DeepSpeed, and what its ZeRO optimizer check imports (it compiles kernels at import: ~25 s a rank)
+           "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"]
+STOP_OTHERS_GRACE_S = 30   # accelerate's agent: SIGTERM to the other ranks, SIGKILL after this
+_context = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+_LAUNCH_ENVIRONMENTS: dict = {}
+DUMP = """import json, os, sys
+json.dump(dict(os.environ), open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w"))
+"""
+NOT_CARRIED = ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")   # this run's own
+
+
+def accelerate_environment(world_size: int, config_file: str | None) -> list[dict]:
+    """What ``accelerate launch`` (``--multi_gpu`` on 2 CPU processes, or ``--config_file``) adds to each rank's
+    environment, read once per test session from a real launch of a script that writes it down."""
+    key = (world_size, config_file)
+    if key not in _LAUNCH_ENVIRONMENTS:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="mbc-launch-env-") as folder:
+            script = Path(folder) / "dump_environment.py"
+            script.write_text(DUMP)
+            where = ["--config_file", config_file] if config_file else ["--multi_gpu", "--num_machines", "1",
+                                                                         "--mixed_precision", "no",
+                                                                         "--dynamo_backend", "no"]
+            command = [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes",
+                       str(world_size), "--main_process_port", str(free_port()), str(script), folder]
+            base = isolated_env(Path(folder))
+            subprocess.run(command, env=base, check=True, capture_output=True, timeout=300, cwd=folder)
+            ranks = [json.loads((Path(folder) / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+        _LAUNCH_ENVIRONMENTS[key] = [{name: value for name, value in env.items()
+                                      if base.get(name) != value and name not in NOT_CARRIED and name != "_"}
+                                     for env in ranks]
+    return _LAUNCH_ENVIRONMENTS[key]
+
+
+def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, prelude: str | None) -> None:
+    """One rank, in a forked child: the environment and files of a launched rank, ``prelude`` (Python code a test
+    runs in the rank first), then the training's entry."""
+    code = 1
+    try:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        for fd, path in ((1, stdout), (2, stderr)):
+            target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.argv = ["diffsynth_mbc.train", *argv]
+        import torch
+
+        # A fresh process sizes torch's thread pool from OMP_NUM_THREADS when it imports torch; this one
+        # imported torch in the forkserver, before that was set.
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+        if prelude:
+            exec(prelude, {"__name__": "prelude"})
+        from diffsynth_mbc.training.cli import main
+
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+
+
+def _agent(argv: list[str], rank_envs: list[dict], cwd: str, stdout: str, stderr: str, prelude: str | None) -> None:
+    """The per-run agent (as accelerate's): forks the ranks, waits, stops the rest when one fails."""
+    port, ranks = free_port(), {}
+    for rank, env in enumerate(rank_envs):
+        pid = os.fork()
+        if pid == 0:
+            _rank(argv, dict(env, MASTER_PORT=str(port)), cwd, stdout, stderr, prelude)
+        ranks[pid] = rank
+    failed, stop_deadline = False, None
+    while ranks:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                for other in ranks:
+                    _signal(other, signal.SIGKILL)
+            time.sleep(0.05)
+            continue
+        if pid not in ranks:
+            continue
+        del ranks[pid]
+        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed, stop_deadline = True, time.monotonic() + STOP_OTHERS_GRACE_S
+            for other in ranks:
+                _signal(other, signal.SIGTERM)
+    os._exit(1 if failed else 0)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class _Reader:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self) -> str:
+        return self.path.read_text(errors="replace") if self.path.exists() else ""
+
+
+class ForkedRun:
+    """A started run, used as the ``subprocess.Popen`` of ``accelerate launch`` would be: ``pid`` (the agent's; the
+    ranks are its children), ``poll``, ``wait``, ``communicate``, ``returncode``, ``stdout.read()``."""
+
+    def __init__(self, process, stdout: Path, stderr: Path):
+        self.process, self.stdout, self.stderr = process, _Reader(stdout), _Reader(stderr)
+        self.combined = stdout == stderr
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("forked training ranks", timeout)
+        return self.process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            from e2e_helpers import kill_tree
+
+            kill_tree(self.pid)
+            self.process.join(60)
+            raise
+        return self.stdout.read(), None if self.combined else self.stderr.read()
+
+
+def start_training(work: Path, flags: list[str], world_size: int = 2, config_file: str | None = None,
+                   combined: bool = False, prelude: str | None = None, **extra_env) -> ForkedRun:
+    """Start ``world_size`` ranks of the training with ``flags`` in ``work`` (the working folder, and where its
+    caches and the output files go), launched as ``accelerate launch`` would (``config_file``: its
+    ``--config_file``); ``combined``: stdout and stderr in one file, as ``stderr=STDOUT``; ``prelude``: Python code
+    each rank runs before the training's entry; ``extra_env``: more environment for the ranks."""
+    work = Path(work)
+    outputs = work / ".ranks"
+    outputs.mkdir(parents=True, exist_ok=True)
+    stamp = f"{time.monotonic_ns()}"
+    stdout = outputs / f"{stamp}.out"
+    stderr = stdout if combined else outputs / f"{stamp}.err"
+    base = isolated_env(work, **extra_env)
+    rank_envs = [dict(base, **launched) for launched in accelerate_environment(world_size, config_file)]
+    process = _forkserver().Process(target=_agent, args=([str(f) for f in flags], rank_envs, str(work), str(stdout),
+                                                         str(stderr), prelude), daemon=False)
+    process.start()
+    return ForkedRun(process, stdout, stderr)
+
+
+def run_training(work: Path, flags: list[str], timeout: float = 300, **options) -> subprocess.CompletedProcess:
+    """``start_training`` to the end: a CompletedProcess as ``subprocess.run`` of ``accelerate launch`` gives it
+    (returncode 0, or 1 when a rank failed; the ranks' stdout and stderr)."""
+    run = start_training(work, flags, **options)
+    stdout, stderr = run.communicate(timeout)
+    return subprocess.CompletedProcess(["forked ranks", *map(str, flags)], run.returncode, stdout, stderr)
