@@ -204,10 +204,11 @@ UNCUT_WIDTH = 10_000   # columns when stderr is no terminal: the table at its na
 
 def _console() -> Console:
     """stderr; piped to a file or another program, it is no terminal and rich would take 80 columns, breaking
-    the table's cells over lines (COLUMNS, when set, still decides)."""
-    console = Console(stderr=True)
+    the table's cells over lines (COLUMNS, when set, still decides). Lines of text are never broken by rich (the
+    terminal wraps them), so a path in a message stays whole for copying."""
+    console = Console(stderr=True, soft_wrap=True)
     if not console.is_terminal and not os.environ.get("COLUMNS"):
-        console = Console(stderr=True, width=UNCUT_WIDTH)
+        console = Console(stderr=True, soft_wrap=True, width=UNCUT_WIDTH)
     return console
 
 
