@@ -288,6 +288,13 @@ def test_missing_catalogue_exits_2_naming_it(tmp_path, capsys):
     assert "nope.csv" in err and "file not found" in err
 
 
+def test_on_an_80_column_terminal_a_long_path_in_an_error_stays_whole(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    missing = tmp_path / ("a-folder-with-a-long-name-" * 4) / "catalogue.csv"
+    assert convert(missing, "--base-path", tmp_path, "--output", tmp_path / "out") == 2
+    assert f"{missing}: file not found" in capsys.readouterr().err   # one piece, to copy
+
+
 def test_refuses_to_overwrite_the_input_catalogue(demo, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
