@@ -128,12 +128,17 @@ def run(tmp_path, flags, timeout=300):
     return process.returncode, output
 
 
-def wait_for(condition, process, timeout=180, what="condition"):
+def wait_for(condition, process, timeout=180, what="condition", seen=lambda: "", every=0.05):
+    """``condition()``'s first true value, asked every ``every`` seconds while ``process`` runs; ``seen()`` says
+    what was last seen when it never comes."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while True:
+        value = condition()
+        if value:
+            return value
         assert process.poll() is None, f"the run ended before {what}: {process.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; last seen: {seen()}"
+        time.sleep(every)
 
 
 def kill_tree(pid):

@@ -5,29 +5,16 @@ waits for. SIGCONT lets the run go on."""
 import os
 import signal
 import subprocess
-import time
 
-import psutil
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.monitor.state import MonitorState
-from e2e_helpers import REPO, cpu_launch_command, isolated_env, read_status
+from e2e_helpers import REPO, cpu_launch_command, isolated_env, kill_tree, read_status, wait_for
 
 pytestmark = pytest.mark.slow
 STALL_AFTER_S = 20.0   # well above a heartbeat starved for seconds on a loaded 2-core machine
-
-
-def wait_until(condition, process, timeout, what, seen=lambda: ""):
-    """``condition()`` once true; ``seen()`` says what was last seen when it never is."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert process.poll() is None, f"the run ended before {what}: {process.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; last seen: {seen()}"
-        time.sleep(0.2)
+POLL_S = 0.2           # how often the monitor is asked: each answer reads both ranks' files
 
 
 def status_or_none(log_dir, rank):
@@ -35,16 +22,6 @@ def status_or_none(log_dir, rank):
         return read_status(log_dir, rank)
     except (OSError, ValueError):
         return None
-
-
-def kill_tree(pid):
-    parent = psutil.Process(pid)
-    for process in parent.children(recursive=True) + [parent]:
-        try:
-            process.send_signal(signal.SIGCONT)
-            process.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def test_a_stopped_rank_is_the_only_stalled_one_and_the_other_names_its_wait(tmp_path):
@@ -60,12 +37,13 @@ def test_a_stopped_rank_is_the_only_stalled_one_and_the_other_names_its_wait(tmp
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stopped_pid = None
     try:
-        wait_until(lambda: all((status_or_none(log_dir, r) or {}).get("step", 0) >= 3 for r in (0, 1)), run, 240,
-                   "both ranks to train")
+        wait_for(lambda: all((status_or_none(log_dir, r) or {}).get("step", 0) >= 3 for r in (0, 1)), run, 240,
+                 "both ranks to train", every=POLL_S)
         stopped_pid = read_status(log_dir, 1)["pid"]            # the rank's pid, from its own status file
         os.kill(stopped_pid, signal.SIGSTOP)
         monitor = MonitorState(log_dir, stall_after=STALL_AFTER_S, backfill=False)
-        wait_until(lambda: monitor.refresh()["stalled_ranks"], run, 180, "the monitor to see a stalled rank")
+        wait_for(lambda: monitor.refresh()["stalled_ranks"], run, 180, "the monitor to see a stalled rank",
+                 every=POLL_S)
 
         last = {}
 
@@ -76,9 +54,9 @@ def test_a_stopped_rank_is_the_only_stalled_one_and_the_other_names_its_wait(tmp
 
         # On a loaded machine one snapshot may catch rank 0 between two heartbeats; a healthy run shows this state
         # within a few of them, a run whose waiting rank wrote nothing never does.
-        snap = wait_until(rank_1_alone_stalled_while_rank_0_waits, run, 120, "rank 1 alone stalled, rank 0 waiting",
-                          seen=lambda: (last["snap"]["stalled_ranks"], [(r["rank"], r.get("phase"), r.get("age_s"),
-                                        r["waiting_text"], r.get("step")) for r in last["snap"]["ranks"]]))
+        snap = wait_for(rank_1_alone_stalled_while_rank_0_waits, run, 120, "rank 1 alone stalled, rank 0 waiting",
+                        seen=lambda: (last["snap"]["stalled_ranks"], [(r["rank"], r.get("phase"), r.get("age_s"),
+                                      r["waiting_text"], r.get("step")) for r in last["snap"]["ranks"]]), every=POLL_S)
         ranks = {r["rank"]: r for r in snap["ranks"]}
         assert snap["status"] == "stalled" and snap["stalled_ranks"] == [1], (snap["notes"], {r: (v.get("phase"), v.get("age_s"), v.get("waiting_text"), v.get("step")) for r, v in ranks.items()})
         assert not ranks[0]["stalled"] and ranks[0]["age_s"] < STALL_AFTER_S
@@ -88,9 +66,9 @@ def test_a_stopped_rank_is_the_only_stalled_one_and_the_other_names_its_wait(tmp
 
         os.kill(stopped_pid, signal.SIGCONT)
         stopped_pid = None
-        wait_until(lambda: (lambda s: s["status"] == "training" and not s["stalled_ranks"]
-                            and all(r["waiting_text"] is None for r in s["ranks"]))(monitor.refresh()),
-                   run, 180, "the run to go on after SIGCONT")
+        wait_for(lambda: (lambda s: s["status"] == "training" and not s["stalled_ranks"]
+                          and all(r["waiting_text"] is None for r in s["ranks"]))(monitor.refresh()),
+                 run, 180, "the run to go on after SIGCONT", every=POLL_S)
     finally:
         if stopped_pid is not None:
             os.kill(stopped_pid, signal.SIGCONT)
