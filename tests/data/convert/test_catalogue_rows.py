@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import string
-import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -269,11 +268,18 @@ def test_check_accounting_catches_a_lost_row():
 # --- property-based: no generated catalogue crashes the converter or loses a row ----------------
 
 FILE_NAMES = ["a.mp4", "b.MOV", "c.png", "d.jpg", "sub/e.webm", "f.gif", "missing.mp4", "x.txt", "noext"]
-_MEDIA_ROOT = tempfile.mkdtemp(prefix="mbc-catalog-prop-")
-for _name in FILE_NAMES:
-    if _name != "missing.mp4":
-        os.makedirs(os.path.dirname(os.path.join(_MEDIA_ROOT, _name)), exist_ok=True)
-        open(os.path.join(_MEDIA_ROOT, _name), "wb").close()
+
+
+@pytest.fixture(scope="module")
+def media_root(tmp_path_factory):
+    """The generated catalogues' media folder: every name in FILE_NAMES but missing.mp4, as empty files."""
+    root = tmp_path_factory.mktemp("catalog-prop")
+    for name in FILE_NAMES:
+        if name != "missing.mp4":
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).touch()
+    return str(root)
+
 
 weird_text = st.text(
     alphabet=st.one_of(
@@ -299,7 +305,7 @@ catalog_rows = st.lists(st.one_of(likely_good_rows, likely_good_rows, any_rows),
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=catalog_rows, line_end=st.sampled_from(["\n", "\r\n"]), bom=st.booleans(),
        blank_every=st.integers(min_value=0, max_value=4), extra_column=st.booleans())
-def test_generated_catalogs_never_lose_a_row(rows, line_end, bom, blank_every, extra_column):
+def test_generated_catalogs_never_lose_a_row(media_root, rows, line_end, bom, blank_every, extra_column):
     header = ("file_path", "caption", "media_type") + (("notes",) if extra_column else ())
     full_rows = [row + ("n",) for row in rows] if extra_column else rows
     text = catalog_text(full_rows, header, line_end)
@@ -319,7 +325,7 @@ def test_generated_catalogs_never_lose_a_row(rows, line_end, bom, blank_every, e
     non_blank = [r for r in rows if "".join(r).strip() or extra_column]
     assert len(catalog.rows) == len(non_blank)
 
-    plan = selection.plan_conversion(catalog, _MEDIA_ROOT, subset=5, seed=0)
+    plan = selection.plan_conversion(catalog, media_root, subset=5, seed=0)
     selection.check_accounting(len(catalog.rows), plan.train + plan.val, plan.rejects)
 
     # What DiffSynth reads back (pandas defaults) is exactly what was accepted.
