@@ -78,6 +78,14 @@ def load_pipeline(model_dir: str | None, model_id: str | None, device: str, torc
     return pipe
 
 
+def _demo_tokenizer_in(folder: Path) -> Path:
+    """`folder` holding the demo tokenizer, written there unless it already is."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "tokenizer.json").exists():
+        _write_demo_tokenizer(folder)
+    return folder
+
+
 def _write_demo_tokenizer(folder: Path) -> Path:
     """A word-level tokenizer made in code (pad=0, eos=1, unk=2), saved the way the prompter loads one."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -125,13 +133,13 @@ def build_demo_pipeline(device: str = "cpu", torch_dtype: torch.dtype = torch.fl
         if load_encoders:
             pipe.vae = build_tiny_vae()
             pipe.text_encoder = WanTextEncoder(vocab=64, **TINY_TEXT_ENCODER)
-            folder = Path(tokenizer_dir) if tokenizer_dir else Path(tempfile.mkdtemp(prefix="mbc-demo-tokenizer-"))
-            folder.mkdir(parents=True, exist_ok=True)
-            if not (folder / "tokenizer.json").exists():
-                _write_demo_tokenizer(folder)
             pipe.prompter.text_len = TINY_TEXT_LEN
             pipe.prompter.fetch_models(pipe.text_encoder)
-            pipe.prompter.fetch_tokenizer(str(folder))
+            if tokenizer_dir:
+                pipe.prompter.fetch_tokenizer(str(_demo_tokenizer_in(Path(tokenizer_dir))))
+            else:  # the tokenizer is read into memory: its files are not needed afterwards
+                with tempfile.TemporaryDirectory(prefix="mbc-demo-tokenizer-") as folder:
+                    pipe.prompter.fetch_tokenizer(str(_demo_tokenizer_in(Path(folder))))
         pipe.height_division_factor = pipe.width_division_factor = 32
     finally:
         torch.random.set_rng_state(generator_state)
