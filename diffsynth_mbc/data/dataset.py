@@ -16,6 +16,9 @@ train; its default is DiffSynth's (the first ``num_frames``), read exactly as be
 epoch (the batch sampler adds ``epoch x len(dataset)``), so a random window is drawn per (seed, epoch, sample)
 in whichever worker process loads it. A clip too short under ``--short_clips skip`` is bad media like an
 undecodable file.
+``buckets="aspect"`` (``data/media/buckets.py``) resizes each row to cover the bucket nearest its aspect instead of
+``height x width`` (``row_buckets``: sizes from the metadata's columns or the files' headers, read once here); a
+row's batch key then names its bucket (``video@1280x704``), so a batch holds one shape.
 ``caption_prefix`` / ``caption_suffix`` (a trigger word) are joined to every caption when the metadata is read
 (``caption_rules.with_affixes``), so training, validation and the latent cache all see the same prompt.
 """
@@ -35,6 +38,8 @@ from diffsynth_mbc.data.caption_rules import with_affixes
 from diffsynth_mbc.data.media.clip_reader import (DECODERS, ReferenceReaderNeeded, read_leading_frames,
                                                   read_selected_frames)
 from diffsynth_mbc.data.media.frame_selection import FrameSelection, ShortClip, select_frames
+from diffsynth_mbc.data.media.buckets import sample_key
+from diffsynth_mbc.data.media.row_buckets import row_buckets
 from diffsynth_mbc.data.media.shapes import shape_key
 
 MAX_CONSECUTIVE_BAD_ROWS = 20
@@ -73,7 +78,7 @@ class MBCVideoDataset(VideoDataset):
     def __init__(self, base_path: str, metadata_path: str, num_frames: int, height: int, width: int,
                  repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast",
                  frames: FrameSelection | None = None,
-                 caption_prefix: str = "", caption_suffix: str = ""):
+                 caption_prefix: str = "", caption_suffix: str = "", buckets: str = "off"):
         notices = io.StringIO()
         with contextlib.redirect_stdout(notices):   # DiffSynth prints a notice per dataset and rank
             super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
@@ -85,7 +90,12 @@ class MBCVideoDataset(VideoDataset):
         self.decoder = decoder
         self.frames = frames or FrameSelection()
         self._draw = (0, 0)   # (epoch, sample in epoch) of the row being loaded: random_window's draw
-        self._keys = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
+        kinds = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
+        self.buckets = buckets
+        self.row_buckets = (row_buckets(self.data, base_path, height, width) if buckets == "aspect"
+                            else [None] * len(self.data))
+        self._keys = [sample_key(kind, bucket) for kind, bucket in zip(kinds, self.row_buckets)]
+        self._loading_bucket = None   # the bucket of the row being loaded (get_height_width)
         if caption_prefix or caption_suffix:   # the trigger word: what trains (and what the cache encodes)
             for row in self.data:
                 if isinstance(row.get("prompt"), str):
@@ -144,12 +154,19 @@ class MBCVideoDataset(VideoDataset):
             image = rgb_image(opened)
         return [self.crop_and_resize(image, *self.get_height_width(image))]
 
+    def get_height_width(self, image):
+        """The size a frame is resized to cover and centre-cropped to: the row's bucket, else DiffSynth's."""
+        if self._loading_bucket is not None:
+            return self._loading_bucket.height, self._loading_bucket.width
+        return super().get_height_width(image)
+
     @property
     def rows(self) -> int:
         return len(self.data)
 
     def batch_keys(self) -> list[str]:
-        """Each row's shape key (``video`` or ``image``): samples are batched only with samples of their key."""
+        """Each row's shape key (``video`` or ``image``, ``@bucket`` with buckets): samples are batched only with
+        samples of their key."""
         return list(self._keys)
 
     def _replacement_rows(self, row: int):
@@ -164,6 +181,7 @@ class MBCVideoDataset(VideoDataset):
 
     def load_row(self, row: int) -> dict:
         file_name = self.data[row].get("video")
+        self._loading_bucket = self.row_buckets[row]
         try:
             sample = super().__getitem__(row)
         except ShortClip as exc:

@@ -226,7 +226,7 @@ def dataset_counts(catalogues: Sequence[Catalogue] | None, datasets_of_rows: Seq
         return ()
     videos, images = [0] * len(catalogues), [0] * len(catalogues)
     for position, key in zip(datasets_of_rows, keys):
-        (images if key == IMAGE else videos)[position] += 1
+        (images if key.partition("@")[0] == IMAGE else videos)[position] += 1
     return tuple(DatasetCount(c.name, videos[i], images[i], c.repeat) for i, c in enumerate(catalogues))
 
 

@@ -157,14 +157,17 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     from diffsynth_mbc.data.cache.index import file_sha256
     from diffsynth_mbc.data.dataset_list import catalogue_plan
     from diffsynth_mbc.data.media.shapes import IMAGE, VIDEO
-    from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler
+    from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler, key_samples
     from diffsynth_mbc.training.checkpoints.fingerprint import run_fingerprint
     from diffsynth_mbc.training.plan.step_plan import lr_factor, plan_from_options, steps_from_loader
 
     keys = dataset.batch_keys()
     row_repeats, catalogues = catalogue_plan(options, dataset, keys)   # several catalogues: their repeats, counts
-    plan = plan_from_options(options, rows=dataset.rows, images=keys.count(IMAGE),
-                             world_size=accelerator.num_processes, datasets=catalogues)
+    equal_load = options.buckets == "aspect"   # every rank on one bucket at a time (training/plan/batches.py)
+    plan = plan_from_options(options, rows=dataset.rows, images=sum(key.startswith(IMAGE) for key in keys),
+                             world_size=accelerator.num_processes, datasets=catalogues,
+                             bucket_samples=tuple(key_samples(keys, options.dataset_repeat, row_repeats).items())
+                             if equal_load else ())
     image_batch = plan.image_batch_size
     if plan.rows == 0:
         raise ValueError(f"{options.dataset_metadata_path} has no rows to train on")
@@ -172,7 +175,7 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     # Videos batch with videos, images with images (one DiT forward per batch); all ranks' batches in turn,
     # dealt out one per rank by accelerate's sharding.
     batches = ShapeGroupedBatchSampler(keys, options.dataset_repeat, {VIDEO: options.batch_size, IMAGE: image_batch},
-                                       accelerator.num_processes, options.seed, row_repeats)
+                                       accelerator.num_processes, options.seed, row_repeats, equal_load)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=batches, collate_fn=list, num_workers=workers,
         persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,
@@ -239,6 +242,8 @@ def start_progress(run: Run) -> None:
     run.compile_timer = CompileTimer(enabled=main and blocks.compiled)
     if main:
         print(f"step plan: {run.plan.describe()}", file=sys.stderr)
+        for line in run.plan.describe_buckets():
+            print(line, file=sys.stderr)
         print(f"precision: {run.status.state.get('precision_reason')}", file=sys.stderr)
         print(f"{blocks.describe()} ({run.status.state.get('gradient_checkpointing_reason')}; "
               f"{run.status.state.get('compile_reason')})", file=sys.stderr)
@@ -291,7 +296,7 @@ def train_epoch(run: Run, epoch: int) -> str:
         choose_modes(run, batch, epoch)
         loss, grad_norm, skipped = forward_backward(run, batch, losses)
         losses.append(loss.detach())
-        drawn += draws.take()
+        drawn += draws.take(with_shapes=True)
         samples_in_step += len(batch) + bad_in_step
         position.batches_in_epoch += 1
         if not accelerator.sync_gradients:

@@ -204,7 +204,7 @@ def open_training_dataset(options, **media_options):
                                decoder=options.decoder, frames=frame_selection_from(options),
                                **caption_affixes(options),
                                num_frames=options.num_frames, height=options.height, width=options.width,
-                               repeat=options.dataset_repeat, **media_options)
+                               repeat=options.dataset_repeat, buckets=options.buckets, **media_options)
     index = read_index(cache_dir)
     check_cache_matches(index, options, cache_dir)
     if options.model_id and not options.model_dir:
@@ -237,4 +237,4 @@ def open_validation_dataset(options, **media_options):
     return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
                            decoder=options.decoder, frames=frame_selection_from(options),
                            **caption_affixes(options),
-                           height=options.height, width=options.width, **media_options)
+                           height=options.height, width=options.width, buckets=options.buckets, **media_options)

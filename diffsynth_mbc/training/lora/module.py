@@ -16,7 +16,7 @@ from diffsynth_mbc.training.lora.variants import add_dora
 from diffsynth_mbc.training.step.batch_loss import batch_loss
 from diffsynth_mbc.training.step.block_runner import BlockRunner
 from diffsynth_mbc.training.step.lora_cast import compute_lora_in_base_dtype
-from diffsynth_mbc.training.step.micro_batch import latent_frames
+from diffsynth_mbc.training.step.micro_batch import latent_frames, pixel_shape
 from diffsynth_mbc.training.step.objective import (check_mode, check_objective, default_mode, first_frame_in_loss,
                                                    is_conditioned)
 from diffsynth_mbc.training.step.timestep_sampling import DrawLog, TimestepSampler
@@ -170,7 +170,8 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         bounds = [(inputs.get("min_timestep_boundary", 0), inputs.get("max_timestep_boundary", 1)) for inputs in group]
         ids = self.timestep_sampler.draw_ids(self.pipe.scheduler.sigmas, bounds)
         loss, losses = batch_loss(self.pipe, group, self.blocks, ids, weighting=self.loss_weighting)
-        self.draws.add(self.pipe.scheduler.timesteps[ids], losses, [inputs["mode"] for inputs in group])
+        self.draws.add(self.pipe.scheduler.timesteps[ids], losses, [inputs["mode"] for inputs in group],
+                       [pixel_shape(inputs["input_latents"]) for inputs in group])
         return loss
 
     def lora_state_dict(self, state_dict: dict | None = None) -> dict:

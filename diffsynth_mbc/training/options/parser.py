@@ -83,6 +83,10 @@ def _add_frame_arguments(data) -> None:
                                                "drawn anew each epoch; not from a latent cache)")
     data.add_argument("--source_fps", type=float, help="put every clip at this frame rate first (nearest frame), so "
                                                        "25 and 30 fps clips move at one speed (default: as recorded)")
+    data.add_argument("--buckets", help="off: every sample resized to cover --height x --width and centre-cropped "
+                                        "(a portrait clip keeps its middle third; default); aspect: each sample at "
+                                        "the bucket nearest its own aspect, at about the same pixel area, every GPU "
+                                        "on one bucket at a time (docs/training.md, Buckets)")
     data.add_argument("--short_clips", help="a clip with fewer frames than --num_frames: shorten (its longest 4k+1 "
                                             "leading frames; default), loop (from its start again) or skip (bad "
                                             "media: replaced by the next row and counted)")

@@ -87,6 +87,7 @@ class TrainOptions:
     frame_sampling: str = "head"
     source_fps: float | None = None
     short_clips: str = "shorten"
+    buckets: str = "off"
     # bad media and validation
     max_bad_media_fraction: float = 0.01
     val_metadata_path: str | None = None
@@ -124,7 +125,7 @@ CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl"
            "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
            "report_to": ("none", "tensorboard", "wandb"), "mixed_precision": ("auto", "bf16", "fp16", "fp32"),
            "compile": ("auto", "on", "off"), "frame_sampling": ("head", "uniform", "random_window"),
-           "short_clips": ("shorten", "loop", "skip"),
+           "short_clips": ("shorten", "loop", "skip"), "buckets": ("off", "aspect"),
            "timestep_sampling": ("diffsynth", "uniform", "shift", "logit_normal", "sigmoid"),
            "loss_weighting": ("diffsynth", "none"), "lora_variant": ("lora", "dora"),
            "objective": ("modes", "diffsynth")}

@@ -14,6 +14,13 @@ The loader gets each index plus ``epoch x rows x repeat``: the datasets read row
 epoch the sample belongs to is ``index // (rows x repeat)`` in whichever worker process loads it (a random
 frame window is drawn per epoch). The same seed and epoch give the same batches on every rank and on resume. ``batches_per_rank`` counts
 them without building them, for the step plan.
+
+**Equal load** (``--buckets aspect``, ``equal_load=True``): keys are media kind and bucket (``video@1280x704``), and
+at every position all ranks must train the same key, so no rank waits on another. Each key's shuffled samples are
+cut into full batches (the last one filled up with the key's first samples of this epoch), its batches padded to a
+multiple of the world size with its own first batches, and dealt in groups of ``world_size``: the groups of all
+keys are shuffled together, so batch ``i`` of every rank comes from the same group. The repeated samples are counted
+by ``equal_load_repeats`` and said in the step plan.
 """
 
 from __future__ import annotations
@@ -43,8 +50,26 @@ def key_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int]
 
 
 def batches_per_rank(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int,
-                     row_repeats: Sequence[int] | None = None) -> int:
-    return _ceil_div(sum(key_batches(keys, repeat, batch_sizes, row_repeats).values()), world_size)
+                     row_repeats: Sequence[int] | None = None, equal_load: bool = False) -> int:
+    counts = key_batches(keys, repeat, batch_sizes, row_repeats)
+    if equal_load:
+        return sum(_ceil_div(batches, world_size) for batches in counts.values())
+    return _ceil_div(sum(counts.values()), world_size)
+
+
+def key_samples(keys: Sequence[str], repeat: int, row_repeats: Sequence[int] | None = None) -> dict[str, int]:
+    """Samples of each key in one epoch."""
+    counts = Counter()
+    for row, key in enumerate(keys):
+        counts[key] += (row_repeats[row] if row_repeats else 1) * repeat
+    return dict(sorted(counts.items()))
+
+
+def equal_load_repeats(samples: int, batch_size: int, world_size: int) -> int:
+    """Samples a key repeats per epoch under equal load: its last batch filled up, its batches padded to a whole
+    group of ``world_size``."""
+    groups = _ceil_div(_ceil_div(samples, batch_size), world_size)
+    return groups * world_size * batch_size - samples
 
 
 def _sample_indices(rows: int, repeat: int, row_repeats: Sequence[int] | None):
@@ -60,7 +85,7 @@ def _sample_indices(rows: int, repeat: int, row_repeats: Sequence[int] | None):
 
 
 def epoch_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int, seed: int,
-                  epoch: int, row_repeats: Sequence[int] | None = None) -> list[list[int]]:
+                  epoch: int, row_repeats: Sequence[int] | None = None, equal_load: bool = False) -> list[list[int]]:
     """Every rank's batches of one epoch, in order (sample indices into ``rows x repeat``), padded to a multiple
     of ``world_size``. ``row_repeats``: each row's own repeat (several catalogues, ``data/dataset_list.py``)."""
     rows = len(keys)
@@ -68,6 +93,8 @@ def epoch_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, in
     by_key: dict[str, list[int]] = {}
     for index in _sample_indices(rows, repeat, row_repeats):
         by_key.setdefault(keys[index % rows], []).append(index)
+    if equal_load:
+        return _equal_load_batches(by_key, batch_sizes, world_size, rng)
     batches = []
     for key in sorted(by_key):
         indices = by_key[key]
@@ -81,9 +108,27 @@ def epoch_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, in
     return batches
 
 
+def _equal_load_batches(by_key: dict[str, list[int]], batch_sizes: Mapping[str, int], world_size: int,
+                        rng: random.Random) -> list[list[int]]:
+    """Groups of ``world_size`` full batches of one key each, the groups shuffled (module docstring)."""
+    groups = []
+    for key in sorted(by_key):
+        indices = by_key[key]
+        rng.shuffle(indices)
+        size = _batch_size(batch_sizes, key)
+        filled = indices + [indices[i % len(indices)] for i in range(-len(indices) % size)]
+        batches = [filled[start:start + size] for start in range(0, len(filled), size)]
+        batches += [batches[i % len(batches)] for i in range(-len(batches) % world_size)]
+        groups.extend(batches[start:start + world_size] for start in range(0, len(batches), world_size))
+    rng.shuffle(groups)
+    return [batch for group in groups for batch in group]
+
+
 def _batch_size(batch_sizes: Mapping[str, int], key: str) -> int:
+    """The batch size of ``key``'s samples: given for the key, else for its media kind (``video@1280x704``:
+    ``video``)."""
     try:
-        size = int(batch_sizes[key])
+        size = int(batch_sizes[key] if key in batch_sizes else batch_sizes[key.partition("@")[0]])
     except KeyError:
         raise ValueError(f"no batch size for samples of shape {key!r} (sizes given: {dict(batch_sizes)})") from None
     if size < 1:
@@ -99,10 +144,11 @@ class ShapeGroupedBatchSampler:
     drop_last = False
 
     def __init__(self, keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int,
-                 seed: int, row_repeats: Sequence[int] | None = None):
+                 seed: int, row_repeats: Sequence[int] | None = None, equal_load: bool = False):
         self.keys, self.repeat, self.batch_sizes = list(keys), repeat, dict(batch_sizes)
         self.row_repeats = list(row_repeats) if row_repeats else None
         self.world_size, self.seed, self.epoch = world_size, seed, 0
+        self.equal_load = equal_load
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -110,9 +156,9 @@ class ShapeGroupedBatchSampler:
     def __iter__(self):
         offset = self.epoch * len(self.keys) * self.repeat   # the epoch rides along in the index (module docstring)
         batches = epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch,
-                                self.row_repeats)
+                                self.row_repeats, self.equal_load)
         return iter([[index + offset for index in batch] for batch in batches])
 
     def __len__(self) -> int:
         return batches_per_rank(self.keys, self.repeat, self.batch_sizes, self.world_size,
-                                self.row_repeats) * self.world_size
+                                self.row_repeats, self.equal_load) * self.world_size

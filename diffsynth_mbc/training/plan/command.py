@@ -20,7 +20,7 @@ from diffsynth_mbc.data.media.frame_selection import frame_arguments
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.options import build_parser as training_parser, resolve_options
-from diffsynth_mbc.training.plan.step_plan import plan_from_options
+from diffsynth_mbc.training.plan.step_plan import bucket_samples_of_metadata, plan_from_options
 
 
 def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str) -> list[str]:
@@ -166,6 +166,7 @@ def plan_lines(options, plan) -> list[str]:
         f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch",
         f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)",
         f"  {plan.describe_modes()}",
+        *[f"  {line}" for line in plan.describe_buckets()],
         f"  precision {precision.get(options.mixed_precision, options.mixed_precision)} "
         "(the training prints what it chose)"]
 
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
         videos, images = count_media(options.dataset_metadata_path)
         plan = plan_from_options(options, rows=videos + images, images=images, world_size=world_size,
-                                 datasets=metadata_counts(options))
+                                 datasets=metadata_counts(options), bucket_samples=bucket_samples_of_metadata(options))
     except FileNotFoundError as exc:
         print(f"error: metadata not found: {exc.filename}", file=sys.stderr)
         return 2

@@ -158,11 +158,11 @@ def step_plan(options, media: tuple[int, int], world_size: int):
     """The training's step plan for these rows on ``world_size`` GPUs (every node's): the one function the training,
     ``python -m diffsynth_mbc.plan`` and the status files plan with; several catalogues count their own repeats."""
     from diffsynth_mbc.data.dataset_list import metadata_counts
-    from diffsynth_mbc.training.plan.step_plan import plan_from_options
+    from diffsynth_mbc.training.plan.step_plan import bucket_samples_of_metadata, plan_from_options
 
     counts = metadata_counts(options) if options.datasets else ()
     return plan_from_options(options, rows=media[0] + media[1], images=media[1], world_size=max(1, world_size),
-                             datasets=counts)
+                             datasets=counts, bucket_samples=bucket_samples_of_metadata(options))
 
 
 def run_shape(options, media: tuple[int, int], gpus: int, nodes: int, plan=None,

@@ -11,6 +11,13 @@ turn (padded so every rank runs the same number), and each rank takes one optimi
     total_steps       = steps_per_epoch * num_epochs
 
 The users' dashboard showed 5,000 steps for 5,000 samples on 2 GPUs; each rank really runs 2,500.
+
+With ``--buckets aspect`` (``bucket_samples``: each batch key's samples per epoch, ``video@1280x704``) every rank
+trains the same bucket at each position (``batches.py``, equal load), so each key is counted on its own:
+
+    batches_per_epoch = sum over keys of ceil(ceil(samples / its batch size) / world_size)
+
+and the samples repeated to fill each key's last batch and last group of ``world_size`` batches are said.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ class StepPlan:
     # What the samples train (training/step/objective.py): images t2i, videos i2v with this probability, else t2v.
     objective: str = "modes"
     i2v_probability: float = 1.0
+    # --buckets aspect: ((key, samples per epoch), ...) per batch key (media kind @ bucket); () with --buckets off.
+    bucket_samples: tuple = ()
 
     def __post_init__(self):
         if self.image_batch_size is None:
@@ -72,14 +81,33 @@ class StepPlan:
 
     @property
     def samples_per_rank_per_epoch(self) -> int:
+        if self.bucket_samples:   # with the samples repeated to fill each bucket's batches and GPU groups
+            return sum(row["batches_per_gpu"] * row["batch_size"] for row in self.bucket_dicts())
         return _ceil_div(self.samples_per_epoch, self.world_size)
 
     @property
     def batches_per_epoch(self) -> int:
         """Batches each rank loads per epoch (what len() of the prepared data loader says)."""
+        if self.bucket_samples:
+            return sum(_ceil_div(_ceil_div(samples, self.key_batch_size(key)), self.world_size)
+                       for key, samples in self.bucket_samples)
         video_batches = _ceil_div(self._samples("videos"), self.batch_size)
         image_batches = _ceil_div(self._samples("images"), self.image_batch_size)
         return _ceil_div(video_batches + image_batches, self.world_size)
+
+    def key_batch_size(self, key: str) -> int:
+        return self.image_batch_size if key.partition("@")[0] == "image" else self.batch_size
+
+    def bucket_dicts(self) -> list[dict]:
+        """Each bucket key's samples per epoch, batches per GPU and samples repeated to keep every GPU on one
+        bucket at a time."""
+        rows = []
+        for key, samples in self.bucket_samples:
+            size = self.key_batch_size(key)
+            groups = _ceil_div(_ceil_div(samples, size), self.world_size)
+            rows.append({"key": key, "samples_per_epoch": samples, "batch_size": size, "batches_per_gpu": groups,
+                         "repeated_samples": groups * self.world_size * size - samples})
+        return rows
 
     @property
     def steps_per_epoch(self) -> int:
@@ -107,6 +135,10 @@ class StepPlan:
             plan["datasets"] = self.dataset_dicts()
         else:
             plan.pop("datasets")   # one catalogue: the plan reads as it always did
+        if self.bucket_samples:
+            plan["bucket_samples"] = self.bucket_dicts()
+        else:
+            plan.pop("bucket_samples")   # --buckets off: the plan reads as it always did
         return {**plan, "samples_per_epoch": self.samples_per_epoch,
                 "samples_per_rank_per_epoch": self.samples_per_rank_per_epoch,
                 "batches_per_epoch": self.batches_per_epoch, "steps_per_epoch": self.steps_per_epoch,
@@ -126,12 +158,27 @@ class StepPlan:
                 f"{self.num_epochs} epoch(s) -> {self.total_steps:,} steps in total (per GPU); "
                 f"{self.describe_modes()}")
 
+    def describe_buckets(self) -> list[str]:
+        """The bucket lines of the printed plan (none with --buckets off)."""
+        if not self.bucket_samples:
+            return []
+        rows = self.bucket_dicts()
+        repeated = sum(row["repeated_samples"] for row in rows)
+        lines = [f"buckets (aspect): {len(rows)} in use; every GPU trains one bucket at a time; "
+                 f"{repeated:,} sample(s) repeated per epoch to fill the last batch and GPU group of each bucket"]
+        for row in rows:
+            kind, _, bucket = row["key"].partition("@")
+            lines.append(f"  {bucket:>11} {kind + 's':<6} {row['samples_per_epoch']:>8,} samples/epoch "
+                         f"{row['batches_per_gpu']:>7,} batches/GPU of {row['batch_size']}"
+                         + (f" (+{row['repeated_samples']} repeated)" if row["repeated_samples"] else ""))
+        return lines
+
     def describe_modes(self) -> str:
         return describe_modes(self.objective, self.i2v_probability, self.modes_per_epoch)
 
 
 def plan_from_options(options, *, rows: int, images: int, world_size: int, datasets: tuple = (),
-                      gradient_accumulation: int | None = None) -> StepPlan:
+                      gradient_accumulation: int | None = None, bucket_samples: tuple = ()) -> StepPlan:
     """The run's step plan from its options and its catalogue's counts: what the training, the launcher's plan and
     the status files all print (images batched by ``--image_batch_size``, by default one video's tokens). An epoch
     above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit)."""
@@ -146,7 +193,24 @@ def plan_from_options(options, *, rows: int, images: int, world_size: int, datas
     return StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=world_size, batch_size=options.batch_size,
                     gradient_accumulation=gradient_accumulation or options.gradient_accumulation_steps,
                     num_epochs=options.num_epochs, images=images, image_batch_size=image_batch, datasets=datasets,
-                    objective=options.objective, i2v_probability=options.i2v_probability)
+                    objective=options.objective, i2v_probability=options.i2v_probability,
+                    bucket_samples=tuple(bucket_samples))
+
+
+def bucket_samples_of_metadata(options) -> tuple:
+    """``--buckets aspect``: each batch key's samples per epoch, read from the metadata before any dataset opens
+    (the launcher's plan, the doctor), keyed as the training's dataset keys them; () with ``off``."""
+    if options.buckets != "aspect":
+        return ()
+    from diffsynth_mbc.data.dataset_list import row_repeats
+    from diffsynth_mbc.data.media.row_buckets import bucket_keys
+    from diffsynth_mbc.data.metadata_csv import read_metadata
+    from diffsynth_mbc.training.plan.batches import key_samples
+
+    rows = list(read_metadata(options.dataset_metadata_path))
+    keys = bucket_keys(rows, options.dataset_base_path, options.height, options.width)
+    repeats = row_repeats(options.datasets, [int(row["dataset"]) for row in rows]) if options.datasets else None
+    return tuple(key_samples(keys, options.dataset_repeat, repeats).items())
 
 
 def steps_from_loader(batches_per_epoch: int, gradient_accumulation: int, num_epochs: int) -> tuple[int, int]:

@@ -85,10 +85,13 @@ class ProgressLogger(ModelLogger):
         tokens = kwargs.get("tokens")
         if tokens:
             record["tokens"] = int(tokens)
-        if kwargs.get("timestep_draws"):   # each sample's (timestep, loss, mode): loss by timestep and by mode
-            record["timesteps"] = [round(t, 2) for t, _, _ in kwargs["timestep_draws"]]
-            record["timestep_losses"] = [float(f"{value:.6g}") for _, value, _ in kwargs["timestep_draws"]]
-            record["modes"] = [mode for _, _, mode in kwargs["timestep_draws"]]
+        draws = kwargs.get("timestep_draws")
+        if draws:   # each sample's (timestep, loss, mode[, shape]): loss by timestep, by mode and by bucket
+            record["timesteps"] = [round(draw[0], 2) for draw in draws]
+            record["timestep_losses"] = [float(f"{draw[1]:.6g}") for draw in draws]
+            record["modes"] = [draw[2] for draw in draws]
+            if all(len(draw) > 3 and draw[3] for draw in draws):
+                record["shapes"] = [list(draw[3]) for draw in draws]   # [frames, height, width] in pixels
         if kwargs.get("nonfinite"):
             record["nonfinite"] = True   # skipped: the loss or gradient norm was inf/NaN
         record.update(extra)

@@ -13,6 +13,13 @@ def latent_frames(sample: dict) -> int:
     return (len(sample["video"]) - 1) // 4 + 1
 
 
+def pixel_shape(latents) -> list[int]:
+    """[frames, height, width] in pixels of a latent [..., F, H, W] (Wan2.2 VAE: 4 frames per latent frame after
+    the first, 16x16 pixels per cell): the shape a sample trains at, for the history's ``shapes``."""
+    frames, height, width = (int(side) for side in latents.shape[-3:])
+    return [(frames - 1) * 4 + 1, height * 16, width * 16]
+
+
 def sample_tokens(sample: dict) -> int:
     """DiT tokens of one sample: latent frames x (height / 32) x (width / 32) (VAE 4x16x16, patch 1x2x2)."""
     if "input_latents" in sample:

@@ -166,15 +166,20 @@ class DrawLog:
     def __init__(self):
         self._pending: list[tuple[torch.Tensor, torch.Tensor, list[str]]] = []
 
-    def add(self, timesteps: torch.Tensor, losses: list[torch.Tensor], modes: list[str]) -> None:
+    def add(self, timesteps: torch.Tensor, losses: list[torch.Tensor], modes: list[str],
+            shapes: list[list[int]] | None = None) -> None:
+        """One forward's draws; ``shapes``: each sample's [frames, height, width] in pixels."""
         self._pending.append((timesteps.detach().reshape(-1), torch.stack([loss.detach().reshape(()) for loss
-                                                                            in losses]), list(modes)))
+                                                                            in losses]), list(modes),
+                              list(shapes) if shapes is not None else [None] * len(modes)))
         del self._pending[:-self.MAX]
 
-    def take(self) -> list[tuple[float, float, str]]:
-        """Every (timestep, loss, mode) since the last take, in order; the log is then empty."""
+    def take(self, with_shapes: bool = False) -> list[tuple]:
+        """Every (timestep, loss, mode) since the last take, in order (with ``with_shapes``: (timestep, loss,
+        mode, [frames, height, width])); the log is then empty."""
         draws = []
-        for timesteps, losses, modes in self._pending:
-            draws += zip(timesteps.float().cpu().tolist(), losses.float().cpu().tolist(), modes)
+        for timesteps, losses, modes, shapes in self._pending:
+            columns = (timesteps.float().cpu().tolist(), losses.float().cpu().tolist(), modes)
+            draws += zip(*columns, shapes) if with_shapes else zip(*columns)
         self._pending = []
         return draws

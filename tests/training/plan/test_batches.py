@@ -91,3 +91,41 @@ def test_any_catalogue_is_batched_without_loss(videos, images, repeat, video_bat
     plan = StepPlan(rows=len(keys), repeat=repeat, world_size=world, batch_size=video_batch, gradient_accumulation=1,
                     num_epochs=1, images=images, image_batch_size=image_batch)
     assert plan.batches_per_epoch == batches_per_rank(keys, repeat, {VIDEO: video_batch, IMAGE: image_batch}, world)
+
+
+# --- equal load (--buckets aspect): every rank on one bucket at a time ------------------------------------------
+
+from diffsynth_mbc.training.plan.batches import equal_load_repeats, key_samples  # noqa: E402
+
+BUCKET_KEYS = ["video@128x64"] * 5 + ["video@64x128"] * 2 + ["image@96x96"] * 7
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_every_rank_trains_the_same_bucket_at_every_position_with_full_batches(world_size, epoch):
+    sizes = {"video": 2, "image": 3}
+    batches = epoch_batches(BUCKET_KEYS, 1, sizes, world_size, seed=7, epoch=epoch, equal_load=True)
+    assert len(batches) == batches_per_rank(BUCKET_KEYS, 1, sizes, world_size, equal_load=True) * world_size
+    for start in range(0, len(batches), world_size):
+        group = batches[start:start + world_size]
+        keys = {BUCKET_KEYS[index] for batch in group for index in batch}
+        assert len(keys) == 1, group
+        assert {len(batch) for batch in group} == {sizes[keys.pop().partition("@")[0]]}
+    seen = [index for batch in batches for index in batch]
+    assert set(seen) == set(range(len(BUCKET_KEYS)))   # nothing dropped
+    repeated = sum(equal_load_repeats(n, sizes[key.partition("@")[0]], world_size)
+                   for key, n in key_samples(BUCKET_KEYS, 1).items())
+    assert len(seen) - len(BUCKET_KEYS) == repeated
+
+
+def test_equal_load_batches_are_the_same_for_a_seed_and_epoch_and_differ_between_epochs():
+    sizes = {"video": 1, "image": 2}
+    first = epoch_batches(BUCKET_KEYS, 2, sizes, 2, seed=3, epoch=0, equal_load=True)
+    assert first == epoch_batches(BUCKET_KEYS, 2, sizes, 2, seed=3, epoch=0, equal_load=True)
+    assert first != epoch_batches(BUCKET_KEYS, 2, sizes, 2, seed=3, epoch=1, equal_load=True)
+
+
+def test_without_equal_load_the_batches_are_what_they_always_were():
+    keys = ["video"] * 5 + ["image"] * 4
+    assert epoch_batches(keys, 1, {"video": 2, "image": 3}, 2, seed=0, epoch=0) == \
+        epoch_batches(keys, 1, {"video": 2, "image": 3}, 2, seed=0, epoch=0, equal_load=False)

@@ -65,3 +65,20 @@ def test_cosine_schedule_decays_to_the_floor():
 def test_unknown_schedule_is_named():
     with pytest.raises(ValueError, match="'linear'"):
         lr_factor(0, 10, schedule="linear")
+
+
+def test_with_buckets_each_bucket_is_counted_on_its_own_and_its_repeats_said():
+    plan = StepPlan(rows=14, repeat=1, world_size=2, batch_size=2, gradient_accumulation=1, num_epochs=3,
+                    images=7, image_batch_size=3,
+                    bucket_samples=(("image@96x96", 7), ("video@128x64", 5), ("video@64x128", 2)))
+    # images: 3 batches -> 2 groups of 2 GPUs; 128x64: 3 batches -> 2 groups; 64x128: 1 batch -> 1 group
+    assert plan.batches_per_epoch == 2 + 2 + 1 and plan.total_steps == 15
+    rows = {row["key"]: row for row in plan.bucket_dicts()}
+    assert rows["image@96x96"]["repeated_samples"] == 2 * 2 * 3 - 7 and rows["video@64x128"]["repeated_samples"] == 2
+    assert plan.samples_per_rank_per_epoch == 2 * 3 + 2 * 2 + 1 * 2
+    lines = plan.describe_buckets()
+    assert lines[0].startswith("buckets (aspect): 3 in use; every GPU trains one bucket at a time; 10 sample(s)")
+    assert any("96x96 images" in line and "(+5 repeated)" in line for line in lines)
+    assert "bucket_samples" in plan.as_dict()
+    assert "bucket_samples" not in StepPlan(rows=14, repeat=1, world_size=2, batch_size=2, gradient_accumulation=1,
+                                            num_epochs=3).as_dict()

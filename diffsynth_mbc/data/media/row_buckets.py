@@ -1,0 +1,52 @@
+"""Each metadata row's bucket (``--buckets aspect``): from its size, read once before the run. No torch.
+
+A row's size is its ``width``/``height`` columns where the converter wrote them (``convert --probe``), else the
+file's header, read in parallel (``media_probe``: a clip's displayed size, its rotation metadata applied). A file
+whose size cannot be read goes to the configured shape: it fails to decode later and is replaced like any bad file.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from diffsynth_mbc.data.media.buckets import Bucket, bucket_set, nearest_bucket, sample_key
+from diffsynth_mbc.data.media.shapes import IMAGE, shape_key
+
+
+def _column_size(row: dict) -> tuple[int, int] | None:
+    try:
+        width, height = int(float(row.get("width") or 0)), int(float(row.get("height") or 0))
+    except (TypeError, ValueError):
+        return None
+    return (width, height) if width > 0 and height > 0 else None
+
+
+def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None) -> list[tuple[int, int] | None]:
+    """(width, height) of every row: its columns, else its file's header; None where neither can be read."""
+    from diffsynth_mbc.data.media.media_probe import probe_files
+
+    sizes = [_column_size(row) for row in rows]
+    missing = [index for index, size in enumerate(sizes) if size is None]
+    if missing:
+        items = [(os.path.join(base_path, str(rows[index].get("video") or "")),
+                  IMAGE if shape_key(rows[index].get("media_type"), rows[index].get("video")) == IMAGE else "video")
+                 for index in missing]
+        for index, result in zip(missing, probe_files(items, workers=workers)):
+            if result.info is not None:
+                sizes[index] = (result.info.width, result.info.height)
+    return sizes
+
+
+def row_buckets(rows: Sequence[dict], base_path: str, height: int, width: int,
+                workers: int | None = None) -> list[Bucket]:
+    """Every row's bucket among ``bucket_set(height, width)``."""
+    buckets = bucket_set(height, width)
+    fallback = Bucket(height, width)
+    return [nearest_bucket(buckets, *size) if size else fallback for size in row_sizes(rows, base_path, workers)]
+
+
+def bucket_keys(rows: Sequence[dict], base_path: str, height: int, width: int) -> list[str]:
+    """Every row's batch key under ``--buckets aspect`` (``video@1280x704``), as the training's dataset keys it."""
+    return [sample_key(shape_key(row.get("media_type"), row.get("video")), bucket)
+            for row, bucket in zip(rows, row_buckets(rows, base_path, height, width))]
