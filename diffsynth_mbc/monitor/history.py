@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from diffsynth_mbc.monitor.buckets import BucketLosses
 from diffsynth_mbc.monitor.modes import ModeLosses
 from diffsynth_mbc.monitor.series import MAX_POINTS, TREND_POINTS, Series
 from diffsynth_mbc.monitor.status import json_safe, open_regular, to_float
@@ -112,6 +113,7 @@ class HistoryFile:
         self.val_quantiles: dict[str, Series] = {}   # "0.5" -> validation loss at that timestep quantile
         self.by_timestep = LossByTimestep()   # training loss per timestep bin, EMA over the run
         self.modes = ModeLosses(self.max_points)   # loss per mode (t2i, i2v, t2v): steps, bins, validation
+        self.buckets = BucketLosses()   # samples and loss per shape bucket over the run
         self.epoch_marks: list[tuple[float, int]] = []  # (first step seen of an epoch, epoch)
         self._last_epoch: int | None = None
         self.step_times: deque[float] = deque(maxlen=RECENT_STEP_TIMES)
@@ -270,6 +272,9 @@ class HistoryFile:
         modes = get("modes")
         if modes is not None:
             self.modes.add(step, modes, drawn, get("timestep_losses"))
+        shapes = get("shapes")
+        if shapes is not None:
+            self.buckets.add(shapes, get("timestep_losses"), drawn, modes)
         epoch = get("epoch")
         if type(epoch) is int and epoch != self._last_epoch:
             self._mark_epoch(step, epoch)

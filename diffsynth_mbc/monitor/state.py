@@ -250,7 +250,8 @@ class MonitorState:
         more exist and ``next_since`` is where to continue), or with ``points`` the bounded
         down-sampled series (loss, lr, grad_norm, step_time_s, samples_per_s, val_loss, loss per mode: bucket
         mean, min, max) with at most that many points per series, where each epoch began, and the training
-        loss by timestep bin, all samples' and per mode (an EMA per bin over the run, whatever ``since``).
+        loss by timestep bin, all samples' and per mode (an EMA per bin over the run, whatever ``since``), and the
+        samples and mean loss per shape bucket (over the run, whatever ``since``).
         """
         if points is not None:
             self._wait_for_whole_histories(rank)
@@ -273,6 +274,7 @@ class MonitorState:
                                                  for q, series in sorted(hf.val_quantiles.items())},
                         "loss_by_timestep": hf.by_timestep.as_dict(),
                         **hf.modes.payload(since, points),   # loss_by_mode, loss_by_timestep_by_mode, ...
+                        "loss_by_bucket": hf.buckets.as_dict(),   # {bucket: {samples, loss}} over the run
                         "epochs": [{"step": step, "epoch": epoch} for step, epoch in hf.epoch_marks
                                    if since is None or step > since],
                         "last_step": hf.last_step,

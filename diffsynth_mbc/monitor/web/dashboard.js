@@ -16,6 +16,7 @@
   const MODE_ORDER = ["t2i", "i2v", "t2v"];
   const MODE_COLORS = {t2i: "#f2c94c", i2v: "#ff6b6b", t2v: "#56d4e0"};
   const MAX_MODES = 8, MAX_MODE_NAME = 12, MAX_QUANTILES = 16;   // as the monitor keeps them
+  const MAX_BUCKETS = 64, MAX_SIDE = 1 << 20;   // as the monitor's buckets.py
   // kind: how the chart's values are written in its legend and tooltip, as the same figure in the cards and table
   const CHARTS = [
     {id: "loss", title: "Training loss", field: "loss", kind: "loss", smoothing: true, logToggle: true},
@@ -254,9 +255,9 @@
     for (const f of FIELDS) fields[f] = {x: [], y: []};
     // quantiles: validation loss at each fixed timestep quantile ("0.5"), the same on every rank (reduced over
     // ranks); modes: the mean training loss of each mode's samples per step; valModes: validation loss per mode;
-    // modeBins: the loss per timestep bin of each mode's samples
+    // modeBins: the loss per timestep bin of each mode's samples; buckets: bucket -> {samples, sum of their losses}
     return {fields: fields, quantiles: new Map(), modes: new Map(), valModes: new Map(), modeBins: new Map(),
-            epochs: new Map(), since: null, loaded: false, byTimestep: null};
+            buckets: new Map(), epochs: new Map(), since: null, loaded: false, byTimestep: null};
   }
 
   function emptyBins() {
@@ -322,6 +323,30 @@
     for (const [mode, [total, n]] of sums) push(keyedLine(h.modes, mode, MAX_MODES), rec.step, total / n);
   }
 
+  function bucketName(shape) {
+    // [frames, height, width] -> "1280x704" ("960x960 image" for one frame), as the monitor names it; null if none.
+    if (!Array.isArray(shape) || shape.length !== 3) return null;
+    if (!shape.every((v) => num(v) && Number.isInteger(v) && v > 0 && v <= MAX_SIDE)) return null;
+    return shape[2] + "x" + shape[1] + (shape[0] === 1 ? " image" : "");
+  }
+
+  function addBucketLosses(h, rec) {
+    // Each sample in its shape's bucket, as the monitor's BucketLosses.add: a record whose shapes are not aligned
+    // with its losses (and timesteps and modes, where it has them) is left out whole.
+    const shapes = rec.shapes, losses = rec.timestep_losses;
+    if (!Array.isArray(shapes) || !Array.isArray(losses) || shapes.length !== losses.length) return;
+    for (const other of [rec.timesteps, rec.modes]) {
+      if (other !== undefined && other !== null && (!Array.isArray(other) || other.length !== shapes.length)) return;
+    }
+    shapes.forEach((shape, i) => {
+      const name = bucketName(shape), v = losses[i];
+      if (name === null || !num(v) || (!h.buckets.has(name) && h.buckets.size >= MAX_BUCKETS)) return;
+      const b = h.buckets.get(name) || {samples: 0, sum: 0};
+      b.samples++; b.sum += v;
+      h.buckets.set(name, b);
+    });
+  }
+
   function keyedLine(map, key, most) {
     // The line of one quantile or mode; of a file naming absurdly many, the first ``most`` are drawn.
     if (!map.has(key) && map.size < most) map.set(key, {x: [], y: []});
@@ -374,6 +399,11 @@
     }
     for (const e of d.epochs || []) h.epochs.set(e.step, e.epoch);
     h.byTimestep = binsFrom(d.loss_by_timestep);
+    for (const [name, b] of Object.entries(d.loss_by_bucket || {})) {
+      if (b && num(b.samples) && b.samples > 0 && num(b.loss) && h.buckets.size < MAX_BUCKETS) {
+        h.buckets.set(name, {samples: b.samples, sum: b.loss * b.samples});
+      }
+    }
     for (const [m, bins] of Object.entries(d.loss_by_timestep_by_mode || {})) {
       const b = binsFrom(bins);
       if (b && h.modeBins.size < MAX_MODES) h.modeBins.set(m, b);
@@ -409,6 +439,7 @@
     }
     addTimesteps(h, rec);
     addModeLosses(h, rec);
+    addBucketLosses(h, rec);
     if (Number.isInteger(rec.epoch)) {
       if (num(h.lastEpoch) && rec.epoch !== h.lastEpoch) h.epochs.set(rec.step, rec.epoch);
       h.lastEpoch = rec.epoch;
@@ -862,6 +893,33 @@
     }
   }
 
+  // ---- buckets ------------------------------------------------------------------------------
+  function renderBuckets() {
+    // One row per bucket (by name), a samples and a mean loss column per rank; hidden while no history has shapes.
+    const ranks = Object.keys(history).map(Number).filter((r) => history[r].loaded && history[r].buckets.size)
+      .sort((a, b) => a - b);
+    const names = Array.from(new Set(ranks.flatMap((r) => Array.from(history[r].buckets.keys())))).sort();
+    $("buckets-box").hidden = !names.length;
+    const head = el("tr");
+    head.appendChild(el("th", {"class": "l"}, "Bucket"));
+    for (const r of ranks) head.append(el("th", null, "Rank " + r + " samples"), el("th", null, "Rank " + r + " loss"));
+    const body = el("tbody");
+    for (const name of names) {
+      const tr = el("tr", {"data-bucket": name});
+      tr.appendChild(el("td", {"class": "l"}, name));
+      for (const r of ranks) {
+        const b = history[r].buckets.get(name);
+        tr.append(el("td", {"data-rank": r, "data-field": "samples"}, b ? b.samples : "-"),
+                  el("td", {"data-rank": r, "data-field": "loss", "data-value": b ? b.sum / b.samples : ""},
+                     b ? FORMATS.loss(b.sum / b.samples) : "-"));
+      }
+      body.appendChild(tr);
+    }
+    const thead = el("thead");
+    thead.appendChild(head);
+    $("buckets").replaceChildren(thead, body);
+  }
+
   // ---- samples ------------------------------------------------------------------------------
   function renderGallery(sets) {
     // One row per prompt, one column per sample step; videos play on hover and toggle on click.
@@ -947,6 +1005,7 @@
       }
     }
     drawCharts();
+    renderBuckets();
     await loadSamples();
     draws++;
     document.body.dataset.draws = String(draws);
