@@ -1,7 +1,8 @@
 """Catalogue to metadata: the ``python -m diffsynth_mbc.convert`` command.
 
-``cli`` (the command: options, their checks, the run), ``probing`` (--probe: unreadable files rejected,
-short or small ones flagged), ``outputs`` (the files written: names, columns, CSV texts), ``report``
+``cli`` (the command: options, their checks, the run), ``probe_rejects`` (--probe: unreadable files rejected,
+short, small or much cropped ones flagged), ``aspect_mix`` (the training shapes: what is small or cropped, the
+orientation and aspect mix), ``outputs`` (the files written: names, columns, CSV texts), ``report``
 (summary.json and the printed table).
 """
 

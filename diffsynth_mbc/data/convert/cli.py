@@ -3,15 +3,17 @@
     python -m diffsynth_mbc.convert CATALOG.csv --base_path DIR --output OUT_DIR \\
         [--val_catalog VAL.csv | --val_fraction F] [--subset N] [--seed S] \\
         [--media all|video|image] [--no_check_files] [--probe] [--workers N] \\
-        [--min_frames N] [--min_width W] [--min_height H] [--reject_short [--source_fps F]]
+        [--min_frames N] [--height H] [--width W] [--buckets aspect|off] [--reject_short [--source_fps F]]
         [--tokenizer UMT5_DIR]
 
 Writes OUT_DIR/metadata.csv (video,prompt,media_type[,width,height,num_frames,fps]),
 metadata_val.csv (with a validation catalogue or --val_fraction), rejects.csv (every input row
 not written because of a problem, with its reason), not_in_subset.csv (with --subset: the valid rows it did
 not take, kept apart so that they do not bury the rejects), flagged.csv (with --probe: the files written but
-flagged as short or small) and summary.json (with the captions longer than the text encoder's 512 tokens,
-which are also named in a warning). Each file is written to a temp file and renamed.
+flagged as short, small or much cropped at the training's shape) and summary.json (with the captions longer
+than the text encoder's 512 tokens, which are also named in a warning, and with --probe the orientation and
+aspect mix: rows per bucket and the share of pixels centre-cropping discards, under --buckets and the other mode).
+Each file is written to a temp file and renamed.
 Exit status: 0 when at least one row was written, 1 when none was, 2 for usage errors or a
 catalogue that cannot be read.
 """
@@ -45,6 +47,7 @@ from diffsynth_mbc.data.convert.outputs import (
 )
 from diffsynth_mbc.data.convert.probe_rejects import probe_entries
 from diffsynth_mbc.data.convert.report import build_summary, print_summary_table, summarise_probe
+from diffsynth_mbc.data.media.buckets import BUCKET_MODES, STEP
 from diffsynth_mbc.data.media.media_probe import default_workers
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.values import positive_number
@@ -89,8 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "--num_frames), naming their count, instead of only flagging them")
     parser.add_argument("--source-fps", type=float,
                         help="with --reject_short: count frames at this rate, as the training's --source_fps does")
-    parser.add_argument("--min-width", type=int, default=1280, help="flag media narrower than this (default 1280)")
-    parser.add_argument("--min-height", type=int, default=704, help="flag media lower than this (default 704)")
+    parser.add_argument("--height", type=int, default=704,
+                        help="with --probe: the training's --height (default 704, as the presets)")
+    parser.add_argument("--width", type=int, default=1280,
+                        help="with --probe: the training's --width (default 1280, as the presets)")
+    parser.add_argument("--buckets", choices=BUCKET_MODES, default="aspect",
+                        help="with --probe: the training's --buckets, for the report only (default aspect, the "
+                             "presets' choice): aspect trains each row at the bucket nearest its aspect, off at "
+                             "--height x --width, centre-cropped. The summary counts rows per orientation and "
+                             "bucket and the share of pixels cropping discards, under both modes; flagged.csv "
+                             "names the rows smaller than their shape and those whose crop keeps under 90%%")
     return parser
 
 
@@ -101,9 +112,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--val_fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
-    for name in ("min_frames", "min_width", "min_height"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
+    if args.min_frames < 0:
+        raise UsageError("--min_frames must not be negative")
+    for name in ("height", "width"):
+        if getattr(args, name) < STEP or getattr(args, name) % STEP:
+            raise UsageError(f"--{name} must be a positive multiple of {STEP}, as the training's, "
+                             f"got {getattr(args, name)}")
     if (args.reject_short or args.source_fps is not None) and not args.probe:
         raise UsageError("--reject_short and --source_fps need --probe (the frame counts come from probing)")
     if args.source_fps is not None and positive_number(args.source_fps) is None:

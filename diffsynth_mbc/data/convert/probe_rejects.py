@@ -1,5 +1,5 @@
 """--probe: open every written file, reject the unreadable (and, with --reject_short, the short) ones and flag
-the short or small ones that are still written."""
+the short, small or much cropped ones that are still written (what small and cropped mean: ``aspect_mix``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from diffsynth_mbc.data.convert import catalogue_rows as cat
+from diffsynth_mbc.data.convert.aspect_mix import CROPPED_MEDIA, TrainingShapes
 from diffsynth_mbc.data.media.media_probe import MediaInfo, probe_files
 
 
 @dataclass(frozen=True)
 class Flag:
     entry: cat.Entry
-    flag: str    # SHORT_VIDEO or SMALL_MEDIA
-    detail: str  # e.g. "5 frames, fewer than 17"
+    flag: str    # SHORT_VIDEO, SMALL_MEDIA or CROPPED_MEDIA
+    detail: str  # e.g. "5 frames, fewer than 17", "portrait clip, cropping to 1280x704 keeps 31%"
 
 
 SHORT_VIDEO = "short video"
@@ -44,6 +45,7 @@ def probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: C
                                   decoder=args.decoder)
     else:
         results = probe_files(items, args.workers, decoder=args.decoder)
+    shapes = TrainingShapes.from_args(args)
     info: dict[int, MediaInfo] = {}
     unreadable: list[cat.Reject] = []
     flags: list[Flag] = []
@@ -60,9 +62,12 @@ def probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: C
         info[id(entry)] = result.info
         if short:   # "short video (N frames..., fewer than ...)": the part in brackets
             flags.append(Flag(entry, SHORT_VIDEO, short[len(SHORT_VIDEO) + 2:-1]))
-        if result.info.width < args.min_width or result.info.height < args.min_height:
-            flags.append(Flag(entry, SMALL_MEDIA, f"{result.info.width}x{result.info.height}, smaller than "
-                                                  f"{args.min_width}x{args.min_height}"))
+        small = shapes.small(result.info)
+        if small:
+            flags.append(Flag(entry, SMALL_MEDIA, small))
+        cropped = shapes.cropped(result.info, entry.media_type)
+        if cropped:
+            flags.append(Flag(entry, CROPPED_MEDIA, cropped))
     return ProbeOutcome(info, unreadable, flags)
 
 

@@ -1,5 +1,5 @@
 """summary.json and the table printed after a conversion: counts per catalogue and reason, the base path hint,
-the probe's histograms and the warnings that name flagged files."""
+the probe's histograms and aspect mix, and the warnings that name flagged files."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from rich.table import Table
 
 from diffsynth_mbc.data.convert import catalogue_rows as cat
 from diffsynth_mbc.data.convert import selection
+from diffsynth_mbc.data.convert.aspect_mix import CROPPED_MEDIA, TrainingShapes, aspect_lines, summarise_aspect
 from diffsynth_mbc.data.convert.outputs import FLAGGED_NAME, NOT_IN_SUBSET_NAME
 from diffsynth_mbc.data.convert.probe_rejects import SHORT_VIDEO, SMALL_MEDIA, Flag, ProbeOutcome
 from diffsynth_mbc.data.media.media_probe import histogram
@@ -24,7 +25,7 @@ def _named(flags: list[Flag]) -> list[str]:
     """The first few flagged files, each with what was found, for a warning line."""
     names = []
     for flag in flags[:NAMED_IN_A_WARNING]:
-        found = flag.detail.split(",")[0]
+        found = flag.detail if flag.flag == CROPPED_MEDIA else flag.detail.split(",")[0]
         names.append(f"{flag.entry.source.file_path} ({found})")
     return names
 
@@ -54,23 +55,26 @@ def base_path_hint(catalogs: dict[str, cat.Catalog], rejects: list[cat.Reject], 
 def summarise_probe(entries: list[cat.Entry], outcome: ProbeOutcome, args: argparse.Namespace) -> dict:
     infos = [outcome.info[id(e)] for e in entries]
     videos = [outcome.info[id(e)] for e in entries if e.media_type == "video"]
+    shapes = TrainingShapes.from_args(args)
     return {
         "workers": args.workers,
         "min_frames": args.min_frames,
-        "min_width": args.min_width,
-        "min_height": args.min_height,
+        "trains_at": shapes.describe(),
         "unreadable": sum(1 for r in outcome.unreadable if r.code != SHORT_VIDEO),
         "rejected_short_videos": sum(1 for r in outcome.unreadable if r.code == SHORT_VIDEO),
         "flagged_short_videos": len(outcome.flagged(SHORT_VIDEO)),
         "flagged_small_media": len(outcome.flagged(SMALL_MEDIA)),
         "named_short_videos": _named(outcome.flagged(SHORT_VIDEO)),
         "named_small_media": _named(outcome.flagged(SMALL_MEDIA)),
+        "flagged_cropped_media": len(outcome.flagged(CROPPED_MEDIA)),
+        "named_cropped_media": _named(outcome.flagged(CROPPED_MEDIA)),
         "flagged_file": FLAGGED_NAME if outcome.flags else None,
         "width": histogram(i.width for i in infos),
         "height": histogram(i.height for i in infos),
         "num_frames": histogram(i.num_frames for i in infos),
         "video_num_frames": histogram(i.num_frames for i in videos),
         "fps": histogram(None if i.fps is None else round(i.fps, 3) for i in videos),
+        "aspect": summarise_aspect(infos, shapes),
     }
 
 
@@ -145,19 +149,28 @@ def print_summary_table(console: Console, summary: dict) -> None:
                       f"{NOT_IN_SUBSET_NAME} (they are not rejects)", highlight=False)
     if summary["base_path_hint"]:
         console.print(f"[yellow]{escape(summary['base_path_hint'])}[/yellow]", highlight=False)
-    probe = summary["probe"]
-    if probe:
-        if probe["flagged_short_videos"]:
-            _print_flagged(console, f"{probe['flagged_short_videos']} videos have fewer than {probe['min_frames']} "
-                                    "frames", probe["named_short_videos"], probe["flagged_short_videos"])
-        if probe["flagged_small_media"]:
-            _print_flagged(console, f"{probe['flagged_small_media']} files are smaller than {probe['min_width']}x"
-                                    f"{probe['min_height']}", probe["named_small_media"], probe["flagged_small_media"])
+    if summary["probe"]:
+        _print_probe(console, summary["probe"])
     if summary["not_probed"]:
         console.print(f"note: {summary['not_probed']}", highlight=False)
     if summary["note"]:
         console.print(f"[yellow]{summary['note']}[/yellow]")
     console.print(f"wrote {', '.join(summary['outputs'])}")
+
+
+def _print_probe(console: Console, probe: dict) -> None:
+    for line in aspect_lines(probe["aspect"]):
+        console.print(line, highlight=False)
+    if probe["flagged_short_videos"]:
+        _print_flagged(console, f"{probe['flagged_short_videos']} videos have fewer than {probe['min_frames']} "
+                                "frames", probe["named_short_videos"], probe["flagged_short_videos"])
+    if probe["flagged_small_media"]:
+        _print_flagged(console, f"{probe['flagged_small_media']} files are smaller than {probe['trains_at']}",
+                       probe["named_small_media"], probe["flagged_small_media"])
+    if probe["flagged_cropped_media"]:
+        _print_flagged(console, f"{probe['flagged_cropped_media']} files lose more than 10% of their frame to "
+                                f"cropping (--buckets {probe['aspect']['buckets']})", probe["named_cropped_media"],
+                       probe["flagged_cropped_media"])
 
 
 def _print_flagged(console: Console, what: str, named: list[str], count: int) -> None:

@@ -222,7 +222,7 @@ def test_probe_records_sizes_flags_and_rejects_unreadable_media(tmp_path):
     ])
     out = tmp_path / "out"
     assert convert(catalog, "--base-path", base, "--output", out, "--probe", "--workers", 2,
-                   "--min-frames", 17, "--min-width", 64, "--min-height", 48) == 0
+                   "--min-frames", 17, "--height", 32, "--width", 64) == 0
 
     written = pd.read_csv(out / "metadata.csv")
     assert list(written.columns) == ["video", "prompt", "media_type", "width", "height", "num_frames", "fps"]

@@ -148,12 +148,12 @@ def test_probe_warnings_name_the_files_and_list_them_all(tmp_path, capsys):
     base = tmp_path / "data"
     rows = []
     for index, frames in enumerate((21, 5, 6, 7, 8)):
-        write_video(base / f"clip{index}.mp4", num_frames=frames, width=64, height=48, fps=10)
+        write_video(base / f"clip{index}.mp4", num_frames=frames, width=64, height=32, fps=10)
         rows.append((f"clip{index}.mp4", f"clip {index}", "video"))
     catalog = write_catalog(base / "c.csv", rows)
     out = tmp_path / "out"
     assert convert(catalog, "--base-path", base, "--output", out, "--probe", "--workers", 2,
-                   "--min-width", 64, "--min-height", 48) == 0
+                   "--height", 32, "--width", 64) == 0   # the clips' own shape: neither small nor cropped
     err = " ".join(capsys.readouterr().err.split())
     assert ("warning: 4 videos have fewer than 17 frames: clip1.mp4 (5 frames), clip2.mp4 (6 frames), "
             "clip3.mp4 (7 frames) and 1 more; all are listed in flagged.csv") in err

@@ -16,8 +16,8 @@ def test_short_videos_are_rejected_with_their_count_at_the_source_fps_too(tmp_pa
     write_video(base / "long.mp4", num_frames=21, width=64, height=48, fps=10)
     write_video(base / "short.mp4", num_frames=5, width=64, height=48, fps=10)
     catalog = write_catalog(base / "c.csv", [("long.mp4", "long", "video"), ("short.mp4", "short", "video")])
-    common = [str(catalog), "--base-path", str(base), "--probe", "--min-frames", "17", "--min-width", "64",
-              "--min-height", "48", "--reject-short"]
+    common = [str(catalog), "--base-path", str(base), "--probe", "--min-frames", "17", "--height", "32",
+              "--width", "64", "--reject-short"]
 
     assert main(common + ["--output", str(tmp_path / "a")]) == 0
     assert list(pd.read_csv(tmp_path / "a" / "metadata.csv")["video"]) == ["long.mp4"]
