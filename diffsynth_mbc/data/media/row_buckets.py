@@ -8,6 +8,7 @@ whose size cannot be read goes to the configured shape: it fails to decode later
 from __future__ import annotations
 
 import os
+import sys
 from typing import Sequence
 
 from diffsynth_mbc.data.media.buckets import Bucket, bucket_set, nearest_bucket, sample_key
@@ -28,6 +29,10 @@ def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None) 
 
     sizes = [_column_size(row) for row in rows]
     missing = [index for index, size in enumerate(sizes) if size is None]
+    if missing and os.environ.get("RANK", "0") == "0":   # said once, not by every rank
+        print(f"note: {len(missing):,} of {len(rows):,} metadata rows have no width/height columns; reading their "
+              "files' headers for the buckets (python -m diffsynth_mbc.convert --probe writes the columns)",
+              file=sys.stderr)
     if missing:
         items = [(os.path.join(base_path, str(rows[index].get("video") or "")),
                   IMAGE if shape_key(rows[index].get("media_type"), rows[index].get("video")) == IMAGE else "video")

@@ -196,6 +196,10 @@ def brief_lines(plan, run, unknown: str, width: int = 80) -> list[str]:
     gpus = f"{plan.world_size} GPU{'s' if plan.world_size != 1 else ''}"
     lines = [f"step plan: {plan.total_steps:,} steps in total per GPU ({plan.steps_per_epoch:,} x {epochs}, {gpus})",
              "  " + plan.describe_modes().replace("modes per epoch: ", "modes/epoch: ", 1), f"  {projected}"]
+    if plan.bucket_samples:
+        repeated = sum(row["repeated_samples"] for row in plan.bucket_dicts())
+        lines.insert(2, f"  buckets: {len(plan.bucket_samples)} in use, every GPU on one at a time "
+                        f"({repeated:,} samples repeated per epoch; the bucket table is in the log)")
     return [part for line in lines for part in textwrap.wrap(line, width, subsequent_indent="    ")]
 
 

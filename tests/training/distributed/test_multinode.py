@@ -1,5 +1,6 @@
 """Two nodes, one run, on one machine: two launchers with --demo --multinode started seconds apart (one CPU
-process each, gloo), as a several-node run would be started by hand on each node."""
+process each, gloo), as a several-node run would be started by hand on each node. With --buckets aspect, as the
+presets train: both nodes plan and deal the same bucket batches, and a resume deals them again the same way."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from e2e_helpers import kill_tree
 
 pytestmark = pytest.mark.slow
 LAUNCHER = str(REPO / "launchers" / "train_test.sh")
-STEPS = list(range(1, 13))       # configs/train_demo.yaml on 2 ranks
+STEPS = list(range(1, 13))       # configs/train_demo.yaml on 2 ranks, its one bucket (64x64) dealt in pairs
 
 
 def start_nodes(work, port, *args, log_dirs=(None, None), delay_s=2.5):
@@ -29,7 +30,8 @@ def start_nodes(work, port, *args, log_dirs=(None, None), delay_s=2.5):
         extra = ["--log_dir", str(log_dirs[machine_rank])] if log_dirs[machine_rank] else []
         env = isolated_env(work, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NUM_MACHINES=2,
                            MACHINE_RANK=machine_rank, OMP_NUM_THREADS=1)
-        nodes.append(subprocess.Popen(["bash", LAUNCHER, "--demo", "--multinode", *args, *extra], cwd=work, env=env,
+        nodes.append(subprocess.Popen(["bash", LAUNCHER, "--demo", "--multinode", "--buckets", "aspect", *args, *extra],
+                                      cwd=work, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         if machine_rank == 0:
             time.sleep(delay_s)   # nodes are never started at the same instant
@@ -132,6 +134,12 @@ def test_a_monitor_over_two_sources_sees_every_node(uninterrupted):
 def test_one_run_id_and_complete_checkpoints_with_node_local_logs(uninterrupted):
     run_ids = {read_status(uninterrupted["logs"][r], r)["run_id"] for r in (0, 1)}
     assert len(run_ids) == 1
+    for rank in (0, 1):   # both nodes planned the same buckets and trained them at the same steps
+        plan = read_status(uninterrupted["logs"][rank], rank)["plan"]
+        assert [row["key"] for row in plan["bucket_samples"]] == ["image@64x64", "video@64x64"]
+    shapes = [[record["shapes"] for record in read_history(uninterrupted["logs"][rank], rank)
+               if record.get("kind") is None] for rank in (0, 1)]
+    assert shapes[0] == shapes[1] and len(shapes[0]) == len(STEPS)
     checkpoints = complete_checkpoints(uninterrupted["work"] / "runs/demo/lora/checkpoints")
     assert checkpoints
     for _step, folder in checkpoints:
