@@ -124,7 +124,7 @@ class ShardJob:
                 self.fail(row, str(file_name), f"metadata row {row + 1} ({file_name}): cannot read the file: "
                                                f"{exc.strerror or exc}")
                 continue
-            entry = entry_relpath(entry_key(fingerprint, self.settings))
+            entry = entry_relpath(entry_key(fingerprint, self.settings, self.dataset.row_buckets[row]))
             text = text_relpath(text_key(caption, self.settings))
             self.plan[row] = {"row": row + 1, "file": str(file_name), "prompt": caption,
                               "media_type": str(record.get("media_type", "")), "entry": entry, "text": text,

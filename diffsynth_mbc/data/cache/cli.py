@@ -25,8 +25,10 @@ most every 5 s, so ``python -m diffsynth_mbc.monitor LOG_DIR`` and the dashboard
 (and call a silent rank stalled); the training that follows replaces these files with its own.
 
 An entry key is the sha256 of what determines the latent: the media file (resolved path, size, mtime),
-height, width, frames, the VAE's identity and the dtype. A text key is the sha256 of the caption (with
---caption_prefix / --caption_suffix joined to it), the text encoder's identity (with the tokenizer), text_len
+height, width, frames, the VAE's identity and the dtype, and with ``--buckets aspect`` the row's bucket: each
+entry's latent is encoded at its bucket's shape (the training's ``--buckets``, recorded in the index's settings).
+A text key is the sha256 of the caption (with --caption_prefix / --caption_suffix joined to it), the text
+encoder's identity (with the tokenizer), text_len
 and the dtype; a caption shared by several rows is stored once, and so is the empty prompt (what the training's
 --caption_dropout trains on; ``empty_prompt`` in the index). Every file is written to a temp name and renamed
 into place, so an entry that exists is complete: a second run skips it, a killed run resumes, and a changed
@@ -62,6 +64,7 @@ from diffsynth_mbc.data.cache.index import (
     file_sha256,
 )
 from diffsynth_mbc.data.caption_rules import caption_affixes, check_caption_options
+from diffsynth_mbc.data.media.buckets import BUCKET_MODES
 from diffsynth_mbc.data.media.clip_reader import DECODERS
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.data.metadata_csv import read_metadata
@@ -107,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--source_fps", type=float, help="the training's --source_fps (resample clips to this rate)")
     parser.add_argument("--short_clips", choices=("shorten", "loop", "skip"), default="shorten",
                         help="the training's --short_clips; skip lists short clips in failures.csv")
+    parser.add_argument("--buckets", choices=BUCKET_MODES, default="off",
+                        help="the training's --buckets: off (every row resized to cover --height x --width and "
+                             "centre-cropped; default) or aspect (each row at the bucket nearest its own aspect, at "
+                             "about the same pixel area; each entry stored at its bucket's shape)")
     parser.add_argument("--log_dir", help="where each rank writes its status file training_gpu{rank}.json for the "
                                           "monitor (default: CACHE_DIR/logs; the launchers give the training's)")
     parser.add_argument("--run_id", help=f"the run id in the status files (default: ${environment.RUN_ID}, else "
@@ -231,11 +238,13 @@ def run(options, ranks: Ranks, status=None) -> int:
                 **caption_affixes(options)}
     if options.frames.settings():   # absent for the default: caches built before frame selection still match
         settings["frames"] = options.frames.settings()
+    if options.buckets != "off":   # absent for off: caches built before buckets still match
+        settings["buckets"] = options.buckets
 
     dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path, decoder=options.decoder,
                               frames=options.frames,
                               num_frames=options.num_frames, height=options.height, width=options.width,
-                              **caption_affixes(options))
+                              buckets=options.buckets, **caption_affixes(options))
     metadata = {"path": str(Path(options.dataset_metadata_path).resolve()),
                 "sha256": file_sha256(options.dataset_metadata_path),
                 "base_path": str(Path(options.dataset_base_path).resolve()), "rows": len(dataset.data)}

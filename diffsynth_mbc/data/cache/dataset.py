@@ -10,7 +10,8 @@
 
 ``WanTI2VLoraModule`` turns such a sample into the DiT's inputs without the VAE or text encoder.
 ``open_training_dataset(options)`` picks the cache (``options.cache``) or the media files, and refuses a
-cache built for another size, metadata file or set of encoder weights, naming what differs.
+cache built for another size, ``--buckets`` mode, metadata file or set of encoder weights, naming what differs.
+With ``--buckets aspect`` each entry's latent has its row's bucket's shape, and ``batch_keys`` name that bucket.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 
 from diffsynth_mbc.data.cache.index import (
     CacheError,
+    bucket_mode,
     demo_identity,
     file_sha256,
     model_dir_identities,
@@ -71,10 +73,16 @@ class CachedLatentDataset(torch.utils.data.Dataset):
         return self._empty_context
 
     def batch_keys(self) -> list[str]:
-        """Each row's shape key (``video`` or ``image``): samples are batched only with samples of their key."""
+        """Each row's shape key (``video`` or ``image``; with ``--buckets aspect`` ``@`` the bucket its latent was
+        encoded at, ``video@1280x704``), as MBCVideoDataset keys the row: samples are batched only with samples of
+        their key."""
+        from diffsynth_mbc.data.media.buckets import Bucket, sample_key
         from diffsynth_mbc.data.media.shapes import shape_key
 
-        return [shape_key(row.get("media_type"), row.get("file")) for row in self.entries]
+        aspect = bucket_mode(self.settings) == "aspect"
+        return [sample_key(shape_key(row.get("media_type"), row.get("file")),
+                           Bucket(row["latent_shape"][2] * 16, row["latent_shape"][3] * 16) if aspect else None)
+                for row in self.entries]
 
     def _load(self, relative: str, row: dict, size_key: str) -> dict:
         path = self.cache_dir / relative
@@ -123,6 +131,10 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
         problems.append("it was built for " + ", ".join(f"{key} {built}" for key, built, _ in sizes)
                         + "; this run asks for " + ", ".join(f"{key} {asked}" for key, _, asked in sizes))
     problems += frame_problems(settings, options)
+    built_buckets, asked_buckets = bucket_mode(settings), options.buckets
+    if built_buckets != asked_buckets:
+        problems.append(f"--buckets: the cache was built with {built_buckets}, this run asks for {asked_buckets} "
+                        f"(rebuild the cache with --buckets {asked_buckets})")
     metadata_path = Path(metadata_path or options.dataset_metadata_path)
     if not metadata_path.is_file():
         problems.append(f"--dataset_metadata_path {metadata_path} does not exist")

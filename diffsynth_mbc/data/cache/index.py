@@ -76,14 +76,24 @@ def file_fingerprint(path) -> dict:
     return {"path": str(resolved), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def entry_key(fingerprint: dict, settings: dict) -> str:
+def entry_key(fingerprint: dict, settings: dict, bucket=None) -> str:
     """Frames other than the default (``settings["frames"]``) are part of the key; the default's keys are those of
-    caches built before frame selection existed."""
+    caches built before frame selection existed. So is the row's bucket under ``--buckets aspect`` (``bucket``: its
+    ``data.media.buckets.Bucket``, the size the latent is encoded at), so a row whose bucket changes is encoded
+    again; ``--buckets off`` keys are those of caches built before buckets existed."""
     keyed = {"version": VERSION, "file": fingerprint, "height": settings["height"], "width": settings["width"],
              "num_frames": settings["num_frames"], "vae": settings["vae"], "dtype": settings["dtype"]}
     if settings.get("frames"):
         keyed["frames"] = settings["frames"]
+    if bucket is not None:
+        keyed["bucket"] = bucket.name
     return _sha256(keyed)
+
+
+def bucket_mode(settings: dict) -> str:
+    """A cache's ``--buckets`` mode: recorded in its settings for ``aspect``; absent (``off``) in caches built
+    with ``off`` and before buckets existed."""
+    return settings.get("buckets", "off")
 
 
 def text_key(caption: str, settings: dict) -> str:

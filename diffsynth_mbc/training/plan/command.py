@@ -29,6 +29,8 @@ def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str)
                  "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed),
                  "--decoder", options.decoder, "--log_dir", options.log_dir]   # the monitor sees the build there
     arguments += frame_arguments(options)
+    if options.buckets != "off":   # the cache stores each entry at its bucket's shape
+        arguments += ["--buckets", options.buckets]
     if options.sample_prompts and metadata_path == options.dataset_metadata_path:
         arguments += ["--sample_prompts", options.sample_prompts]
     affixes = {"caption_prefix": options.caption_prefix, "caption_suffix": options.caption_suffix}

@@ -56,6 +56,15 @@ def test_the_cache_command_refuses_random_window_and_gets_the_trainings_frame_fl
     assert "--frame_sampling" not in cache_arguments(resolve_options(BASE + ["--demo"]), "m.csv", ".", "c")
 
 
+def test_the_cache_command_gets_the_trainings_buckets(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.csv").write_text("video,prompt\na.mp4,a clip\n")
+    arguments = cache_arguments(resolve_options(BASE + ["--demo", "--buckets", "aspect"]), "m.csv", ".", "c")
+    assert arguments[arguments.index("--buckets") + 1] == "aspect"
+    assert cache.parse_options(arguments).buckets == "aspect"
+    assert "--buckets" not in cache_arguments(resolve_options(BASE + ["--demo"]), "m.csv", ".", "c")
+
+
 def test_a_resume_compares_the_frames_and_old_checkpoints_match_the_default():
     def fingerprint(*flags):
         return run_fingerprint(resolve_options(BASE + list(flags)), world_size=1, accumulation=1, rows=1,
