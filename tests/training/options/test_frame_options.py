@@ -77,6 +77,17 @@ def test_a_resume_compares_the_frames_and_old_checkpoints_match_the_default():
     assert fingerprint_differences(saved_before, head) == []
 
 
+def test_a_resume_with_other_buckets_is_refused_and_old_checkpoints_trained_without_them():
+    def fingerprint(*flags):
+        return run_fingerprint(resolve_options(BASE + list(flags)), world_size=1, accumulation=1, rows=1,
+                               metadata_sha256="x", image_batch=1, precision="no")
+    off, aspect = fingerprint(), fingerprint("--buckets", "aspect")
+    assert fingerprint_differences(off, aspect) == ["buckets: checkpoint 'off', this run 'aspect'"]
+    saved_before = {key: value for key, value in off.items() if key != "buckets"}
+    assert fingerprint_differences(saved_before, off) == []
+    assert len(fingerprint_differences(saved_before, aspect)) == 1
+
+
 def test_a_uniform_cache_has_its_own_keys_and_a_run_asking_for_other_frames_is_refused(tmp_path):
     root = tmp_path / "demo"
     metadata = prepare(root, num_videos=2, num_images=1)
