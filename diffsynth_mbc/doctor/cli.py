@@ -33,8 +33,9 @@ def build_parser():
                         help="the run builds the latent cache first and trains from it (the launchers' --cached)")
     parser.add_argument("--deepspeed", action="store_true", help="the plan uses DeepSpeed ZeRO-2")
     parser.add_argument("--probe", type=int, metavar="N",
-                        help="also run N real optimizer steps of this run on this machine (clips and images apart, "
-                             "in a temporary folder) and project the run's length from the measured step times")
+                        help="also run N real optimizer steps of this run on this machine (clips and images apart; "
+                             "with --buckets aspect every bucket in use apart; in a temporary folder) and project the "
+                             "run's length from the measured step times")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     parser.add_argument("--quick", action="store_true",
                         help="skip the slow checks (NCCL bandwidth, decoding rows); the launchers run this")
@@ -76,10 +77,10 @@ def estimate_run(options, ours, target: checks.Target, precision: str, media) ->
 
     spec = target.spec
 
-    def estimate(these):
+    def estimate(these, plan=None):
         return estimates.estimate_run(these, spec, target.rates_from, precision, cudnn_version=target.cudnn_version,
                                       gpus=target.count, nodes=ours.nodes, cached_launch=ours.cached, media=media,
-                                      zero2_world_size=target.count if ours.deepspeed else 1)
+                                      zero2_world_size=target.count if ours.deepspeed else 1, plan=plan)
 
     run = estimate(options)
     if spec is None:
@@ -87,15 +88,18 @@ def estimate_run(options, ours, target: checks.Target, precision: str, media) ->
     assumptions = run.assumptions + [f"CUDA context {memory.CUDA_CONTEXT_BYTES / GIB:.1f} GiB; 'fits' = under "
                                      f"{memory.FITS_BELOW:.0%} of the GPU"] + target.assumptions
     gpu_bytes = int(spec.memory_gib * GIB)
-    report = estimates.memory_summary(run.plans, gpu_bytes)
+    report = estimates.memory_summary(run.plans, gpu_bytes, run.buckets)
     largest = run.plans[report["batch"]]
     changes = memory.changes_that_fit(largest, gpu_bytes, spec.native_bf16,
                                       lambda p: attention_kernel(spec.capability, p, target.cudnn_version))
     report["changes_that_fit"] = [{"flags": flags, "precision": p.precision, "cached": p.cached,
                                    "total_bytes": memory.total(memory.estimate(p))} for flags, p in changes]
-    detail = (f"{report['total_bytes'] / GIB:.1f} GiB estimated ({report['batch']} batch, "
+    sized = f"{report['bucket_note']}, " if report.get("bucket_note") else ""
+    detail = (f"{report['total_bytes'] / GIB:.1f} GiB estimated ({report['batch']} batch, {sized}"
               f"{largest.recomputed_blocks} of 30 blocks recomputed) of {spec.memory_gib:.0f} GiB on {spec.name}")
-    speed = [c for c in (speed_check(options, run, estimate, gpu_bytes),) if c is not None]
+    # the candidates change no option of the step plan: theirs is this run's (its buckets read once)
+    candidate = (lambda these: estimate(these, run.step_plan)) if run.buckets else estimate
+    speed = [c for c in (speed_check(options, run, candidate, gpu_bytes),) if c is not None]
     if report["fits"]:
         return [Check("memory", checks.OK, detail + " (fits)"), *speed], report, run.speed, assumptions
     fix = (f"{changes[0][0]} (at {changes[0][1].precision}) -> "

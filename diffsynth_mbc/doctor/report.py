@@ -27,8 +27,10 @@ def print_table(result: dict) -> None:
     mem = result["memory"]
     if mem:
         plan = mem["plan"]
-        items = Table(title=f"memory per GPU, {mem['batch']} batch ({plan['tokens']} tokens x {plan['batch_size']}, "
-                            f"{plan['precision']}, {plan['recomputed_blocks']} of 30 blocks recomputed)")
+        sized = f"{mem['bucket_note']}, " if mem.get("bucket_note") else ""
+        items = Table(title=f"memory per GPU, {mem['batch']} batch ({sized}{plan['tokens']} tokens x "
+                            f"{plan['batch_size']}, {plan['precision']}, {plan['recomputed_blocks']} of 30 blocks "
+                            "recomputed)")
         items.add_column("item")
         items.add_column("GiB", justify="right")
         for row in mem["items"]:
@@ -61,11 +63,14 @@ def speed_lines(speed: dict) -> list[str]:
             lines.append(f"speed, {kind} batch: {figure['seconds_per_step']:.2f} s/step ({figure['kind']}; "
                          f"{figure['model_tflop_per_step']} TFLOP/step{mfu})")
             lines += [f"    {source}" for source in figure["sources"]]
-    if speed.get("projection"):
-        lines.append(speed["projection"]["line"])
-        if speed["projection"].get("cache_line"):
-            lines.append(speed["projection"]["cache_line"])
-    return lines
+    return lines + projection_lines(speed.get("projection"))
+
+
+def projection_lines(projection: dict | None) -> list[str]:
+    """The projected run length, what its buckets add up to (--buckets aspect) and the cache build."""
+    if not projection:
+        return []
+    return [line for line in (projection["line"], projection.get("bucket_line"), projection.get("cache_line")) if line]
 
 
 def probe_lines(probe: dict | None) -> list[str]:
@@ -83,15 +88,12 @@ def probe_lines(probe: dict | None) -> list[str]:
             memory_text = ""
         encode = (f", encoding {figure['encode_seconds_per_row']:.3f} s/row"
                   if figure.get("encode_seconds_per_row") is not None else "")
-        lines.append(f"probe, {kind} batch: {figure['seconds_per_step']:.3f} s/step measured on this machine over "
+        what = f"bucket {kind.partition('@')[2]} ({kind.partition('@')[0]}s)" if "@" in kind else f"{kind} batch"
+        lines.append(f"probe, {what}: {figure['seconds_per_step']:.3f} s/step measured on this machine over "
                      f"{figure['steps_timed']} steps of {figure['samples_per_step']:g} samples (after "
                      f"{figure['warmup_steps']} warm-up: {', '.join(f'{s:.2f}' for s in figure['first_steps_s'])} s)"
                      f"{memory_text}{encode}")
-    if probe.get("projection"):
-        lines.append(probe["projection"]["line"])
-        if probe["projection"].get("cache_line"):
-            lines.append(probe["projection"]["cache_line"])
-    return lines
+    return lines + projection_lines(probe.get("projection"))
 
 
 def check_line(c: dict) -> str:

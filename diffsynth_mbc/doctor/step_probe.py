@@ -2,9 +2,10 @@
 
 The run's own settings (model, precision, compile, checkpointing, batches: every resolved option, written
 to a temporary preset) train on two small metadata files, the first video rows and the first image rows
-of the run's metadata, through the real training entry (``python -m diffsynth_mbc.train``, one process)
-in a temporary folder that is removed afterwards: nothing reaches the run's output, log or checkpoint
-folders. One epoch, no validation, samples, trackers or checkpoints. A run that trains from the latent
+of the run's metadata (with ``--buckets aspect`` one file per bucket in use, that bucket's first rows: each
+bucket's step time is measured apart, and the projection adds up each bucket's steps at its own), through
+the real training entry (``python -m diffsynth_mbc.train``, one process) in a temporary folder that is
+removed afterwards: nothing reaches the run's output, log or checkpoint folders. One epoch, no validation, samples, trackers or checkpoints. A run that trains from the latent
 cache first builds a cache of each subset with ``python -m diffsynth_mbc.cache``, which measures the
 encoding rate too. The first step(s) of each run are left out of the timing (model warm-up, compilation).
 Read back: the rank's history ``training_gpu0.jsonl`` (``step_time_s``, ``samples`` per optimizer step)
@@ -52,6 +53,27 @@ def write_subset(metadata_path: str, kind: str, rows_wanted: int, out: Path) -> 
                 rows.append(row)
                 if len(rows) == rows_wanted:
                     break
+    return write_rows(fields, rows, rows_wanted, out)
+
+
+def bucket_rows(options) -> tuple[list[str], dict[str, list[dict]]]:
+    """``--buckets aspect``: (the metadata's columns, its rows by bucket key, ``video@1280x704``), each row in the
+    bucket the training puts it in (its width/height columns, else its file's header)."""
+    from diffsynth_mbc.data.media.row_buckets import bucket_keys
+
+    with open(options.dataset_metadata_path, newline="", encoding="utf-8-sig") as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+        fields = reader.fieldnames or []
+    by_key: dict[str, list[dict]] = {}
+    for row, key in zip(rows, bucket_keys(rows, options.dataset_base_path, options.height, options.width)):
+        by_key.setdefault(key, []).append(row)
+    return fields, dict(sorted(by_key.items()))
+
+
+def write_rows(fields: list[str], rows: list[dict], rows_wanted: int, out: Path) -> int:
+    """``rows_wanted`` rows of ``rows`` (repeated when there are fewer) as a metadata file; how many distinct rows."""
+    rows = rows[:rows_wanted]
     if rows:
         with open(out, "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=fields)
@@ -102,6 +124,8 @@ def build_cache(options, subset: Path, folder: Path, env: dict) -> tuple[str, fl
 
     cache_dir = folder / "cache"
     arguments = cache_arguments(options, str(subset), options.dataset_base_path, str(cache_dir))
+    if options.buckets != "off" and "--buckets" not in arguments:   # each entry encoded at its row's bucket
+        arguments += ["--buckets", options.buckets]
     code, _ = run_logged([sys.executable, "-m", "diffsynth_mbc.cache", *arguments], folder / "cache.log", env)
     if code != 0:
         raise ProbeError(f"building the latent cache of the probe's rows failed (exit {code}):\n"
@@ -121,7 +145,7 @@ def train(options, kind: str, subset: Path, folder: Path, env: dict, cache_dir: 
     """One training run on the subset; its measured step times and peak memory."""
     preset = {**options.as_dict(), **NEUTRAL, "dataset_metadata_path": str(subset), "output_path": str(folder / "out"),
               "log_dir": str(folder / "logs"), "checkpoint_dir": str(folder / "checkpoints"),
-              "run_id": f"doctor-probe-{kind}", "cache": cache_dir}
+              "run_id": f"doctor-probe-{folder.name}", "cache": cache_dir}
     (folder / "probe.yaml").write_text(yaml.safe_dump(preset, sort_keys=True), encoding="utf-8")
     code, rss = run_logged([sys.executable, "-m", "diffsynth_mbc.train", "--config", str(folder / "probe.yaml")],
                            folder / "train.log", env)
@@ -140,7 +164,9 @@ def summarise(run: dict, warmup: int, distinct_rows: int, encode_seconds: float 
     steps = run["steps"]
     timed = steps[warmup:] or steps[-1:]
     gpu = run["status"].get("gpu") or {}
+    shapes = [shape for s in timed for shape in s.get("shapes") or []]
     return {"seconds_per_step": round(statistics.median(s["step_time_s"] for s in timed), 4),
+            "trained_at": shapes[0] if shapes and all(shape == shapes[0] for shape in shapes) else None,
             "samples_per_step": statistics.median(s.get("samples") or 1 for s in timed),
             "steps_timed": len(timed), "warmup_steps": len(steps) - len(timed), "distinct_rows": distinct_rows,
             "first_steps_s": [s["step_time_s"] for s in steps[:len(steps) - len(timed)]],
@@ -156,27 +182,35 @@ def probe_report(ours, options, result: dict) -> dict:
     if result["exit_code"] != 0:
         return {"error": "skipped: a check above failed (fix it first; the probe runs the real training)"}
     steps, warmup = ours.probe, WARMUP_STEPS
-    media = result.get("media") or {}
     cached = bool(options.cache) or ours.cached
     measured, env = {}, child_environment()
     with tempfile.TemporaryDirectory(prefix="mbc-probe-") as temporary:
-        for kind in ("video", "image"):
-            if not media.get(f"{kind}s"):
-                continue
-            folder = Path(temporary) / kind
+        for unit, kind, write in probe_units(options, result.get("media") or {}):
+            folder = Path(temporary) / unit.replace("@", "-")
             folder.mkdir()
             batch = options.batch_size if kind == "video" else estimates.image_batch(options)
             subset = folder / "metadata.csv"
-            distinct = write_subset(options.dataset_metadata_path, kind,
-                                    (steps + warmup) * batch * options.gradient_accumulation_steps, subset)
+            distinct = write((steps + warmup) * batch * options.gradient_accumulation_steps, subset)
             try:
                 cache_dir, encode = build_cache(options, subset, folder, env) if cached else (None, None)
-                run = train(options, kind, subset, folder, env, cache_dir)
+                run = train(options, unit, subset, folder, env, cache_dir)
             except ProbeError as exc:
                 return {"error": str(exc), "measured": measured}
-            measured[kind] = summarise(run, warmup, distinct, encode)
+            measured[unit] = summarise(run, warmup, distinct, encode)
     return {"steps": steps, "warmup_steps": warmup, "measured": measured, "cached": cached,
             "projection": measured_projection(ours, options, result, measured)}
+
+
+def probe_units(options, media: dict) -> list[tuple[str, str, object]]:
+    """What the probe measures apart, each with a run of its own: [(unit, media kind, write(rows wanted, file) ->
+    distinct rows)]. Clips and images; with ``--buckets aspect`` every bucket in use (``video@1280x704``), since a
+    step's time grows with its bucket's tokens."""
+    if options.buckets == "aspect":
+        fields, by_key = bucket_rows(options)
+        return [(key, "image" if key.partition("@")[0] == "image" else "video",
+                 lambda wanted, out, rows=rows: write_rows(fields, rows, wanted, out)) for key, rows in by_key.items()]
+    return [(kind, kind, lambda wanted, out, kind=kind: write_subset(options.dataset_metadata_path, kind, wanted, out))
+            for kind in ("video", "image") if media.get(f"{kind}s")]
 
 
 def measured_projection(ours, options, result: dict, measured: dict) -> dict | None:
@@ -188,10 +222,16 @@ def measured_projection(ours, options, result: dict, measured: dict) -> dict | N
     # the training's own step plan (what the launcher and the status files print), timed at the measured rates
     shape = estimates.run_shape(options, (media["videos"], media["images"]), gpus, nodes,
                                 unit="GPU" if result.get("gpu") else "CPU process")
-    encode = {kind: m["encode_seconds_per_row"] for kind, m in measured.items()}
     build = estimates.cache_to_build(options, ours.cached)
-    run = run_length.project(shape, measured.get("video", {}).get("seconds_per_step"),
-                             measured.get("image", {}).get("seconds_per_step"),
-                             encode.get("video") if build else None, encode.get("image") if build else None,
-                             kind="measured")
+    by_kind = {"video": {}, "image": {}}   # {kind: {unit: figure}}: the buckets of each kind, or the kind itself
+    for unit, figure in measured.items():
+        by_kind["image" if unit.partition("@")[0] == "image" else "video"][unit] = figure
+    step, encode = {}, {}
+    for kind, figures in by_kind.items():   # a kind's encoding: its buckets' mean (they are of one pixel area)
+        rates = [f["encode_seconds_per_row"] for f in figures.values() if f["encode_seconds_per_row"] is not None]
+        encode[kind] = sum(rates) / len(rates) if rates and build else None
+        step[kind] = figures[kind]["seconds_per_step"] if kind in figures else None
+    buckets = {unit: figure["seconds_per_step"] for unit, figure in measured.items() if "@" in unit}
+    run = run_length.project(shape, step["video"], step["image"], encode["video"], encode["image"], kind="measured",
+                             bucket_seconds=buckets or None)
     return run.as_dict()

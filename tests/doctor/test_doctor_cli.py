@@ -54,7 +54,9 @@ def test_planning_for_a_v100_without_recomputation_it_does_not_fit_and_says_what
     report = json.loads(out)
     assert report["gpu"]["name"] == "V100-32GB" and report["gpu"]["assumed"] and not report["gpu"]["native_bf16"]
     memory = report["memory"]
-    assert memory["plan"]["tokens"] == 4400 and memory["plan"]["precision"] == "fp16"   # auto on sm_70
+    assert memory["plan"]["precision"] == "fp16"   # auto on sm_70
+    # the preset's --buckets aspect without rows to read: sized for the largest of its buckets (30 x 30 cells)
+    assert memory["plan"]["tokens"] == 5 * 900 and memory["bucket"] == "960x960"
     assert memory["plan"]["attention"] == "mem_efficient" and not memory["plan"]["cached"]
     assert memory["plan"]["recomputed_blocks"] == 0 and memory["plan"]["compiled"]    # compile auto: on
     assert not memory["fits"] and memory["total_bytes"] > memory["limit_bytes"]

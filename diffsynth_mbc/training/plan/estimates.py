@@ -8,6 +8,7 @@ batch and the image batch), resolves what the training decides at start the way 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -43,16 +44,61 @@ def image_batch(options) -> int:
                                                                   options.batch_size)
 
 
+def bucket_tokens(bucket) -> int:
+    """DiT tokens of one latent frame at ``bucket`` (sides / 32: the VAE's 16 x the patch's 2)."""
+    return memory.tokens(bucket.height, bucket.width, 1)
+
+
+def largest_bucket(buckets):
+    """The bucket with the most tokens (buckets of one area differ by the 32-pixel rounding); at equal tokens the
+    squarest, then the wider (landscape, as --width x --height mostly is): the choice does not hang on the order."""
+    return max(buckets, key=lambda b: (bucket_tokens(b), -abs(math.log(b.aspect)), b.width))
+
+
+def sizing_buckets(options, bucket_samples=()) -> dict | None:
+    """``--buckets aspect``: {media kind: the bucket with the most tokens} among the buckets that kind's rows use
+    (``bucket_samples``' keys, ``video@1280x704``), else among every bucket of --height x --width (the rows' buckets
+    not known); None with ``off``: the memory and speed are at --height x --width."""
+    if options.buckets != "aspect":
+        return None
+    from diffsynth_mbc.data.media.buckets import bucket_of_key, bucket_set
+
+    every = bucket_set(options.height, options.width)
+    used: dict = {}
+    for key, _ in bucket_samples:
+        bucket = bucket_of_key(key)
+        if bucket is not None:
+            used.setdefault(key.partition("@")[0], []).append(bucket)
+    return {kind: largest_bucket(used.get(kind) or every) for kind in ("video", "image")}
+
+
 def run_plans(options, precision: str, attention: str, cached: bool, compiled: bool, zero2_world_size: int = 1,
-              media: tuple[int, int] | None = None) -> dict:
-    """{"video": Plan, "image": Plan} for the media the run has (both when the counts are not known)."""
+              media: tuple[int, int] | None = None, sizing: dict | None = None) -> dict:
+    """{"video": Plan, "image": Plan} for the media the run has (both when the counts are not known). With
+    ``--buckets aspect`` each at its kind's bucket of ``sizing`` (``sizing_buckets``; without it the largest of every
+    bucket: what the training's ``--gradient_checkpointing auto`` sizes for before it has read its rows)."""
     base = memory.Plan(options.height, options.width, options.num_frames, options.batch_size, options.lora_rank,
                        tuple(options.lora_target_modules.split(",")), precision, cached, memory.DIT["num_layers"],
                        options.use_gradient_checkpointing_offload, attention, zero2_world_size, compiled)
     plans = {"video": base, "image": base.but(num_frames=1, batch_size=image_batch(options))}
+    sizing = sizing or sizing_buckets(options)
+    if sizing:
+        plans = {kind: plan.but(height=sizing[kind].height, width=sizing[kind].width) for kind, plan in plans.items()}
     if media is not None:
         plans = {kind: plan for kind, plan, count in zip(("video", "image"), plans.values(), media) if count} or plans
     return plans
+
+
+def bucket_plan(plans: dict, key: str, options) -> memory.Plan:
+    """The plan of one bucket key (``video@1280x704``): its kind's plan at the bucket's size."""
+    from diffsynth_mbc.data.media.buckets import bucket_of_key
+
+    kind = "image" if key.partition("@")[0] == "image" else "video"
+    plan = plans.get(kind) or next(iter(plans.values())).but(
+        num_frames=1 if kind == "image" else options.num_frames,
+        batch_size=image_batch(options) if kind == "image" else options.batch_size)
+    bucket = bucket_of_key(key)
+    return plan if bucket is None else plan.but(height=bucket.height, width=bucket.width)
 
 
 def with_checkpointing(options, plans: dict, gpu_bytes: int | None) -> tuple[dict, str]:
@@ -61,16 +107,41 @@ def with_checkpointing(options, plans: dict, gpu_bytes: int | None) -> tuple[dic
     return {kind: plan.but(recomputed_blocks=recomputed) for kind, plan in plans.items()}, how
 
 
-def memory_summary(plans: dict, gpu_bytes: int) -> dict:
-    """The larger of the clip and image batch's estimates, itemised, against the GPU."""
+def memory_summary(plans: dict, gpu_bytes: int, buckets: dict | None = None) -> dict:
+    """The larger of the clip and image batch's estimates, itemised, against the GPU; with ``buckets``
+    (``RunEstimate.buckets``) the bucket it is sized for, and why that one."""
     totals = {kind: memory.total(memory.estimate(plan)) for kind, plan in plans.items()}
     kind = max(totals, key=totals.get)
     plan = plans[kind]
     items = memory.estimate(plan)
-    return {"batch": kind, "plan": {**vars(plan), "lora_targets": list(plan.lora_targets), "tokens": plan.tokens},
-            "items": [{"item": name, "bytes": size} for name, size in items], "total_bytes": totals[kind],
-            "totals_by_batch": totals, "gpu_bytes": gpu_bytes, "limit_bytes": int(memory.FITS_BELOW * gpu_bytes),
-            "fits": all(memory.fits(p, gpu_bytes) for p in plans.values())}
+    summary = {"batch": kind, "plan": {**vars(plan), "lora_targets": list(plan.lora_targets), "tokens": plan.tokens},
+               "items": [{"item": name, "bytes": size} for name, size in items], "total_bytes": totals[kind],
+               "totals_by_batch": totals, "gpu_bytes": gpu_bytes, "limit_bytes": int(memory.FITS_BELOW * gpu_bytes),
+               "fits": all(memory.fits(p, gpu_bytes) for p in plans.values())}
+    if buckets:
+        summary["bucket"] = buckets["sized_for"][kind]
+        summary["bucket_note"] = sizing_note(buckets, kind)
+    return summary
+
+
+def sizing_note(buckets: dict, kind: str) -> str:
+    """``sized for the largest bucket 960x960 of the 3 the rows use``: what the memory of ``kind``'s batch is for."""
+    name = buckets["sized_for"][kind]
+    if buckets["in_use"]:
+        names = {key.partition("@")[2] for key in buckets["in_use"]}
+        return f"sized for the largest bucket {name} of the {len(names)} the rows use"
+    return (f"sized for the largest bucket {name} of all {buckets['every']} at --height x --width, the rows' "
+            "buckets not read")
+
+
+def buckets_of(options, sizing: dict | None, bucket_samples) -> dict | None:
+    """What the estimate says of the buckets (None with --buckets off): the ones in use, the one sized for per kind."""
+    if not sizing:
+        return None
+    from diffsynth_mbc.data.media.buckets import bucket_set
+
+    return {"in_use": [key for key, _ in bucket_samples], "every": len(bucket_set(options.height, options.width)),
+            "sized_for": {kind: bucket.name for kind, bucket in sizing.items()}}
 
 
 def cache_to_build(options, cached_launch: bool) -> bool:
@@ -89,6 +160,8 @@ class RunEstimate:
     speed: dict                     # per batch kind: StepEstimate.as_dict(); "projection"; or {"unknown": why}
     projection: run_length.Projection | None
     assumptions: list[str]
+    buckets: dict | None = None     # --buckets aspect: "in_use" keys, "sized_for" {kind: bucket name}, "every"
+    step_plan: object = None        # the step plan the projection used (None: no rows known)
 
 
 def estimate_run(options, spec, rates_from: str | None, precision: str, *, cudnn_version: int | None = None,
@@ -102,12 +175,16 @@ def estimate_run(options, spec, rates_from: str | None, precision: str, *, cudnn
     attention = attention_kernel(capability, precision, cudnn_version)
     compiled, compile_why = resolve_compile(options.compile, capability)
     build_cache = cache_to_build(options, cached_launch)
-    plans = run_plans(options, precision, attention, bool(options.cache) or cached_launch, compiled,
-                      zero2_world_size, media)
-    gpu_bytes = int(spec.memory_gib * GIB) if spec is not None else None
-    plans, checkpointing_how = with_checkpointing(options, plans, gpu_bytes)
     nodes_given = nodes is not None
     nodes = nodes or nodes_from_environment()
+    if plan is None and media is not None and options.buckets == "aspect":   # the buckets in use size the memory
+        plan = step_plan(options, media, max(1, gpus) * nodes)
+    sizing = sizing_buckets(options, plan.bucket_samples if plan is not None else ())
+    plans = run_plans(options, precision, attention, bool(options.cache) or cached_launch, compiled,
+                      zero2_world_size, media, sizing)
+    gpu_bytes = int(spec.memory_gib * GIB) if spec is not None else None
+    plans, checkpointing_how = with_checkpointing(options, plans, gpu_bytes)
+    buckets = buckets_of(options, sizing, plan.bucket_samples if plan is not None else ())
     assumptions = [compile_why, f"gradient checkpointing {checkpointing_how}",
                    f"attention kernel {attention}: PyTorch's SDPA rule, not measured here",
                    "LoRA and its AdamW state in the training precision (in fp32 they cost about 0.9 GiB and, "
@@ -117,8 +194,15 @@ def estimate_run(options, spec, rates_from: str | None, precision: str, *, cudnn
                    f"{gpus} GPU(s) per node x {nodes} node(s)" + ("" if nodes_given else " (nodes: NUM_MACHINES, else 1)")]
     if build_cache:
         assumptions.append("the latent cache is built first (--cached, or --cache without a finished cache)")
+    if buckets:
+        sized = ", ".join(f"{'clips' if kind == 'video' else 'images'} at {buckets['sized_for'][kind]}" for kind in plans)
+        source = (f"the largest of the {len({key.partition('@')[2] for key in buckets['in_use']})} buckets the rows use"
+                  if buckets["in_use"] else f"the largest of all {buckets['every']} buckets: the rows' not read")
+        assumptions.append(f"--buckets aspect: memory sized for {sized} ({source}); seconds per step at each "
+                           "bucket's tokens")
     speed_figures, run = speed_summary(options, spec, rates_from, plans, media, gpus, nodes, build_cache, plan)
-    return RunEstimate(plans, speed_figures, run, assumptions)
+    return RunEstimate(plans, speed_figures, run, assumptions, buckets,
+                       run.shape.plan if run is not None else plan)
 
 
 def speed_summary(options, spec, rates_from: str | None, plans: dict, media: tuple[int, int] | None, gpus: int,
@@ -136,33 +220,71 @@ def speed_summary(options, spec, rates_from: str | None, plans: dict, media: tup
            **{kind: estimate.as_dict() for kind, estimate in steps.items()}}
     run = None
     if media is not None:
-        run = project(options, steps, plans, spec, run_shape(options, media, gpus, nodes, plan), build_cache)
+        shape = run_shape(options, media, gpus, nodes, plan)
+        buckets = {key: speed.seconds_per_step(bucket_plan(plans, key, options), spec, rates_from,
+                                               options.gradient_accumulation_steps)
+                   for key, _ in shape.plan.bucket_samples}
+        if buckets:
+            out["buckets"] = {key: {"seconds_per_step": round(e.seconds, 3), "tokens": bucket_plan(plans, key, options)
+                                    .tokens, "kind": "measured" if e.measured else "estimate"}
+                              for key, e in buckets.items()}
+        run = project(options, steps, plans, spec, shape, build_cache, buckets)
         out["projection"] = run.as_dict()
     return out, run
 
 
 def project(options, steps: dict, plans: dict, spec, shape: run_length.RunShape,
-            build_cache: bool) -> run_length.Projection:
+            build_cache: bool, buckets: dict | None = None) -> run_length.Projection:
+    """The run's length at ``steps``' seconds per step of each batch kind, or with ``buckets`` ({key: StepEstimate},
+    --buckets aspect) at each bucket's."""
     encode = {}
     if build_cache:
         tensor_ratio = speed.gpu_ratios(spec, plans[next(iter(plans))].precision)[0]
         for kind, batch in run_plans(options, "bf16", "cudnn", False, False).items():
             encode[kind] = speed.encode_seconds(batch.but(batch_size=1), tensor_ratio)
     seconds = {kind: estimate.seconds for kind, estimate in steps.items()}
-    kind = "measured" if all(e.measured for e in steps.values()) and not build_cache else "estimate"
+    measured = all(e.measured for e in [*steps.values(), *(buckets or {}).values()])
+    kind = "measured" if measured and not build_cache else "estimate"
     return run_length.project(shape, seconds.get("video"), seconds.get("image"), encode.get("video"),
-                              encode.get("image"), kind=kind)
+                              encode.get("image"), kind=kind,
+                              bucket_seconds={key: e.seconds for key, e in buckets.items()} if buckets else None)
 
 
 def step_plan(options, media: tuple[int, int], world_size: int):
     """The training's step plan for these rows on ``world_size`` GPUs (every node's): the one function the training,
     ``python -m diffsynth_mbc.plan`` and the status files plan with; several catalogues count their own repeats."""
     from diffsynth_mbc.data.dataset_list import metadata_counts
-    from diffsynth_mbc.training.plan.step_plan import bucket_samples_of_metadata, plan_from_options
+    from diffsynth_mbc.training.plan.step_plan import plan_from_options
 
     counts = metadata_counts(options) if options.datasets else ()
     return plan_from_options(options, rows=media[0] + media[1], images=media[1], world_size=max(1, world_size),
-                             datasets=counts, bucket_samples=bucket_samples_of_metadata(options))
+                             datasets=counts, bucket_samples=readable_bucket_samples(options))
+
+
+_BUCKET_SAMPLES: dict = {}
+
+
+def readable_bucket_samples(options) -> tuple:
+    """``bucket_samples_of_metadata``, once per metadata file and sizes (reading the rows' buckets may read every
+    file's header); () when the metadata cannot be read: the estimate then sizes for every bucket."""
+    from diffsynth_mbc.errors import MetadataError
+    from diffsynth_mbc.training.plan.step_plan import bucket_samples_of_metadata
+
+    if options.buckets != "aspect":
+        return ()
+    path = options.dataset_metadata_path
+    try:
+        stat = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return ()
+    key = (path, stat.st_mtime_ns, stat.st_size, options.dataset_base_path, options.height, options.width,
+           options.dataset_repeat, repr(options.datasets))
+    if key not in _BUCKET_SAMPLES:
+        try:
+            _BUCKET_SAMPLES[key] = bucket_samples_of_metadata(options)
+        except (OSError, MetadataError):
+            return ()
+    return _BUCKET_SAMPLES[key]
 
 
 def run_shape(options, media: tuple[int, int], gpus: int, nodes: int, plan=None,

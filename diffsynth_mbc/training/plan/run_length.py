@@ -5,7 +5,8 @@ The steps are the training's (``training/plan/step_plan.StepPlan``, built by ``p
 batches of ``--image_batch_size``, all batches dealt to the GPUs in turn, one optimizer step per
 ``accumulation`` batches. The batches are shuffled together, so the steps split between clips and images as
 their batches do; the projection times each part at its own seconds per step, and the total it prints is the
-plan's. GPUs are every GPU of every node. Building the latent cache first (``--cached``) encodes every row
+plan's. With ``--buckets aspect`` (the plan counting each bucket's batches) the steps split between the buckets
+instead, each timed at its own bucket's seconds per step. GPUs are every GPU of every node. Building the latent cache first (``--cached``) encodes every row
 once on every GPU in parallel. Used by ``python -m diffsynth_mbc.doctor`` and ``python -m diffsynth_mbc.plan``.
 """
 
@@ -36,6 +37,10 @@ def count_media(metadata_path: str | Path) -> tuple[int, int]:
 
 def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
+
+
+def _is_image(key: str) -> bool:
+    return key.partition("@")[0] == "image"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +78,24 @@ class RunShape:
         return (_ceil_div(plan._samples("videos"), plan.batch_size),
                 _ceil_div(plan._samples("images"), plan.image_batch_size))
 
+    def bucket_steps(self) -> list[tuple[str, int]]:
+        """``--buckets aspect``: each bucket key's share of the plan's steps per GPU, as its batches per GPU share them
+        (the keys' groups of batches are shuffled together); the shares add up to the plan's total. [] with off."""
+        rows = self.plan.bucket_dicts() if self.plan.bucket_samples else []
+        batches = sum(row["batches_per_gpu"] for row in rows)
+        shares, counted, before = [], 0, 0
+        for row in rows:
+            counted += row["batches_per_gpu"]
+            upto = round(self.total_steps * counted / batches) if batches else 0
+            shares.append((row["key"], upto - before))
+            before = upto
+        return shares
+
     @property
     def video_steps(self) -> int:
         """Of the plan's steps per GPU, those on clips: the clips' share of the batches (they are shuffled together)."""
+        if self.plan.bucket_samples:
+            return sum(steps for key, steps in self.bucket_steps() if not _is_image(key))
         video_batches, image_batches = self._batches()
         if not video_batches + image_batches:
             return 0
@@ -103,9 +123,13 @@ class Projection:
     kind: str                            # "estimate" or "measured"
     encode_video_seconds: float | None = None   # one clip / one image through the VAE and the text encoder
     encode_image_seconds: float | None = None
+    bucket_seconds: tuple = ()           # --buckets aspect: ((key, seconds per optimizer step at its bucket), ...)
 
     @property
     def training_seconds(self) -> float:
+        if self.bucket_seconds:
+            seconds = dict(self.bucket_seconds)
+            return sum(steps * seconds.get(key, 0.0) for key, steps in self.shape.bucket_steps())
         return self.shape.video_steps * (self.video_seconds or 0.0) + self.shape.image_steps * (self.image_seconds or 0.0)
 
     @property
@@ -117,7 +141,23 @@ class Projection:
                 "image_seconds_per_step": _round(self.image_seconds), "training_seconds": round(self.training_seconds),
                 "cache_build_seconds": None if self.cache_build_seconds is None else round(self.cache_build_seconds),
                 "total_seconds": round(self.total_seconds), "total": duration(self.total_seconds), "kind": self.kind,
-                "line": self.line(), "cache_line": self.cache_line()}
+                "line": self.line(), "cache_line": self.cache_line(), **self._bucket_dict()}
+
+    def _bucket_dict(self) -> dict:
+        if not self.bucket_seconds:
+            return {}   # --buckets off: the projection reads as it always did
+        seconds = dict(self.bucket_seconds)
+        return {"buckets": [{"key": key, "steps_per_gpu": steps, "seconds_per_step": _round(seconds.get(key))}
+                            for key, steps in self.shape.bucket_steps()], "bucket_line": self.bucket_line()}
+
+    def bucket_line(self) -> str | None:
+        """``by bucket: 1280x704 videos 1,200 steps x 0.80 s + ...``: what the training seconds add up from."""
+        if not self.bucket_seconds:
+            return None
+        seconds = dict(self.bucket_seconds)
+        parts = [f"{key.partition('@')[2] or key} {key.partition('@')[0]}s {steps:,} steps x {seconds.get(key, 0.0):.2f} s"
+                 for key, steps in self.shape.bucket_steps()]
+        return f"by bucket ({self.kind}): " + " + ".join(parts) + f" = {duration(self.training_seconds)}"
 
     def line(self) -> str:
         shape, plan = self.shape, self.shape.plan
@@ -164,14 +204,29 @@ def _round(value: float | None) -> float | None:
 
 def project(shape: RunShape, video_seconds: float | None, image_seconds: float | None,
             encode_video_seconds: float | None = None, encode_image_seconds: float | None = None,
-            kind: str = "estimate") -> Projection:
-    """The run's length; with the encode seconds of one clip and one image, the cache build first."""
+            kind: str = "estimate", bucket_seconds: dict | None = None) -> Projection:
+    """The run's length; with the encode seconds of one clip and one image, the cache build first. With
+    ``bucket_seconds`` ({key: seconds per step}, --buckets aspect, the shape's plan counting its buckets) each bucket's
+    steps at its own seconds; the clips' and the images' seconds are then their buckets' means, weighted by steps."""
     cache = None
     if encode_video_seconds is not None or encode_image_seconds is not None:
         rows_per_gpu = lambda rows: math.ceil(rows / shape.gpus)  # noqa: E731
         cache = (rows_per_gpu(shape.videos) * (encode_video_seconds or 0.0)
                  + rows_per_gpu(shape.images) * (encode_image_seconds or 0.0))
-    return Projection(shape, video_seconds, image_seconds, cache, kind, encode_video_seconds, encode_image_seconds)
+    buckets = ()
+    if bucket_seconds and shape.plan.bucket_samples:
+        buckets = tuple((key, bucket_seconds[key]) for key, _ in shape.plan.bucket_samples if key in bucket_seconds)
+        video_seconds = _mean(shape, bucket_seconds, image=False, otherwise=video_seconds)
+        image_seconds = _mean(shape, bucket_seconds, image=True, otherwise=image_seconds)
+    return Projection(shape, video_seconds, image_seconds, cache, kind, encode_video_seconds, encode_image_seconds,
+                      buckets)
+
+
+def _mean(shape: RunShape, bucket_seconds: dict, image: bool, otherwise: float | None) -> float | None:
+    """The step-weighted mean seconds of the clips' (or the images') buckets."""
+    steps = [(n, bucket_seconds[key]) for key, n in shape.bucket_steps() if _is_image(key) == image and key in bucket_seconds]
+    total = sum(n for n, _ in steps)
+    return sum(n * s for n, s in steps) / total if total else otherwise
 
 
 def duration(seconds: float) -> str:

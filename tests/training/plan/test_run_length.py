@@ -141,8 +141,21 @@ def test_the_plan_command_prints_the_doctors_projected_line(tmp_path):
 
 
 def test_estimates_read_only_the_options_the_training_has():
-    namespace = resolve_options(["--config", FULL])
+    namespace = resolve_options(["--config", FULL, "--buckets", "off"])
     assert isinstance(namespace, TrainOptions)
     plans = estimates.run_plans(namespace, "fp16", "mem_efficient", True, True)
     assert plans["video"].tokens == 4400 and plans["image"].tokens == 880 and plans["image"].batch_size == 5
     assert estimates.run_plans(namespace, "fp16", "mem_efficient", True, True, media=(0, 7)).keys() == {"image"}
+
+
+def test_with_aspect_buckets_and_no_rows_read_the_plans_are_at_the_largest_bucket():
+    """The preset's --buckets aspect at 1280x704: 960x960 (30 x 30 cells) has the most tokens of the buckets (the
+    32-pixel rounding puts 1280x704 at 40 x 22); the training's --gradient_checkpointing auto sizes for it too."""
+    namespace = resolve_options(["--config", FULL])
+    assert namespace.buckets == "aspect"
+    plans = estimates.run_plans(namespace, "fp16", "mem_efficient", True, True)
+    assert (plans["video"].height, plans["video"].width, plans["video"].tokens) == (960, 960, 5 * 900)
+    assert (plans["image"].height, plans["image"].width, plans["image"].tokens) == (960, 960, 900)
+    used = (("video@1280x704", 10), ("video@704x1280", 4), ("image@1248x736", 3))
+    sizing = estimates.sizing_buckets(namespace, used)
+    assert {kind: bucket.name for kind, bucket in sizing.items()} == {"video": "1280x704", "image": "1248x736"}
