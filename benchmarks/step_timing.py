@@ -98,6 +98,7 @@ class StepRun:
     status: BenchStatus
     position: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(step=0))
     injected_nonfinite: frozenset = frozenset()
+    health: object = None   # the run's LoRA health records: none here
 
 
 class PeakRSS:

@@ -56,6 +56,10 @@ STATUS_FIELDS = (
     # {"for": "ranks in all-reduce (step agreement)", "since": unix time} while the rank has waited in a collective
     # for longer than its write interval (a heartbeat keeps the file fresh meanwhile), else None
     "waiting",
+    # the newest LoRA health record's summary (training/evaluation/health_flags.summary): {"step", "max_update_norm",
+    # "max_update_block", "max_grad_norm", "max_grad_block", "flags": [{"flag", "step", "what", "do"}], "seconds"};
+    # None before the first record or with --health_steps 0
+    "health",
 )
 
 # A cache rank's status file has the fields above (step/total_steps: rows done/rows of its share, samples_per_s:
@@ -65,11 +69,16 @@ STATUS_FIELDS = (
 CACHE_FIELDS = ("rows_done", "rows_total", "rows_per_s", "failures", "last_failure", "cache_dir")
 
 # Fields of each training_gpu{rank}.jsonl line (one per optimizer step; epoch from 0). Extra fields may
-# appear, and other lines carry a "kind": validation {"kind": "val", "step", "val_loss", "val_samples", "time"},
+# appear, and other lines carry a "kind": validation {"kind": "val", "step", "val_loss", "val_samples", "time"} (with
+# the base model's "val_loss_base", "val_loss_base_by_quantile", "val_loss_base_by_mode", "val_loss_base_step"),
 # sample clips {"kind": "samples", ...}, and one line per overhead section
-# {"kind": "overhead", "overhead": KIND, "step", "seconds", "time"} (step: the last optimizer step done).
+# {"kind": "overhead", "overhead": KIND, "step", "seconds", "time"} (step: the last optimizer step done), and the
+# LoRA health at step 0, every --health_steps and at the end: {"kind": "lora_health", "step",
+# "update_norm_by_block": [|dW|_F / |W|_F per DiT block], "grad_norm_by_block": [...] or null (not measured),
+# "flags": [...], "seconds", "time"} (a norm that is not finite is null).
 HISTORY_FIELDS = ("step", "epoch", "loss", "lr", "step_time_s", "time")
 OVERHEAD_RECORD = "overhead"
+HEALTH_RECORD = "lora_health"
 
 # What the training does between optimizer steps, timed apart from the steps: full checkpoints, LoRA files
 # (epoch-N, step-N, the final lora.safetensors), validation, sample clips. Labels as people read them.

@@ -21,6 +21,12 @@ DEFAULT_STEPS = 30
 DEFAULT_CFG = 5.0
 SAMPLES_FOLDER = "samples"
 PROMPTS_FILE = "prompts.json"   # beside each set's clips: the full text of every prompt
+BASE_FOLDER = "base"            # samples/base/: the base model's clips (strength 0), rendered once per prompt
+BASE_SUFFIX = "-base"           # 01-a-news-anchor-base.mp4
+EMA_SUFFIX = "-ema"             # rendered with the EMA of the LoRA: 01-a-news-anchor-ema.mp4
+MAX_STRENGTH = 10.0             # --sample_strengths: |s| at most this, with at most STRENGTH_DECIMALS decimals
+STRENGTH_DECIMALS = 3
+_STRENGTH_SUFFIX = re.compile(r"-s(-?[0-9]{1,2}(?:\.[0-9]{1,3})?)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,3 +155,67 @@ def sampling_due(step: int, every: int | None, total_steps: int, *, first_step: 
     if step == 0:
         return first_step == 0
     return step == total_steps or bool(every and step % every == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# --sample_strengths: the LoRA's strengths each prompt renders at, and the clips' file names
+
+
+def parse_strengths(value) -> list[float]:
+    """``--sample_strengths 0,0.5,1`` -> [0.0, 0.5, 1.0]: ascending, each once; OptionsError naming the flag.
+
+    0 is the base model (no LoRA), 1 the LoRA as trained; values from -10 to 10 with at most 3 decimals (each
+    names its clips' files)."""
+    text = str(value).strip()
+    strengths = []
+    for part in text.split(","):
+        number = _strength(part.strip())
+        if number is None:
+            raise OptionsError(f"--sample_strengths must be comma-separated numbers from {-MAX_STRENGTH:g} to "
+                               f"{MAX_STRENGTH:g} with at most {STRENGTH_DECIMALS} decimals (0: the base model, 1: "
+                               f"the LoRA as trained), e.g. 0,0.5,1; got {clipped(repr(text))}")
+        if number in strengths:
+            raise OptionsError(f"--sample_strengths names {strength_text(number)} twice ({clipped(repr(text))})")
+        strengths.append(number)
+    return sorted(strengths)
+
+
+def _strength(text: str) -> float | None:
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    if not abs(number) <= MAX_STRENGTH or round(number, STRENGTH_DECIMALS) != number:
+        return None
+    return number + 0.0   # -0.0 -> 0.0
+
+
+def strength_text(strength: float) -> str:
+    """How a strength is written in file names and labels: 0.5 -> "0.5", 1.0 -> "1", -0.25 -> "-0.25"."""
+    text = f"{strength:.{STRENGTH_DECIMALS}f}".rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
+def clip_suffix(strength: float, weights: str) -> str:
+    """What follows a prompt's stem in a clip's file name. Strength 1 keeps the names clips always had ("" for the
+    raw LoRA, "-ema" for its EMA); another strength adds ``-s<strength>`` ("-s0.5", "-s0.5-ema"); strength 0 is the
+    base model, the same for either weights: "-base" (in ``samples/base/``)."""
+    if strength == 0:
+        return BASE_SUFFIX
+    return ("" if strength == 1 else f"-s{strength_text(strength)}") + (EMA_SUFFIX if weights == "ema" else "")
+
+
+def read_clip_suffix(suffix: str) -> tuple[float, str | None] | None:
+    """``clip_suffix``'s inverse: (strength, "raw" | "ema"; None for the base model), or None for anything else."""
+    if suffix == BASE_SUFFIX:
+        return 0.0, None
+    weights = "raw"
+    if suffix.endswith(EMA_SUFFIX):
+        suffix, weights = suffix[:-len(EMA_SUFFIX)], "ema"
+    if not suffix:
+        return 1.0, weights
+    match = _STRENGTH_SUFFIX.fullmatch(suffix)
+    strength = _strength(match.group(1)) if match else None
+    if strength is None or strength in (0, 1):   # those have names of their own
+        return None
+    return strength, weights

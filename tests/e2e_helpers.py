@@ -42,15 +42,21 @@ def read_status(log_dir: Path, rank: int) -> dict:
     return json.loads((log_dir / f"training_gpu{rank}.json").read_text())
 
 
-def read_history(log_dir: Path, rank: int, overheads: bool = False) -> list[dict]:
+def read_history(log_dir: Path, rank: int, overheads: bool = False, health: bool = False) -> list[dict]:
     """A rank's JSONL records: steps, validation, samples; the timing lines of checkpoints, LoRA files, validation
-    and samples ({"kind": "overhead"}) only with ``overheads``."""
+    and samples ({"kind": "overhead"}) only with ``overheads``, the LoRA health ({"kind": "lora_health"}) only with
+    ``health``."""
     records = [json.loads(line) for line in (log_dir / f"training_gpu{rank}.jsonl").read_text().splitlines()]
-    return [record for record in records if overheads or record.get("kind") != "overhead"]
+    return [record for record in records if (overheads or record.get("kind") != "overhead")
+            and (health or record.get("kind") != "lora_health")]
 
 
 def read_overheads(log_dir: Path, rank: int) -> list[dict]:
     return [record for record in read_history(log_dir, rank, overheads=True) if record.get("kind") == "overhead"]
+
+
+def read_health(log_dir: Path, rank: int) -> list[dict]:
+    return [record for record in read_history(log_dir, rank, health=True) if record.get("kind") == "lora_health"]
 
 
 def cpu_launch_command(*train_args: str, num_processes: int = 2) -> list[str]:

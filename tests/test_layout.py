@@ -28,7 +28,7 @@ TORCH_FREE = [
     "training/plan/step_plan.py", "training/plan/batches.py", "training/plan/memory.py", "training/plan/speed.py",
     "training/plan/run_length.py", "training/plan/estimates.py", "training/plan/compile_policy.py",
     "training/plan/recompute.py",
-    "training/step/objective.py", "training/step/guards.py",
+    "training/step/objective.py", "training/step/guards.py", "training/evaluation/health_flags.py",
     "training/lora/file_format.py", "training/lora/read.py",
     "training/checkpoints/state.py", "training/checkpoints/folder.py",
     "training/reporting/eta.py", "training/reporting/step_timing.py", "training/reporting/status_writer.py",

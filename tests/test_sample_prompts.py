@@ -80,3 +80,29 @@ def test_the_prompts_file_says_which_clips_render_from_an_image(tmp_path):
     (tmp_path / "p.yaml").write_text("- prompt: a street\n  image: first.png\n- a field\n")
     record = prompts_file_record(load_sample_prompts(tmp_path / "p.yaml", **SIZE))
     assert [entry["mode"] for entry in record["prompts"]] == ["i2v", "t2v"]
+
+
+def test_sample_strengths_are_read_once_each_in_order_and_bad_ones_refused():
+    from diffsynth_mbc.sample_prompts import parse_strengths
+
+    assert parse_strengths("1") == [1.0] and parse_strengths(1) == [1.0]   # the default: today's clips
+    assert parse_strengths(" 1, 0 ,0.5") == [0.0, 0.5, 1.0] and parse_strengths("-0,-0.25,1.5") == [-0.25, 0.0, 1.5]
+    for bad in ("", "0,,1", "a", "nan", "inf", "11", "0.0001", "[0, 1]", "1e400"):
+        with pytest.raises(OptionsError, match="--sample_strengths must be comma-separated numbers"):
+            parse_strengths(bad)
+    with pytest.raises(OptionsError, match="names 0.5 twice"):
+        parse_strengths("0.5,1,0.50")
+
+
+def test_each_strength_and_weights_names_its_clip_and_the_name_reads_back():
+    """Strength 1 keeps the names clips always had; the base model is one name whatever the weights."""
+    from diffsynth_mbc.sample_prompts import clip_suffix, read_clip_suffix
+
+    cases = {(1.0, "raw"): "", (1.0, "ema"): "-ema", (0.5, "raw"): "-s0.5", (0.5, "ema"): "-s0.5-ema",
+             (1.25, "raw"): "-s1.25", (-0.5, "raw"): "-s-0.5", (10.0, "ema"): "-s10-ema", (0.0, None): "-base"}
+    for (strength, weights), suffix in cases.items():
+        assert clip_suffix(strength, weights) == suffix
+        assert read_clip_suffix(suffix) == (strength, weights)
+    assert clip_suffix(0.0, "ema") == "-base"
+    for other in ("-s1", "-s0", "-sx", "-s0.5-raw", "-base-ema", "-s0.50001", "-ema-s0.5", "-s100"):
+        assert read_clip_suffix(other) is None, other

@@ -205,10 +205,15 @@ def apply_datasets(options: dict, preset: dict | None = None, given: dict | None
     options["dataset_metadata_path"], options["dataset_base_path"] = str(path), str(path.parent)
 
 
+def dataset_column(metadata_path: str | os.PathLike) -> list[int]:
+    """The combined metadata's ``dataset`` column: the catalogue position of metadata row ``i + 1`` at ``i``."""
+    with open(metadata_path, newline="", encoding="utf-8") as handle:
+        return [int(record["dataset"]) for record in csv.DictReader(handle)]
+
+
 def row_datasets(metadata_path: str | os.PathLike, metadata_rows: Sequence[int]) -> list[int]:
     """The catalogue position of each training row, given each row's 1-based metadata row."""
-    with open(metadata_path, newline="", encoding="utf-8") as handle:
-        column = [int(record["dataset"]) for record in csv.DictReader(handle)]
+    column = dataset_column(metadata_path)
     return [column[row - 1] for row in metadata_rows]
 
 

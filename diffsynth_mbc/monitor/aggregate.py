@@ -8,7 +8,8 @@ Aggregates
     steps x median step time); ``samples_per_s``: the sum over training ranks (when none trains any
     more, e.g. a finished run, the sum of the rates the ranks last trained at); ``loss``: the
     mean of the ranks' last losses; ``elapsed_s``: now - earliest ``started_at`` while active,
-    else the largest ``elapsed_s``.
+    else the largest ``elapsed_s``; ``recipe``: rank 0's recipe; ``health_flags``: the newest LoRA health flags of
+    every rank, each distinct one once with its ``ranks``.
 
 The latent cache build (``python -m diffsynth_mbc.cache``) writes the same files with status ``caching``
 and rows for steps: ``caching`` sums the ranks' rows done and in all, rows/s and failures, and while no
@@ -17,11 +18,15 @@ rank trains, ``step``/``total_steps``/``progress`` are those rows and ``samples_
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Iterable
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc.monitor.health import run_flags
 from diffsynth_mbc.monitor.status import MAX_RANKS, StatusFile
+
+MAX_RECIPE_BYTES = 64 << 10   # a recipe larger than this (as JSON) is not the training's: not shown
 
 
 def pick_run(good: dict[int, StatusFile]) -> tuple[str | None, dict[int, StatusFile], list[StatusFile]]:
@@ -103,7 +108,7 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
     if not ranks:
         return {"step": None, "total_steps": None, "progress": None, "elapsed_s": None, "eta_s": None,
                 "samples_per_s": None, "loss": None, "started_at": None, "updated_at": None, "overheads": None,
-                "caching": None}
+                "caching": None, "recipe": None, "health_flags": []}
     steps = values_of(ranks, "step")
     totals = values_of(ranks, "total_steps")
     total = max(totals) if totals else None
@@ -160,7 +165,19 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
         "updated_at": max(updated) if updated else None,
         "overheads": overheads_of(ranks),
         "caching": cache,
+        "recipe": recipe_of(ranks),
+        "health_flags": run_flags(ranks),   # the newest LoRA health flags, each once with the ranks that raised it
     }
+
+
+def recipe_of(ranks: list[dict]) -> dict | None:
+    """The run's recipe (the status files' ``recipe``, written once at the start): rank 0's, else the lowest
+    rank's that has one; None without one or when it is over ``MAX_RECIPE_BYTES`` of JSON."""
+    for rank in sorted(ranks, key=lambda r: r["rank"]):
+        recipe = rank.get("recipe")
+        if isinstance(recipe, dict):
+            return recipe if len(json.dumps(recipe)) <= MAX_RECIPE_BYTES else None
+    return None
 
 
 def caching_of(ranks: list[dict]) -> dict | None:

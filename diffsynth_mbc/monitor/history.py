@@ -16,18 +16,20 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from diffsynth_mbc import run_files
 from diffsynth_mbc.monitor.buckets import BucketLosses
+from diffsynth_mbc.monitor.health import HealthRecords
 from diffsynth_mbc.monitor.modes import ModeLosses
 from diffsynth_mbc.monitor.series import MAX_POINTS, TREND_POINTS, Series
 from diffsynth_mbc.monitor.status import json_safe, open_regular, to_float
 from diffsynth_mbc.monitor.timestep_bins import LossByTimestep
+from diffsynth_mbc.monitor.validation import ValidationQuantiles
 
 INDEX_EVERY = 512  # JSONL lines between two entries of the byte-offset index
 READ_CHUNK = 4 << 20
 MAX_LINE_BYTES = 1 << 20  # a "line" longer than this without a newline is garbage, skipped
 RECENT_STEP_TIMES = 101
 MAX_EPOCH_MARKS = 1000  # epoch boundaries remembered for the charts
-MAX_VAL_QUANTILES = 16  # validation quantile series kept (val_loss_by_quantile keys)
 TAIL_FIRST_ABOVE = 8 << 20   # a history larger than this is first read from its tail (about 60,000 steps)
 TAIL_BYTES = 256 << 10       # the tail read first: about 2,000 steps
 SAMPLE_BYTES = 8 << 10       # read at each point of the sampled loss trend
@@ -110,7 +112,8 @@ class HistoryFile:
         self.lr = self.series["lr"]
         self.val_loss = Series(self.max_points)
         self.val_loss_ema = Series(self.max_points)   # the EMA of the LoRA's (--validate_with both)
-        self.val_quantiles: dict[str, Series] = {}   # "0.5" -> validation loss at that timestep quantile
+        self.validation = ValidationQuantiles(self.max_points)   # per timestep quantile, the gain over the base
+        self.health = HealthRecords()   # the LoRA's health records (update norm per block)
         self.by_timestep = LossByTimestep()   # training loss per timestep bin, EMA over the run
         self.modes = ModeLosses(self.max_points)   # loss per mode (t2i, i2v, t2v): steps, bins, validation
         self.buckets = BucketLosses()   # samples and loss per shape bucket over the run
@@ -247,10 +250,12 @@ class HistoryFile:
             val_ema = _fast_float(get("val_loss_ema"))
             if val_ema is not None:
                 self.val_loss_ema.add(step, val_ema)
-            by_quantile = get("val_loss_by_quantile")
-            if type(by_quantile) is dict:
-                self._add_quantiles(step, by_quantile)
+            self.validation.add(step, record, val)
             self.modes.add_validation(step, get("val_loss_by_mode"))
+            return
+        if kind is not None:   # a line that is no training step (overhead, samples, lora_health): no step's figures
+            if kind == run_files.HEALTH_RECORD:
+                self.health.add(step, record)
             return
         if val is not None:
             self.val_loss.add(step, val)
@@ -278,14 +283,6 @@ class HistoryFile:
         epoch = get("epoch")
         if type(epoch) is int and epoch != self._last_epoch:
             self._mark_epoch(step, epoch)
-
-    def _add_quantiles(self, step: float, by_quantile: dict) -> None:
-        for key, value in by_quantile.items():
-            value = _fast_float(value)
-            name = str(key)[:12]
-            if value is None or (name not in self.val_quantiles and len(self.val_quantiles) >= MAX_VAL_QUANTILES):
-                continue
-            self.val_quantiles.setdefault(name, Series(self.max_points)).add(step, value)
 
     def _mark_epoch(self, step: float, epoch: int) -> None:
         """Remember where an epoch starts (the first record seen with a new epoch number)."""

@@ -4,8 +4,10 @@ Routes (GET and HEAD; OPTIONS answers CORS preflight; anything else 405):
 
 - ``/``                      the dashboard page (diffsynth_mbc/monitor/web/dashboard.html, self-contained);
 - ``/api/training/status``   the run aggregate (the same object as ``--once --json``);
-- ``/api/training/samples``  the run's sample sets (``samples_dir`` of its status files): steps, clips, URLs;
-- ``/samples/step-N/NN-slug.mp4|png``  one sample file (byte ranges; nothing outside that folder);
+- ``/api/training/samples``  the run's sample sets (``samples_dir`` of its status files): steps, clips (with
+  their LoRA strength and weights), URLs, and the base model's clips (``base``);
+- ``/samples/step-N/NN-slug.mp4|png``, ``/samples/base/NN-slug-base.mp4|png``  one sample file (byte ranges;
+  nothing outside that folder);
 - ``/api/training/metrics``  per-step history, keyed by rank: ``rank`` (optional, default every
   rank of the run with a status file), ``since`` (a step; records with a larger step), ``limit`` (records per
   rank, 1..10000, default 1000), ``points`` (optional, 2..5000: the bounded down-sampled
@@ -63,12 +65,13 @@ class QueryError(ValueError):
 PAGE_PARTS = {  # marker in dashboard.html -> the file inlined there when the page is served
     b"/*UPLOT_CSS*/": "web/vendor/uPlot.min.css",
     b"/*UPLOT_JS*/": "web/vendor/uPlot.iife.min.js",
+    b"/*PANELS_JS*/": "web/panels.js",
     b"/*DASHBOARD_JS*/": "web/dashboard.js",
 }
 
 
 def dashboard_html() -> bytes:
-    """The dashboard as one self-contained page: uPlot (vendored, MIT) and the page's script inlined,
+    """The dashboard as one self-contained page: uPlot (vendored, MIT) and the page's scripts inlined,
     so it works offline and the browser never asks anything but this server."""
     web = resources.files("diffsynth_mbc.monitor")
     page = web.joinpath("web/dashboard.html").read_bytes()
@@ -281,8 +284,9 @@ class MonitorRequestHandler(BaseHTTPRequestHandler):
             self._metrics(query)
         elif path == SAMPLES_PATH:
             snapshot = self.state.snapshot(max_age_s=STATUS_MAX_AGE_S)
-            self._json(200, {"run_id": snapshot.get("run_id"),
-                             "sets": samples.list_sets(samples.samples_root(snapshot))})
+            root = samples.samples_root(snapshot)
+            self._json(200, {"run_id": snapshot.get("run_id"), "sets": samples.list_sets(root),
+                             "base": samples.list_base(root)})
         elif raw_path.startswith("/samples/"):
             self._sample_file(raw_path)
         else:

@@ -248,10 +248,10 @@ class MonitorState:
 
         Raw JSONL records with step > since (at most ``limit`` per rank; ``truncated`` says
         more exist and ``next_since`` is where to continue), or with ``points`` the bounded
-        down-sampled series (loss, lr, grad_norm, step_time_s, samples_per_s, val_loss, loss per mode: bucket
-        mean, min, max) with at most that many points per series, where each epoch began, and the training
-        loss by timestep bin, all samples' and per mode (an EMA per bin over the run, whatever ``since``), and the
-        samples and mean loss per shape bucket (over the run, whatever ``since``).
+        down-sampled series (loss, lr, grad_norm, step_time_s, samples_per_s, val_loss, its gain over the base
+        model, loss per mode: bucket mean, min, max) with at most that many points per series, where each epoch
+        began, the LoRA health records, the training loss by timestep bin, all samples' and per mode (an EMA per
+        bin over the run, whatever ``since``), and the samples and mean loss per shape bucket (over the run).
         """
         if points is not None:
             self._wait_for_whole_histories(rank)
@@ -270,8 +270,8 @@ class MonitorState:
                         **{name: series.points(since, points) for name, series in hf.series.items()},
                         "val_loss": hf.val_loss.points(since, points),
                         "val_loss_ema": hf.val_loss_ema.points(since, points),
-                        "val_loss_by_quantile": {q: series.points(since, points)
-                                                 for q, series in sorted(hf.val_quantiles.items())},
+                        **hf.validation.payload(since, points),   # val_loss_by_quantile, val_gain(_by_quantile)
+                        "lora_health": hf.health.as_list(since),   # the LoRA health records (heat map)
                         "loss_by_timestep": hf.by_timestep.as_dict(),
                         **hf.modes.payload(since, points),   # loss_by_mode, loss_by_timestep_by_mode, ...
                         "loss_by_bucket": hf.buckets.as_dict(),   # {bucket: {samples, loss}} over the run

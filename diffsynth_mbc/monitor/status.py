@@ -36,6 +36,10 @@ _GPU_NUMBERS = ("util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", 
                 "run_peak_allocated_mb", "run_peak_reserved_mb")
 MAX_OVERHEAD_KINDS = 16   # kinds of overhead kept from one status file (the training writes 4)
 _STR_FIELDS = ("run_id", "hostname", "status", "phase")
+_TYPED_OBJECTS = ("gpu", "error", "overheads", "waiting", "health", "catalogue_progress")
+MAX_FLAGS = 16          # LoRA health flags kept from one status file or history record (the training has four)
+MAX_FLAG_TEXT = 2000    # characters of a flag's "what" and "do" kept
+MAX_CATALOGUES = 64     # catalogues of catalogue_progress kept
 _COMPUTED = ("stalled", "age_s", "stall_after_s", "stalled_since", "median_step_time_s", "loss_trend",
              "loss_by_mode", "history_lines", "history_complete", "file", "waiting_text")
 
@@ -115,8 +119,7 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     name = f"training_gpu{file_rank}.json"
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in ("gpu", "error", "overheads",
-                                                                                     "waiting"):
+        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in _TYPED_OBJECTS:
             continue
         if key in _COMPUTED:
             continue
@@ -156,6 +159,8 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     out["overheads"] = _normalize_overheads(raw.get("overheads"), name, notes)
     out["error"] = _normalize_error(raw.get("error"))
     out["waiting"] = _normalize_waiting(raw.get("waiting"), name, notes)
+    out["health"] = normalize_health(raw.get("health"))
+    out["catalogue_progress"] = _normalize_catalogues(raw.get("catalogue_progress"))
     if out["rank"] is not None and out["rank"] != file_rank:
         notes.append(f"{name} says it is rank {out['rank']}; shown as rank {file_rank} (from the file name)")
     out["rank"] = file_rank
@@ -201,6 +206,41 @@ def _normalize_waiting(value: Any, name: str, notes: list[str]) -> dict | None:
         notes.append(f"{name}: waiting is not {{for, since}} ({_describe(value)})")
         return None
     return {"for": printable(value["for"])[:200], "since": to_float(value["since"])}
+
+
+def health_flags_of(value: Any) -> list[dict]:
+    """A LoRA health record's or summary's ``flags``: ``[{"flag", "step", "what", "do"}]``, typed and bounded; an item
+    without a flag name is left out."""
+    out = []
+    for item in value[:MAX_FLAGS] if isinstance(value, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("flag"), str) and item["flag"].strip():
+            out.append({"flag": printable(item["flag"])[:40], "step": to_int(item.get("step")),
+                        **{key: printable(item[key])[:MAX_FLAG_TEXT] if isinstance(item.get(key), str) else None
+                           for key in ("what", "do")}})
+    return out
+
+
+def normalize_health(value: Any) -> dict | None:
+    """The status file's ``health`` (the newest LoRA health record's summary): ``{"step", "max_update_norm",
+    "max_update_block", "max_grad_norm", "max_grad_block", "flags", "seconds"}``, typed; None when absent or not
+    an object."""
+    if not isinstance(value, dict):
+        return None
+    return {"step": to_int(value.get("step")), "max_update_norm": to_float(value.get("max_update_norm")),
+            "max_update_block": to_int(value.get("max_update_block")),
+            "max_grad_norm": to_float(value.get("max_grad_norm")),
+            "max_grad_block": to_int(value.get("max_grad_block")),
+            "flags": health_flags_of(value.get("flags")), "seconds": to_float(value.get("seconds"))}
+
+
+def _normalize_catalogues(value: Any) -> list[dict] | None:
+    """``catalogue_progress`` (several catalogues): ``[{"name", "seen", "per_epoch"}]`` this epoch on the rank,
+    typed and bounded; None when absent or not a list."""
+    if not isinstance(value, list):
+        return None
+    return [{"name": printable(str(item.get("name")))[:80], "seen": to_int(item.get("seen")),
+             "per_epoch": to_int(item.get("per_epoch"))}
+            for item in value[:MAX_CATALOGUES] if isinstance(item, dict) and item.get("name") is not None]
 
 
 def waiting_text(waiting: dict | None, now: float) -> str | None:

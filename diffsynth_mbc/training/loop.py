@@ -21,6 +21,7 @@ from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpo
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator
 from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
                                                             watch_gradient_all_reduce)
+from diffsynth_mbc.training.evaluation.lora_health import LoraHealth, make_health
 from diffsynth_mbc.training.evaluation.sample_clips import make_sampler, maybe_sample
 from diffsynth_mbc.training.evaluation.validation import Validator
 from diffsynth_mbc.training.lora.ema import make_ema
@@ -74,6 +75,7 @@ class Run:
     compile_timer: CompileTimer | None = None
     captions: CaptionDropout | None = None  # --caption_dropout (training/step/caption_dropout.py)
     ema: LoraEma | None = None              # the EMA of the LoRA weights (--ema_decay; training/lora/ema.py)
+    health: LoraHealth | None = None        # --health_steps (training/evaluation/lora_health.py)
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -114,6 +116,7 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     run.sampler = make_sampler(options, status, accelerator, run.module, run.ema) if options.sample_prompts else None
     run.first_step = run.position.step
     start_progress(run)
+    run.health = make_health(run)   # the LoRA health's first record, at step 0 (a resume's: kept, not written)
     return run
 
 
@@ -223,6 +226,7 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
 def start_progress(run: Run) -> None:
     from diffsynth_mbc.training.reporting.eta import OverheadSchedule
     from diffsynth_mbc.training.reporting.progress import ProgressLogger
+    from diffsynth_mbc.training.reporting.recipe import announce_recipe
     from diffsynth_mbc.training.reporting.terminal import TerminalProgress, launcher_streams
 
     options, position = run.options, run.position
@@ -247,6 +251,8 @@ def start_progress(run: Run) -> None:
         print(f"precision: {run.status.state.get('precision_reason')}", file=sys.stderr)
         print(f"{blocks.describe()} ({run.status.state.get('gradient_checkpointing_reason')}; "
               f"{run.status.state.get('compile_reason')})", file=sys.stderr)
+    announce_recipe(options, run.status, main)   # what changes what is trained: the status file, and once here
+    run.logger.track_catalogues(options, run.plan, run.accelerator.num_processes)
     run.schedule = CheckpointSchedule(options.checkpoint_steps, options.checkpoint_minutes)
     run.bad_media = BadMediaGuard(options.max_bad_media_fraction)
     run.nonfinite = NonFiniteGuard(options.max_nonfinite_steps, run.accelerator.mixed_precision)
@@ -294,6 +300,7 @@ def train_epoch(run: Run, epoch: int) -> str:
         tokens_in_step += sum(sample_tokens(sample) for sample in batch)
         run.captions.apply(batch, epoch, position.batches_in_epoch)
         choose_modes(run, batch, epoch)
+        run.logger.count_catalogues(batch)   # several catalogues: each one's samples this epoch
         loss, grad_norm, skipped = forward_backward(run, batch, losses)
         losses.append(loss.detach())
         drawn += draws.take(with_shapes=True)
@@ -338,6 +345,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         status.update(**run.nonfinite.status_fields())
     run.logger.on_step_end(accelerator, None, loss=loss, lr=lr, samples=samples, grad_norm=grad_norm,
                            tokens=tokens, timestep_draws=drawn, **({"nonfinite": True} if skipped else {}))
+    run.health.after_step(position.step)
     if bad:
         status.update(skipped_samples=position.skipped_samples, skip_reasons=position.recent_skips)
     # One small all-reduce per step keeps every rank's decisions identical.
@@ -372,6 +380,7 @@ def finish(run: Run) -> None:
     if run.validator and (not options.val_steps or position.step % options.val_steps):
         run.logger.timed("validation", run.validator.run, position.step)
         run.logger.on_validation(run.accelerator)
+    run.health.at_end(position.step)   # after the last validation: the overfitting flag reads it
     maybe_sample(run)
     run.logger.timed("lora", run.checkpoints.save_lora, "lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:

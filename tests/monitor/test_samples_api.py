@@ -54,9 +54,10 @@ def test_the_sets_are_listed_in_step_order_with_their_files(served):
     sets = json.loads(body)["sets"]
     assert [s["step"] for s in sets] == [0, 6]
     # a set written before prompts files existed still lists its clips (the slug stands in for the prompt)
-    assert sets[0]["clips"] == [{"index": 1, "slug": "a-news-anchor", "prompt": None,
-                                 "video": "samples/step-00000000/01-a-news-anchor.mp4",
+    assert sets[0]["clips"] == [{"index": 1, "slug": "a-news-anchor", "prompt": None, "step": 0, "strength": 1.0,
+                                 "weights": "raw", "video": "samples/step-00000000/01-a-news-anchor.mp4",
                                  "still": "samples/step-00000000/01-a-news-anchor.png"}]
+    assert json.loads(body)["base"] == []
 
 
 def test_each_clip_comes_with_its_full_prompt_and_a_korean_name_is_served(tmp_path):
@@ -90,6 +91,59 @@ def test_each_clip_comes_with_its_full_prompt_and_a_korean_name_is_served(tmp_pa
         status, headers, served_body = request(srv, "/" + clips[0]["video"])
         assert status == 200 and served_body == VIDEO and headers["Content-Type"] == "video/mp4"
         assert request(srv, "/samples/step-00000004/01-%ED%95%9C%FF.mp4")[0] == 404   # not UTF-8: refused, no 500
+    finally:
+        stop_server(srv)
+
+
+def test_every_clip_says_its_strength_and_weights_and_the_base_models_clips_are_listed_apart(tmp_path):
+    """--sample_strengths 0,0.5,1 with --validate_with both: the EMA's clips (once listed nowhere) beside the raw
+    ones, each strength's, and the base model's, rendered once; a prompt ending in "ema" is not an EMA clip."""
+    import json
+    from urllib.parse import quote
+
+    from diffsynth_mbc.atomic import atomic_write_json
+    from diffsynth_mbc.sample_prompts import clip_suffix, load_sample_prompts, prompts_file_record, sample_file_stem
+
+    (tmp_path / "prompts.yaml").write_text("- 도시 거리 밤\n- a dance called the ema\n", encoding="utf-8")
+    prompts = load_sample_prompts(tmp_path / "prompts.yaml", height=64, width=64, num_frames=9, seed=1)
+    samples = tmp_path / "lora" / "samples"
+    folder, base = samples / "step-00000004", samples / "base"
+    folder.mkdir(parents=True)
+    base.mkdir()
+    for index, prompt in enumerate(prompts):
+        stem = sample_file_stem(index, prompt)
+        for strength, weights in ((0.5, "raw"), (1.0, "raw"), (0.5, "ema"), (1.0, "ema")):
+            (folder / f"{stem}{clip_suffix(strength, weights)}.mp4").write_bytes(VIDEO)
+        (base / f"{stem}-base.mp4").write_bytes(VIDEO)
+        (base / f"{stem}-base.png").write_bytes(b"\x89PNG")
+    atomic_write_json(folder / "prompts.json", prompts_file_record(prompts))
+    atomic_write_json(base / "prompts.json", {"prompts": [{**entry, "step": 0}
+                                                          for entry in prompts_file_record(prompts)["prompts"]]})
+    log_dir = tmp_path / "lora" / "training_logs"
+    F.make_run(log_dir, world_size=1, steps=4, now=time.time(), samples_dir=str(samples.resolve()))
+    srv = start_server(log_dir)
+    try:
+        _, _, body = request(srv, "/api/training/samples")
+        listing = json.loads(body)
+        clips = listing["sets"][0]["clips"]
+        assert [(c["index"], c["step"], c["strength"], c["weights"]) for c in clips] == [
+            (1, 4, 0.5, "raw"), (1, 4, 0.5, "ema"), (1, 4, 1.0, "raw"), (1, 4, 1.0, "ema"),
+            (2, 4, 0.5, "raw"), (2, 4, 0.5, "ema"), (2, 4, 1.0, "raw"), (2, 4, 1.0, "ema")]
+        assert {c["slug"] for c in clips[4:]} == {"a-dance-called-the-ema"}
+        assert clips[7]["video"] == "samples/step-00000004/02-a-dance-called-the-ema-ema.mp4"
+        assert clips[1]["video"] == "samples/step-00000004/" + quote("01-도시-거리-밤-s0.5-ema.mp4")
+        assert listing["base"] == [
+            {"index": 1, "slug": "도시-거리-밤", "prompt": "도시 거리 밤", "step": 0, "strength": 0.0, "weights": None,
+             "video": "samples/base/" + quote("01-도시-거리-밤-base.mp4"),
+             "still": "samples/base/" + quote("01-도시-거리-밤-base.png")},
+            {"index": 2, "slug": "a-dance-called-the-ema", "prompt": "a dance called the ema", "step": 0,
+             "strength": 0.0, "weights": None, "video": "samples/base/02-a-dance-called-the-ema-base.mp4",
+             "still": "samples/base/02-a-dance-called-the-ema-base.png"}]
+        for clip in clips + listing["base"]:
+            status, headers, served_body = request(srv, "/" + clip["video"])
+            assert status == 200 and served_body == VIDEO and headers["Content-Type"] == "video/mp4"
+        assert request(srv, "/samples/base/../step-00000004/prompts.json")[0] == 404
+        assert request(srv, "/samples/basement/01-x-base.mp4")[0] == 404
     finally:
         stop_server(srv)
 

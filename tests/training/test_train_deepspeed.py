@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, demo_flags, read_history, read_status
+from e2e_helpers import REPO, demo_flags, read_health, read_history, read_status
 from forked_ranks import run_training
 
 pytestmark = pytest.mark.slow
@@ -56,6 +56,11 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
             assert len(line["timesteps"]) == len(line["timestep_losses"]) >= 1
             assert all(0 <= t <= 1000 for t in line["timesteps"])
         assert 0 < state["captions_dropped"] < state["samples_seen"]   # caption dropout works under ZeRO-2
+        # LoRA health under ZeRO-2 (DoRA): the parameters are whole, the gradients the engine's own (null)
+        health = read_health(root / "logs", rank)
+        assert [record["step"] for record in health] == [0, 3]
+        assert health[0]["update_norm_by_block"] == [0.0, 0.0] and min(health[1]["update_norm_by_block"]) > 0
+        assert all(record["grad_norm_by_block"] is None for record in health)
     assert (root / "lora" / "lora.safetensors").stat().st_size > 0
     assert safe_open(str(root / "lora" / "lora.safetensors"), framework="pt").metadata()["lora_variant"] == "dora"
     assert sorted(p.name for p in (root / "lora").glob("step-*.safetensors") if "_ema" not in p.name) == [

@@ -9,7 +9,8 @@
   const MAX_POINTS = 2000;   // per rank and series kept in the page
   const FIRST_POINTS = 1000; // down-sampled points asked for on the first load
   const PAGE = 2000;         // raw records per rank per incremental poll
-  const FIELDS = ["loss", "val_loss", "val_loss_ema", "lr", "grad_norm", "step_time_s", "samples_per_s"];
+  // val_gain: the base model's validation loss minus the LoRA's (above 0: the LoRA does better)
+  const FIELDS = ["loss", "val_loss", "val_loss_ema", "val_gain", "lr", "grad_norm", "step_time_s", "samples_per_s"];
   const PALETTE = ["#4cc38a", "#5aa2ff", "#f2c94c", "#ff6b6b", "#d67bff", "#56d4e0", "#ff9f43", "#a3e635"];
   // Training modes (an image; a video on its first frame; a video unconditioned), in the monitor's order, each
   // in its own colour in the charts per mode (where the line's style, not its colour, tells the rank).
@@ -17,11 +18,16 @@
   const MODE_COLORS = {t2i: "#f2c94c", i2v: "#ff6b6b", t2v: "#56d4e0"};
   const MAX_MODES = 8, MAX_MODE_NAME = 12, MAX_QUANTILES = 16;   // as the monitor keeps them
   const MAX_BUCKETS = 64, MAX_SIDE = 1 << 20;   // as the monitor's buckets.py
+  const MAX_HEALTH = 400, MAX_BLOCKS = 1024, MAX_FLAGS = 16;   // as the monitor's health.py and status.py
   // kind: how the chart's values are written in its legend and tooltip, as the same figure in the cards and table
   const CHARTS = [
     {id: "loss", title: "Training loss", field: "loss", kind: "loss", smoothing: true, logToggle: true},
     {id: "val_loss", title: "Validation loss (mean of the fixed timesteps t, each t, and each mode)",
      field: "val_loss", kind: "loss", points: true, quantiles: true, emaField: "val_loss_ema", valModes: true},
+    {id: "val_gain",
+     title: "Validation gain over the base model: base loss − LoRA loss (above 0: the LoRA beats the base)",
+     note: "per fixed timestep t and their mean; the base model (the LoRA off) on the same samples, noise and "
+           + "timesteps, measured once", kind: "loss", points: true, gain: true},
     {id: "lr", title: "Learning rate", field: "lr", kind: "lr", once: true},
     {id: "grad_norm", title: "Gradient norm", field: "grad_norm", kind: "grad_norm"},
     {id: "step_time", title: "Step time (s)", field: "step_time_s", kind: "seconds", highlightSlow: true},
@@ -43,6 +49,8 @@
   let status = null;
   let draws = 0;
   let gallerySignature = null;
+  let recipeSignature = null;
+  let healthMap = null;   // the LoRA health heat map (Panels.heatMap), made on the first draw
 
   const $ = (id) => document.getElementById(id);
   function el(tag, attrs, text) {
@@ -195,6 +203,7 @@
 
   function renderStatus(s) {
     renderSummary(s);
+    renderPanels(s);
     const body = $("ranks-body");
     body.replaceChildren();
     const rows = {};
@@ -256,8 +265,11 @@
     // quantiles: validation loss at each fixed timestep quantile ("0.5"), the same on every rank (reduced over
     // ranks); modes: the mean training loss of each mode's samples per step; valModes: validation loss per mode;
     // modeBins: the loss per timestep bin of each mode's samples; buckets: bucket -> {samples, sum of their losses}
+    // gainQuantiles: the base model's validation loss minus the LoRA's at each quantile; health: the LoRA health
+    // records ({step, updates, grads, flags}), thinned past MAX_HEALTH as the monitor does
     return {fields: fields, quantiles: new Map(), modes: new Map(), valModes: new Map(), modeBins: new Map(),
-            buckets: new Map(), epochs: new Map(), since: null, loaded: false, byTimestep: null};
+            buckets: new Map(), epochs: new Map(), since: null, loaded: false, byTimestep: null,
+            gainQuantiles: new Map(), health: []};
   }
 
   function emptyBins() {
@@ -393,6 +405,10 @@
     for (const [q, points] of Object.entries(d.val_loss_by_quantile || {})) {
       fill(keyedLine(h.quantiles, q, MAX_QUANTILES), points);
     }
+    for (const [q, points] of Object.entries(d.val_gain_by_quantile || {})) {
+      fill(keyedLine(h.gainQuantiles, q, MAX_QUANTILES), points);
+    }
+    for (const rec of Array.isArray(d.lora_health) ? d.lora_health : []) if (rec && num(rec.step)) addHealth(h, rec);
     for (const [m, points] of Object.entries(d.loss_by_mode || {})) fill(keyedLine(h.modes, m, MAX_MODES), points);
     for (const [m, points] of Object.entries(d.val_loss_by_mode || {})) {
       fill(keyedLine(h.valModes, m, MAX_MODES), points);
@@ -430,6 +446,11 @@
           if (m && num(value)) push(keyedLine(h.valModes, m.slice(0, MAX_MODE_NAME), MAX_MODES), rec.step, value);
         }
       }
+      addGain(h, rec, v);
+      return;
+    }
+    if (kind) {   // no training step (overhead, samples, lora_health): none of a step's figures, nor its step
+      if (kind === "lora_health") addHealth(h, rec);
       return;
     }
     if (num(rec.val_loss)) push(h.fields.val_loss, rec.step, rec.val_loss);
@@ -447,6 +468,32 @@
     h.since = rec.step;
   }
 
+  function addGain(h, rec, val) {
+    // A validation record with the base model's loss: base - LoRA, of the headline loss and of each quantile.
+    if (!num(rec.val_loss_base)) return;
+    if (num(val)) push(h.fields.val_gain, rec.step, rec.val_loss_base - val);
+    const base = rec.val_loss_base_by_quantile, lora = rec.val_loss_by_quantile;
+    if (!base || typeof base !== "object" || !lora || typeof lora !== "object") return;
+    for (const [q, value] of Object.entries(base)) {
+      if (num(value) && num(lora[q])) push(keyedLine(h.gainQuantiles, q, MAX_QUANTILES), rec.step, value - lora[q]);
+    }
+  }
+
+  function addHealth(h, rec) {
+    // A LoRA health record ({step, update_norm_by_block, grad_norm_by_block, flags}), as the monitor keeps it.
+    if (!Array.isArray(rec.update_norm_by_block)) return;
+    const norms = (list) => (Array.isArray(list) ? list.slice(0, MAX_BLOCKS).map((v) => (num(v) ? v : null)) : null);
+    const flags = (Array.isArray(rec.flags) ? rec.flags : []).slice(0, MAX_FLAGS)
+      .map((f) => (typeof f === "string" ? f : f && typeof f.flag === "string" ? f.flag : "")).filter((f) => f);
+    const list = h.health;
+    while (list.length && list[list.length - 1].step >= rec.step) list.pop();   // a resumed run's: the newer wins
+    list.push({step: rec.step, updates: norms(rec.update_norm_by_block), grads: norms(rec.grad_norm_by_block),
+               flags: flags});
+    if (list.length > MAX_HEALTH) {
+      h.health = [list[0]].concat(list.slice(2, -1).filter((_, i) => i % 2 === 0), list.slice(-1));
+    }
+  }
+
   async function loadNew(rank) {
     const h = history[rank];
     let url = METRICS_URL + "?rank=" + rank + "&limit=" + PAGE;
@@ -456,7 +503,7 @@
     if (d.truncated) { await loadFull(rank); return; }  // far behind: take the down-sampled view
     for (const rec of d.records) if (num(rec.step)) addRecord(h, rec);
     for (const f of FIELDS) bound(h.fields[f]);
-    for (const map of [h.quantiles, h.modes, h.valModes]) for (const line of map.values()) bound(line);
+    for (const map of [h.quantiles, h.modes, h.valModes, h.gainQuantiles]) for (const line of map.values()) bound(line);
   }
 
   // ---- charts -------------------------------------------------------------------------------
@@ -536,6 +583,7 @@
     // One line per rank (lr: once); the loss adds a faint raw line per rank, all of them under the smoothed ones.
     // Per mode: a line per mode and rank.
     if (spec.byMode) return modeLines(ranks, (h) => h.modes);
+    if (spec.gain) return gainLines(ranks);
     if (splitByMode(spec, ranks)) return withEarlier(modeLines(ranks, (h) => h.modeBins));
     const lines = [], raw = [];
     for (const rank of spec.once ? ranks.slice(0, 1) : ranks) {
@@ -577,6 +625,29 @@
     return spec.byTimestep ? withEarlier(lines) : lines;
   }
 
+  function gainLines(ranks) {
+    // The gain over the base model: its mean, then each quantile (blue for the smallest t to orange for the
+    // largest), a line per rank in the rank's style; only the lines with points (none: the chart is hidden).
+    const keys = new Set();
+    for (const rank of ranks) for (const q of history[rank].gainQuantiles.keys()) keys.add(q);
+    const quantiles = Array.from(keys).sort((a, b) => Number(a) - Number(b) || (a < b ? -1 : a > b ? 1 : 0));
+    const entries = [["mean", "mean", "#e4e9f0"]].concat(quantiles.map((q, i) => [q, "t=" + q,
+      "hsl(" + Math.round(205 - 175 * (quantiles.length > 1 ? i / (quantiles.length - 1) : 0.5)) + ", 80%, 62%)"]));
+    const lines = [];
+    for (const [key, label, colour] of entries) {
+      for (const rank of ranks) {
+        const h = history[rank], series = key === "mean" ? h.fields.val_gain : h.gainQuantiles.get(key);
+        if (!series || !series.x.length) continue;
+        const style = rankStyle(rank, ranks);
+        lines.push({rank: rank, field: key === "mean" ? "val_gain" : undefined,
+                    gainQuantile: key === "mean" ? undefined : key,
+                    label: ranks.length > 1 ? label + " · rank " + rank : label, stroke: colour, width: style.width,
+                    dash: style.dash});
+      }
+    }
+    return lines;
+  }
+
   function lineBins(line) {
     // The bins a line of the loss by timestep chart draws (all samples', or one mode's); null once its rank is gone.
     const h = history[line.rank];
@@ -602,7 +673,8 @@
         const ys = line.earlier ? b.ema.map((_, i) => (earlierOf(b, i) || [0, null])[1]) : b.ema.slice();
         return [b.ema.map((_, i) => (b.edges[i] + b.edges[i + 1]) / 2), ys];
       }
-      const f = line.quantile !== undefined ? h.quantiles.get(line.quantile)
+      const f = line.gainQuantile !== undefined ? h.gainQuantiles.get(line.gainQuantile)
+        : line.quantile !== undefined ? h.quantiles.get(line.quantile)
         : line.mode !== undefined ? (spec.byMode ? h.modes : h.valModes).get(line.mode)
         : h.fields[line.field || spec.field];
       let ys = f.y;
@@ -644,6 +716,26 @@
       ctx.restore();
       chart.box.dataset.epochLabels = JSON.stringify(drawn);   // [text, left, right] in CSS pixels
     }}};
+  }
+
+  function zeroPlugin(chart) {
+    // The gain chart: a line at 0, where the LoRA and the base model score alike (above it the LoRA is better).
+    return {hooks: {drawAxes: (u) => {
+      if (!chart.spec.gain) return;
+      const y = Math.round(u.valToPos(0, "y", true)) + 0.5, box = u.bbox;
+      if (!(y >= box.top && y <= box.top + box.height)) return;
+      const ctx = u.ctx;
+      ctx.save();
+      ctx.strokeStyle = "rgba(228, 233, 240, .5)"; ctx.lineWidth = devicePixelRatio;
+      ctx.beginPath(); ctx.moveTo(box.left, y); ctx.lineTo(box.left + box.width, y); ctx.stroke();
+      ctx.restore();
+    }}};
+  }
+
+  function gainRange(u, min, max) {
+    // The gain chart's y range always holds 0, so that which side of it a line lies on shows at a glance.
+    if (!num(min) || !num(max)) return [-1, 1];
+    return uPlot.rangeNum(Math.min(0, min), Math.max(0, max), 0.1, true);
   }
 
   // ---- the loss by timestep chart's bins: what a value stands on ------------------------------
@@ -795,7 +887,7 @@
     const opts = {
       width: width, height: 220,
       scales: {x: spec.byTimestep ? {time: false, range: () => binSpan(chart)} : {time: false},
-               y: spec.logToggle && options.logLoss ? {distr: 3} : {}},
+               y: spec.logToggle && options.logLoss ? {distr: 3} : spec.gain ? {range: gainRange} : {}},
       axes: [
         {stroke: "#8a96a8", grid: {stroke: "#2b3443"}, ticks: {stroke: "#2b3443"}, values: axisValues(chart, "xTicks"),
          label: spec.xLabel || "step", labelSize: 18, font: "11px sans-serif", labelFont: "11px sans-serif"},
@@ -810,7 +902,7 @@
         }))),
       cursor: {drag: {x: true, y: false, setScale: true}},
       legend: {live: true},
-      plugins: [epochPlugin(chart), countPlugin(chart)],
+      plugins: [epochPlugin(chart), countPlugin(chart), zeroPlugin(chart)],
       hooks: {
         setSelect: [() => { chart.zoomed = true; }],
         setScale: [(u, key) => {
@@ -852,7 +944,8 @@
     chart.box.dataset.points = counts.join(",");
     chart.box.dataset.epochMarks = String(chart.epochs.length);
     chart.box.dataset.scale = chart.spec.logToggle && options.logLoss ? "log" : "linear";
-    if (chart.spec.byTimestep) chart.box.dataset.values = JSON.stringify(data.slice(1));
+    if (chart.spec.byTimestep || chart.spec.gain) chart.box.dataset.values = JSON.stringify(data.slice(1));
+    if (chart.spec.gain) chart.box.dataset.steps = JSON.stringify(data[0]);
     chart.nodata.hidden = counts.some((c) => c > 0);
   }
 
@@ -866,7 +959,8 @@
     for (const spec of CHARTS) {
       const chart = ensureBox(spec);
       const lines = lineSpecs(spec, ranks, slowSet);
-      chart.box.hidden = !!spec.byMode && !lines.length;   // a history without modes (an older run's): no chart
+      // a history without modes or without the base model's validation loss (an older run's): no chart
+      chart.box.hidden = (!!spec.byMode || !!spec.gain) && !lines.length;
       for (const split of chart.box.querySelectorAll("label.split")) split.hidden = !modesSeen;
       const data = chartData(spec, lines);
       chart.epochs = spec.byTimestep ? [] : epochs;
@@ -890,6 +984,48 @@
     for (const id in charts) {
       const chart = charts[id];
       if (chart.plot) chart.plot.setSize({width: Math.max(300, chart.area.clientWidth), height: 220});
+    }
+    if (healthMap && !healthMap.box.hidden) healthMap.draw();
+  }
+
+  // ---- LoRA health, recipe, catalogues -------------------------------------------------------
+  function drawHealth() {
+    // The heat map of the update per DiT block at each health record, of the first rank that has records (every
+    // rank holds the same LoRA under DDP and ZeRO-2); hidden while none has.
+    const ranks = Object.keys(history).map(Number).filter((r) => history[r].loaded).sort((a, b) => a - b);
+    const rank = ranks.find((r) => history[r].health.length);
+    if (!healthMap) {
+      const box = el("div", {"class": "chartbox", id: "chart-health", "data-chart": "health"});
+      const head = el("div", {"class": "t"});
+      head.appendChild(el("b", null, "LoRA update per DiT block"));
+      box.append(head, el("div", {"class": "hint"}, ""));
+      $("charts").appendChild(box);
+      healthMap = Panels.heatMap(box);
+    }
+    healthMap.box.hidden = rank === undefined;
+    if (rank === undefined) return;
+    healthMap.box.dataset.rank = String(rank);
+    healthMap.box.querySelector(".hint").textContent = "|ΔW|/|W| of each block's LoRA layers (summed) at each health "
+      + "record, rank " + rank + " (every rank holds the same LoRA); colour on a log scale; hover a cell for its "
+      + "value and gradient norm";
+    healthMap.draw(history[rank].health);
+  }
+
+  function renderPanels(s) {
+    // The newest LoRA health flags (each once, with its ranks), each rank's catalogues this epoch, the recipe.
+    const flags = Array.isArray(s.health_flags) ? s.health_flags : [];
+    $("health-box").hidden = !flags.length;
+    Panels.flagList($("health-flags"), flags, rankList);
+    const cats = (s.ranks || []).filter((r) => Array.isArray(r.catalogue_progress) && r.catalogue_progress.length)
+      .map((r) => ({rank: r.rank, items: r.catalogue_progress})).sort((a, b) => a.rank - b.rank);
+    $("catalogues-box").hidden = !cats.length;
+    Panels.catalogues($("catalogues"), cats);
+    const recipe = s.recipe && typeof s.recipe === "object" && !Array.isArray(s.recipe) ? s.recipe : null;
+    const signature = JSON.stringify(recipe);
+    if (signature !== recipeSignature) {
+      recipeSignature = signature;
+      $("recipe-box").hidden = !recipe;
+      Panels.recipe($("recipe"), recipe);
     }
   }
 
@@ -921,48 +1057,98 @@
   }
 
   // ---- samples ------------------------------------------------------------------------------
-  function renderGallery(sets) {
-    // One row per prompt, one column per sample step; videos play on hover and toggle on click.
-    const signature = JSON.stringify(sets);
+  function clipKey(clip) {
+    // What a clip shows besides its prompt and step: the LoRA's strength and weights (the base model: strength 0).
+    return (clip.weights === null || clip.weights === undefined ? "base" : clip.weights) + "@" + clip.strength;
+  }
+
+  function clipLabel(clip) {
+    if (clip.weights === null || clip.weights === undefined) return "base model";
+    return "strength " + clip.strength + (clip.weights === "ema" ? " · EMA" : "");
+  }
+
+  function clipVideo(clip) {
+    const video = el("video", {src: clip.video, muted: "", loop: "", playsinline: "", preload: "metadata"});
+    if (clip.still) video.setAttribute("poster", clip.still);
+    video.muted = true;
+    video.addEventListener("mouseenter", () => { video.play().catch(() => {}); });
+    video.addEventListener("mouseleave", () => { video.pause(); });
+    video.addEventListener("click", () => { if (video.paused) video.play().catch(() => {}); else video.pause(); });
+    return video;
+  }
+
+  function galleryKinds(clips) {
+    // The kinds of clip among clips, in the gallery's order: by strength, the raw weights before the EMA.
+    const order = new Map();
+    for (const c of clips) order.set(clipKey(c), [c.strength, c.weights === "ema" ? 1 : 0]);
+    return Array.from(order.keys()).sort((a, b) => order.get(a)[0] - order.get(b)[0] || order.get(a)[1] - order.get(b)[1]);
+  }
+
+  function galleryCell(step, clips, kinds, labelled) {
+    // One cell: the prompt's clips of one step (or the base model's), side by side in the order of the step's
+    // kinds, a gap where this prompt has none of a kind the step's other prompts have.
+    const cell = el("td", {"data-step": step});
+    if (!clips.some((c) => c.video)) {
+      cell.appendChild(el("span", {"class": "muted"}, "-"));
+      return cell;
+    }
+    const row = el("div", {"class": "clips"});
+    for (const kind of kinds) {
+      const clip = clips.find((c) => clipKey(c) === kind);
+      const figure = el("figure", {"data-kind": kind});
+      if (clip && clip.video) {
+        figure.setAttribute("data-strength", clip.strength);
+        figure.setAttribute("data-weights", clip.weights === null || clip.weights === undefined ? "base" : clip.weights);
+        figure.appendChild(clipVideo(clip));
+        if (labelled) figure.appendChild(el("figcaption", null, clipLabel(clip)));
+      } else {
+        figure.className = "gap";
+        figure.appendChild(el("span", {"class": "muted"}, "-"));
+      }
+      row.appendChild(figure);
+    }
+    cell.appendChild(row);
+    return cell;
+  }
+
+  function renderGallery(sets, base) {
+    // One row per prompt: the base model's clip (rendered once), then a column per sample step with the clips
+    // of each LoRA strength and, where validation asks for both, the EMA's beside the raw weights' (each
+    // labelled once there is more than one kind); videos play on hover and toggle on click.
+    const signature = JSON.stringify([sets, base]);
     if (signature === gallerySignature) return;
     gallerySignature = signature;
     const table = $("gallery");
     table.replaceChildren();
-    $("samples-box").hidden = !sets.length;
-    if (!sets.length) return;
+    $("samples-box").hidden = !sets.length && !base.length;
+    if (!sets.length && !base.length) return;
     // Each row says its prompt in full, as written (the newest set's text; a set from before prompts files
     // were kept shows its file name's words instead).
     const prompts = new Map();
-    for (const set of sets) {
-      for (const clip of set.clips) {
-        const text = typeof clip.prompt === "string" ? clip.prompt : null;
-        if (text !== null || !prompts.has(clip.index)) prompts.set(clip.index, text !== null ? text : clip.slug.replace(/-/g, " "));
-      }
+    for (const clip of base.concat(...sets.map((set) => set.clips))) {
+      const text = typeof clip.prompt === "string" ? clip.prompt : null;
+      if (text !== null || !prompts.has(clip.index)) prompts.set(clip.index, text !== null ? text : clip.slug.replace(/-/g, " "));
     }
+    const kinds = new Map(sets.map((set) => [set, galleryKinds(set.clips)]));
+    const every = galleryKinds([].concat(...sets.map((set) => set.clips)));
+    const labelled = every.length > 1 || base.length > 0 || every.some((k) => k !== "raw@1");
+    table.classList.toggle("sweep", labelled);   // several clips per cell: each a little narrower
     const head = el("tr");
     head.appendChild(el("th", {"class": "l"}, "prompt"));
-    for (const set of sets) head.appendChild(el("th", null, "step " + set.step));
+    if (base.length) head.appendChild(el("th", {"data-step": "base"}, "base model"));
+    for (const set of sets) head.appendChild(el("th", {"data-step": set.step}, "step " + set.step));
     table.appendChild(head);
     for (const [index, text] of Array.from(prompts.entries()).sort((a, b) => a[0] - b[0])) {
       const row = el("tr", {"data-prompt": index});
       const label = el("th", {"class": "l prompt", dir: "auto"});
       label.append(el("span", {"class": "n"}, index + ". "), el("span", {"class": "text"}, text));
       row.appendChild(label);
+      if (base.length) {
+        const mine = base.filter((c) => c.index === index);
+        row.appendChild(galleryCell("base", mine, mine.length ? [clipKey(mine[0])] : [], labelled));
+      }
       for (const set of sets) {
-        const cell = el("td", {"data-step": set.step});
-        const clip = set.clips.find((c) => c.index === index);
-        if (clip && clip.video) {
-          const video = el("video", {src: clip.video, muted: "", loop: "", playsinline: "", preload: "metadata"});
-          if (clip.still) video.setAttribute("poster", clip.still);
-          video.muted = true;
-          video.addEventListener("mouseenter", () => { video.play().catch(() => {}); });
-          video.addEventListener("mouseleave", () => { video.pause(); });
-          video.addEventListener("click", () => { if (video.paused) video.play().catch(() => {}); else video.pause(); });
-          cell.appendChild(video);
-        } else {
-          cell.appendChild(el("span", {"class": "muted"}, "-"));
-        }
-        row.appendChild(cell);
+        row.appendChild(galleryCell(set.step, set.clips.filter((c) => c.index === index), kinds.get(set), labelled));
       }
       table.appendChild(row);
     }
@@ -970,7 +1156,8 @@
 
   async function loadSamples() {
     try {
-      renderGallery((await getJSON(SAMPLES_URL)).sets || []);
+      const listing = await getJSON(SAMPLES_URL);
+      renderGallery(listing.sets || [], listing.base || []);
     } catch (err) {
       // the gallery is optional: a failed listing leaves the last one shown
     }
@@ -1005,6 +1192,7 @@
       }
     }
     drawCharts();
+    drawHealth();
     renderBuckets();
     await loadSamples();
     draws++;

@@ -3,8 +3,16 @@
 Rank 0 generates every prompt of ``--sample_prompts`` (in eval mode, without gradients, inside a forked
 RNG so training draws the same numbers as without sampling) and writes
 ``OUTPUT/samples/step-000NNNNN/NN-<slug>.mp4`` plus the first frame as png, each through a temp file and a
-rename; the slug only summarises the prompt, whose full text is in ``prompts.json`` beside the clips. Its status phase moves with every denoising step; the other ranks wait at an asynchronous
-barrier and keep their status fresh meanwhile, so the monitor never calls a sampling run stalled.
+rename; the slug only summarises the prompt, whose full text is in ``prompts.json`` beside the clips. Its status
+phase moves with every denoising step; the other ranks wait at an asynchronous barrier and keep their status
+fresh meanwhile, so the monitor never calls a sampling run stalled.
+
+``--sample_strengths 0,0.5,1`` renders each prompt at each strength of the LoRA (``training/lora/strength.py``),
+with the prompt's seed every time: ``NN-<slug>-s0.5.mp4``, strength 1 under the names clips always had, each also
+with the EMA (``-ema``) where ``--validate_with both|ema`` asks for it (``sample_prompts.clip_suffix``). Strength 0
+is the base model, which training does not change: its clips go to ``OUTPUT/samples/base/NN-<slug>-base.mp4``
+once per prompt (the first time samples are made; again only for a prompt whose settings changed, e.g. on a
+resume with another prompt file), and its ``prompts.json`` says at which step each was rendered.
 """
 
 from __future__ import annotations
@@ -15,9 +23,11 @@ import time
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_open, atomic_path, atomic_write_json
-from diffsynth_mbc.sample_prompts import (PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt, prompts_file_record,
-                                          sample_file_stem, sample_set_name, sampling_due)
-from diffsynth_mbc.training.lora.ema import CLIP_SUFFIX, weights_for
+from diffsynth_mbc.sample_prompts import (BASE_FOLDER, BASE_SUFFIX, PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt,
+                                          clip_suffix, parse_strengths, prompts_file_record, sample_file_stem,
+                                          sample_set_name, sampling_due, strength_text)
+from diffsynth_mbc.training.lora.ema import weights_for
+from diffsynth_mbc.training.lora.strength import lora_strength
 
 FPS = 16
 WAIT_POLL_S = 1.0
@@ -27,6 +37,7 @@ class Sampler:
     def __init__(self, options, status, prompts: list[SamplePrompt], contexts: dict | None = None):
         self.options, self.status, self.prompts = options, status, prompts
         self.every = options.sample_steps
+        self.strengths = parse_strengths(options.sample_strengths)   # ascending; 0: the base model
         self.root = Path(options.output_path) / SAMPLES_FOLDER
         self.contexts = contexts    # prompt text -> embedding from the latent cache (no text encoder loaded)
         self.accelerator = self.module = None
@@ -45,12 +56,13 @@ class Sampler:
         accelerator = self.accelerator
         if accelerator.is_main_process:
             started = time.monotonic()
-            files = self._generate_all(step)
-            self._record(step, files, time.monotonic() - started)
+            paths = self._generate_all(step)
+            self._record(step, paths, time.monotonic() - started)
         self._wait_for_main(step)
 
     # -- rank 0 -------------------------------------------------------------------------------
-    def _generate_all(self, step: int) -> list[str]:
+    def _generate_all(self, step: int) -> list[Path]:
+        """Every clip of this sample step (and the base model's not made yet): the paths written."""
         import torch
 
         pipe = self.accelerator.unwrap_model(self.module).pipe
@@ -61,32 +73,62 @@ class Sampler:
         was_training = pipe.dit.training
         training_scheduler = copy.deepcopy(pipe.scheduler)   # generation re-times it for its few steps
         pipe.dit.eval()
-        files = []
+        paths = []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices), \
                     _prompts_from(pipe, self.contexts):
+                if 0 in self.strengths:
+                    paths += self._generate_base(pipe, step)
                 for weights in self._weights():
                     with self.ema.weights(weights) if self.ema is not None else contextlib.nullcontext():
-                        for index, prompt in enumerate(self.prompts):
-                            frames = self._generate(pipe, prompt, step, index)
-                            suffix = CLIP_SUFFIX if weights == "ema" else ""
-                            files += self._write(target, sample_file_stem(index, prompt) + suffix, frames)
+                        for strength in [s for s in self.strengths if s != 0]:
+                            with lora_strength(pipe.dit, strength):
+                                for index, prompt in enumerate(self.prompts):
+                                    frames = self._generate(pipe, prompt, step, index, _label(strength, weights))
+                                    stem = sample_file_stem(index, prompt) + clip_suffix(strength, weights)
+                                    paths += self._write(target, stem, frames)
         finally:
             pipe.scheduler = training_scheduler
             pipe.dit.train(was_training)
             if devices:
                 torch.cuda.empty_cache()
-        return files
+        return paths
+
+    def _generate_base(self, pipe, step: int) -> list[Path]:
+        """The base model's clip of every prompt that has none for its current settings (strength 0: the LoRA adds
+        nothing); ``base/prompts.json`` names the prompts whose clips are current and the step each was made at."""
+        folder = self.root / BASE_FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        made = read_base_records(folder)
+        current, paths = {}, []
+        for index, (prompt, record) in enumerate(zip(self.prompts, prompts_file_record(self.prompts)["prompts"])):
+            stem = record["stem"] + BASE_SUFFIX
+            before = made.get(record["index"])
+            if before is not None and before == {**record, "step": before.get("step")} \
+                    and (folder / f"{stem}.mp4").is_file():
+                current[record["index"]] = before
+                continue
+            with lora_strength(pipe.dit, 0.0):
+                frames = self._generate(pipe, prompt, step, index, _label(0.0, "raw"))
+            paths += self._write(folder, stem, frames)
+            current[record["index"]] = {**record, "step": step}
+            atomic_write_json(folder / PROMPTS_FILE, {"prompts": [current[k] for k in sorted(current)]})
+        atomic_write_json(folder / PROMPTS_FILE, {"prompts": [current[k] for k in sorted(current)]})
+        stems = {record["stem"] + BASE_SUFFIX for record in current.values()}
+        for stale in folder.iterdir():   # clips of prompts the file no longer has
+            if stale.suffix in (".mp4", ".png") and stale.stem not in stems:
+                stale.unlink(missing_ok=True)
+        return paths
 
     def _weights(self) -> list[str]:
         return ["raw"] if self.ema is None else weights_for(self.options.validate_with, self.ema.updates)
 
-    def _generate(self, pipe, prompt: SamplePrompt, step: int, index: int) -> list:
+    def _generate(self, pipe, prompt: SamplePrompt, step: int, index: int, label: str = "") -> list:
         from PIL import Image
 
         def heartbeat(timesteps):
             for number, timestep in enumerate(timesteps, 1):
-                self.status.update(phase=f"sampling at step {step}: prompt {index + 1}/{len(self.prompts)}, "
+                self.status.update(phase=f"sampling at step {step}: prompt {index + 1}/{len(self.prompts)}{label}, "
                                          f"denoising {number}/{prompt.steps}")
                 yield timestep
 
@@ -97,42 +139,52 @@ class Sampler:
                         num_inference_steps=prompt.steps, cfg_scale=prompt.cfg_scale, tiled=False,
                         rand_device=str(self.accelerator.device), progress_bar_cmd=heartbeat)
 
-    def _write(self, target: Path, stem: str, frames: list) -> list[str]:
+    def _write(self, target: Path, stem: str, frames: list) -> list[Path]:
         video, still = target / f"{stem}.mp4", target / f"{stem}.png"
         with atomic_path(video, suffix=".mp4") as tmp:   # the encoder picks the format from the name
             write_video(frames, str(tmp), fps=FPS, quality=8)
         with atomic_open(still, "wb") as handle:
             frames[0].save(handle, format="PNG")
-        return [video.name, still.name]
+        return [video, still]
 
-    def _record(self, step: int, files: list[str], seconds: float) -> None:
+    def _record(self, step: int, paths: list[Path], seconds: float) -> None:
+        """The history line and status of a sample set: ``files`` in the set's folder; with strength 0 in
+        --sample_strengths also ``base_dir`` and ``base_files``, the base model's clips made at this step."""
         folder = self.root / sample_set_name(step)
-        record = {"kind": "samples", "step": step, "dir": str(folder), "files": files,
-                  "prompts": [p.prompt for p in self.prompts], "seconds": round(seconds, 2), "time": round(time.time(), 3)}
+        files = [path.name for path in paths if path.parent == folder]
+        where = {"dir": str(folder), "files": files}
+        if 0 in self.strengths:
+            where.update(base_dir=str(self.root / BASE_FOLDER),
+                         base_files=[path.name for path in paths if path.parent != folder])
+        record = {"kind": "samples", "step": step, **where, "prompts": [p.prompt for p in self.prompts],
+                  "strengths": self.strengths, "seconds": round(seconds, 2), "time": round(time.time(), 3)}
         self.status.append_history(record)
-        self._to_trackers(step, folder, files)
-        self.status.update(samples_dir=str(self.root.resolve()), last_samples={"step": step, "dir": str(folder),
-                                                                               "files": files})
+        self._to_trackers(step, paths)
+        self.status.update(samples_dir=str(self.root.resolve()), last_samples={"step": step, **where})
 
-    def _to_trackers(self, step: int, folder: Path, files: list[str]) -> None:
+    def _to_trackers(self, step: int, paths: list[Path]) -> None:
         """Samples for --report_to: W&B gets the clips as videos captioned with their prompts; TensorBoard (whose
-        video panel needs moviepy) the first frames as images, and each full prompt as text beside them."""
+        video panel needs moviepy) the first frames as images, and each full prompt as text beside them. A clip's
+        tag is its file's stem (``samples/01-a-news-anchor``, ``...-s0.5``, ``...-ema``, ``...-base``)."""
         import numpy as np
         from PIL import Image
 
-        texts = {sample_file_stem(index, prompt): prompt.prompt for index, prompt in enumerate(self.prompts)}
+        def text(stem: str) -> str:   # every stem starts with its prompt's number
+            number = int(stem[:2]) if stem[:2].isdigit() else 0
+            return self.prompts[number - 1].prompt if 1 <= number <= len(self.prompts) else ""
+
         for tracker in getattr(self.accelerator, "trackers", None) or []:
-            for name in files:
-                stem, suffix = name.rsplit(".", 1)
-                if tracker.name == "tensorboard" and suffix == "png":
-                    still = np.asarray(Image.open(folder / name).convert("RGB"))
+            for path in paths:
+                stem, suffix = path.stem, path.suffix
+                if tracker.name == "tensorboard" and suffix == ".png":
+                    still = np.asarray(Image.open(path).convert("RGB"))
                     tracker.writer.add_image(f"samples/{stem}", still, global_step=step, dataformats="HWC")
-                    tracker.writer.add_text(f"samples/{stem}/prompt", texts.get(stem, ""), global_step=step)
-                elif tracker.name == "wandb" and suffix == "mp4":
+                    tracker.writer.add_text(f"samples/{stem}/prompt", text(stem), global_step=step)
+                elif tracker.name == "wandb" and suffix == ".mp4":
                     import wandb
 
-                    tracker.log({f"samples/{stem}": wandb.Video(str(folder / name), caption=texts.get(stem),
-                                                                format="mp4")}, step=step)
+                    tracker.log({f"samples/{stem}": wandb.Video(str(path), caption=text(stem), format="mp4")},
+                                step=step)
 
     # -- every rank ----------------------------------------------------------------------------
     def _wait_for_main(self, step: int) -> None:
@@ -151,6 +203,25 @@ class Sampler:
                                      f"({time.monotonic() - started:.0f} s)")
             time.sleep(WAIT_POLL_S)
         work.wait()
+
+
+def _label(strength: float, weights: str) -> str:
+    """What the status phase adds for a clip other than the trained LoRA's: " (base model)", " (strength 0.5, EMA)"."""
+    if strength == 0:
+        return " (base model)"
+    parts = ([] if strength == 1 else [f"strength {strength_text(strength)}"]) + (["EMA"] if weights == "ema" else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def read_base_records(folder: Path) -> dict[int, dict]:
+    """Prompt number -> the settings (and ``step``) of its current base-model clip, from ``base/prompts.json``."""
+    import json
+
+    try:
+        entries = json.loads((folder / PROMPTS_FILE).read_text(encoding="utf-8")).get("prompts")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {entry["index"]: entry for entry in entries or [] if isinstance(entry, dict) and "index" in entry}
 
 
 def write_video(frames: list, path: str, fps: int, quality: int) -> None:
@@ -191,8 +262,10 @@ def maybe_sample(run) -> None:
         sampler.run(run.position.step)
     last = run.status.state.get("last_samples")
     if last:
-        run.logger.printer.event(f"samples at step {last['step']}: {len(last['files']) // 2} clip(s) in {last['dir']} "
-                                 f"({section.seconds:.1f} s)")
+        base = len(last.get("base_files") or []) // 2
+        run.logger.printer.event(f"samples at step {last['step']}: {len(last['files']) // 2} clip(s) in {last['dir']}"
+                                 + (f", {base} of the base model in {last['base_dir']}" if base else "")
+                                 + f" ({section.seconds:.1f} s)")
 
 
 @contextlib.contextmanager

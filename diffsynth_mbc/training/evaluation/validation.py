@@ -4,6 +4,12 @@ The same samples, the same noise and the same timesteps every time: two evaluati
 the LoRA. The headline ``val_loss`` is the mean over the quantiles; each quantile's loss is kept too. Each sample
 is measured in the training's objective and in a mode fixed for the run (an image t2i, a video i2v or t2v as
 ``--i2v_probability`` chooses, ``training/step/objective.py``); ``val_loss_by_mode`` is the mean per mode.
+
+Against the base: every record also carries the base model's loss (the LoRA off, scale 0: ``lora_disabled`` of
+``training/lora/module.py``) on the same samples, timesteps and noise, ``val_loss_base`` (with ``_by_quantile``
+and ``_by_mode``). The base never changes, so it is measured once, at this process's first validation, and kept in
+memory (``Validator.base``) for every later one; a resumed run measures it again at its first validation (the same
+numbers: the same samples, seeds and timesteps). ``val_loss_base_step`` is the step whose validation measured it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class Validator:
         self.validate_with = options.validate_with
         self.objective, self.i2v_probability = options.objective, options.i2v_probability
         self.accelerator = self.module = None
+        # The base model's (by_quantile, by_mode, samples), measured once (the first validation of this process)
+        self.base: tuple[dict, dict, int] | None = None
+        self.base_step = self.base_measurements = 0
 
     def attach(self, accelerator, module) -> None:
         self.accelerator, self.module = accelerator, module
@@ -56,12 +65,27 @@ class Validator:
             ema_by_quantile, ema_by_mode, _ = measured["ema"]
             extra = {"val_loss_ema": sum(ema_by_quantile.values()) / len(ema_by_quantile),
                      "val_loss_ema_by_quantile": ema_by_quantile, "val_loss_ema_by_mode": ema_by_mode}
+        extra.update(self.base_fields(step))
         self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss,
                                     "val_loss_by_quantile": by_quantile, "val_loss_by_mode": by_mode,
                                     "val_samples": samples, "time": round(time.time(), 3), **extra})
         self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_loss_by_mode=by_mode,
                            val_step=step, phase=f"validated at step {step}", **extra)
         return val_loss
+
+    def base_fields(self, step: int) -> dict:
+        """``val_loss_base`` (mean over the quantiles), ``_by_quantile``, ``_by_mode`` and ``val_loss_base_step``:
+        the base model (the LoRA off) on the same samples, noise and timesteps, measured at the first call and
+        kept (the base does not change). Every rank calls it: the measurement is split and all-reduced."""
+        if self.base is None:
+            with self.accelerator.unwrap_model(self.module).lora_disabled():
+                self.base = self.measure()
+            self.base_step, self.base_measurements = step, self.base_measurements + 1
+        by_quantile, by_mode, samples = self.base
+        if not samples:
+            return {}
+        return {"val_loss_base": sum(by_quantile.values()) / len(by_quantile), "val_loss_base_by_quantile": by_quantile,
+                "val_loss_base_by_mode": by_mode, "val_loss_base_step": self.base_step}
 
     def mode(self, sample: dict, index: int) -> str:
         from diffsynth_mbc.training.step.objective import validation_mode

@@ -29,7 +29,6 @@ from diffsynth_mbc.values import finite_number
 
 STATE_FILE = "ema_state.safetensors"
 FILE_SUFFIX = "_ema"
-CLIP_SUFFIX = "-ema"        # sample clips rendered with the EMA: 01-a-news-anchor-ema.mp4
 WEIGHTS = ("raw", "ema", "both")
 WARMUP_OFFSET = 10
 

@@ -7,6 +7,8 @@ step by the pipeline's units) and entries of the latent cache (``{"cached": True
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from diffsynth.trainers.utils import DiffusionTrainingModule
 from diffsynth.pipelines.wan_video_new import WanVideoPipeline
@@ -173,6 +175,25 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         self.draws.add(self.pipe.scheduler.timesteps[ids], losses, [inputs["mode"] for inputs in group],
                        [pixel_shape(inputs["input_latents"]) for inputs in group])
         return loss
+
+    @contextlib.contextmanager
+    def lora_disabled(self):
+        """The base model for the duration (LoRA scale 0): every LoRA or DoRA layer of the DiT gives its base layer's
+        output alone (peft's ``enable_adapters(False)``; a DoRA's magnitudes are left out too, so it is exactly the
+        base weights' output). Each parameter's ``requires_grad``, which peft switches, is put back as it was."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [layer for layer in self.pipe.dit.modules() if isinstance(layer, BaseTunerLayer)]
+        trainable = [(parameter, parameter.requires_grad) for parameter in self.parameters()]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield len(layers)
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
+            for parameter, flag in trainable:
+                parameter.requires_grad_(flag)
 
     def lora_state_dict(self, state_dict: dict | None = None) -> dict:
         """Trainable (LoRA) weights with DiffSynth's key layout: ``blocks.0.self_attn.q.lora_A.default.weight``."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from diffsynth_mbc.data.caption_rules import check_caption_options
 from diffsynth_mbc.data.dataset_list import MAX_REPEAT
 from diffsynth_mbc.errors import OptionsError, quoted
+from diffsynth_mbc.sample_prompts import parse_strengths
 from diffsynth_mbc.training.lora.ema import check_options as check_ema_options
 from diffsynth_mbc.training.lora.init_from_file import check_init_lora_option
 from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES, DEFAULTS
@@ -26,6 +27,7 @@ _INTEGERS = {   # key: (lowest, optional)
     "val_samples": (1, False), "dataset_num_workers": (0, False), "warmup_steps": (0, False),
     "keep_old_histories": (0, False), "seed": (0, False), "image_batch_size": (1, True), "save_steps": (1, True),
     "checkpoint_steps": (1, True), "val_steps": (1, True), "sample_steps": (1, True), "timestep_strata": (1, False),
+    "health_steps": (0, False),
 }
 _FLOATS = {     # key: (low, high, low included, optional)
     "learning_rate": (0.0, None, False, False), "lora_alpha": (0.0, None, False, True),
@@ -173,6 +175,8 @@ def validate(options: dict) -> None:
                            f"{quoted(options['val_timestep_quantiles'])}")
     if options["sample_steps"] is not None and not options["sample_prompts"]:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
+    if parse_strengths(options["sample_strengths"]) != [1.0] and not options["sample_prompts"]:
+        raise OptionsError("--sample_strengths needs --sample_prompts FILE (the prompts it renders at each strength)")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
     check_frame_options(options)

@@ -203,12 +203,19 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     data_quality.add_argument("--val_base_path", help="default: --dataset_base_path")
     data_quality.add_argument("--val_steps", type=int, help="validation loss every N optimizer steps (and at the end)")
     data_quality.add_argument("--val_samples", type=int, help="fixed validation subset size (default 16)")
+    data_quality.add_argument("--health_steps", type=int,
+                              help="LoRA health (update and gradient norms per DiT block, flags: still, exploding, "
+                                   "nonfinite, overfitting) at step 0, every N optimizer steps and at the end "
+                                   "(default 10; 0: off; docs/training.md, LoRA health)")
     samples = parser.add_argument_group("sample clips")
     samples.add_argument("--sample_prompts", help="YAML or JSON lines of prompts (prompt, optional image, seed, "
                                                   "height, width, num_frames, steps, cfg_scale, negative_prompt): "
                                                   "rank 0 renders them before the first step, every "
                                                   "--sample_steps and at the end, into OUTPUT_PATH/samples/")
     samples.add_argument("--sample_steps", type=int, help="render the sample prompts every N optimizer steps")
+    samples.add_argument("--sample_strengths", type=str,
+                         help="render each sample prompt at each of these LoRA strengths, same seed, e.g. 0,0.5,1 "
+                              "(0: the base model, rendered once per prompt into samples/base/; default 1)")
     data_quality.add_argument("--val_timestep_quantiles",
                               help="validation loss at these fixed points of the noise schedule, comma-separated "
                                    "in (0, 1); the headline val_loss is their mean (default 0.1,0.3,0.5,0.7,0.9)")

@@ -95,9 +95,11 @@ class TrainOptions:
     val_steps: int | None = None
     val_samples: int = 16
     val_timestep_quantiles: str = "0.1,0.3,0.5,0.7,0.9"
+    health_steps: int = 10          # LoRA health records every N optimizer steps (0: off; evaluation/lora_health.py)
     # samples
     sample_prompts: str | None = None
     sample_steps: int | None = None
+    sample_strengths: str = "1"     # comma-separated LoRA strengths (sample_prompts.parse_strengths)
     # latent cache
     cache: str | None = None
     val_cache: str | None = None

@@ -18,7 +18,9 @@ from diffsynth.trainers.utils import ModelLogger
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.gpu import GpuReader
+from diffsynth_mbc.training.reporting.catalogue_progress import CatalogueProgress
 from diffsynth_mbc.training.reporting.eta import OverheadSchedule
+from diffsynth_mbc.training.reporting.run_summary import validation_event
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 from diffsynth_mbc.training.reporting.step_timing import StepTiming
 from diffsynth_mbc.training.reporting.terminal import TerminalProgress, progress_line
@@ -53,6 +55,7 @@ class ProgressLogger(ModelLogger):
         self._recent_losses: list[float] = []
         self._loss_average_window = loss_average_window
         self._wall_clock = wall_clock
+        self.catalogues: CatalogueProgress | None = None   # several catalogues: each one's samples this epoch
         # GPU name, utilisation and memory (with the allocator's peak since the previous write) in every write.
         self.status.gpu_reader = GpuReader()
         self.status.update(total_steps=self.total_steps, steps_per_epoch=steps_per_epoch, num_epochs=num_epochs,
@@ -65,7 +68,21 @@ class ProgressLogger(ModelLogger):
 
     def on_epoch_begin(self, epoch: int, **kwargs) -> None:
         self.epoch = epoch
-        self.status.update(epoch=epoch)
+        if self.catalogues is not None:
+            self.catalogues.reset()
+        self.status.update(epoch=epoch, **self.catalogue_fields())
+
+    def track_catalogues(self, options, plan, world_size: int) -> None:
+        """Count each catalogue's samples this epoch when the run trains several (``catalogue_progress``)."""
+        self.catalogues = CatalogueProgress.from_run(options, plan, world_size)
+
+    def count_catalogues(self, batch: list[dict]) -> None:
+        """A batch the loop trains, counted for its samples' catalogues (several catalogues only)."""
+        if self.catalogues is not None:
+            self.catalogues.count(batch)
+
+    def catalogue_fields(self) -> dict:
+        return {"catalogue_progress": self.catalogues.as_list()} if self.catalogues is not None else {}
 
     def on_step_end(self, accelerator=None, model=None, save_steps=None, loss=None, lr=None,
                     samples=None, **kwargs) -> None:
@@ -106,7 +123,7 @@ class ProgressLogger(ModelLogger):
             tokens_per_s=(tokens / seconds_per_step) if tokens and seconds_per_step else None,
             eta_s=times.eta_s, eta_overheads_s=round(times.eta_overheads_s, 3),
             progress=round(100.0 * self.step / self.total_steps, 3) if self.total_steps else 100.0,
-            **extra,
+            **extra, **self.catalogue_fields(),
         )
         self.printer.step(self.status.state)
         if accelerator is not None and getattr(accelerator, "trackers", None):
@@ -142,11 +159,13 @@ class ProgressLogger(ModelLogger):
         if state.get("val_step") is not None and state.get("val_step") != self._printed_val_step:
             self._printed_val_step = state["val_step"]
             if accelerator is not None and getattr(accelerator, "trackers", None):
-                accelerator.log({"val_loss": state["val_loss"]}, step=state["val_step"])
+                scalars = ("val_loss", "val_loss_base")
+                accelerator.log({key: state[key] for key in scalars if state.get(key) is not None},
+                                step=state["val_step"])
             self.printer.step(state)
             tally = self.timing.clock.tallies.get("validation")
             took = f" ({tally.last_s:.1f} s)" if tally and tally.last_s is not None else ""
-            self.printer.event(f"validation at step {state['val_step']}: val_loss {state['val_loss']:.4f}{took}")
+            self.printer.event(validation_event(state, took))   # with the base model's loss beside it
 
     def print_summary(self) -> None:
         """The run's summary on rank 0's terminal, once (finished or stopped)."""

@@ -93,6 +93,8 @@ class RankStatusWriter:
                                          stream)
         self._pending_history: collections.deque[str] = collections.deque()
         self.history_lines_lost = 0
+        # called with every history record as it is appended (training/evaluation/lora_health.py reads the steps)
+        self.history_listeners: list[Callable[[dict], None]] = []
         self._status_guard.run(lambda: self.log_dir.mkdir(parents=True, exist_ok=True))
         self._stream = stream
         self._folder = LogFolderWatch(self.log_dir)
@@ -227,6 +229,8 @@ class RankStatusWriter:
     # -- the per-step history ---------------------------------------------------------------
     def append_history(self, record: dict) -> None:
         """One line per record, in order. While the folder cannot be written, lines wait in memory (bounded)."""
+        for listener in self.history_listeners:
+            listener(record)
         if len(self._pending_history) >= self.MAX_PENDING_HISTORY:
             self._pending_history.popleft()
             self.history_lines_lost += 1

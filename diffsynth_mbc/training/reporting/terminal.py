@@ -19,6 +19,8 @@ import time
 
 from diffsynth_mbc import environment
 from diffsynth_mbc.run_files import overheads_text
+from diffsynth_mbc.training.reporting.catalogue_progress import catalogues_text
+from diffsynth_mbc.training.reporting.run_summary import files_lines, validation_lines
 
 
 def clock(seconds) -> str:
@@ -46,8 +48,9 @@ def progress_line(state: dict, overheads: bool = True) -> str:
              f"lr {_number(state.get('lr'), '.2e')}", f"{_number(state.get('step_time_s'), '.2f')} s/step",
              f"{_number(state.get('samples_per_s'), '.2f')} samples/s", f"elapsed {clock(state.get('elapsed_s'))}",
              f"ETA {clock(state.get('eta_s'))}"]
+    seen = catalogues_text(state.get("catalogue_progress"))   # several catalogues: each one's samples this epoch
     between = overheads_text(state.get("overheads")) if overheads else ""
-    return " | ".join(parts + ([between] if between else []))
+    return " | ".join(parts + ([f"seen: {seen}"] if seen else []) + ([between] if between else []))
 
 
 BAR_MIN, BAR_MAX = 10, 40   # the bar's own width, in columns
@@ -117,15 +120,18 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
     if state.get("val_loss") is not None:
         lines.append(f"  validation loss: last {state['val_loss']:.4f} at step {state.get('val_step')}, "
                      f"best {best_val_loss:.4f}")
+    lines += validation_lines(state)   # against the base model, once it was measured
     if state.get("status") == "stopped":   # no LoRA file yet: the checkpoint is what the run left
         if state.get("last_checkpoint"):
             lines.append(f"  resume from: {state['last_checkpoint']} (--resume latest)")
+        lines += files_lines(output_path, state.get("run_id"))
     else:
         lines.append(f"  LoRA: {output_path}/lora.safetensors")
         from diffsynth_mbc.training.lora.export import dora_run_note   # a DoRA: DiffSynth's loader ignores dora_scale
 
         note = dora_run_note(f"{output_path}/lora.safetensors")
         lines += [f"  {note}"] if note else []
+        lines += files_lines(output_path, state.get("run_id"))   # lora_ema, epoch and step files of this run
         if state.get("last_checkpoint"):
             lines.append(f"  last checkpoint: {state['last_checkpoint']}")
     between = overheads_text(state.get("overheads"))

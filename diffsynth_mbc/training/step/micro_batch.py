@@ -72,6 +72,8 @@ def forward_backward(run, batch, earlier_losses: list):
         max_norm = options.max_grad_norm if options.max_grad_norm > 0 else math.inf   # inf: measure only
         grad_norm = accelerator.clip_grad_norm_(run.trainable, max_norm)
         grad_norm = None if grad_norm is None else float(grad_norm)
+        if run.health is not None:   # on a step that records the LoRA's health: its blocks' gradient norms
+            run.health.read_gradients(run.position.step + 1, grad_norm, max_norm)
         skipped = any_bad or (grad_norm is not None and not math.isfinite(grad_norm))
         if not skipped or accelerator.scaler is not None:
             run.optimizer.step()

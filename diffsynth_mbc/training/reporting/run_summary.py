@@ -1,0 +1,77 @@
+"""What the end of a run says it achieved and wrote: the validation loss against the base model (the LoRA off, see
+``training/evaluation/validation.py``) and every LoRA file this run wrote in its output folder. Pure formatting
+from the status file's fields and the files' own metadata (their run id); no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from diffsynth_mbc.training.checkpoints.owner import LORA_FILE, lora_file_owner
+
+_NUMBERED = re.compile(r"^(epoch|step)-(\d+)(_ema)?\.safetensors$")
+
+
+def against_base(loss: float, base: float) -> str:
+    """``0.4123 vs the base model's 0.4410 (LoRA gain 0.0287, 6.5%)``; a negative gain: the LoRA does worse."""
+    gain = base - loss
+    percent = f", {100.0 * gain / base:.1f}%" if base else ""
+    return f"{loss:.4f} vs the base model's {base:.4f} (LoRA gain {gain:.4f}{percent})"
+
+
+def validation_event(state: dict, took: str = "") -> str:
+    """The terminal's line after a validation: ``validation at step 6: val_loss 0.4123 (2.1 s); base ...``."""
+    line = f"validation at step {state['val_step']}: val_loss {state['val_loss']:.4f}{took}"
+    if state.get("val_loss_ema") is not None:
+        line += f", EMA {state['val_loss_ema']:.4f}"
+    base = state.get("val_loss_base")
+    if base is not None:
+        line += f"; base model {base:.4f}" + (" (measured now, once for the run)"
+                                              if state.get("val_loss_base_step") == state["val_step"] else "")
+    return line
+
+
+def validation_lines(state: dict) -> list[str]:
+    """``  validation: loss 0.4123 vs the base model's 0.4410 (LoRA gain 0.0287, 6.5%)`` (and the EMA's), when the
+    run measured the base; else nothing."""
+    base = state.get("val_loss_base")
+    if base is None or state.get("val_loss") is None:
+        return []
+    which = " (EMA)" if state.get("val_weights") == "ema" else ""
+    lines = [f"  validation: loss{which} {against_base(state['val_loss'], base)}"]
+    if state.get("val_loss_ema") is not None:
+        lines.append(f"  validation: EMA loss {against_base(state['val_loss_ema'], base)}")
+    return lines
+
+
+def written_files(output_path: str, run_id: str | None) -> list[Path]:
+    """The LoRA files in ``output_path`` that this run wrote (their metadata names its run id), by name."""
+    folder = Path(output_path)
+    if not run_id or not folder.is_dir():
+        return []
+    return sorted(path for path in folder.iterdir() if LORA_FILE.match(path.name) and path.is_file()
+                  and lora_file_owner(path) == run_id)
+
+
+def numbered_text(names: list[str], kind: str) -> str:
+    """``3 epoch files (epoch-001 .. epoch-003)`` for the ``kind`` files among ``names``, '' when none."""
+    found = sorted((int(match.group(2)), name) for name in names if (match := _NUMBERED.match(name))
+                   and match.group(1) == kind and not match.group(3))
+    if not found:
+        return ""
+    first, last = found[0][1].removesuffix(".safetensors"), found[-1][1].removesuffix(".safetensors")
+    return f"{len(found)} {kind} file(s) ({first}" + (f" .. {last})" if len(found) > 1 else ")")
+
+
+def files_lines(output_path: str, run_id: str | None) -> list[str]:
+    """The summary's lines for this run's files other than ``lora.safetensors``: its EMA twin, and how many epoch
+    and step files (each with its ``_ema`` twin when the run keeps an EMA)."""
+    names = [path.name for path in written_files(output_path, run_id)]
+    lines = [f"  EMA LoRA: {output_path}/lora_ema.safetensors"] if "lora_ema.safetensors" in names else []
+    numbered = [text for text in (numbered_text(names, "epoch"), numbered_text(names, "step")) if text]
+    if numbered:
+        twins = " (each with its _ema twin)" if any(name.endswith("_ema.safetensors") and name != "lora_ema.safetensors"
+                                                    for name in names) else ""
+        lines.append(f"  also in {output_path}: {', '.join(numbered)}{twins}")
+    return lines
