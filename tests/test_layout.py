@@ -217,3 +217,11 @@ def test_no_module_or_function_is_too_long():
 
 def test_every_module_says_what_it_owns():
     assert [str(p.relative_to(PACKAGE)) for p in modules() if not ast.get_docstring(ast.parse(p.read_text()))] == []
+
+
+def test_test_files_have_names_of_their_own():
+    """pytest imports test files by their name (no packages under tests/): two files of one name stop collection."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE.parent / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert not {name: paths for name, paths in names.items() if len(paths) > 1}
