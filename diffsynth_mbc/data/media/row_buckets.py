@@ -33,11 +33,13 @@ def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None) 
         print(f"note: {len(missing):,} of {len(rows):,} metadata rows have no width/height columns; reading their "
               "files' headers for the buckets (python -m diffsynth_mbc.convert --probe writes the columns)",
               file=sys.stderr)
-    if missing:
-        items = [(os.path.join(base_path, str(rows[index].get("video") or "")),
+    paths = {index: os.path.join(base_path, str(rows[index].get("video") or "")) for index in missing}
+    readable = [index for index in missing if os.path.isfile(paths[index])]   # a missing file fails later, named
+    if readable:
+        items = [(paths[index],
                   IMAGE if shape_key(rows[index].get("media_type"), rows[index].get("video")) == IMAGE else "video")
-                 for index in missing]
-        for index, result in zip(missing, probe_files(items, workers=workers)):
+                 for index in readable]
+        for index, result in zip(readable, probe_files(items, workers=workers)):
             if result.info is not None:
                 sizes[index] = (result.info.width, result.info.height)
     return sizes
