@@ -15,6 +15,9 @@ from diffsynth_mbc.data.media.buckets import Bucket, bucket_set, nearest_bucket,
 from diffsynth_mbc.data.media.shapes import IMAGE, shape_key
 
 
+_NOTES_SAID: set[tuple] = set()
+
+
 def _column_size(row: dict) -> tuple[int, int] | None:
     try:
         width, height = int(float(row.get("width") or 0)), int(float(row.get("height") or 0))
@@ -29,7 +32,9 @@ def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None) 
 
     sizes = [_column_size(row) for row in rows]
     missing = [index for index, size in enumerate(sizes) if size is None]
-    if missing and os.environ.get("RANK", "0") == "0":   # said once, not by every rank
+    said = (len(missing), len(rows), base_path)
+    if missing and os.environ.get("RANK", "0") == "0" and said not in _NOTES_SAID:   # once per process, rank 0
+        _NOTES_SAID.add(said)
         print(f"note: {len(missing):,} of {len(rows):,} metadata rows have no width/height columns; reading their "
               "files' headers for the buckets (python -m diffsynth_mbc.convert --probe writes the columns)",
               file=sys.stderr)
