@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from diffsynth_mbc.atomic import atomic_open
+from diffsynth_mbc.data.media.buckets import media_kind
 from diffsynth_mbc.data.media.shapes import IMAGE, VIDEO, shape_key
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.errors import MetadataError, OptionsError, clipped, quoted
@@ -231,7 +232,7 @@ def dataset_counts(catalogues: Sequence[Catalogue] | None, datasets_of_rows: Seq
         return ()
     videos, images = [0] * len(catalogues), [0] * len(catalogues)
     for position, key in zip(datasets_of_rows, keys):
-        (images if key.partition("@")[0] == IMAGE else videos)[position] += 1
+        (images if media_kind(key) == IMAGE else videos)[position] += 1
     return tuple(DatasetCount(c.name, videos[i], images[i], c.repeat) for i, c in enumerate(catalogues))
 
 

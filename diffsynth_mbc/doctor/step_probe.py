@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from diffsynth_mbc.data.media.buckets import media_kind
 from diffsynth_mbc.training.plan import estimates
 
 from diffsynth_mbc import environment
@@ -207,7 +208,7 @@ def probe_units(options, media: dict) -> list[tuple[str, str, object]]:
     step's time grows with its bucket's tokens."""
     if options.buckets == "aspect":
         fields, by_key = bucket_rows(options)
-        return [(key, "image" if key.partition("@")[0] == "image" else "video",
+        return [(key, media_kind(key),
                  lambda wanted, out, rows=rows: write_rows(fields, rows, wanted, out)) for key, rows in by_key.items()]
     return [(kind, kind, lambda wanted, out, kind=kind: write_subset(options.dataset_metadata_path, kind, wanted, out))
             for kind in ("video", "image") if media.get(f"{kind}s")]
@@ -225,7 +226,7 @@ def measured_projection(ours, options, result: dict, measured: dict) -> dict | N
     build = estimates.cache_to_build(options, ours.cached)
     by_kind = {"video": {}, "image": {}}   # {kind: {unit: figure}}: the buckets of each kind, or the kind itself
     for unit, figure in measured.items():
-        by_kind["image" if unit.partition("@")[0] == "image" else "video"][unit] = figure
+        by_kind[media_kind(unit)][unit] = figure
     step, encode = {}, {}
     for kind, figures in by_kind.items():   # a kind's encoding: its buckets' mean (they are of one pixel area)
         rates = [f["encode_seconds_per_row"] for f in figures.values() if f["encode_seconds_per_row"] is not None]

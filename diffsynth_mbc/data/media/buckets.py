@@ -96,6 +96,11 @@ def sample_key(media_kind: str, bucket: Bucket | None) -> str:
     return media_kind if bucket is None else f"{media_kind}@{bucket.name}"
 
 
+def media_kind(key: str) -> str:
+    """``image`` or ``video``: the media kind of a batch key (``image@960x960``, ``video``)."""
+    return "image" if key.partition("@")[0] == "image" else "video"
+
+
 def bucket_of_key(key: str) -> Bucket | None:
     kind, _, name = key.partition("@")
     return parse_bucket(name) if name else None

@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from diffsynth_mbc.data.media.buckets import Bucket, bucket_set, nearest_bucket, sample_key
-from diffsynth_mbc.data.media.shapes import IMAGE, shape_key
+from diffsynth_mbc.data.media.shapes import shape_key
 
 
 _NOTES_SAID: set[tuple] = set()
@@ -41,8 +41,7 @@ def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None) 
     paths = {index: os.path.join(base_path, str(rows[index].get("video") or "")) for index in missing}
     readable = [index for index in missing if os.path.isfile(paths[index])]   # a missing file fails later, named
     if readable:
-        items = [(paths[index],
-                  IMAGE if shape_key(rows[index].get("media_type"), rows[index].get("video")) == IMAGE else "video")
+        items = [(paths[index], shape_key(rows[index].get("media_type"), rows[index].get("video")))
                  for index in readable]
         for index, result in zip(readable, probe_files(items, workers=workers)):
             if result.info is not None:

@@ -53,13 +53,7 @@
   let healthMap = null;   // the LoRA health heat map (Panels.heatMap), made on the first draw
 
   const $ = (id) => document.getElementById(id);
-  function el(tag, attrs, text) {
-    const node = document.createElement(tag);
-    for (const k in (attrs || {})) node.setAttribute(k, attrs[k]);
-    if (text !== undefined && text !== null) node.textContent = String(text);
-    return node;
-  }
-  const num = (v) => typeof v === "number" && isFinite(v);
+  const el = Panels.el, num = Panels.num;   // panels.js, inlined before this file
   function fmt(v, digits) {
     if (!num(v)) return "-";
     const a = Math.abs(v);

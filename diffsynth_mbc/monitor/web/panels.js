@@ -261,5 +261,6 @@ window.Panels = (function () {
     }
   }
 
-  return {heatMap: heatMap, flagList: flagList, recipe: recipe, catalogues: catalogues};
+  // el and num serve dashboard.js too (this file is inlined before it)
+  return {heatMap: heatMap, flagList: flagList, recipe: recipe, catalogues: catalogues, el: el, num: num};
 })();

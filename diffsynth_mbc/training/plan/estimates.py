@@ -61,14 +61,14 @@ def sizing_buckets(options, bucket_samples=()) -> dict | None:
     not known); None with ``off``: the memory and speed are at --height x --width."""
     if options.buckets != "aspect":
         return None
-    from diffsynth_mbc.data.media.buckets import bucket_of_key, bucket_set
+    from diffsynth_mbc.data.media.buckets import bucket_of_key, bucket_set, media_kind
 
     every = bucket_set(options.height, options.width)
     used: dict = {}
     for key, _ in bucket_samples:
         bucket = bucket_of_key(key)
         if bucket is not None:
-            used.setdefault(key.partition("@")[0], []).append(bucket)
+            used.setdefault(media_kind(key), []).append(bucket)
     return {kind: largest_bucket(used.get(kind) or every) for kind in ("video", "image")}
 
 
@@ -91,9 +91,9 @@ def run_plans(options, precision: str, attention: str, cached: bool, compiled: b
 
 def bucket_plan(plans: dict, key: str, options) -> memory.Plan:
     """The plan of one bucket key (``video@1280x704``): its kind's plan at the bucket's size."""
-    from diffsynth_mbc.data.media.buckets import bucket_of_key
+    from diffsynth_mbc.data.media.buckets import bucket_of_key, media_kind
 
-    kind = "image" if key.partition("@")[0] == "image" else "video"
+    kind = media_kind(key)
     plan = plans.get(kind) or next(iter(plans.values())).but(
         num_frames=1 if kind == "image" else options.num_frames,
         batch_size=image_batch(options) if kind == "image" else options.batch_size)

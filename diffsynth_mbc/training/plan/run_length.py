@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from diffsynth_mbc.data.convert.catalogue_rows import IMAGE_EXTENSIONS
+from diffsynth_mbc.data.media.buckets import media_kind
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.training.plan.step_plan import StepPlan
 
@@ -40,7 +41,7 @@ def _ceil_div(numerator: int, denominator: int) -> int:
 
 
 def _is_image(key: str) -> bool:
-    return key.partition("@")[0] == "image"
+    return media_kind(key) == "image"
 
 
 @dataclasses.dataclass(frozen=True)

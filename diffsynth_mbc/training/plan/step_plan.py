@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from diffsynth_mbc.data.media.buckets import media_kind
 from diffsynth_mbc.training.step.objective import describe_modes, modes_per_epoch
 
 
@@ -96,7 +97,7 @@ class StepPlan:
         return _ceil_div(video_batches + image_batches, self.world_size)
 
     def key_batch_size(self, key: str) -> int:
-        return self.image_batch_size if key.partition("@")[0] == "image" else self.batch_size
+        return self.image_batch_size if media_kind(key) == "image" else self.batch_size
 
     def bucket_dicts(self) -> list[dict]:
         """Each bucket key's samples per epoch, batches per GPU and samples repeated to keep every GPU on one
