@@ -1,11 +1,19 @@
-"""Time the converter on a catalogue the size of the MBC training set (170,180 rows).
+"""Time the converter on a catalogue the size of the MBC training set (170,180 rows), or its --inspect.
 
     python benchmarks/bench_convert.py [--rows 170180] [--runs 5]
+    python benchmarks/bench_convert.py --inspect [--clips 96] [--runs 3] [--workers 2] [--grain]
 
-Media files exist but are empty (the existence check is what costs; no --probe). Each run
+Default: media files exist but are empty (the existence check is what costs; no --probe). Each run
 converts the whole catalogue with ``python -m diffsynth_mbc.convert``'s ``main`` in-process and,
 beside it, a naive baseline: ``pandas.read_csv`` and an ``os.path.exists`` loop over the rows.
 Prints the median of each and their ratio.
+
+--inspect: ``--clips`` distinct 1280x720 H.264 files (3 s of ffmpeg's testsrc2 at 30 fps, each clip another
+part of a 1920x1080 picture, turned and in another hue, so that none is a near-duplicate of another; --grain adds moving film grain, which costs the decoder far more bits per frame). Each run
+converts them with ``--probe`` (the baseline: what the converter did before --inspect) and with ``--probe
+--inspect`` from an empty measure store (the 17-frame head window, ``--workers``), and prints the inspect
+stage's clips per second (its own clock, summary.json) and both runs' wall times; then one more --inspect
+run over the unchanged catalogue, which reuses every measure.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ import argparse
 import contextlib
 import csv
 import io
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,11 +74,88 @@ def naive_baseline(catalog: Path, base: Path) -> int:
     return present
 
 
+def make_clips(root: Path, clips: int, grain: bool) -> Path:
+    """``clips`` distinct 1280x720 H.264 clips and their catalogue."""
+    import imageio_ffmpeg
+
+    ffmpeg = imageio_ffmpeg.get_ffmpeg_exe()
+    (root / "clips").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for index in range(clips):
+        name = f"clips/{index:04d}.mp4"
+        # another part of a larger picture, turned another way, in another hue: no clip repeats another
+        crop = f"crop=1280:720:{index * 97 % 640}:{index * 53 % 360}"
+        turn = ("", ",hflip", ",vflip", ",hflip,vflip")[index % 4]
+        filters = f"{crop}{turn},hue=h={index * 37 % 360}" + (",noise=alls=12:allf=t" if grain else "")
+        subprocess.run([ffmpeg, "-y", "-loglevel", "error", "-f", "lavfi", "-i",
+                        "testsrc2=size=1920x1080:rate=30", "-ss", f"{index * 0.4:.1f}", "-t", "3", "-vf", filters,
+                        "-c:v", "libx264", "-pix_fmt", "yuv420p", str(root / name)], check=True)
+        lines.append((name, f"clip {index}", "video"))
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\r\n")
+    writer.writerow(("file_path", "caption", "media_type"))
+    writer.writerows(lines)
+    catalog = root / "catalog.csv"
+    catalog.write_text(buffer.getvalue(), encoding="utf-8")
+    return catalog
+
+
+def _convert_seconds(arguments: list[str]) -> float:
+    started = time.perf_counter()
+    with contextlib.redirect_stderr(io.StringIO()):
+        status = convert_main(arguments)
+    if status != 0:
+        raise SystemExit(f"convert exited {status}: {' '.join(arguments)}")
+    return time.perf_counter() - started
+
+
+def bench_inspect(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-inspect-") as tmp:
+        root = Path(tmp)
+        started = time.perf_counter()
+        catalog = make_clips(root, args.clips, args.grain)
+        print(f"made {args.clips} 1280x720 H.264 clips{' with grain' if args.grain else ''} in "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
+        out = root / "out"
+        common = [str(catalog), "--base-path", str(root), "--output", str(out), "--probe", "--workers",
+                  str(args.workers)]
+        probe_times, inspect_times, rates = [], [], []
+        for run in range(args.runs):
+            probe_times.append(_convert_seconds(common))
+            (out / "inspect_measures.jsonl").unlink(missing_ok=True)
+            inspect_times.append(_convert_seconds(common + ["--inspect"]))
+            summary = json.loads((out / "summary.json").read_text())["inspect"]
+            assert summary["measured"] == args.clips, summary
+            rates.append(args.clips / summary["seconds"])
+            print(f"run {run + 1}: --probe {probe_times[-1]:.2f} s, --probe --inspect {inspect_times[-1]:.2f} s, "
+                  f"inspect stage {rates[-1]:.1f} clips/s", flush=True)
+        flagged = {reason: count for reason, count in summary["flagged_rows"].items() if count}
+        print(f"flagged: {flagged or 'nothing'}")
+        again = _convert_seconds(common + ["--inspect"])
+        reused = json.loads((out / "summary.json").read_text())["inspect"]["reused"]
+        probe, inspect = statistics.median(probe_times), statistics.median(inspect_times)
+        print(f"clips: {args.clips} x 1280x720 H.264{' + grain' if args.grain else ''}, workers: {args.workers}, "
+              f"runs: {args.runs}, window: 17 frames (head)")
+        print(f"--probe median: {probe:.2f} s; --probe --inspect median: {inspect:.2f} s "
+              f"({inspect / probe:.2f}x the probe alone)")
+        print(f"inspect stage median: {statistics.median(rates):.1f} clips/s "
+              f"(min {min(rates):.1f}, max {max(rates):.1f}); "
+              f"end to end: {args.clips / inspect:.1f} clips/s")
+        print(f"second --inspect over the unchanged catalogue: {again:.2f} s, {reused} of {args.clips} reused")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=170_180)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--inspect", action="store_true", help="time --probe --inspect on real 1280x720 clips")
+    parser.add_argument("--clips", type=int, default=96)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--grain", action="store_true", help="clips with moving film grain (harder to decode)")
     args = parser.parse_args(argv)
+    if args.inspect:
+        return bench_inspect(args)
 
     with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
         root = Path(tmp)

@@ -3,8 +3,8 @@
     python -m diffsynth_mbc.convert CATALOG.csv --base_path DIR --output OUT_DIR \\
         [--val_catalog VAL.csv | --val_fraction F] [--subset N] [--seed S] \\
         [--media all|video|image] [--no_check_files] [--probe] [--workers N] \\
-        [--min_frames N] [--height H] [--width W] [--buckets aspect|off] [--reject_short [--source_fps F]]
-        [--tokenizer UMT5_DIR]
+        [--min_frames N] [--height H] [--width W] [--buckets aspect|off] [--reject_short] [--source_fps F]
+        [--inspect [--frame_sampling head|uniform|random_window] [--exclude REASONS|all]] [--tokenizer UMT5_DIR]
 
 Writes OUT_DIR/metadata.csv (video,prompt,media_type[,width,height,num_frames,fps]),
 metadata_val.csv (with a validation catalogue or --val_fraction), rejects.csv (every input row
@@ -13,6 +13,10 @@ not take, kept apart so that they do not bury the rejects), flagged.csv (with --
 flagged as short, small or much cropped at the training's shape) and summary.json (with the captions longer
 than the text encoder's 512 tokens, which are also named in a warning, and with --probe the orientation and
 aspect mix: rows per bucket and the share of pixels centre-cropping discards, under --buckets and the other mode).
+With --inspect the frames that will train are looked at (``inspect_rows``): scene cuts, black, frozen, letterboxed
+and pillarboxed windows and near-duplicate rows are flagged in flagged.csv and shown in flagged.html; --exclude
+moves the rows of the reasons it names to rejects.csv; what was measured is kept in inspect_measures.jsonl, so a
+second run over an unchanged catalogue decodes nothing.
 Each file is written to a temp file and renamed.
 Exit status: 0 when at least one row was written, 1 when none was, 2 for usage errors or a
 catalogue that cannot be read.
@@ -31,9 +35,12 @@ from rich.markup import escape
 from diffsynth_mbc.data.convert import catalogue_rows as cat
 from diffsynth_mbc.data.convert import selection
 from diffsynth_mbc.data.convert.caption_lengths import TokenizerError, long_captions
+from diffsynth_mbc.data.convert.flagged_sheet import flagged_sheet
+from diffsynth_mbc.data.convert.inspect_rows import inspect_entries, parse_exclude
 from diffsynth_mbc.data.convert.output_set import OutputError, publish_output_set
 from diffsynth_mbc.data.convert.outputs import (
     FLAGGED_NAME,
+    FLAGGED_SHEET_NAME,
     METADATA_NAME,
     METADATA_VAL_NAME,
     NOT_IN_SUBSET_NAME,
@@ -47,7 +54,9 @@ from diffsynth_mbc.data.convert.outputs import (
 )
 from diffsynth_mbc.data.convert.probe_rejects import probe_entries
 from diffsynth_mbc.data.convert.report import build_summary, print_summary_table, summarise_probe
+from diffsynth_mbc.data.inspect.measures import REASONS
 from diffsynth_mbc.data.media.buckets import BUCKET_MODES, STEP
+from diffsynth_mbc.data.media.frame_selection import FRAME_SAMPLING
 from diffsynth_mbc.data.media.media_probe import default_workers
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.values import positive_number
@@ -86,12 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
                                              "DiffSynth's prompter does (default: a stated over-estimate)")
     parser.add_argument("--workers", type=int, default=default_workers(),
                         help="parallel probes (default min(8, CPU count))")
-    parser.add_argument("--min-frames", type=int, default=17, help="flag videos with fewer frames (default 17)")
+    parser.add_argument("--min-frames", type=int, default=17,
+                        help="the training's --num_frames: flag videos with fewer frames, and the window --inspect "
+                             "looks at (default 17)")
     parser.add_argument("--reject-short", action="store_true",
                         help="with --probe: reject videos with fewer than --min_frames frames (the training's "
                              "--num_frames), naming their count, instead of only flagging them")
     parser.add_argument("--source-fps", type=float,
-                        help="with --reject_short: count frames at this rate, as the training's --source_fps does")
+                        help="with --probe: count frames at this rate, as the training's --source_fps does (for "
+                             "--reject_short, the short-video flag and --inspect's window)")
+    parser.add_argument("--inspect", action="store_true",
+                        help="with --probe: decode the frames that will train (small) and flag scene cuts, black, "
+                             "frozen, letterboxed and pillarboxed windows and near-duplicate rows in flagged.csv, "
+                             "with a contact sheet, flagged.html")
+    parser.add_argument("--frame-sampling", choices=FRAME_SAMPLING, default="head",
+                        help="with --inspect: the training's --frame_sampling, which decides the window (default "
+                             "head; random_window: every frame some epoch's window can take)")
+    parser.add_argument("--exclude", metavar="REASONS",
+                        help="with --inspect: move the rows flagged for these reasons to rejects.csv: a comma list "
+                             f"of {', '.join(REASONS)}, or all")
     parser.add_argument("--height", type=int, default=704,
                         help="with --probe: the training's --height (default 704, as the presets)")
     parser.add_argument("--width", type=int, default=1280,
@@ -118,8 +140,16 @@ def _check_arguments(args: argparse.Namespace) -> None:
         if getattr(args, name) < STEP or getattr(args, name) % STEP:
             raise UsageError(f"--{name} must be a positive multiple of {STEP}, as the training's, "
                              f"got {getattr(args, name)}")
-    if (args.reject_short or args.source_fps is not None) and not args.probe:
-        raise UsageError("--reject_short and --source_fps need --probe (the frame counts come from probing)")
+    if (args.reject_short or args.source_fps is not None or args.inspect) and not args.probe:
+        raise UsageError("--reject_short, --source_fps and --inspect need --probe (the frame counts come from probing)")
+    if (args.exclude is not None or args.frame_sampling != "head") and not args.inspect:
+        raise UsageError("--exclude and --frame_sampling need --inspect (they act on what it finds)")
+    try:
+        parse_exclude(args.exclude)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.inspect and args.min_frames < 1:
+        raise UsageError("--inspect needs --min_frames of at least 1 (the frames that train)")
     if args.source_fps is not None and positive_number(args.source_fps) is None:
         raise UsageError(f"--source_fps must be a finite number above 0, got {args.source_fps}")
     if not args.no_check_files and not os.path.isdir(args.base_path):
@@ -169,6 +199,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         plan.train = [e for e in plan.train if id(e) in outcome.info]
         plan.val = [e for e in plan.val if id(e) in outcome.info]
         probed = outcome.info
+    inspected = None
+    if args.inspect:
+        inspected = inspect_entries(plan.train + plan.val, probed, args, console)
+        rejects += inspected.unreadable + inspected.excluded
+        plan.train = [e for e in plan.train if id(e) not in inspected.rejected_ids]
+        plan.val = [e for e in plan.val if id(e) not in inspected.rejected_ids]
+        outcome.flags += inspected.flags
+    if args.probe:   # the written rows' mix, after --inspect's exclusions
         probe_summary = summarise_probe(plan.train + plan.val, outcome, args)
 
     for name, catalog in catalogs.items():
@@ -188,11 +226,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
         files[NOT_IN_SUBSET_NAME] = left_out_text(left_out)
     if outcome is not None and outcome.flags:
         files[FLAGGED_NAME] = flagged_text(outcome.flags)
+    if inspected is not None:
+        files[FLAGGED_SHEET_NAME] = flagged_sheet(inspected, args)
     summary = build_summary(args, catalogs, plan, rejects, probe_summary, list(files) + [SUMMARY_NAME], left_out)
     summary["captions"] = captions.summary()
+    summary["inspect"] = inspected.summary if inspected is not None else None
     files[SUMMARY_NAME] = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
     # The optional files of an earlier run (with validation, --subset or flags) do not belong to this one.
-    removed = publish_output_set(Path(args.output), files, stale=[METADATA_VAL_NAME, NOT_IN_SUBSET_NAME, FLAGGED_NAME])
+    removed = publish_output_set(Path(args.output), files, stale=[METADATA_VAL_NAME, NOT_IN_SUBSET_NAME, FLAGGED_NAME,
+                                                                     FLAGGED_SHEET_NAME])
     for name in removed:
         console.print(f"removed stale {Path(args.output) / name}")
 

@@ -8,6 +8,7 @@ import io
 
 from diffsynth_mbc.data.convert import catalogue_rows as cat
 from diffsynth_mbc.data.convert.probe_rejects import Flag
+from diffsynth_mbc.data.inspect.measure_store import STORE_NAME
 from diffsynth_mbc.data.media.media_probe import MediaInfo
 
 METADATA_NAME = "metadata.csv"
@@ -15,14 +16,17 @@ METADATA_VAL_NAME = "metadata_val.csv"
 REJECTS_NAME = "rejects.csv"
 NOT_IN_SUBSET_NAME = "not_in_subset.csv"
 FLAGGED_NAME = "flagged.csv"
+FLAGGED_SHEET_NAME = "flagged.html"
 SUMMARY_NAME = "summary.json"
-OUTPUT_NAMES = (METADATA_NAME, METADATA_VAL_NAME, REJECTS_NAME, NOT_IN_SUBSET_NAME, FLAGGED_NAME, SUMMARY_NAME)
+OUTPUT_NAMES = (METADATA_NAME, METADATA_VAL_NAME, REJECTS_NAME, NOT_IN_SUBSET_NAME, FLAGGED_NAME, FLAGGED_SHEET_NAME,
+                SUMMARY_NAME, STORE_NAME)
 
 METADATA_COLUMNS = ("video", "prompt", "media_type")
 PROBE_COLUMNS = ("width", "height", "num_frames", "fps")
 REJECT_COLUMNS = ("row", "file_path", "reason", "catalog", "line")
 LEFT_OUT_COLUMNS = ("row", "file_path", "catalog", "line")
-FLAGGED_COLUMNS = ("row", "file_path", "flag", "detail", "catalog", "line")
+FLAGGED_COLUMNS = ("row", "file_path", "flag", "detail", "catalog", "line", "value", "threshold", "duplicate_of",
+                   "excluded")
 
 
 def _csv_text(header, rows) -> str:
@@ -74,9 +78,16 @@ def left_out_text(left_out: list[cat.Reject]) -> str:
 
 
 def flagged_text(flags: list[Flag]) -> str:
-    """flagged.csv: every file --probe flagged (and still wrote), with what was found."""
+    """flagged.csv: every file --probe flagged (and still wrote) and every --inspect finding, with what was found
+    (--inspect: the measured value, its threshold, the row a duplicate repeats, and whether --exclude moved the
+    row to rejects.csv)."""
     order = {"train": 0, "val": 1}
     ordered = sorted(flags, key=lambda f: (order.get(f.entry.catalog, 2), f.entry.row, f.flag))
     return _csv_text(FLAGGED_COLUMNS, ([spreadsheet_safe(cell) for cell in (
-        f.entry.row, f.entry.source.file_path, f.flag, f.detail, f.entry.catalog, f.entry.source.line)]
+        f.entry.row, f.entry.source.file_path, f.flag, f.detail, f.entry.catalog, f.entry.source.line,
+        _number(f.value), _number(f.threshold), f.duplicate_of or "", "yes" if f.excluded else "")]
         for f in ordered))
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else f"{value:g}"

@@ -16,8 +16,12 @@ from diffsynth_mbc.data.media.media_probe import MediaInfo, probe_files
 @dataclass(frozen=True)
 class Flag:
     entry: cat.Entry
-    flag: str    # SHORT_VIDEO, SMALL_MEDIA or CROPPED_MEDIA
+    flag: str    # SHORT_VIDEO, SMALL_MEDIA, CROPPED_MEDIA or (--inspect) one of data.inspect.measures.REASONS
     detail: str  # e.g. "5 frames, fewer than 17", "portrait clip, cropping to 1280x704 keeps 31%"
+    value: float | None = None       # --inspect: what was measured, in the threshold's unit
+    threshold: float | None = None
+    duplicate_of: str | None = None  # --inspect duplicate: "row 12: clips/a.mp4"
+    excluded: bool = False           # --exclude moved the row to rejects.csv
 
 
 SHORT_VIDEO = "short video"

@@ -14,7 +14,7 @@ from rich.table import Table
 from diffsynth_mbc.data.convert import catalogue_rows as cat
 from diffsynth_mbc.data.convert import selection
 from diffsynth_mbc.data.convert.aspect_mix import CROPPED_MEDIA, TrainingShapes, aspect_lines, summarise_aspect
-from diffsynth_mbc.data.convert.outputs import FLAGGED_NAME, NOT_IN_SUBSET_NAME
+from diffsynth_mbc.data.convert.outputs import FLAGGED_NAME, FLAGGED_SHEET_NAME, NOT_IN_SUBSET_NAME
 from diffsynth_mbc.data.convert.probe_rejects import SHORT_VIDEO, SMALL_MEDIA, Flag, ProbeOutcome
 from diffsynth_mbc.data.media.media_probe import histogram
 
@@ -151,6 +151,9 @@ def print_summary_table(console: Console, summary: dict) -> None:
         console.print(f"[yellow]{escape(summary['base_path_hint'])}[/yellow]", highlight=False)
     if summary["probe"]:
         _print_probe(console, summary["probe"])
+    if summary.get("inspect"):
+        for line in inspect_lines(summary["inspect"]):
+            console.print(line, highlight=False)
     if summary["not_probed"]:
         console.print(f"note: {summary['not_probed']}", highlight=False)
     if summary["note"]:
@@ -177,3 +180,23 @@ def _print_flagged(console: Console, what: str, named: list[str], count: int) ->
     more = f" and {count - len(named)} more" if count > len(named) else ""
     console.print(f"[yellow]warning: {escape(what)}: {escape(', '.join(named))}{more}; all are listed in "
                   f"{FLAGGED_NAME}[/yellow]", highlight=False)
+
+
+def inspect_lines(inspect: dict) -> list[str]:
+    """--inspect's part of the printout: what was decoded, how fast, and the findings by reason."""
+    rows, reused = inspect["rows"], inspect["reused"]
+    rate = f", {inspect['rows_per_second']} rows/s" if inspect["rows_per_second"] else ""
+    lines = [f"inspected the training windows of {rows} rows ({reused} reused from an earlier run) in "
+             f"{inspect['seconds']:g} s{rate}"]
+    found = {reason: count for reason, count in inspect["flagged_rows"].items() if count}
+    if found:
+        counts = ", ".join(f"{reason} {count}" for reason, count in found.items())
+        lines.append(f"[yellow]flagged: {counts}; see {FLAGGED_NAME} and {FLAGGED_SHEET_NAME}[/yellow]")
+    else:
+        lines.append("flagged: nothing (no scene cut, black, frozen, letterboxed or pillarboxed window, no "
+                     "near-duplicate)")
+    excluded = {reason: count for reason, count in inspect["excluded_rows"].items() if count}
+    if excluded:
+        counts = ", ".join(f"{reason} {count}" for reason, count in excluded.items())
+        lines.append(f"moved to rejects.csv by --exclude: {counts}")
+    return lines

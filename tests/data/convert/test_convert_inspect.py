@@ -1,0 +1,146 @@
+"""convert --probe --inspect on real media: each defect flagged with its reason and nothing on the clean rows,
+--exclude moving exactly those rows to rejects.csv, a second run reusing what it measured, flagged.html.
+
+The catalogue (``tests/inspect_media.py``): a clean clip, a hard cut at frame 8, a black clip, a frozen clip, a
+letterboxed clip, a re-encoded copy of the clean clip, a recompressed copy of an image, and the look-alikes that
+must not be flagged (a fade, a pan, a night scene, a talking head, two pictures). The training size is 160x96 so
+that the 192x108 clips are neither small nor much cropped (no --probe flag mixes in).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from catalog_helpers import read_csv_records, write_catalog
+from diffsynth_mbc.data.convert import main
+from diffsynth_mbc.data.inspect.duplicates import DUPLICATE_BITS
+from diffsynth_mbc.data.inspect.measures import CUT_MIN_RATIO
+from inspect_media import make_media
+
+ROWS = ("clean", "cut", "black", "frozen", "letterbox", "clean_copy", "picture", "picture_copy", "fade", "pan",
+        "night", "talking", "other_picture")
+FLAGGED = {"cut": "scene_cut", "black": "black", "frozen": "frozen", "letterbox": "letterbox",
+           "clean_copy": "duplicate", "picture_copy": "duplicate"}
+
+
+@pytest.fixture(scope="module")
+def catalogue(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("inspect")
+    media = make_media(base / "media")
+    rows = [(os.path.relpath(media[name][0], base), f"the {name} row", media[name][1]) for name in ROWS]
+    write_catalog(base / "catalogue.csv", rows)
+    return base
+
+
+def convert(base: Path, out: Path, *extra) -> int:
+    return main([str(base / "catalogue.csv"), "--base_path", str(base), "--output", str(out), "--probe",
+                 "--inspect", "--height", "96", "--width", "160", *map(str, extra)])
+
+
+def name_of(file_path: str) -> str:
+    return Path(file_path).stem
+
+
+@pytest.fixture(scope="module")
+def inspected(catalogue, tmp_path_factory):
+    """One run with two worker processes; its output folder."""
+    out = tmp_path_factory.mktemp("inspected") / "out"
+    assert convert(catalogue, out, "--workers", 2) == 0
+    return out
+
+
+def test_each_defect_is_flagged_with_its_reason_and_nothing_on_the_clean_rows(inspected):
+    flagged = read_csv_records(inspected / "flagged.csv")
+    assert {name_of(r["file_path"]): r["flag"] for r in flagged} == FLAGGED
+    assert len(flagged) == len(FLAGGED)                           # one finding each, no probe flag mixed in
+    by_name = {name_of(r["file_path"]): r for r in flagged}
+    path_of = {name_of(r["video"]): r["video"] for _, r in pd.read_csv(inspected / "metadata.csv").iterrows()}
+    assert by_name["cut"]["detail"].startswith("hard cut at frame 8 ")
+    assert float(by_name["cut"]["value"]) > float(by_name["cut"]["threshold"]) == CUT_MIN_RATIO
+    for copy, original in (("clean_copy", "clean"), ("picture_copy", "picture")):
+        row = ROWS.index(original) + 1
+        assert by_name[copy]["duplicate_of"] == f"row {row}: {path_of[original]}"
+        assert float(by_name[copy]["value"]) <= float(by_name[copy]["threshold"]) == DUPLICATE_BITS
+    assert all(r["excluded"] == "" for r in flagged)
+    metadata = pd.read_csv(inspected / "metadata.csv")
+    assert [name_of(v) for v in metadata["video"]] == list(ROWS)    # flagged, still written
+    summary = json.loads((inspected / "summary.json").read_text())["inspect"]
+    assert summary["flagged_rows"] == {"scene_cut": 1, "black": 1, "frozen": 1, "letterbox": 1, "pillarbox": 0,
+                                       "duplicate": 2}
+    assert (summary["rows"], summary["measured"], summary["reused"], summary["workers"]) == (len(ROWS), len(ROWS), 0, 2)
+    assert summary["window"]["num_frames"] == 17 and summary["thresholds"]["duplicate"]["hash_bits_at_most"] == 8
+
+
+def test_the_contact_sheet_groups_the_flagged_rows_with_their_frames(inspected):
+    page = (inspected / "flagged.html").read_text()
+    for name, reason in FLAGGED.items():
+        assert f"media/{name}." in page and f'data-reason="{reason}"' in page
+    assert page.count("data:image/jpeg;base64,") >= 5 * 8 + 1       # 8 frames per clip, 1 for the image
+    assert "http://" not in page and "https://" not in page
+
+
+def test_exclude_all_moves_exactly_the_flagged_rows_to_rejects(catalogue, inspected, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert convert(catalogue, out, "--workers", 1, "--exclude", "all") == 0
+    rejects = read_csv_records(out / "rejects.csv")
+    assert {name_of(r["file_path"]): r["reason"].split(" ")[0] for r in rejects} == FLAGGED
+    assert [name_of(v) for v in pd.read_csv(out / "metadata.csv")["video"]] == [n for n in ROWS if n not in FLAGGED]
+    assert all(r["excluded"] == "yes" for r in read_csv_records(out / "flagged.csv"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accounting"]["train"] == {"input": len(ROWS), "written": len(ROWS) - len(FLAGGED),
+                                              "rejected": len(FLAGGED)}
+    assert summary["rejects_by_reason"]["train"] == {"black": 1, "duplicate": 2, "frozen": 1, "letterbox": 1,
+                                                     "scene_cut": 1}
+    err = " ".join(capsys.readouterr().err.split())
+    assert "moved to rejects.csv by --exclude: scene_cut 1, black 1, frozen 1, letterbox 1, duplicate 2" in err
+
+    assert convert(catalogue, out, "--exclude", "black,duplicate") == 0
+    assert {name_of(r["file_path"]) for r in read_csv_records(out / "rejects.csv")} == {
+        "black", "clean_copy", "picture_copy"}
+
+
+def test_a_second_run_reuses_what_it_measured_and_remeasures_a_changed_file(catalogue, tmp_path):
+    out = tmp_path / "out"
+    assert convert(catalogue, out) == 0
+    assert json.loads((out / "summary.json").read_text())["inspect"]["measured"] == len(ROWS)
+    first = (out / "flagged.csv").read_bytes()
+    assert convert(catalogue, out) == 0
+    summary = json.loads((out / "summary.json").read_text())["inspect"]
+    assert (summary["measured"], summary["reused"]) == (0, len(ROWS))
+    assert (out / "flagged.csv").read_bytes() == first
+    touched = next((catalogue / "media").glob("pan.*"))
+    stat = touched.stat()
+    os.utime(touched, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        assert convert(catalogue, out) == 0
+    finally:
+        os.utime(touched, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    summary = json.loads((out / "summary.json").read_text())["inspect"]
+    assert (summary["measured"], summary["reused"]) == (1, len(ROWS) - 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--inspect"], "--inspect need --probe"),
+    (["--probe", "--exclude", "black"], "--exclude and --frame_sampling need --inspect"),
+    (["--probe", "--inspect", "--exclude", "black,blurry"], "--exclude black,blurry: blurry is not one of scene_cut"),
+])
+def test_inspect_usage_errors_name_the_flag(catalogue, tmp_path, capsys, flags, message):
+    arguments = [str(catalogue / "catalogue.csv"), "--base_path", str(catalogue), "--output", str(tmp_path / "o")]
+    assert main(arguments + flags) == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_strip_spreads_over_the_window_and_shows_both_sides_of_a_cut():
+    from diffsynth_mbc.data.convert.flagged_sheet import strip_indices
+
+    assert strip_indices(17) == [0, 2, 5, 7, 9, 11, 14, 16]
+    assert strip_indices(17, cut_frame=8) == [0, 3, 6, 7, 8, 10, 13, 16]
+    assert strip_indices(17, cut_frame=1) == [0, 1, 3, 6, 10, 13, 16]   # frame 0 is both
+    assert strip_indices(5) == [0, 1, 2, 3, 4] and strip_indices(1) == [0]
+    assert strip_indices(17, most=4) == [0, 5, 11, 16]

@@ -1,0 +1,83 @@
+"""The inspection runner: worker processes give what one process gives, in order; measures are stored as they
+come and reused; a file that cannot be decoded is that row's error; progress lines say the rate and time left."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diffsynth_mbc.data.inspect.measure_store import MeasureStore
+from diffsynth_mbc.data.inspect.run_inspection import (
+    MEASURES_VERSION,
+    ROWS_PER_TASK,
+    InspectItem,
+    ProgressLines,
+    duration_text,
+    inspect_items,
+    progress_line,
+)
+from diffsynth_mbc.data.inspect.window import InspectWindow
+from inspect_media import FRAMES, RATE, make_media
+
+
+@pytest.fixture(scope="module")
+def items(tmp_path_factory):
+    """Every test medium, and an unreadable file in the middle: more rows than one worker task holds."""
+    folder = tmp_path_factory.mktemp("runner")
+    media = make_media(folder)
+    broken = folder / "broken.mp4"
+    broken.write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video" * 4)
+    found = [InspectItem(path, kind, FRAMES if kind == "video" else None, RATE if kind == "video" else None)
+             for path, kind in media.values()]
+    found.insert(5, InspectItem(str(broken), "video", FRAMES, RATE))
+    assert len(found) > ROWS_PER_TASK
+    return found
+
+
+def test_two_workers_give_what_one_process_gives_in_order_and_store_it(items, tmp_path):
+    window = InspectWindow()
+    with MeasureStore(tmp_path / "one.jsonl", MEASURES_VERSION) as store:
+        alone = inspect_items(items, window, 1, store)
+    told = []
+    with MeasureStore(tmp_path / "two.jsonl", MEASURES_VERSION) as store:
+        pooled = inspect_items(items, window, 2, store, on_done=told.append)
+    assert [r.measures for r in pooled] == [r.measures for r in alone]
+    assert sum(told) == len(items) and not any(r.reused for r in pooled)
+    broken = pooled[5]
+    assert broken.measures is None and broken.error.split(":")[0].endswith(("Error", "InvalidDataError"))
+    assert all(r.measures is not None for i, r in enumerate(pooled) if i != 5)
+    stored = (tmp_path / "two.jsonl").read_text().splitlines()
+    assert len(stored) == len(items) - 1                  # the unreadable row is not stored: it is tried again
+
+
+def test_a_second_run_reuses_every_stored_measure_and_retries_the_unreadable_row(items, tmp_path):
+    window = InspectWindow()
+    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
+        first = inspect_items(items, window, 1, store)
+    told = []
+    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
+        again = inspect_items(items, window, 1, store, on_done=told.append)
+    assert [r.reused for r in again] == [i != 5 for i in range(len(items))]
+    assert [r.measures for r in again] == [r.measures for r in first]
+    assert told[0] == len(items) - 1 and sum(told) == len(items)   # the reused rows are told at once
+    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
+        other = inspect_items(items[:2], InspectWindow(num_frames=9), 1, store)
+    assert not any(r.reused for r in other)               # another window is measured again
+    assert all(json.loads(line) for line in (tmp_path / "store.jsonl").read_text().splitlines())
+
+
+def test_progress_lines_say_the_rate_and_the_time_left_every_interval():
+    said, now = [], [0.0]
+    lines = ProgressLines(170_180, said.append, every_s=30, clock=lambda: now[0])
+    now[0] = 10
+    lines.advance(200)
+    assert said == []                                     # not yet 30 s since the last line
+    now[0] = 60
+    lines.advance(1_000)
+    assert said == ["inspected 1,200 of 170,180 rows (20.0 rows/s, about 2 h 20 min left)"]
+    now[0] = 8_509
+    lines.advance(168_980)
+    assert said[-1] == "inspected 170,180 of 170,180 rows in 2 h 21 min"
+    assert progress_line(0, 10, 0) == "inspected 0 of 10 rows"
+    assert [duration_text(s) for s in (5, 65, 3_600, 7_260)] == ["5 s", "1 min 5 s", "1 h 0 min", "2 h 1 min"]
