@@ -144,3 +144,18 @@ def test_a_strip_spreads_over_the_window_and_shows_both_sides_of_a_cut():
     assert strip_indices(17, cut_frame=1) == [0, 1, 3, 6, 10, 13, 16]   # frame 0 is both
     assert strip_indices(5) == [0, 1, 2, 3, 4] and strip_indices(1) == [0]
     assert strip_indices(17, most=4) == [0, 5, 11, 16]
+
+
+def test_a_validation_row_repeating_a_training_row_is_named_with_its_catalogue(catalogue, tmp_path):
+    media = {Path(p).stem: p for p in (catalogue / "media").iterdir()}
+    val = catalogue / "validation.csv"
+    write_catalog(val, [(os.path.relpath(media["clean_copy"], catalogue), "held out", "video"),
+                        (os.path.relpath(media["talking"], catalogue), "held out too", "video")])
+    train = catalogue / "train_only.csv"
+    write_catalog(train, [(os.path.relpath(media[name], catalogue), name, "video") for name in ("clean", "pan")])
+    out = tmp_path / "out"
+    assert main([str(train), "--val_catalog", str(val), "--base_path", str(catalogue), "--output", str(out),
+                 "--probe", "--inspect", "--height", "96", "--width", "160"]) == 0
+    (flag,) = read_csv_records(out / "flagged.csv")
+    assert (flag["catalog"], flag["row"], flag["flag"]) == ("val", "1", "duplicate")
+    assert flag["duplicate_of"] == f"row 1 of the train catalogue: {os.path.relpath(media['clean'], catalogue)}"

@@ -81,3 +81,20 @@ def test_progress_lines_say_the_rate_and_the_time_left_every_interval():
     assert said[-1] == "inspected 170,180 of 170,180 rows in 2 h 21 min"
     assert progress_line(0, 10, 0) == "inspected 0 of 10 rows"
     assert [duration_text(s) for s in (5, 65, 3_600, 7_260)] == ["5 s", "1 min 5 s", "1 h 0 min", "2 h 1 min"]
+
+
+def test_a_run_stopped_midway_keeps_what_it_measured_and_the_next_run_resumes_there(items, tmp_path):
+    class Stopped(Exception):
+        pass
+
+    def stop_after_the_first_task(rows: int) -> None:
+        raise Stopped
+
+    window = InspectWindow()
+    with pytest.raises(Stopped):
+        with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
+            inspect_items(items, window, 1, store, on_done=stop_after_the_first_task)
+    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
+        resumed = inspect_items(items, window, 1, store)
+    first_task = [i for i in range(ROWS_PER_TASK) if i != 5]      # the unreadable row is never stored
+    assert [i for i, r in enumerate(resumed) if r.reused] == first_task
