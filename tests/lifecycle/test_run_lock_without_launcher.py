@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -29,11 +28,11 @@ def live_run(tmp_path):
     lock = folder / ".train.lock"
     lock.touch()
     write_record(lock, 1, "run-live")
-    holder = subprocess.Popen(["bash", "-c", 'exec 3>>"$1"; flock -s 3; exec sleep 120', "_", str(lock)])
-    deadline = time.monotonic() + 10
-    while holder.pid not in lock_holders(lock):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    # "locked" once flock has the lock: having the file open (what lock_holders sees) comes a moment earlier
+    holder = subprocess.Popen(["bash", "-c", 'exec 3>>"$1"; flock -s 3; echo locked; exec sleep 120', "_", str(lock)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    assert holder.pid in lock_holders(lock)
     yield folder
     holder.kill()
     holder.wait()
