@@ -52,6 +52,7 @@ def test_every_training_flag_passes_through_the_plan_step(flag, value, capsys):
         assert flag.lstrip("-").split("_")[0] in error or "--demo" in error, error
 
 
+@pytest.mark.slow
 def test_training_flags_reach_the_training_command(tmp_path):
     for cache in ("cache/mbc", "cache/val"):   # a dry run checks that the folders the training reads are there
         (tmp_path / cache).mkdir(parents=True)
@@ -108,6 +109,7 @@ def test_a_dry_run_from_another_folder_names_the_missing_path_and_the_folder_it_
     assert not list(elsewhere.iterdir())
 
 
+@pytest.mark.slow
 def test_a_dry_run_prints_every_path_the_run_reads_resolved(tmp_path):
     media = a_preset_s_files(tmp_path)
     (tmp_path / "prompts.txt").write_text("a cat\n")
@@ -130,6 +132,7 @@ def test_a_dry_run_prints_every_path_the_run_reads_resolved(tmp_path):
     assert again.returncode == 2 and "--val_metadata_path data/mbc_full/metadata_val.csv: no such file" in again.stderr
 
 
+@pytest.mark.slow
 def test_the_demo_says_where_it_writes(tmp_path):
     result = launcher(tmp_path, "--demo", "--dry-run")
     assert result.returncode == 0, result.stderr
@@ -137,6 +140,7 @@ def test_the_demo_says_where_it_writes(tmp_path):
         in result.stdout
 
 
+@pytest.mark.slow
 def test_a_dry_run_of_the_demo_prints_the_step_plan_a_launch_prints(tmp_path):
     """`--dry_run --demo` printed no plan (the demo's catalogue is made only by a real launch)."""
     result = launcher(tmp_path, "--demo", "--dry-run")
@@ -148,6 +152,7 @@ def test_a_dry_run_of_the_demo_prints_the_step_plan_a_launch_prints(tmp_path):
     assert not list((tmp_path / ".cache" / "tmpdir").iterdir())             # its scratch catalogue is gone
 
 
+@pytest.mark.slow
 def test_the_demo_says_what_it_trains_on_and_writes_only_its_own_catalogue(tmp_path):
     """`--demo --dataset_base_path X` said it wrote its catalogue under X and wrote runs/demo. Given a catalogue
     (its metadata), the demo model trains on it and writes none; a base folder alone is refused."""
@@ -381,6 +386,7 @@ def test_without_the_venv_the_launcher_says_in_one_line_how_to_activate_it_and_l
     assert stop.returncode == 2 and "source" in stop.stderr and "Traceback" not in stop.stderr, stop.stderr
 
 
+@pytest.mark.slow
 def test_without_the_venv_active_the_launcher_uses_the_projects_venv(tmp_path):
     import sys
 

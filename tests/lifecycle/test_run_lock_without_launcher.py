@@ -45,6 +45,7 @@ def test_a_folder_another_run_holds_is_refused_naming_it_and_its_record_is_left_
     assert (live_run / ".train.pid").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_the_ranks_of_one_start_share_the_lock_and_release_it_when_they_end(tmp_path):
     folder = tmp_path / "lora"
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(folder), str(rank), "1.5"], stdout=subprocess.PIPE,
@@ -57,6 +58,7 @@ def test_the_ranks_of_one_start_share_the_lock_and_release_it_when_they_end(tmp_
     release(held)
 
 
+@pytest.mark.slow
 def test_a_second_start_while_the_first_runs_is_refused(tmp_path):
     folder = tmp_path / "lora"
     first = subprocess.Popen([sys.executable, "-c", RANK, str(folder), "0", "30"], stdout=subprocess.PIPE, text=True)

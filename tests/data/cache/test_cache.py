@@ -312,6 +312,7 @@ def test_training_refuses_a_cache_whose_media_changed_unless_allowed(demo, refer
         os.utime(media, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
+@pytest.mark.slow
 def test_an_fp16_cache_stores_float16_and_the_default_follows_the_gpu(demo, reference, tmp_path):
     """--dtype fp16, as for V100s: every stored tensor is float16 and equals the fp32 reference rounded."""
     from diffsynth_mbc.data.cache.cli import default_dtype

@@ -80,6 +80,7 @@ def relative_miss(output, trained):
     return float((output - trained).norm() / (trained - dit_output(base_dit())).norm())
 
 
+@pytest.mark.slow
 def test_diffsynth_load_lora_misses_a_dora_and_the_merged_export_reproduces_it(tmp_path, run_file):
     pipe = build_demo_pipeline(load_encoders=False, seed=SEED)
     pipe.load_lora(pipe.dit, str(run_file["path"]))   # no error, whatever the file holds
@@ -145,6 +146,7 @@ def test_the_merged_export_refuses_without_or_with_the_wrong_base(tmp_path, run_
     assert not output.exists()
 
 
+@pytest.mark.slow
 def test_a_dora_says_where_it_loads_right_at_export_and_at_the_end_of_its_run(tmp_path, run_file, capsys):
     result = export(run_file["path"], "--output", tmp_path / "comfy.safetensors")
     assert result.returncode == 0, result.stderr
