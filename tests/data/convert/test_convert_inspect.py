@@ -159,3 +159,23 @@ def test_a_validation_row_repeating_a_training_row_is_named_with_its_catalogue(c
     (flag,) = read_csv_records(out / "flagged.csv")
     assert (flag["catalog"], flag["row"], flag["flag"]) == ("val", "1", "duplicate")
     assert flag["duplicate_of"] == f"row 1 of the train catalogue: {os.path.relpath(media['clean'], catalogue)}"
+
+
+def test_on_a_terminal_a_bar_counts_the_rows_with_the_time_left(catalogue, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from diffsynth_mbc.data.convert.inspect_rows import _run
+    from diffsynth_mbc.data.inspect.measure_store import MeasureStore
+    from diffsynth_mbc.data.inspect.run_inspection import MEASURES_VERSION, InspectItem
+    from diffsynth_mbc.data.inspect.window import InspectWindow
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=120)
+    items = [InspectItem(str(path), "video", 20, 24.0) for path in sorted((catalogue / "media").glob("*.mp4"))[:3]]
+    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
+        results = _run(items, InspectWindow(), 1, store, console)
+    assert [r.measures is not None for r in results] == [True] * 3
+    drawn = screen.getvalue()
+    assert "inspecting windows" in drawn and "3/3" in drawn and "left:" in drawn
