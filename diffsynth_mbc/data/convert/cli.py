@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                                              "DiffSynth's prompter does (default: a stated over-estimate)")
     parser.add_argument("--workers", type=int, default=default_workers(),
                         help="parallel probes (default min(8, CPU count))")
-    parser.add_argument("--min-frames", type=int, default=17,
-                        help="the training's --num_frames: flag videos with fewer frames, and the window --inspect "
-                             "looks at (default 17)")
+    parser.add_argument("--min-frames", "--num-frames", type=int, default=17, dest="min_frames",
+                        help="the training's --num_frames (either name): flag videos with fewer frames, and the "
+                             "window --inspect looks at (default 17)")
     parser.add_argument("--reject-short", action="store_true",
                         help="with --probe: reject videos with fewer than --min_frames frames (the training's "
                              "--num_frames), naming their count, instead of only flagging them")

@@ -25,7 +25,7 @@ METADATA_COLUMNS = ("video", "prompt", "media_type")
 PROBE_COLUMNS = ("width", "height", "num_frames", "fps")
 REJECT_COLUMNS = ("row", "file_path", "reason", "catalog", "line")
 LEFT_OUT_COLUMNS = ("row", "file_path", "catalog", "line")
-FLAGGED_COLUMNS = ("row", "file_path", "flag", "detail", "catalog", "line", "value", "threshold", "duplicate_of",
+FLAGGED_COLUMNS = ("row", "file_path", "reason", "detail", "catalog", "line", "value", "threshold", "duplicate_of",
                    "excluded")
 
 

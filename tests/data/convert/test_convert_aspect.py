@@ -48,7 +48,7 @@ def run_convert(base: Path, out: Path, buckets: str) -> dict:
 
 
 def flags(out: Path, flag: str) -> dict[str, str]:
-    return {r["file_path"]: r["detail"] for r in read_csv_records(out / "flagged.csv") if r["flag"] == flag}
+    return {r["file_path"]: r["detail"] for r in read_csv_records(out / "flagged.csv") if r["reason"] == flag}
 
 
 def mean_discarded(target_of) -> float:

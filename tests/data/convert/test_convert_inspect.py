@@ -56,7 +56,7 @@ def inspected(catalogue, tmp_path_factory):
 
 def test_each_defect_is_flagged_with_its_reason_and_nothing_on_the_clean_rows(inspected):
     flagged = read_csv_records(inspected / "flagged.csv")
-    assert {name_of(r["file_path"]): r["flag"] for r in flagged} == FLAGGED
+    assert {name_of(r["file_path"]): r["reason"] for r in flagged} == FLAGGED
     assert len(flagged) == len(FLAGGED)                           # one finding each, no probe flag mixed in
     by_name = {name_of(r["file_path"]): r for r in flagged}
     path_of = {name_of(r["video"]): r["video"] for _, r in pd.read_csv(inspected / "metadata.csv").iterrows()}
@@ -157,7 +157,7 @@ def test_a_validation_row_repeating_a_training_row_is_named_with_its_catalogue(c
     assert main([str(train), "--val_catalog", str(val), "--base_path", str(catalogue), "--output", str(out),
                  "--probe", "--inspect", "--height", "96", "--width", "160"]) == 0
     (flag,) = read_csv_records(out / "flagged.csv")
-    assert (flag["catalog"], flag["row"], flag["flag"]) == ("val", "1", "duplicate")
+    assert (flag["catalog"], flag["row"], flag["reason"]) == ("val", "1", "duplicate")
     assert flag["duplicate_of"] == f"row 1 of the train catalogue: {os.path.relpath(media['clean'], catalogue)}"
 
 
@@ -179,3 +179,11 @@ def test_on_a_terminal_a_bar_counts_the_rows_with_the_time_left(catalogue, tmp_p
     assert [r.measures is not None for r in results] == [True] * 3
     drawn = screen.getvalue()
     assert "inspecting windows" in drawn and "3/3" in drawn and "left:" in drawn
+
+
+def test_the_window_is_the_trainings_num_frames_under_either_name(catalogue, tmp_path):
+    out = tmp_path / "out"
+    assert convert(catalogue, out, "--num_frames", 9, "--frame_sampling", "uniform") == 0
+    window = json.loads((out / "summary.json").read_text())["inspect"]["window"]
+    assert (window["num_frames"], window["sampling"]) == (9, "uniform")
+    assert {name_of(r["file_path"]): r["reason"] for r in read_csv_records(out / "flagged.csv")} == FLAGGED

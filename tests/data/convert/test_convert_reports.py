@@ -158,7 +158,7 @@ def test_probe_warnings_name_the_files_and_list_them_all(tmp_path, capsys):
     assert ("warning: 4 videos have fewer than 17 frames: clip1.mp4 (5 frames), clip2.mp4 (6 frames), "
             "clip3.mp4 (7 frames) and 1 more; all are listed in flagged.csv") in err
     flagged = read_csv_records(out / "flagged.csv")
-    assert [(r["row"], r["file_path"], r["flag"], r["detail"]) for r in flagged] == [
+    assert [(r["row"], r["file_path"], r["reason"], r["detail"]) for r in flagged] == [
         (str(i + 1), f"clip{i}.mp4", "short video", f"{frames} frames, fewer than --min_frames 17")
         for i, frames in ((1, 5), (2, 6), (3, 7), (4, 8))]
     assert len(pd.read_csv(out / "metadata.csv")) == 5                 # flagged, not rejected
