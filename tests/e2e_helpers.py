@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -162,3 +164,17 @@ def kill_tree(pid):
     # A killed process lets go of its files (the run's locks among them) only once it has exited, which on a
     # loaded machine takes a moment: wait, as a reboot's next start would.
     psutil.wait_procs(processes[:-1], timeout=60)   # the launcher itself is the caller's to wait for
+
+
+def run_main(main, args, cwd) -> argparse.Namespace:
+    """A command's ``main(argv)`` in this process, as ``python -m`` would run it from ``cwd``: (returncode, stdout,
+    stderr), as subprocess.run gives them. The same code as the command, without a Python start-up and the
+    imports (torch's, diffsynth's) that cost seconds per process."""
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(arg) for arg in args])
+    finally:
+        os.chdir(before)
+    return argparse.Namespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

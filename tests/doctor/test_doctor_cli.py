@@ -1,4 +1,7 @@
-"""``python -m diffsynth_mbc.doctor`` as users run it: on this machine (no GPU), and planning for a V100."""
+"""``python -m diffsynth_mbc.doctor`` as users run it: on this machine (no GPU), and planning for a V100.
+
+A GPU-less check and a usage error go to the command in a process of its own; the other questions call its ``main``
+in this process (the same code, without a Python start-up and torch's import per question)."""
 
 from __future__ import annotations
 
@@ -9,16 +12,24 @@ import sys
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
+from diffsynth_mbc.doctor.cli import main as doctor_main
 from diffsynth_mbc.training.plan import run_length
-from e2e_helpers import REPO
+from e2e_helpers import REPO, run_main
 
 pytestmark = pytest.mark.slow
 FULL = str(REPO / "configs" / "train_full.yaml")
 
 
-def doctor(*args, cwd=None):
+def doctor_command(*args):
+    """The command in a process of its own, from the repository: (exit status, stdout, stderr)."""
     result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.doctor", *args], capture_output=True, text=True,
-                            cwd=cwd or REPO, timeout=300)
+                            cwd=REPO, timeout=300)
+    return result.returncode, result.stdout, result.stderr
+
+
+def doctor(*args):
+    """The command's ``main`` in this process, from the repository: (exit status, stdout, stderr)."""
+    result = run_main(doctor_main, args, REPO)
     return result.returncode, result.stdout, result.stderr
 
 
@@ -31,7 +42,7 @@ def test_on_a_machine_without_a_gpu_it_says_so_and_checks_the_rest(tmp_path):
     prepare(root, num_videos=2, num_images=1)
     flags = ["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(root / "catalog"),
              "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"), "--output_path", str(tmp_path / "out")]
-    code, out, err = doctor(*flags, "--json")
+    code, out, err = doctor_command(*flags, "--json")
     assert code == 0, err
     report = json.loads(out)
     checks = by_name(report)
@@ -116,7 +127,7 @@ def test_an_a100_runs_the_full_preset_as_configured_and_an_h100_gets_cudnn_atten
 
 
 def test_usage_errors_are_exit_2():
-    code, _, err = doctor("--config", FULL, "--assume", "GTX-480")
+    code, _, err = doctor_command("--config", FULL, "--assume", "GTX-480")
     assert code == 2 and "unknown GPU 'GTX-480'" in err and "V100-32GB" in err
     code, _, err = doctor("--config", FULL, "--height", "700")
     assert code == 2 and "multiple of 32" in err

@@ -12,7 +12,9 @@ import sys
 import pytest
 
 from catalog_helpers import write_media_metadata
-from e2e_helpers import REPO
+from diffsynth_mbc.doctor.cli import main as doctor_main
+from diffsynth_mbc.training.plan.command import main as plan_main
+from e2e_helpers import REPO, run_main
 
 pytestmark = pytest.mark.slow   # each test starts Python processes that import torch
 
@@ -53,9 +55,10 @@ def test_the_plan_prints_one_total_in_its_headline_and_its_projection(catalogue,
     assert video + image == headline[0], result.stderr          # the projection times the plan's steps
     assert number(projected.group(1).rstrip(" (")) == headline[0]   # and prints the plan's total
     # the launchers' brief lines, and the doctor's projection of the same run
-    brief = run("diffsynth_mbc.plan", "--gpus", "2", "--brief", *common, cwd=tmp_path)
+    # the same commands' mains in this process (the first question above went to the command itself)
+    brief = run_main(plan_main, ["--gpus", "2", "--brief", *common], tmp_path)
     assert [number(n) for n in re.findall(r"([\d,]+) steps in total", brief.stderr)] == headline, brief.stderr
-    doctor = run("diffsynth_mbc.doctor", "--gpus", "2", "--quick", "--json", *common, cwd=tmp_path)
+    doctor = run_main(doctor_main, ["--gpus", "2", "--quick", "--json", *common], tmp_path)
     projection = json.loads(doctor.stdout)["speed"]["projection"]
     assert projection["total_steps_per_gpu"] == headline[0]
     assert projection["video_steps_per_gpu"] + projection["image_steps_per_gpu"] == headline[0]
