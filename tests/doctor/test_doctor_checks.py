@@ -58,3 +58,36 @@ def test_no_torch_notice_above_the_doctors_output():
                              "--quick", "--json"], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert '"checks"' in result.stdout
     assert "pynvml" not in result.stderr and "torch.jit.script" not in result.stderr, result.stderr
+
+
+def test_without_a_gpu_device_node_the_target_is_found_without_importing_torch(tmp_path, monkeypatch):
+    import torch
+
+    assert checks.installed_torch_version() == torch.__version__       # read from torch/version.py
+    node = tmp_path / "nvidia0"
+    node.touch()
+    monkeypatch.setattr(checks, "GPU_DEVICE_NODES", (str(tmp_path / "nvidia[0-9]*"),))
+    assert not checks.no_gpu_device()
+    monkeypatch.setattr(checks, "GPU_DEVICE_NODES", (str(tmp_path / "kfd"),))
+    assert checks.no_gpu_device()
+    target = checks.find_target(None, None)
+    assert (target.spec, target.count, target.torch_version) == (None, 0, torch.__version__)
+
+
+@pytest.mark.slow
+def test_the_launchers_quick_preflight_imports_no_torch_on_a_machine_without_a_gpu(tmp_path):
+    """Every CPU launch runs it: 0.4 s instead of 2.4 s."""
+    if not checks.no_gpu_device():
+        pytest.skip("this machine has a GPU device node")
+    from diffsynth_mbc.data.demo import prepare
+
+    demo = tmp_path / "demo"
+    prepare(demo, num_videos=1, num_images=1)
+    flags = ["--quick", "--brief", "--detail-file", str(tmp_path / "d.log"), "--config",
+             str(REPO / "configs" / "train_demo.yaml"), "--output_path", str(tmp_path / "out"), "--dataset_base_path",
+             str(demo / "catalog"), "--dataset_metadata_path", str(demo / "metadata" / "metadata.csv")]
+    script = ("import sys; from diffsynth_mbc.doctor.cli import main; "
+              f"code = main({flags!r}); print(code, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.stdout.split() == ["0", "False"], result.stderr
+    assert "skip: torch kernels: torch " in (tmp_path / "d.log").read_text()
