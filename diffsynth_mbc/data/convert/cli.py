@@ -35,8 +35,6 @@ from rich.markup import escape
 from diffsynth_mbc.data.convert import catalogue_rows as cat
 from diffsynth_mbc.data.convert import selection
 from diffsynth_mbc.data.convert.caption_lengths import TokenizerError, long_captions
-from diffsynth_mbc.data.convert.flagged_sheet import flagged_sheet
-from diffsynth_mbc.data.convert.inspect_rows import inspect_entries, parse_exclude
 from diffsynth_mbc.data.convert.output_set import OutputError, publish_output_set
 from diffsynth_mbc.data.convert.outputs import (
     FLAGGED_NAME,
@@ -54,7 +52,7 @@ from diffsynth_mbc.data.convert.outputs import (
 )
 from diffsynth_mbc.data.convert.probe_rejects import probe_entries
 from diffsynth_mbc.data.convert.report import build_summary, print_summary_table, summarise_probe
-from diffsynth_mbc.data.inspect.measures import REASONS
+from diffsynth_mbc.data.inspect.reasons import REASONS, parse_exclude
 from diffsynth_mbc.data.media.buckets import BUCKET_MODES, STEP
 from diffsynth_mbc.data.media.frame_selection import FRAME_SAMPLING
 from diffsynth_mbc.data.media.media_probe import default_workers
@@ -200,7 +198,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         plan.val = [e for e in plan.val if id(e) in outcome.info]
         probed = outcome.info
     inspected = None
-    if args.inspect:
+    if args.inspect:   # the inspection (numpy, PIL, the decoder) is loaded only when asked for
+        from diffsynth_mbc.data.convert.inspect_rows import inspect_entries
+
         inspected = inspect_entries(plan.train + plan.val, probed, args, console)
         rejects += inspected.unreadable + inspected.excluded
         plan.train = [e for e in plan.train if id(e) not in inspected.rejected_ids]
@@ -227,6 +227,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if outcome is not None and outcome.flags:
         files[FLAGGED_NAME] = flagged_text(outcome.flags)
     if inspected is not None:
+        from diffsynth_mbc.data.convert.flagged_sheet import flagged_sheet
+
         files[FLAGGED_SHEET_NAME] = flagged_sheet(inspected, args)
     summary = build_summary(args, catalogs, plan, rejects, probe_summary, list(files) + [SUMMARY_NAME], left_out)
     summary["captions"] = captions.summary()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from diffsynth_mbc.data.inspect.contact_sheet import SheetRow, contact_sheet_html
-from diffsynth_mbc.data.inspect.measures import REASONS
+from diffsynth_mbc.data.inspect.reasons import REASONS
 from diffsynth_mbc.data.inspect.window import read_window
 
 ROWS_PER_REASON = 200

@@ -21,7 +21,8 @@ from diffsynth_mbc.data.convert.probe_rejects import Flag
 from diffsynth_mbc.data.inspect.duplicates import DUPLICATE_BITS, find_duplicates
 from diffsynth_mbc.data.inspect.measure_store import STORE_NAME, MeasureStore
 from diffsynth_mbc.data.inspect import measures as m
-from diffsynth_mbc.data.inspect.measures import REASONS, Finding, WindowMeasures, findings
+from diffsynth_mbc.data.inspect.measures import Finding, WindowMeasures, findings
+from diffsynth_mbc.data.inspect.reasons import REASONS, parse_exclude
 from diffsynth_mbc.data.inspect.run_inspection import (
     MEASURES_VERSION,
     InspectItem,
@@ -41,20 +42,6 @@ THRESHOLDS = {
     "pillarbox": {"bar_luma_below": m.BAR_LUMA, "bars_over_share": m.BARS_MAX_SHARE},
     "duplicate": {"hash_bits_at_most": DUPLICATE_BITS, "of_bits": 63},
 }
-
-
-def parse_exclude(text: str | None) -> tuple[str, ...]:
-    """``--exclude``: ``all`` or a comma list of REASONS; ValueError naming an unknown one."""
-    if text is None:
-        return ()
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if names == ["all"]:
-        return REASONS
-    unknown = [name for name in names if name not in REASONS]
-    if unknown or not names:
-        raise ValueError(f"--exclude {text}: {', '.join(unknown) or 'no reason'} is not one of "
-                         f"{', '.join(REASONS)} (or all)")
-    return tuple(name for name in REASONS if name in names)
 
 
 def inspect_window(args: argparse.Namespace) -> InspectWindow:
@@ -105,9 +92,10 @@ def inspect_entries(entries: list[cat.Entry], probed: dict[int, MediaInfo], args
         found[id(entry)] = findings(measures, entry.media_type, (target.width, target.height), label,
                                     (info.width, info.height))
     duplicate_of = _add_duplicates(entries, outcome.measured, found, outcome.originals)
-    _flag_and_exclude(entries, found, duplicate_of, parse_exclude(args.exclude), outcome)
+    exclude = parse_exclude(args.exclude)
+    _flag_and_exclude(entries, found, duplicate_of, exclude, outcome)
     seconds = time.monotonic() - started
-    outcome.summary = _summary(args, window, len(entries), reused, outcome, seconds)
+    outcome.summary = _summary(args, window, exclude, len(entries), reused, outcome, seconds)
     return outcome
 
 
@@ -177,7 +165,8 @@ def _flag_and_exclude(entries, found, duplicate_of: dict[int, str], exclude: tup
             outcome.rejected_ids.add(id(entry))
 
 
-def _summary(args, window: InspectWindow, rows: int, reused: int, outcome: InspectOutcome, seconds: float) -> dict:
+def _summary(args, window: InspectWindow, exclude: tuple[str, ...], rows: int, reused: int, outcome: InspectOutcome,
+             seconds: float) -> dict:
     flagged = {reason: 0 for reason in REASONS}
     excluded = {reason: 0 for reason in REASONS}
     for flag in outcome.flags:
@@ -194,8 +183,8 @@ def _summary(args, window: InspectWindow, rows: int, reused: int, outcome: Inspe
         "seconds": round(seconds, 2),
         "rows_per_second": round(rows / seconds, 1) if seconds > 0 else None,
         "flagged_rows": flagged,
-        "exclude": list(parse_exclude(args.exclude)),
-        "excluded_rows": {reason: count for reason, count in excluded.items() if reason in parse_exclude(args.exclude)},
+        "exclude": list(exclude),
+        "excluded_rows": {reason: count for reason, count in excluded.items() if reason in exclude},
         "thresholds": THRESHOLDS,
         "store": STORE_NAME,
     }

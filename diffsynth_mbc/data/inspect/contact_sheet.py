@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-REASON_ORDER = ("scene_cut", "black", "frozen", "letterbox", "pillarbox", "duplicate")
+from diffsynth_mbc.data.inspect.reasons import REASONS
+
+REASON_ORDER = REASONS   # the groups in the order the inspection reports its reasons
 REASON_EXPLANATIONS = {
     "scene_cut": "The frames cross a cut: the model learns that a shot can jump to another one mid-clip.",
     "black": "The frames are (nearly) black: a fade, a blank lead-in or a dead recording teaches nothing.",

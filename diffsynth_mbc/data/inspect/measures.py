@@ -24,8 +24,6 @@ from functools import lru_cache
 
 import numpy as np
 
-REASONS = ("scene_cut", "black", "frozen", "letterbox", "pillarbox", "duplicate")
-
 CUT_THUMB_SIDE = 32        # px, long side of the cut thumbnails: blurs away noise and fine motion, keeps a new shot
 CUT_SHIFT = 2              # px of those thumbnails: camera motion up to 6% of the width a frame is compensated
 CUT_MIN_CHANGE = 12.0      # luma levels: fades measured 6-11 a frame, busy motion 12-14; cuts between shots 29-57
@@ -76,7 +74,7 @@ class WindowMeasures:
 
 @dataclass(frozen=True)
 class Finding:
-    reason: str        # one of REASONS
+    reason: str        # one of reasons.REASONS
     value: float       # what was measured, in the unit of the threshold
     threshold: float
     detail: str        # one readable line

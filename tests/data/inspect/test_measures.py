@@ -12,9 +12,10 @@ import pytest
 from diffsynth_mbc.data.inspect import duplicates
 from diffsynth_mbc.data.inspect.duplicates import DUPLICATE_BITS, find_duplicates
 from diffsynth_mbc.data.inspect.measures import (BAR_LUMA, BAR_MIN_SIDE, BARS_MAX_SHARE, BLACK_LUMA, CUT_MIN_CHANGE,
-                                                 CUT_MIN_RATIO, FROZEN_MOTION, REASONS, WindowMeasures,
+                                                 CUT_MIN_RATIO, FROZEN_MOTION, WindowMeasures,
                                                  bars_after_crop, findings, kept_shares, measure_window,
                                                  perceptual_hash)
+from diffsynth_mbc.data.inspect.reasons import REASONS
 
 HEIGHT, WIDTH = 72, 128
 
