@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from diffsynth_mbc.data.media.clip_reader import display_turns
+from diffsynth_mbc.data.media.clip_reader import ClipReadError, decode_frames, display_turns
 from diffsynth_mbc.data.media.frame_selection import FrameSelection, frames_needed, select_frames, timeline
 
 ANALYSIS_LONG_SIDE = 128   # pixels: twice the statistics' largest thumbnail (64), enough for the eye too
@@ -159,29 +159,20 @@ def _container_count(container, stream, window: InspectWindow, fps: float | None
 
 def _decode_positions(container, stream, wanted: list[int], long_side: int):
     """({position: small RGB array} of the wanted frames among the first ``max(wanted) + 1``, frames decoded,
-    (displayed width, displayed height, quarter turns))."""
-    import av
+    (displayed width, displayed height, quarter turns)), through the clip reader's decoding loop."""
+    shapes = []
 
-    wanted_set, last = set(wanted), wanted[-1]
-    small, count, shape = {}, 0, None
+    def converter_for(first):
+        turns = display_turns(first)[0]
+        width, height = (first.height, first.width) if turns % 2 else (first.width, first.height)
+        shapes.append((width, height, turns))
+        return lambda frame: _small_rgb(frame, shapes[0], long_side)
+
     try:
-        for frame in container.decode(stream):
-            if shape is None:
-                turns = display_turns(frame)[0]
-                width, height = (frame.height, frame.width) if turns % 2 else (frame.width, frame.height)
-                shape = (width, height, turns)
-            if count in wanted_set:
-                small[count] = _small_rgb(frame, shape, long_side)
-            count += 1
-            if count > last:
-                break
-    except av.FFmpegError as exc:
-        if not count:
-            raise InspectReadError(f"cannot decode: {exc}") from None
-        # a damaged tail: what decoded before it is the clip, as the training's reader sees it
-    if not count:
-        raise InspectReadError("no decodable video frame")
-    return small, count, shape
+        small, count = decode_frames(container, stream, wanted[-1], set(wanted), converter_for)
+    except ClipReadError as exc:
+        raise InspectReadError(str(exc)) from None
+    return small, count, shapes[0]
 
 
 def _small_rgb(frame, shape: tuple[int, int, int], long_side: int):

@@ -182,15 +182,25 @@ def _decode_indices(container, stream, last: int | None, wanted: set | None, tim
                     path: str) -> tuple[dict, int]:
     """({index: RGB image} of the ``wanted`` frames (all when None) among the first ``last + 1`` (all when None),
     frames decoded); every decoded frame's time goes to ``times`` (to prove even spacing)."""
+    return decode_frames(container, stream, last, wanted, lambda frame: _converter(frame, path), times)
+
+
+def decode_frames(container, stream, last: int | None, wanted: set | None, converter_for,
+                  times: list | None = None) -> tuple[dict, int]:
+    """({index: converted frame} of the ``wanted`` frames (all when None) among the first ``last + 1`` (all when
+    None), frames decoded). ``converter_for(first decoded frame)`` gives the function that converts each wanted
+    frame (it may refuse the clip by raising). Each decoded frame's time goes to ``times`` when given. A damaged
+    tail ends the clip where it breaks; ClipReadError when no frame decodes at all."""
     import av
 
-    images, count, convert = {}, 0, None
+    frames, count, convert = {}, 0, None
     try:
         for frame in container.decode(stream):
-            convert = convert or _converter(frame, path)
+            convert = convert or converter_for(frame)
             if wanted is None or count in wanted:
-                images[count] = convert(frame)
-            times.append(None if frame.pts is None else float(frame.pts * stream.time_base))
+                frames[count] = convert(frame)
+            if times is not None:
+                times.append(None if frame.pts is None else float(frame.pts * stream.time_base))
             count += 1
             if last is not None and count > last:
                 break
@@ -200,7 +210,7 @@ def _decode_indices(container, stream, last: int | None, wanted: set | None, tim
         # A damaged tail: what decoded before it is the clip, as ffmpeg's own reader would see it.
     if not count:
         raise ClipReadError("no decodable video frame")
-    return images, count
+    return frames, count
 
 
 def evenly_spaced(times: list, fps: float | None, start: float | None, tolerance: float = 0.25) -> bool:
