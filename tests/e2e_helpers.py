@@ -178,3 +178,17 @@ def run_main(main, args, cwd) -> argparse.Namespace:
     finally:
         os.chdir(before)
     return argparse.Namespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def assert_trained_alike(run_a: Path, run_b: Path) -> None:
+    """Two demo runs (``output_path`` = RUN/lora, ``log_dir`` = RUN/logs) trained the same: every LoRA tensor bit
+    for bit, and rank 0's loss at every step."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = (load_file(run / "lora" / "lora.safetensors") for run in (run_a, run_b))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    losses = [[r["loss"] for r in read_history(run / "logs", 0) if r.get("kind") is None] for run in (run_a, run_b)]
+    assert losses[0] == losses[1]

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -21,30 +20,22 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 import monitor_fixtures as F
+from browser_helpers import needs_browser, start_chromium
 from test_server import start_server, stop_server
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 RANK_COLOURS = {0: (0x4c, 0xc3, 0x8a), 1: (0x5a, 0xa2, 0xff)}  # the page's palette for ranks 0 and 1
 STEPS = 300
 EPOCH_STEPS = 150
 VIDEO_BYTES = b"\x00\x00\x00\x18ftypmp42" + bytes(64)   # the gallery needs only a listed file, not a decodable one
 
 try:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
-except ImportError:  # pragma: no cover - the dev extra installs it
-    webdriver = None
+except ImportError:  # pragma: no cover - the dev extra installs it; needs_browser skips the tests
+    pass
 
-_have_browser = webdriver is not None and os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not _have_browser and not os.environ.get("MBC_REQUIRE_BROWSER"),
-                       reason="needs chromium, chromium-driver and selenium (apt-get install chromium chromium-driver)"),
-]
+pytestmark = [pytest.mark.slow, needs_browser]
 
 
 def write_run(log_dir):
@@ -105,15 +96,7 @@ def grad_norm_at(step, rank):
 
 @pytest.fixture(scope="module")
 def browser():
-    opts = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1800", "--force-device-scale-factor=1"):
-        opts.add_argument(arg)
-    opts.binary_location = CHROMIUM
-    opts.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(60)
+    driver = start_chromium(1400, 1800)
     yield driver
     driver.quit()
 

@@ -8,10 +8,11 @@ import pytest
 
 from diffsynth_mbc.data.cache.status import CacheStatus
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
-from test_dashboard_browser import _have_browser, browser, wait_for  # noqa: F401 - browser is a fixture
+from browser_helpers import needs_browser
+from test_dashboard_browser import browser, wait_for  # noqa: F401 - browser is a fixture
 from test_server import start_server, stop_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _have_browser, reason="chromium/chromedriver not installed")]
+pytestmark = [pytest.mark.slow, needs_browser]
 
 
 def test_the_dashboard_counts_cache_rows_while_the_cache_is_built(browser, tmp_path):  # noqa: F811

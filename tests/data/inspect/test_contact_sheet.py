@@ -12,7 +12,6 @@ import base64
 import io
 import json
 import os
-import shutil
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -20,10 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
+from browser_helpers import needs_browser, start_chromium
 from diffsynth_mbc.data.inspect.contact_sheet import REASON_ORDER, THUMB_HEIGHT_PX, SheetRow, contact_sheet_html
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 THUMB_W, THUMB_H = 160, 90
 FRAME_NUMBERS = list(range(0, 32, 4))   # 8 frames a row
 HOSTILE_PATH = "<script>alert(1)</script>.mp4"
@@ -31,18 +29,11 @@ HOSTILE_DETAIL = 'luma 3.1 & "mean" <b>not bold</b>'
 OTHER_REASON = "short window"
 
 try:
-    from selenium import webdriver
     from selenium.common.exceptions import NoAlertPresentException
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
-except ImportError:  # pragma: no cover - the dev extra installs it
-    webdriver = None
-
-_have_browser = webdriver is not None and os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)
-needs_browser = pytest.mark.skipif(
-    not _have_browser and not os.environ.get("MBC_REQUIRE_BROWSER"),
-    reason="needs chromium, chromium-driver and selenium (apt-get install chromium chromium-driver)")
+except ImportError:  # pragma: no cover - the dev extra installs it; needs_browser skips the tests
+    pass
 
 
 def thumbnail(row: int, number: int, reason: str) -> np.ndarray:
@@ -206,15 +197,7 @@ def test_a_row_of_eight_thumbnails_weighs_tens_of_kilobytes():
 
 @pytest.fixture(scope="module")
 def browser():
-    opts = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1280,900", "--force-device-scale-factor=1"):
-        opts.add_argument(arg)
-    opts.binary_location = CHROMIUM
-    opts.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(60)
+    driver = start_chromium(1280, 900)
     yield driver
     driver.quit()
 

@@ -21,6 +21,15 @@ from diffsynth_mbc.data.inspect.window import InspectWindow
 from inspect_media import FRAMES, RATE, make_media
 
 
+BROKEN = 5   # the unreadable file's place among the items
+
+
+def inspect_with_store(store_path, items, workers=1, window=InspectWindow(), on_done=None):
+    """One run of the runner over ``items``, its measures kept in the store at ``store_path``."""
+    with MeasureStore(store_path, MEASURES_VERSION) as store:
+        return inspect_items(items, window, workers, store, on_done=on_done)
+
+
 @pytest.fixture(scope="module")
 def items(tmp_path_factory):
     """Every test medium, and an unreadable file in the middle: more rows than one worker task holds."""
@@ -30,39 +39,32 @@ def items(tmp_path_factory):
     broken.write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video" * 4)
     found = [InspectItem(path, kind, FRAMES if kind == "video" else None, RATE if kind == "video" else None)
              for path, kind in media.values()]
-    found.insert(5, InspectItem(str(broken), "video", FRAMES, RATE))
+    found.insert(BROKEN, InspectItem(str(broken), "video", FRAMES, RATE))
     assert len(found) > ROWS_PER_TASK
     return found
 
 
 def test_two_workers_give_what_one_process_gives_in_order_and_store_it(items, tmp_path):
-    window = InspectWindow()
-    with MeasureStore(tmp_path / "one.jsonl", MEASURES_VERSION) as store:
-        alone = inspect_items(items, window, 1, store)
+    alone = inspect_with_store(tmp_path / "one.jsonl", items)
     told = []
-    with MeasureStore(tmp_path / "two.jsonl", MEASURES_VERSION) as store:
-        pooled = inspect_items(items, window, 2, store, on_done=told.append)
+    pooled = inspect_with_store(tmp_path / "two.jsonl", items, workers=2, on_done=told.append)
     assert [r.measures for r in pooled] == [r.measures for r in alone]
     assert sum(told) == len(items) and not any(r.reused for r in pooled)
-    broken = pooled[5]
+    broken = pooled[BROKEN]
     assert broken.measures is None and broken.error.split(":")[0].endswith(("Error", "InvalidDataError"))
-    assert all(r.measures is not None for i, r in enumerate(pooled) if i != 5)
+    assert all(r.measures is not None for i, r in enumerate(pooled) if i != BROKEN)
     stored = (tmp_path / "two.jsonl").read_text().splitlines()
     assert len(stored) == len(items) - 1                  # the unreadable row is not stored: it is tried again
 
 
 def test_a_second_run_reuses_every_stored_measure_and_retries_the_unreadable_row(items, tmp_path):
-    window = InspectWindow()
-    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
-        first = inspect_items(items, window, 1, store)
+    first = inspect_with_store(tmp_path / "store.jsonl", items)
     told = []
-    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
-        again = inspect_items(items, window, 1, store, on_done=told.append)
-    assert [r.reused for r in again] == [i != 5 for i in range(len(items))]
+    again = inspect_with_store(tmp_path / "store.jsonl", items, on_done=told.append)
+    assert [r.reused for r in again] == [i != BROKEN for i in range(len(items))]
     assert [r.measures for r in again] == [r.measures for r in first]
     assert told[0] == len(items) - 1 and sum(told) == len(items)   # the reused rows are told at once
-    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
-        other = inspect_items(items[:2], InspectWindow(num_frames=9), 1, store)
+    other = inspect_with_store(tmp_path / "store.jsonl", items[:2], window=InspectWindow(num_frames=9))
     assert not any(r.reused for r in other)               # another window is measured again
     assert all(json.loads(line) for line in (tmp_path / "store.jsonl").read_text().splitlines())
 
@@ -90,11 +92,8 @@ def test_a_run_stopped_midway_keeps_what_it_measured_and_the_next_run_resumes_th
     def stop_after_the_first_task(rows: int) -> None:
         raise Stopped
 
-    window = InspectWindow()
     with pytest.raises(Stopped):
-        with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
-            inspect_items(items, window, 1, store, on_done=stop_after_the_first_task)
-    with MeasureStore(tmp_path / "store.jsonl", MEASURES_VERSION) as store:
-        resumed = inspect_items(items, window, 1, store)
-    first_task = [i for i in range(ROWS_PER_TASK) if i != 5]      # the unreadable row is never stored
+        inspect_with_store(tmp_path / "store.jsonl", items, on_done=stop_after_the_first_task)
+    resumed = inspect_with_store(tmp_path / "store.jsonl", items)
+    first_task = [i for i in range(ROWS_PER_TASK) if i != BROKEN]      # the unreadable row is never stored
     assert [i for i, r in enumerate(resumed) if r.reused] == first_task

@@ -8,12 +8,10 @@ import json
 import imageio.v3 as iio
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.monitor.samples import list_base, list_sets
-from e2e_helpers import demo_flags, read_history, read_status
+from e2e_helpers import assert_trained_alike, demo_flags, read_history, read_status
 from forked_ranks import run_training
 
 pytestmark = pytest.mark.slow
@@ -102,11 +100,4 @@ def test_the_monitor_lists_every_clip_with_its_strength_and_weights(runs):
 
 
 def test_sampling_at_other_strengths_leaves_training_unchanged(runs):
-    swept = load_file(runs["sweep"] / "lora" / "lora.safetensors")
-    without = load_file(runs["without"] / "lora" / "lora.safetensors")
-    assert swept.keys() == without.keys()
-    for key in swept:
-        assert torch.equal(swept[key], without[key]), key
-    losses = [[r["loss"] for r in read_history(runs[name] / "logs", 0) if r.get("kind") is None]
-              for name in ("sweep", "without")]
-    assert losses[0] == losses[1]
+    assert_trained_alike(runs["sweep"], runs["without"])

@@ -10,12 +10,10 @@ import time
 
 import imageio.v3 as iio
 import pytest
-import torch
 from PIL import Image
-from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, isolated_env, read_history, read_status
+from e2e_helpers import REPO, assert_trained_alike, isolated_env, read_history, read_status
 from forked_ranks import start_training
 
 pytestmark = pytest.mark.slow
@@ -108,14 +106,7 @@ def test_clips_of_the_asked_size_and_length_at_the_baseline_every_n_steps_and_th
 
 
 def test_sampling_leaves_training_unchanged(runs):
-    with_samples = load_file(runs["with"] / "lora" / "lora.safetensors")
-    without = load_file(runs["without"] / "lora" / "lora.safetensors")
-    assert with_samples.keys() == without.keys()
-    for key in with_samples:
-        assert torch.equal(with_samples[key], without[key]), key
-    losses = [[r["loss"] for r in read_history(runs[name] / "logs", 0) if r.get("kind") is None]
-              for name in ("with", "without")]
-    assert losses[0] == losses[1]
+    assert_trained_alike(runs["with"], runs["without"])
 
 
 def test_a_run_from_the_cache_samples_with_the_cached_prompt_embeddings_and_only_the_vae(runs):
