@@ -82,6 +82,14 @@ class Catalog:
     blank_lines: int = 0
 
 
+CATALOGUE_ORDER = ("train", "val")
+
+
+def catalogue_rank(name: str) -> int:
+    """Where a catalogue's rows come in every list the converter writes: training rows, then validation rows."""
+    return CATALOGUE_ORDER.index(name) if name in CATALOGUE_ORDER else len(CATALOGUE_ORDER)
+
+
 @dataclass(slots=True)
 class Entry:
     """A row that passed validation: what goes into metadata.csv."""
@@ -96,6 +104,10 @@ class Entry:
     def row(self) -> int:
         return self.source.row
 
+    def order(self) -> tuple[int, int]:
+        """The entry's place in the converter's lists: its catalogue, then its row."""
+        return catalogue_rank(self.catalog), self.row
+
 
 @dataclass(frozen=True)
 class Reject:
@@ -105,6 +117,11 @@ class Reject:
     file_path: str
     code: str  # one of Reason's values
     reason: str  # code plus detail, e.g. "duplicate of an earlier row (row 3)"
+
+    @classmethod
+    def of(cls, entry: Entry, code: str, reason: str) -> "Reject":
+        """A validated row rejected later (by a probe, a selection or an inspection)."""
+        return cls(entry.catalog, entry.row, entry.source.line, entry.source.file_path, code, reason)
 
 
 @dataclass

@@ -37,7 +37,7 @@ def flagged_sheet(inspected, args: argparse.Namespace) -> str:
             by_reason.setdefault(flag.flag, []).append(flag)
     rows, left_out = [], 0
     for reason, flags in by_reason.items():
-        flags = sorted(flags, key=lambda f: ({"train": 0, "val": 1}.get(f.entry.catalog, 2), f.entry.row))
+        flags = sorted(flags, key=lambda f: f.entry.order())
         left_out += max(0, len(flags) - ROWS_PER_REASON)
         rows += [_sheet_row(flag, inspected) for flag in flags[:ROWS_PER_REASON]]
     total = sum(len(flags) for flags in by_reason.values())

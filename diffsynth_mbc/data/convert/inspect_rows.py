@@ -78,9 +78,8 @@ def inspect_entries(entries: list[cat.Entry], probed: dict[int, MediaInfo], args
     found: dict[int, list[Finding]] = {}
     for entry, result in zip(entries, results):
         if result.measures is None:
-            reject = cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
-                                cat.Reason.UNREADABLE_MEDIA,
-                                f"{cat.Reason.UNREADABLE_MEDIA} (--inspect could not decode its window: {result.error})")
+            reject = cat.Reject.of(entry, cat.Reason.UNREADABLE_MEDIA, f"{cat.Reason.UNREADABLE_MEDIA} (--inspect could "
+                                                                         f"not decode its window: {result.error})")
             outcome.unreadable.append(reject)
             outcome.rejected_ids.add(id(entry))
             continue
@@ -91,9 +90,9 @@ def inspect_entries(entries: list[cat.Entry], probed: dict[int, MediaInfo], args
         label = f"{target.name} {'aspect bucket' if shapes.mode == 'aspect' else 'crop (--buckets off)'}"
         found[id(entry)] = findings(measures, entry.media_type, (target.width, target.height), label,
                                     (info.width, info.height))
-    duplicate_of = _add_duplicates(entries, outcome.measured, found, outcome.originals)
+    _add_duplicates(entries, outcome.measured, found, outcome.originals)
     exclude = parse_exclude(args.exclude)
-    _flag_and_exclude(entries, found, duplicate_of, exclude, outcome)
+    _flag_and_exclude(entries, found, exclude, outcome)
     seconds = time.monotonic() - started
     outcome.summary = _summary(args, window, exclude, len(entries), reused, outcome, seconds)
     return outcome
@@ -126,42 +125,41 @@ def _run(items, window, workers, store, console: Console):
 
 
 def _add_duplicates(entries: list[cat.Entry], measured: dict[int, WindowMeasures],
-                    found: dict[int, list[Finding]], originals: dict[int, cat.Entry]) -> dict[int, str]:
+                    found: dict[int, list[Finding]], originals: dict[int, cat.Entry]) -> None:
     """A near-duplicate of an earlier row (training catalogue first, then validation, each in row order) is
-    flagged with the row it repeats; a validation row repeating a training row is training data seen twice.
-    Returns id(entry) -> the row it repeats, for flagged.csv's duplicate_of."""
-    order = {"train": 0, "val": 1}
-    ranked = sorted((e for e in entries if id(e) in measured), key=lambda e: (order.get(e.catalog, 2), e.row))
+    flagged, and ``originals`` says which row it repeats; a validation row repeating a training row is training
+    data seen twice."""
+    ranked = sorted((e for e in entries if id(e) in measured), key=cat.Entry.order)
     pairs = find_duplicates([(e.media_type, measured[id(e)].hashes) for e in ranked])
-    duplicate_of = {}
     for index, (original_index, distance) in pairs.items():
         entry, original = ranked[index], ranked[original_index]
-        where = "" if original.catalog == entry.catalog else f" of the {original.catalog} catalogue"
         found[id(entry)].append(Finding(
             "duplicate", float(distance), float(DUPLICATE_BITS),
-            f"near-duplicate of row {original.row}{where} ({original.source.file_path}): {distance} of 63 "
+            f"near-duplicate of {_row_named(original, entry)} ({original.source.file_path}): {distance} of 63 "
             f"perceptual-hash bits differ"))
-        duplicate_of[id(entry)] = f"row {original.row}{where}: {original.source.file_path}"
         originals[id(entry)] = original
-    return duplicate_of
 
 
-def _flag_and_exclude(entries, found, duplicate_of: dict[int, str], exclude: tuple[str, ...],
-                      outcome: InspectOutcome) -> None:
+def _row_named(original: cat.Entry, entry: cat.Entry) -> str:
+    """``row 12``, or ``row 12 of the train catalogue`` for a row of the other catalogue than ``entry``'s."""
+    where = "" if original.catalog == entry.catalog else f" of the {original.catalog} catalogue"
+    return f"row {original.row}{where}"
+
+
+def _flag_and_exclude(entries, found, exclude: tuple[str, ...], outcome: InspectOutcome) -> None:
     for entry in entries:
         entry_findings = found.get(id(entry), [])
         excluded = [f for f in entry_findings if f.reason in exclude]
+        original = outcome.originals.get(id(entry))
         for finding in entry_findings:
+            repeats = (f"{_row_named(original, entry)}: {original.source.file_path}"
+                       if finding.reason == "duplicate" else None)
             outcome.flags.append(Flag(entry, finding.reason, finding.detail, value=finding.value,
-                                      threshold=finding.threshold,
-                                      duplicate_of=duplicate_of.get(id(entry)) if finding.reason == "duplicate"
-                                      else None,
+                                      threshold=finding.threshold, duplicate_of=repeats,
                                       excluded=finding in excluded))
         if excluded:
             reason = "; ".join(f"{f.reason} ({f.detail})" for f in excluded)
-            reject = cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
-                                excluded[0].reason, reason)
-            outcome.excluded.append(reject)
+            outcome.excluded.append(cat.Reject.of(entry, excluded[0].reason, reason))
             outcome.rejected_ids.add(id(entry))
 
 

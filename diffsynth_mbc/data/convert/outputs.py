@@ -64,8 +64,7 @@ def spreadsheet_safe(cell) -> str:
 
 
 def rejects_text(rejects: list[cat.Reject]) -> str:
-    order = {"train": 0, "val": 1}
-    ordered = sorted(rejects, key=lambda r: (order.get(r.catalog, 2), r.row))
+    ordered = sorted(rejects, key=lambda r: (cat.catalogue_rank(r.catalog), r.row))
     return _csv_text(REJECT_COLUMNS, ([spreadsheet_safe(cell) for cell in (r.row, r.file_path, r.reason, r.catalog,
                                                                             r.line)] for r in ordered))
 
@@ -81,8 +80,7 @@ def flagged_text(flags: list[Flag]) -> str:
     """flagged.csv: every file --probe flagged (and still wrote) and every --inspect finding, with what was found
     (--inspect: the measured value, its threshold, the row a duplicate repeats, and whether --exclude moved the
     row to rejects.csv)."""
-    order = {"train": 0, "val": 1}
-    ordered = sorted(flags, key=lambda f: (order.get(f.entry.catalog, 2), f.entry.row, f.flag))
+    ordered = sorted(flags, key=lambda f: (*f.entry.order(), f.flag))
     return _csv_text(FLAGGED_COLUMNS, ([spreadsheet_safe(cell) for cell in (
         f.entry.row, f.entry.source.file_path, f.flag, f.detail, f.entry.catalog, f.entry.source.line,
         _number(f.value), _number(f.threshold), f.duplicate_of or "", "yes" if f.excluded else "")]

@@ -55,13 +55,12 @@ def probe_entries(entries: list[cat.Entry], args: argparse.Namespace, console: C
     flags: list[Flag] = []
     for entry, result in zip(entries, results):
         if result.info is None:
-            unreadable.append(cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
-                                         cat.Reason.UNREADABLE_MEDIA, f"{cat.Reason.UNREADABLE_MEDIA} ({result.error})"))
+            unreadable.append(cat.Reject.of(entry, cat.Reason.UNREADABLE_MEDIA,
+                                            f"{cat.Reason.UNREADABLE_MEDIA} ({result.error})"))
             continue
         short = short_video_reason(result.info, args) if entry.media_type == "video" else None
         if short and args.reject_short:
-            unreadable.append(cat.Reject(entry.catalog, entry.row, entry.source.line, entry.source.file_path,
-                                         SHORT_VIDEO, short))
+            unreadable.append(cat.Reject.of(entry, SHORT_VIDEO, short))
             continue
         info[id(entry)] = result.info
         if short:   # "short video (N frames..., fewer than ...)": the part in brackets

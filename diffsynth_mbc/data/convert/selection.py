@@ -122,7 +122,7 @@ class ConversionPlan:
 
 def _not_selected(entries: Iterable[Entry], code: str, detail: str) -> list[Reject]:
     reason = f"{code} ({detail})" if detail else code
-    return [Reject(e.catalog, e.row, e.source.line, e.source.file_path, code, reason) for e in entries]
+    return [Reject.of(e, code, reason) for e in entries]
 
 
 def plan_conversion(
