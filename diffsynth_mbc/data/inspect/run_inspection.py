@@ -56,16 +56,17 @@ def _measure_batch(batch: list[InspectItem], window: InspectWindow) -> list[Insp
     return [measure_item(item, window) for item in batch]
 
 
-def _batches(items: Sequence[InspectItem], size: int) -> Iterator[list[InspectItem]]:
-    for start in range(0, len(items), size):
-        yield list(items[start:start + size])
+def _batches(indices: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(indices), size):
+        yield indices[start:start + size]
 
 
 def inspect_items(items: Sequence[InspectItem], window: InspectWindow, workers: int, store: MeasureStore,
                   on_done: Callable[[int], None] | None = None) -> list[InspectResult]:
     """One result per item, in order. ``on_done(n)`` is told after each ``n`` rows (reused ones included)."""
     results: list[InspectResult | None] = [None] * len(items)
-    keys = [store.key(item.path, window.settings()) for item in items]
+    settings = window.settings()
+    keys = [store.key(item.path, settings) for item in items]
     todo = []
     for index, key in enumerate(keys):
         known = store.get(key) if key is not None else None
@@ -75,7 +76,7 @@ def inspect_items(items: Sequence[InspectItem], window: InspectWindow, workers: 
             todo.append(index)
     if on_done is not None and len(todo) < len(items):
         on_done(len(items) - len(todo))
-    for indices, measured in _measure_all([items[i] for i in todo], todo, window, workers):
+    for indices, measured in _measure_all(items, todo, window, workers):
         for index, result in zip(indices, measured):
             results[index] = InspectResult(result.measures, result.error, key=keys[index])
             if result.measures is not None and keys[index] is not None:
@@ -85,12 +86,12 @@ def inspect_items(items: Sequence[InspectItem], window: InspectWindow, workers: 
     return results
 
 
-def _measure_all(items: list[InspectItem], indices: list[int], window: InspectWindow,
+def _measure_all(items: Sequence[InspectItem], indices: list[int], window: InspectWindow,
                  workers: int) -> Iterator[tuple[list[int], list[InspectResult]]]:
-    """(indices, results) per batch, in order; in this process when one worker is asked for or one batch is
-    all there is (no process start-up for a small catalogue)."""
-    batches = list(_batches(items, ROWS_PER_TASK))
+    """(indices, results) for the items at ``indices``, a batch at a time, in order; in this process when one
+    worker is asked for or one batch is all there is (no process start-up for a small catalogue)."""
     index_batches = list(_batches(indices, ROWS_PER_TASK))
+    batches = [[items[index] for index in index_batch] for index_batch in index_batches]
     if workers <= 1 or len(batches) <= 1:
         for index_batch, batch in zip(index_batches, batches):
             yield index_batch, _measure_batch(batch, window)
