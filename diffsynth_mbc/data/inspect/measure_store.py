@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import IO
 
 from diffsynth_mbc.atomic import atomic_open
+from diffsynth_mbc.data.cache.index import file_fingerprint
 
 STORE_NAME = "inspect_measures.jsonl"
 
@@ -42,12 +42,11 @@ class MeasureStore:
     def key(resolved_path: str, window_settings: dict) -> str | None:
         """The row's key: its file as it is now (real path, size, mtime) and the settings that chose the frames;
         None when the file cannot be stat'ed (nothing to reuse, and nothing worth storing)."""
-        real_path = os.path.realpath(resolved_path)
         try:
-            stat = os.stat(real_path)
+            fingerprint = file_fingerprint(resolved_path)   # the latent cache's: real path, size, mtime
         except OSError:
             return None
-        identity = json.dumps([real_path, stat.st_size, stat.st_mtime_ns, window_settings], sort_keys=True)
+        identity = json.dumps([fingerprint, window_settings], sort_keys=True)
         return hashlib.sha256(identity.encode("utf-8")).hexdigest()
 
     def get(self, key: str) -> dict | None:
