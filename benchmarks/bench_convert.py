@@ -42,6 +42,17 @@ CAPTIONS = (
 )
 
 
+def write_catalog(root: Path, lines) -> Path:
+    """root/catalog.csv in the MBC format as the team's export writes it: a UTF-8 BOM, CRLF line ends."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\r\n")
+    writer.writerow(("file_path", "caption", "media_type"))
+    writer.writerows(lines)
+    catalog = root / "catalog.csv"
+    catalog.write_bytes(b"\xef\xbb\xbf" + buffer.getvalue().encode("utf-8"))
+    return catalog
+
+
 def make_catalog(root: Path, rows: int) -> Path:
     """~47% videos, ~53% images (the MBC ratio), 1,000 files per folder, all files present."""
     lines = []
@@ -54,13 +65,7 @@ def make_catalog(root: Path, rows: int) -> Path:
         (root / folder).mkdir(parents=True, exist_ok=True)
     for name, _, _ in lines:
         (root / name).touch()
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\r\n")
-    writer.writerow(("file_path", "caption", "media_type"))
-    writer.writerows(lines)
-    catalog = root / "catalog.csv"
-    catalog.write_bytes(b"\xef\xbb\xbf" + buffer.getvalue().encode("utf-8"))
-    return catalog
+    return write_catalog(root, lines)
 
 
 def naive_baseline(catalog: Path, base: Path) -> int:
@@ -91,13 +96,7 @@ def make_clips(root: Path, clips: int, grain: bool) -> Path:
                         "testsrc2=size=1920x1080:rate=30", "-ss", f"{index * 0.4:.1f}", "-t", "3", "-vf", filters,
                         "-c:v", "libx264", "-pix_fmt", "yuv420p", str(root / name)], check=True)
         lines.append((name, f"clip {index}", "video"))
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\r\n")
-    writer.writerow(("file_path", "caption", "media_type"))
-    writer.writerows(lines)
-    catalog = root / "catalog.csv"
-    catalog.write_text(buffer.getvalue(), encoding="utf-8")
-    return catalog
+    return write_catalog(root, lines)
 
 
 def _convert_seconds(arguments: list[str]) -> float:
