@@ -29,6 +29,8 @@ def start_accelerator(options, status: RankStatusWriter):
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         # The engine clips, not us: hand it --max_grad_norm (0 disables) instead of the config's fixed value.
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(float(options.max_grad_norm))
+        if not torch.cuda.is_available():
+            skip_deepspeed_cpu_inference_kernel()
     status.update(phase="joining the process group", mixed_precision=precision, precision_reason=precision_why,
                   attention_kernel=attention_kernel(capability, precision))
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=options.find_unused_parameters)]
@@ -62,3 +64,15 @@ def start_accelerator(options, status: RankStatusWriter):
                            "training, so gradients would never be averaged; check the accelerate config "
                            "(distributed_type) and that the GPUs are visible")
     return accelerator
+
+
+DEEPSPEED_CPU_INFERENCE_KERNEL = "deepspeed_shm_comm"
+
+
+def skip_deepspeed_cpu_inference_kernel() -> None:
+    """On CPU ranks DeepSpeed's process group compiles a shared-memory all-reduce (C++: about 30 s and a compiler,
+    once per machine) that only its tensor-parallel inference calls; ZeRO's training collectives go through the
+    process group (gloo). Marking the kernel unavailable lets a CPU run start without building it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[DEEPSPEED_CPU_INFERENCE_KERNEL] = False
