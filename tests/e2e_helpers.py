@@ -20,8 +20,8 @@ SESSION_ENVIRONMENT = dict(os.environ)
 
 
 def isolated_env(work: Path, **extra) -> dict:
-    """The session's environment with the caches a run writes kept in ``work``; C++ extensions that DeepSpeed
-    builds on the CPU (its shared-memory all-reduce) stay in the session's folder (conftest.py): built once."""
+    """The session's environment with the caches a run writes kept in ``work``; C++ extensions (torch's, DeepSpeed's)
+    stay in the session's folder (conftest.py): built once."""
     env = dict(SESSION_ENVIRONMENT)
     for var in ("HF_HOME", "MODELSCOPE_CACHE", "TMPDIR", "TRITON_CACHE_DIR"):
         path = work / ".cache" / var.lower()
