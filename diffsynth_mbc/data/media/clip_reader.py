@@ -22,9 +22,24 @@ needs no system FFmpeg; torchcodec would tie us to one torch release per version
 
 from __future__ import annotations
 
+import gc
+import os
 import struct
+import sys
 
 from diffsynth_mbc.data.media.frame_selection import frames_to_use, select_frames, timeline
+
+
+def _collect_decoder_garbage_before_fork() -> None:
+    """A forked child (a data-loader worker, an inspection worker) inherits the garbage this process has not yet
+    collected. When the child's collector frees a decoder's frame converter there, FFmpeg waits forever for its
+    slice threads, which the child does not have: the worker hangs. Collected here, in the parent, before each
+    fork, once PyAV is in use."""
+    if "av" in sys.modules:
+        gc.collect()
+
+
+os.register_at_fork(before=_collect_decoder_garbage_before_fork)
 
 DECODERS = ("fast", "diffsynth")
 
