@@ -49,47 +49,53 @@ def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
     assert set(load_file(str(lora / "lora_ema.safetensors"))) == set(load_file(str(lora / "lora.safetensors")))
 
 
-def test_a_cache_folder_given_with_cached_reaches_the_training_once(tmp_path):
-    """`--cached --cache DIR` builds the cache in DIR; the printed command used to carry `--cache DIR` twice."""
-    env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
-    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached", "--skip_doctor",
-                             "--cache", "runs/my_cache", "--num_epochs", "1"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=400)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's command is in the run's log
-    run_line, = [line for line in log.read_text().splitlines() if line.startswith("run run-")]
-    assert run_line.count("--cache") == 1 and "--cache runs/my_cache " in run_line, run_line
-    assert json.loads((tmp_path / "runs" / "my_cache" / "summary.json").read_text())["failed"] == 0
-    assert not (tmp_path / "runs" / "demo" / "latent_cache").exists()
-
-
-def test_two_catalogues_cache_and_train_as_one_on_two_ranks(tmp_path):
-    """`--datasets FILE` from the launcher: the cache encodes each row of both catalogues once (with its caption
-    prefix), the 2 ranks draw each catalogue its own repeat, and plan, status and history agree on the steps."""
-    from diffsynth_mbc.data.cache.index import read_index
+@pytest.fixture(scope="module")
+def two_catalogues(tmp_path_factory):
+    """`--cached --cache DIR --datasets FILE` from the launcher, one run read by the two tests below: two catalogues
+    (the second with its own repeat and caption prefix) cached in DIR, then trained on 2 ranks."""
     from diffsynth_mbc.data.demo import prepare
-    from diffsynth_mbc.training.plan.step_plan import StepPlan
 
-    prepare(tmp_path / "news", num_videos=3, num_images=2, seed=1)
-    prepare(tmp_path / "drama", num_videos=2, num_images=1, seed=2)
+    work = tmp_path_factory.mktemp("two_catalogues")
+    prepare(work / "news", num_videos=3, num_images=2, seed=1)
+    prepare(work / "drama", num_videos=2, num_images=1, seed=2)
     listing = [{"base_path": "news/catalog", "metadata_path": "news/metadata/metadata.csv", "name": "news"},
                {"base_path": "drama/catalog", "metadata_path": "drama/metadata/metadata.csv", "name": "drama",
                 "repeat": 2, "caption_prefix": "mbc drama, "}]
-    (tmp_path / "datasets.yaml").write_text(json.dumps(listing))
+    (work / "datasets.yaml").write_text(json.dumps(listing))
     result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached", "--skip_doctor",
-                             "--datasets", "datasets.yaml", "--num_epochs", "1"], cwd=tmp_path,
-                            env=isolated_env(tmp_path, OMP_NUM_THREADS=1), capture_output=True, text=True, timeout=400)
+                             "--cache", "runs/my_cache", "--datasets", "datasets.yaml", "--num_epochs", "1"],
+                            cwd=work, env=isolated_env(work, OMP_NUM_THREADS=1), capture_output=True, text=True,
+                            timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    cache = tmp_path / "runs" / "demo" / "latent_cache"
+    return work, output
+
+
+def test_a_cache_folder_given_with_cached_reaches_the_training_once(two_catalogues):
+    """`--cached --cache DIR` builds the cache in DIR; the printed command used to carry `--cache DIR` twice."""
+    work, _ = two_catalogues
+    log, = (work / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's command is in the run's log
+    run_line, = [line for line in log.read_text().splitlines() if line.startswith("run run-")]
+    assert run_line.count("--cache") == 1 and "--cache runs/my_cache " in run_line, run_line
+    assert json.loads((work / "runs" / "my_cache" / "summary.json").read_text())["failed"] == 0
+    assert not (work / "runs" / "demo" / "latent_cache").exists()
+
+
+def test_two_catalogues_cache_and_train_as_one_on_two_ranks(two_catalogues):
+    """`--datasets FILE` from the launcher: the cache encodes each row of both catalogues once (with its caption
+    prefix), the 2 ranks draw each catalogue its own repeat, and plan, status and history agree on the steps."""
+    from diffsynth_mbc.data.cache.index import read_index
+    from diffsynth_mbc.training.plan.step_plan import StepPlan
+
+    work, output = two_catalogues
+    cache = work / "runs" / "my_cache"
     assert json.loads((cache / "summary.json").read_text())["written"] == 8   # 5 + 3 rows, each once
     prompts = [row["prompt"] for row in read_index(cache)["rows"]]
     assert sum(prompt.startswith("mbc drama, ") for prompt in prompts) == 3
     # The demo preset's dataset_repeat 3 multiplies each catalogue's own: news 5 rows x 3, drama 3 rows x 6.
     counts = [{"name": "news", "rows": 5, "videos": 3, "images": 2, "repeat": 1, "samples_per_epoch": 15},
               {"name": "drama", "rows": 3, "videos": 2, "images": 1, "repeat": 2, "samples_per_epoch": 18}]
-    log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's full plan is in the run's log
+    log, = (work / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's full plan is in the run's log
     assert "news: 5 rows (3 videos + 2 images) x repeat 3 = 15 samples" in log.read_text()
     assert "drama: 3 rows (2 videos + 1 images) x repeat 6 = 18 samples" in log.read_text()
     assert "step plan: 7 steps in total per GPU (7 x 1 epoch, 2 GPUs)" in output   # and its total here
@@ -98,7 +104,7 @@ def test_two_catalogues_cache_and_train_as_one_on_two_ranks(tmp_path):
     expected = StepPlan(rows=8, repeat=3, world_size=2, batch_size=1, gradient_accumulation=2, num_epochs=1,
                         images=3, image_batch_size=3).total_steps
     assert expected == 5   # the same rows as one catalogue with repeat 3: two steps fewer
-    log_dir = tmp_path / "runs" / "demo" / "training_logs"
+    log_dir = work / "runs" / "demo" / "training_logs"
     for rank in (0, 1):
         state = read_status(log_dir, rank)
         assert state["status"] == "finished" and state["step"] == state["total_steps"] == 7
