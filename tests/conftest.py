@@ -12,6 +12,11 @@ for _var, _sub in (("HF_HOME", "hf"), ("TORCH_EXTENSIONS_DIR", "torch_ext"), ("M
                    ("TRITON_CACHE_DIR", "triton"), ("MPLCONFIGDIR", "mpl")):
     os.environ.setdefault(_var, os.path.join(_SESSION_HOME, _sub))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pytest-xdist runs a worker per CPU (pyproject.toml): torch's thread pool in each worker, and in the processes it
+# starts, gets its share of the CPUs, so that the workers' threads do not spin against each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def _remove_session_home(owner_pid: int = os.getpid()) -> None:
@@ -27,3 +32,13 @@ def workdir(tmp_path, monkeypatch):
     """A clean working directory for a test that runs commands writing relative paths."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files with the most slow tests first, each file's tests in their own order: the workers (pytest-xdist,
+    a file at a time) start on the long files and end on short ones, so none waits alone on a long file at the end."""
+    slow_per_file: dict = {}
+    for item in items:
+        slow_per_file[item.path] = slow_per_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    first_seen = {path: index for index, path in enumerate(slow_per_file)}
+    items.sort(key=lambda item: (-slow_per_file[item.path], first_seen[item.path]))
