@@ -323,23 +323,6 @@ def test_node_0_refuses_a_master_port_another_program_listens_on(tmp_path):
     assert f"MASTER_PORT {port} is already in use on this machine" in result.stderr
 
 
-@pytest.mark.slow
-def test_the_printed_watch_command_works_when_pasted_with_spaces_and_quotes_in_the_path(tmp_path):
-    """The launcher printed `watch: python -m diffsynth_mbc.monitor $LOG_DIR` unquoted: pasted into a shell, a
-    log folder with a space or a quote in its name broke it."""
-    import re
-    import sys
-
-    log_dir = "logs of Kim's run"
-    result = launcher(tmp_path, "--demo", "--log_dir", log_dir, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    command = re.search(r"watch: (python -m diffsynth_mbc\.monitor .*)$", result.stderr, re.M).group(1)
-    pasted = subprocess.run(["bash", "-c", command.replace("python", sys.executable, 1) + " --once --json"],
-                            cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert pasted.returncode == 0, pasted.stderr
-    assert json.loads(pasted.stdout)["status"] == "finished"
-
-
 def a_copy_of_the_launchers(tmp_path):
     """The launchers and presets in a project folder of their own (no .venv yet), the package on PYTHONPATH."""
     import shutil

@@ -1,12 +1,15 @@
-"""The launcher in a real terminal (tmux): rank 0's live bar updates on it while the log gets plain lines."""
+"""The launcher in a real terminal (tmux): rank 0's live bar updates on it while the log gets plain lines, and
+the watch command it prints works when pasted from it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -23,13 +26,21 @@ pytestmark = [
 BAR = re.compile(r"^step (\d+)/12 \(\S+%\) ETA \S+ ━+(.*)$", re.M)
 
 
-def test_the_demo_launcher_draws_a_live_bar_in_a_terminal(tmp_path):
-    env = isolated_env(tmp_path, OMP_NUM_THREADS=1, TERM="xterm-256color", HOME=str(tmp_path))
-    socket = tmp_path / "tmux.sock"
-    done = tmp_path / "exit-code"
+LOG_DIR = "logs of Kim's run"   # a space and a quote: the printed watch command must survive being pasted
+
+
+@pytest.fixture(scope="module")
+def terminal_run(tmp_path_factory):
+    """The demo launched in a 160x40 tmux terminal, its log folder named ``LOG_DIR``; the screen read every 0.1 s
+    while it runs: (work folder, the whole screen at the end, bar step counts seen, bar fields seen, exit code)."""
+    work = tmp_path_factory.mktemp("terminal")
+    env = isolated_env(work, OMP_NUM_THREADS=1, TERM="xterm-256color", HOME=str(work))
+    socket = work / "tmux.sock"
+    done = work / "exit-code"
     # 128x128 frames: steps slow enough (a few tenths of a second) to watch the bar move
-    launcher = f"bash {shlex.quote(str(REPO / 'launchers' / 'train_test.sh'))} --demo --height 128 --width 128"
-    command = f"cd {shlex.quote(str(tmp_path))} && {launcher}; echo $? > {shlex.quote(str(done))}; sleep 600"
+    launcher = (f"bash {shlex.quote(str(REPO / 'launchers' / 'train_test.sh'))} --demo --height 128 --width 128 "
+                f"--log_dir {shlex.quote(LOG_DIR)}")
+    command = f"cd {shlex.quote(str(work))} && {launcher}; echo $? > {shlex.quote(str(done))}; sleep 600"
     subprocess.run(["tmux", "-S", str(socket), "new-session", "-d", "-x", "160", "-y", "40", command],
                    check=True, env=env)
     bar_steps, bar_fields, screen = set(), set(), ""
@@ -43,18 +54,37 @@ def test_the_demo_launcher_draws_a_live_bar_in_a_terminal(tmp_path):
                 bar_fields.add(match.group(2))
             time.sleep(0.1)
         time.sleep(0.5)
-        screen = subprocess.run(["tmux", "-S", str(socket), "capture-pane", "-p", "-S", "-200"], capture_output=True,
-                                text=True).stdout
+        # -J: lines the terminal wrapped are joined back, as a mouse selection copies them
+        screen = subprocess.run(["tmux", "-S", str(socket), "capture-pane", "-p", "-J", "-S", "-200"],
+                                capture_output=True, text=True).stdout
     finally:
         subprocess.run(["tmux", "-S", str(socket), "kill-server"], capture_output=True)
-    assert done.exists() and done.read_text().strip() == "0", screen
+    code = done.read_text().strip() if done.exists() else None
+    return work, screen, bar_steps, bar_fields, code
+
+
+def test_the_demo_launcher_draws_a_live_bar_in_a_terminal(terminal_run):
+    work, screen, bar_steps, bar_fields, code = terminal_run
+    assert code == "0", screen
     # The bar was redrawn in place as steps went by: several different step counts seen live, not only the end.
     assert len(bar_steps - {12}) >= 2, (sorted(bar_steps), screen)
     # The bar measured this terminal's 160 columns (rank 0's own streams are pipes: rich took 80 and cut it).
     assert any("samples/s" in fields and "elapsed" in fields for fields in bar_fields), (bar_fields, screen)
     assert "finished: 12/12 steps" in screen and "python -m diffsynth_mbc.monitor" in screen
     # The log file, meanwhile, got the plain progress lines (not the bar) and the summary.
-    log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")
+    log, = (work / "runs" / "demo" / "lora").glob("train-*.log")
     text = log.read_text()
     assert re.search(r"^(epoch 1/2 done \| )?step \d+/12 \(.*ETA", text, re.M), text[-3000:]
     assert "finished: 12/12 steps" in text and "━" not in text
+
+
+def test_the_printed_watch_command_works_when_pasted_with_spaces_and_quotes_in_the_path(terminal_run):
+    """The launcher printed `watch: python -m diffsynth_mbc.monitor $LOG_DIR` unquoted: pasted into a shell, a
+    log folder with a space or a quote in its name broke it."""
+    work, screen, _, _, code = terminal_run
+    assert code == "0", screen
+    command = re.search(r"watch: (python -m diffsynth_mbc\.monitor .*?)\s*$", screen, re.M).group(1)
+    pasted = subprocess.run(["bash", "-c", command.replace("python", sys.executable, 1) + " --once --json"],
+                            cwd=work, env=isolated_env(work), capture_output=True, text=True, timeout=60)
+    assert pasted.returncode == 0, (command, pasted.stderr)
+    assert json.loads(pasted.stdout)["status"] == "finished"
