@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--steps", type=int, help="optimizer steps per run (default 5 full size, 2 otherwise)")
     size.add_argument("--warmup", type=int, default=2, help="untimed steps per row first (compiling happens here)")
     size.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s for MFU")
+    size.add_argument("--memory-cap-gib", type=float,
+                      help="CUDA: let this process allocate at most this many GiB (a smaller card's analog, e.g. 30 "
+                           "for a 32 GB V100); an allocation past it fails as it would there")
     size.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
@@ -438,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.full_size and not torch.cuda.is_available():
         print(f"bench_cache.py: {NO_CUDA}", file=sys.stderr)
         return 2
+    if args.memory_cap_gib is not None:
+        if not torch.cuda.is_available():
+            print("bench_cache.py: --memory-cap-gib caps CUDA memory; no CUDA GPU is visible here", file=sys.stderr)
+            return 2
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
     if args.worker:
         return run_worker(args)
     result = run_cases(args, argv) if args.cases else run_encode(args, argv) if args.encode else run_default(args)
