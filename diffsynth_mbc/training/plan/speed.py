@@ -29,7 +29,11 @@ How the rest follows (each figure says which rule made it):
   (3/4 of it with none); the rest of each configuration's time is the first part.
 - Other GPUs: the FLOP-bound part is scaled by the ratio of dense tensor-core TFLOPS in the training
   precision (fp32 CUDA-core TFLOPS for emulated bf16 and for fp32), the rest by the ratio of memory
-  bandwidth. These are estimates; only the H100 rows above are measurements.
+  bandwidth where the GPU has less of it than the H100, and not at all where it has more: an H200
+  (1.43x the bandwidth, the same tensor rate) measured the H100's step times, 0.40 / 0.27 / 0.55 / 0.58 s
+  for the rows 0.39 / 0.27 / 0.55 / 0.57 above (2026-11-26, torch 2.11.0+cu130, bench_cache.py
+  --full-size; benchmarks/results/2026-11-26-h200.json), so that part is launch and host time, not
+  bytes. These are estimates; only the H100 rows above are measurements.
 - Encoding every step: 0.67 s per 1280x704x17 clip on the H100, scaled by frames x pixels and by the
   tensor-rate ratio.
 
@@ -167,7 +171,8 @@ def seconds_per_step(plan: memory.Plan, spec, rates_from: str | None, accumulati
     quadratic = plan.batch_size * (plan.tokens / REFERENCE_TOKENS) ** 2
     if plan.precision == "no":
         fixed *= 2   # twice the bytes
-    seconds = fixed * bandwidth_ratio + ((flop_bound - attention) * scale + attention * quadratic) * tensor_ratio
+    untouched_by_tokens = fixed * max(1.0, bandwidth_ratio)   # more bandwidth than the H100's buys nothing (H200)
+    seconds = untouched_by_tokens + ((flop_bound - attention) * scale + attention * quadratic) * tensor_ratio
     if scale != 1:
         sources.append(f"{plan.tokens} tokens x batch {plan.batch_size}: {scale:.3f} of the FLOPs of 4,400 tokens "
                        f"(the {fixed:.2f} s that does not grow with tokens kept)")
@@ -177,8 +182,9 @@ def seconds_per_step(plan: memory.Plan, spec, rates_from: str | None, accumulati
                        "scaled by frames x pixels")
     measured = measured and rates_from == REFERENCE_GPU and scale == 1 and plan.cached
     if rates_from != REFERENCE_GPU:
-        sources.append(f"scaled to {rates_from}: tensor rate {tensor_ratio:.1f}x, bandwidth {bandwidth_ratio:.1f}x "
-                       f"lower than the H100 (estimate)")
+        bandwidth = (f"bandwidth {bandwidth_ratio:.1f}x lower than the H100" if bandwidth_ratio >= 1 else
+                     "more bandwidth than the H100, taken as no faster (an H200 measured the H100's step times)")
+        sources.append(f"scaled to {rates_from}: tensor rate {tensor_ratio:.1f}x lower, {bandwidth} (estimate)")
     seconds *= accumulation
     flops = step_flops(plan.tokens, plan.batch_size) * accumulation
     peak = spec.tensor_tflops(plan.precision)

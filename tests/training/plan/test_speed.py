@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from diffsynth_mbc.gpu import known_gpu
 from diffsynth_mbc.training.plan import speed
 from diffsynth_mbc.training.plan.memory import Plan
 
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 H100 = known_gpu("H100-80GB")
 AS_BUILT = Plan(704, 1280, 17, precision="bf16", attention="cudnn", cached=True, lora_dtype="fp32")
 DEFAULTS = AS_BUILT.but(lora_dtype="base", compiled=True)   # the training's defaults on an H100
@@ -57,11 +61,13 @@ def test_other_gpus_are_scaled_by_tensor_rate_and_bandwidth_and_labelled_estimat
     step = on(v100s_path, "V100S-32GB")
     tensor, bandwidth = speed.gpu_ratios(known_gpu("V100S-32GB"), "fp16")
     assert tensor == pytest.approx(7.6, abs=0.05) and bandwidth == pytest.approx(3.0, abs=0.1)
-    assert not step.measured and "scaled to V100S-32GB: tensor rate 7.6x, bandwidth 3.0x lower" in step.sources[-1]
+    assert not step.measured and "scaled to V100S-32GB: tensor rate 7.6x lower, bandwidth 3.0x lower" in step.sources[-1]
     h100 = on(v100s_path)
     assert 3 * h100.seconds < step.seconds < 7.6 * h100.seconds
-    assert on(DEFAULTS, "H200-141GB").seconds < on(DEFAULTS).seconds < on(DEFAULTS.but(attention="flash"),
-                                                                          "A100-80GB").seconds
+    # the H200 has the H100's tensor rate and 1.43x its bandwidth, and measured the H100's step times
+    assert on(DEFAULTS, "H200-141GB").seconds == pytest.approx(on(DEFAULTS).seconds)
+    assert "taken as no faster" in on(DEFAULTS, "H200-141GB").sources[-1]
+    assert on(DEFAULTS).seconds < on(DEFAULTS.but(attention="flash"), "A100-80GB").seconds
     # bf16 on a V100 is emulated on the CUDA cores and its attention takes the math kernel: far slower
     assert on(DEFAULTS.but(attention="math"), "V100-32GB").seconds > 10 * step.seconds
     assert speed.seconds_per_step(DEFAULTS, known_gpu("H100-80GB").__class__("B200", (10, 0), 180, None, None),
@@ -71,3 +77,28 @@ def test_other_gpus_are_scaled_by_tensor_rate_and_bandwidth_and_labelled_estimat
 def test_accumulation_multiplies_the_optimizer_step():
     assert on(DEFAULTS, accumulation=4).seconds == pytest.approx(4 * 0.39)
     assert on(DEFAULTS, accumulation=4).flops == pytest.approx(4 * 1.56e14)
+
+
+def test_the_model_is_within_ten_percent_of_every_clip_and_image_batch_step_measured_on_the_h200():
+    """benchmarks/results/2026-11-26-h200: full-size TI2V-5B steps on an H200, recomputed with today's model."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_results
+
+    rows = gpu_results.table_rows(BENCHMARKS / "results" / "2026-11-26-h200", "H200-141GB")
+    assert {row["case"] for row in rows} >= {"default", "image_batch", "recompute_all", "v100_analog"}
+    for row in rows:
+        if not row["case"].endswith("one_image"):   # one image per forward: --image_batch_size 1 only
+            assert row["doctor_s_per_step"] == pytest.approx(row["s_per_step"], rel=0.10), row["case"]
+
+
+def test_a_raw_file_whose_rows_ran_other_settings_than_its_name_says_is_refused(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_results
+
+    folder = tmp_path / "raw"
+    folder.mkdir()
+    for name in gpu_results.RUNS:
+        (folder / name).write_bytes((BENCHMARKS / "results" / "2026-11-26-h200" / name).read_bytes())
+    (folder / "recompute_none.json").write_bytes((folder / "recompute_all.json").read_bytes())
+    with pytest.raises(SystemExit, match=r"recompute_none.json, row '1 video 1280x704x17 per forward'.*; 0/30 blocks"):
+        gpu_results.table_rows(folder, "H200-141GB")
