@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import os
 import struct
+import subprocess
 import sys
 
 from diffsynth_mbc.data.media.frame_selection import frames_to_use, select_frames, timeline
@@ -34,11 +35,15 @@ def _collect_decoder_garbage_before_fork() -> None:
     """A forked child (a data-loader worker, an inspection worker) inherits the garbage this process has not yet
     collected. When the child's collector frees a decoder's frame converter there, FFmpeg waits forever for its
     slice threads, which the child does not have: the worker hangs. Collected here, in the parent, before each
-    fork, once PyAV is in use."""
-    if "av" in sys.modules:
+    fork, once PyAV is in use. Not before the fork ``subprocess`` makes to start a program (ffmpeg, with a
+    ``preexec_fn``): CPython turns the collector off for it and the child runs no Python but that function
+    before it execs the program, so nothing is freed there, and a full collection of a large process costs
+    0.1-0.5 s per program started."""
+    if "av" in sys.modules and sys._getframe(1).f_code is not _STARTS_A_PROGRAM:
         gc.collect()
 
 
+_STARTS_A_PROGRAM = subprocess.Popen._execute_child.__code__   # the frame that forks to exec a program
 os.register_at_fork(before=_collect_decoder_garbage_before_fork)
 
 DECODERS = ("fast", "diffsynth")
