@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-import imageio.v3 as iio
 import numpy as np
 import pytest
 
+from clip_frames import clip_frames
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.monitor.samples import list_base, list_sets
 from e2e_helpers import assert_trained_alike, demo_flags, read_history, read_status
@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
 
 
 def frames(path):
-    return iio.imread(path, plugin="pyav").astype(int)
+    return clip_frames(path).astype(int)
 
 
 def test_each_prompt_at_each_strength_and_weights_at_every_sample_step(runs):
