@@ -111,10 +111,12 @@ class Validator:
                 sample = self.dataset[index]
                 sample.pop("skipped", None)
                 sample["mode"] = self.mode(sample, index)
+                torch.manual_seed(self.seed + index)   # the same noise for this sample at every validation
+                with self.accelerator.autocast():
+                    inputs = model.inputs(dict(sample))   # encoded once (VAE, text encoder), the noise drawn once
                 for position, quantile in enumerate(self.quantiles):
-                    torch.manual_seed(self.seed + index)   # the same noise for this sample at every quantile
                     with self.accelerator.autocast():
-                        loss = model.sample_loss(dict(sample), timestep_quantile=quantile).double()
+                        loss = model.inputs_loss(inputs, timestep_quantile=quantile).double()
                     total[position] += loss
                     total[quantiles + MODES.index(sample["mode"])] += loss / quantiles
                 total[quantiles + modes + MODES.index(sample["mode"])] += 1

@@ -146,10 +146,14 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
     def sample_loss(self, sample: dict, timestep_quantile: float | None = None) -> torch.Tensor:
         """The training loss of one sample; at a fixed point of the schedule when ``timestep_quantile`` is given
         (0.5: the middle timestep), so two evaluations differ only by the LoRA."""
-        inputs = self.inputs(sample)
+        return self.inputs_loss(self.inputs(sample), timestep_quantile)
+
+    def inputs_loss(self, inputs: dict, timestep_quantile: float | None = None) -> torch.Tensor:
+        """``sample_loss`` from what ``inputs`` gave (left unchanged): one encoding serves every quantile."""
         if timestep_quantile is not None:   # DiffSynth draws from [min, max) boundaries: make it one timestep
             steps = self.pipe.scheduler.num_train_timesteps
-            inputs.update(min_timestep_boundary=timestep_quantile, max_timestep_boundary=timestep_quantile + 1 / steps)
+            inputs = {**inputs, "min_timestep_boundary": timestep_quantile,
+                      "max_timestep_boundary": timestep_quantile + 1 / steps}
         return batch_loss(self.pipe, [inputs], self.blocks)[0]
 
     def forward(self, batch: list[dict] | dict) -> torch.Tensor:
