@@ -116,7 +116,8 @@ def test_one_run_per_folder_whatever_starts_it_and_stop_requests_that_overlap_lo
       touches anything (it moved the run's checkpoints aside before);
     - two stop.sh at once: each rank gets SIGTERM twice, which is one request: both report the stop, the ranks
       finish the step and write the checkpoint (the second SIGTERM used to mean "exit now": the steps since
-      the last checkpoint were lost while both said "stopped")."""
+      the last checkpoint were lost while both said "stopped"); nothing of the run is left holding its lock;
+    - stop.sh once more: "no training is running" (exit 3)."""
     env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
     launched = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--detach",
                                "--num_epochs", "5000", "--checkpoint_steps", "1000"], cwd=tmp_path, env=env,
@@ -158,6 +159,9 @@ def test_one_run_per_folder_whatever_starts_it_and_stop_requests_that_overlap_lo
     assert step >= step_before and final[0]["last_checkpoint"].endswith(f"checkpoints/step-{step:08d}")
     assert (output / "checkpoints" / f"step-{step:08d}" / "checkpoint.json").is_file()
     assert any(f"stopped at step {step}/" in said for _, said in results), results
+    assert not lock_holders(output / ".train.lock"), "no process of the run is left"
+    again = stop(tmp_path, output)
+    assert again.returncode == 3 and "no training is running" in again.stderr, again.stderr
 
 
 def wait_for_steps(log_dir, step: int, timeout_s: float = 180) -> list[dict]:
