@@ -39,7 +39,8 @@ def _collect_decoder_garbage_before_fork() -> None:
     ``preexec_fn``): CPython turns the collector off for it and the child runs no Python but that function
     before it execs the program, so nothing is freed there, and a full collection of a large process costs
     0.1-0.5 s per program started."""
-    if "av" in sys.modules and sys._getframe(1).f_code is not _STARTS_A_PROGRAM:
+    caller = sys._getframe().f_back   # None when the fork comes from C code with no Python frame above it
+    if "av" in sys.modules and (caller is None or caller.f_code is not _STARTS_A_PROGRAM):
         gc.collect()
 
 
