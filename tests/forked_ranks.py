@@ -5,7 +5,8 @@ first step; most end-to-end tests only need what the ranks then do. Here a per-r
 ``multiprocessing`` forkserver that preloaded the training's modules) forks the ranks with the environment that
 ``accelerate launch --multi_gpu`` gives them (read from a real launch: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``PORT``, ``ACCELERATE_*``, ``OMP_NUM_THREADS=1``) and each rank runs the same entry as
-``python -m diffsynth_mbc.train``: real processes, a real process group, real files. Like accelerate's agent,
+``python -m diffsynth_mbc.train`` (or ``python -m diffsynth_mbc.cache``): real processes, a real process group,
+real files. Like accelerate's agent,
 the agent stops the other ranks when one fails and exits 1 if any rank failed. Tests of the launchers themselves
 (supervisor, stop.sh, the launcher watch) start the real launchers instead.
 """
@@ -28,8 +29,11 @@ PRELOAD = ["torch", "accelerate", "peft", "diffsynth", "diffsynth_mbc.training.c
            "diffsynth_mbc.training.evaluation.validation", "diffsynth_mbc.training.evaluation.sample_clips",
            "diffsynth_mbc.training.reporting.progress", "diffsynth_mbc.training.plan.step_choices",
            "diffsynth_mbc.training.step.micro_batch", "diffsynth_mbc.training.checkpoints.state",
+           "diffsynth_mbc.cache",
            # DeepSpeed, and what its ZeRO optimizer check imports (~3 s a rank on top of DeepSpeed's own ~2.5 s)
            "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"]
+TRAINING = "diffsynth_mbc.training.cli:main"   # python -m diffsynth_mbc.train
+CACHE_BUILD = "diffsynth_mbc.cache:main"        # python -m diffsynth_mbc.cache
 STOP_OTHERS_GRACE_S = 30   # accelerate's agent: SIGTERM to the other ranks, SIGKILL after this
 _context = None
 
@@ -73,9 +77,9 @@ def accelerate_environment(world_size: int, config_file: str | None) -> list[dic
     return _LAUNCH_ENVIRONMENTS[key]
 
 
-def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, prelude: str | None) -> None:
+def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, prelude: str | None, entry: str) -> None:
     """One rank, in a forked child: the environment and files of a launched rank, ``prelude`` (Python code a test
-    runs in the rank first), then the training's entry."""
+    runs in the rank first), then ``entry`` (``module:function``, called with the flags)."""
     code = 1
     try:
         os.chdir(cwd)
@@ -85,7 +89,8 @@ def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, prelud
             target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(target, fd)
             os.close(target)
-        sys.argv = ["diffsynth_mbc.train", *argv]
+        module, function = entry.split(":")
+        sys.argv = [module, *argv]
         import torch
 
         # A fresh process sizes torch's thread pool from OMP_NUM_THREADS when it imports torch; this one
@@ -93,9 +98,9 @@ def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, prelud
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
         if prelude:
             exec(prelude, {"__name__": "prelude"})
-        from diffsynth_mbc.training.cli import main
+        import importlib
 
-        code = main(argv)
+        code = getattr(importlib.import_module(module), function)(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -108,13 +113,14 @@ def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, prelud
         os._exit(code or 0)
 
 
-def _agent(argv: list[str], rank_envs: list[dict], cwd: str, stdout: str, stderr: str, prelude: str | None) -> None:
+def _agent(argv: list[str], rank_envs: list[dict], cwd: str, stdout: str, stderr: str, prelude: str | None,
+           entry: str) -> None:
     """The per-run agent (as accelerate's): forks the ranks, waits, stops the rest when one fails."""
     port, ranks = free_port(), {}
     for rank, env in enumerate(rank_envs):
         pid = os.fork()
         if pid == 0:
-            _rank(argv, dict(env, MASTER_PORT=str(port)), cwd, stdout, stderr, prelude)
+            _rank(argv, dict(env, MASTER_PORT=str(port)), cwd, stdout, stderr, prelude, entry)
         ranks[pid] = rank
     failed, stop_deadline = False, None
     while ranks:
@@ -188,11 +194,13 @@ class ForkedRun:
 
 
 def start_training(work: Path, flags: list[str], world_size: int = 2, config_file: str | None = None,
-                   combined: bool = False, prelude: str | None = None, **extra_env) -> ForkedRun:
+                   combined: bool = False, prelude: str | None = None, entry: str = TRAINING,
+                   **extra_env) -> ForkedRun:
     """Start ``world_size`` ranks of the training with ``flags`` in ``work`` (the working folder, and where its
     caches and the output files go), launched as ``accelerate launch`` would (``config_file``: its
     ``--config_file``); ``combined``: stdout and stderr in one file, as ``stderr=STDOUT``; ``prelude``: Python code
-    each rank runs before the training's entry; ``extra_env``: more environment for the ranks."""
+    each rank runs before the training's entry; ``entry``: what each rank runs instead of the training
+    (``CACHE_BUILD``: ``accelerate launch -m diffsynth_mbc.cache``); ``extra_env``: more environment for the ranks."""
     work = Path(work)
     outputs = work / ".ranks"
     outputs.mkdir(parents=True, exist_ok=True)
@@ -202,7 +210,7 @@ def start_training(work: Path, flags: list[str], world_size: int = 2, config_fil
     base = isolated_env(work, **extra_env)
     rank_envs = [dict(base, **launched) for launched in accelerate_environment(world_size, config_file)]
     process = _forkserver().Process(target=_agent, args=([str(f) for f in flags], rank_envs, str(work), str(stdout),
-                                                         str(stderr), prelude), daemon=False)
+                                                         str(stderr), prelude, entry), daemon=False)
     process.start()
     return ForkedRun(process, stdout, stderr)
 

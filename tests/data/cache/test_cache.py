@@ -21,7 +21,8 @@ from diffsynth_mbc.data.cache.index import CacheError
 from diffsynth_mbc.data.dataset import MBCVideoDataset
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.training.options import TrainOptions
-from e2e_helpers import free_port, isolated_env
+from e2e_helpers import isolated_env
+from forked_ranks import CACHE_BUILD, run_training
 
 ROWS, BROKEN_ROW = 6, 3                     # 4 videos + 2 images; video_002 (metadata row 3) is unreadable
 GOOD_ROWS = ROWS - 1
@@ -197,13 +198,10 @@ def test_two_ranks_shard_the_rows_and_rank0_writes_the_whole_index(demo, referen
     for row in reference_index["rows"]:
         if row["row"] in (2, 4):
             (cache_dir / row["entry"]).unlink()
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), "-m", "diffsynth_mbc.cache", *flags(root, cache_dir),
-               "--log_dir", str(tmp_path / "logs")]
-    result = subprocess.run(command, env=isolated_env(tmp_path, ACCELERATE_USE_CPU=1, OMP_NUM_THREADS=1,
-                                                      MBC_RUN_ID="cache-test-1"),
-                            capture_output=True, text=True, timeout=240)
+    # The ranks of `accelerate launch --multi_gpu --num_processes 2 -m diffsynth_mbc.cache` (forked, as the
+    # training's tests do; the launcher's --cached test starts them through accelerate itself).
+    result = run_training(tmp_path, [*flags(root, cache_dir), "--log_dir", str(tmp_path / "logs")], timeout=240,
+                          entry=CACHE_BUILD, ACCELERATE_USE_CPU=1, OMP_NUM_THREADS=1, MBC_RUN_ID="cache-test-1")
     assert result.returncode == 0, result.stderr[-4000:]
     # Each rank wrote its own status file, as the training's ranks do, and ended with its share done.
     for rank in (0, 1):
