@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diffsynth_mbc.atomic import atomic_write_json  # noqa: E402
 from diffsynth_mbc.gpu import known_gpu  # noqa: E402
 from diffsynth_mbc.training.plan import memory, speed  # noqa: E402
 
@@ -110,11 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--date", required=True)
     args = parser.parse_args(argv)
     rows = table_rows(args.folder, args.gpu)
-    output = args.folder.with_suffix(".json")
-    temporary = output.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps({"device": args.device, "torch": args.torch, "commit": args.commit,
-                                     "date": args.date, "doctor_gpu": args.gpu, "rows": rows}, indent=1) + "\n")
-    temporary.replace(output)
+    atomic_write_json(args.folder.with_suffix(".json"), {"device": args.device, "torch": args.torch,
+                                                         "commit": args.commit, "date": args.date,
+                                                         "doctor_gpu": args.gpu, "rows": rows}, indent=1)
     print(markdown(rows))
     return 0
 

@@ -6,9 +6,9 @@ first step; most end-to-end tests only need what the ranks then do. Here a per-r
 ``accelerate launch --multi_gpu`` gives them (read from a real launch: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``PORT``, ``ACCELERATE_*``, ``OMP_NUM_THREADS=1``) and each rank runs the same entry as
 ``python -m diffsynth_mbc.train`` (or ``python -m diffsynth_mbc.cache``): real processes, a real process group,
-real files. Like accelerate's agent,
-the agent stops the other ranks when one fails and exits 1 if any rank failed. Tests of the launchers themselves
-(supervisor, stop.sh, the launcher watch) start the real launchers instead.
+real files. Like accelerate's agent, the agent stops the other ranks when one fails and exits 1 if any rank
+failed. Tests of the launchers themselves (supervisor, stop.sh, the launcher watch) start the real launchers
+instead.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ import sys
 
 from diffsynth_mbc.data.media.frame_selection import frames_to_use, select_frames, timeline
 
+_STARTS_A_PROGRAM = subprocess.Popen._execute_child.__code__   # the frame that forks to exec a program
+
 
 def _collect_decoder_garbage_before_fork() -> None:
     """A forked child (a data-loader worker, an inspection worker) inherits the garbage this process has not yet
@@ -44,7 +46,6 @@ def _collect_decoder_garbage_before_fork() -> None:
         gc.collect()
 
 
-_STARTS_A_PROGRAM = subprocess.Popen._execute_child.__code__   # the frame that forks to exec a program
 os.register_at_fork(before=_collect_decoder_garbage_before_fork)
 
 DECODERS = ("fast", "diffsynth")

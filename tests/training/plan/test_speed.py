@@ -79,11 +79,17 @@ def test_accumulation_multiplies_the_optimizer_step():
     assert on(DEFAULTS, accumulation=4).flops == pytest.approx(4 * 1.56e14)
 
 
-def test_the_model_is_within_ten_percent_of_every_clip_and_image_batch_step_measured_on_the_h200():
-    """benchmarks/results/2026-11-26-h200: full-size TI2V-5B steps on an H200, recomputed with today's model."""
+@pytest.fixture(scope="module")
+def gpu_results():
+    """benchmarks/gpu_results.py: the raw GPU results read beside the doctor's figures."""
     sys.path.insert(0, str(BENCHMARKS))
     import gpu_results
 
+    return gpu_results
+
+
+def test_the_model_is_within_ten_percent_of_every_clip_and_image_batch_step_measured_on_the_h200(gpu_results):
+    """benchmarks/results/2026-11-26-h200: full-size TI2V-5B steps on an H200, recomputed with today's model."""
     rows = gpu_results.table_rows(BENCHMARKS / "results" / "2026-11-26-h200", "H200-141GB")
     assert {row["case"] for row in rows} >= {"default", "image_batch", "recompute_all", "v100_analog"}
     for row in rows:
@@ -91,10 +97,7 @@ def test_the_model_is_within_ten_percent_of_every_clip_and_image_batch_step_meas
             assert row["doctor_s_per_step"] == pytest.approx(row["s_per_step"], rel=0.10), row["case"]
 
 
-def test_a_raw_file_whose_rows_ran_other_settings_than_its_name_says_is_refused(tmp_path):
-    sys.path.insert(0, str(BENCHMARKS))
-    import gpu_results
-
+def test_a_raw_file_whose_rows_ran_other_settings_than_its_name_says_is_refused(gpu_results, tmp_path):
     folder = tmp_path / "raw"
     folder.mkdir()
     for name in gpu_results.RUNS:
