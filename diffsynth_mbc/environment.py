@@ -14,6 +14,6 @@ PROGRESS_LOG = "MBC_PROGRESS_LOG"       # the launcher's log file: rank 0 writes
 STOP_PROG = "MBC_STOP_PROG"             # how ``stop.sh`` names itself in the stop command's usage and errors
 # Fault injection, for tests of what the run does when things go wrong:
 FAULT_NONFINITE_LOSS = "MBC_FAULT_NONFINITE_LOSS"     # RANK:STEP,STEP,...: that rank's loss is NaN at those steps
-FAULT_SLOW_CHECKPOINT_S = "MBC_FAULT_SLOW_CHECKPOINT_S"   # seconds every checkpoint save is delayed by
+FAULT_SLOW_CHECKPOINT_S = "MBC_FAULT_SLOW_CHECKPOINT_S"   # [RANK:]SECONDS each checkpoint save is delayed by
 
 LAUNCH_VARIABLES = (RUN_ID, PROGRESS_TTY, PROGRESS_LOG)   # what a launch passes to its ranks about itself

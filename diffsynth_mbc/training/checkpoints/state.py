@@ -39,7 +39,7 @@ from diffsynth_mbc.training.checkpoints.integrity import (
     missing_rank_files,
 )
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
-from diffsynth_mbc.training.distributed.collectives import broadcast_from_main
+from diffsynth_mbc.training.distributed.collectives import broadcast_from_main, waiting, wait_for_everyone
 from diffsynth_mbc.training.lora.saved_files import LoraFiles
 from diffsynth_mbc.training.lora.variants import check_adapter_shape
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
@@ -146,6 +146,15 @@ def _attempt(write) -> str | None:
     return None
 
 
+def injected_checkpoint_delay_s(value: str | None, rank: int) -> float:
+    """The fault ``MBC_FAULT_SLOW_CHECKPOINT_S``: SECONDS added to every rank's checkpoint saves, or RANK:SECONDS
+    to that rank's only (the others then wait for it in the save's collectives)."""
+    if not value:
+        return 0.0
+    only, _, seconds = value.rpartition(":")
+    return float(seconds) if not only or int(only) == rank else 0.0
+
+
 class Checkpoints(LoraFiles):
     """Saving and loading the full training state through accelerate, with only the LoRA weights.
 
@@ -165,7 +174,8 @@ class Checkpoints(LoraFiles):
         self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         self.last_step = None
-        self.injected_delay_s = float(os.environ.get(environment.FAULT_SLOW_CHECKPOINT_S) or 0)
+        self.injected_delay_s = injected_checkpoint_delay_s(os.environ.get(environment.FAULT_SLOW_CHECKPOINT_S),
+                                                            accelerator.process_index)
         unwrapped = accelerator.unwrap_model(module)
         trainable = {name for name, parameter in unwrapped.named_parameters() if parameter.requires_grad}
 
@@ -185,34 +195,35 @@ class Checkpoints(LoraFiles):
         accelerator = self.accelerator
         name = checkpoint_name(position.step)
         self.status.update(phase=f"saving checkpoint {name}")
+        others = f"ranks saving checkpoint {name}"   # a rank blocked in a collective says so (a hung one does not)
         # Named by run and step, so no rank ever deletes a folder another rank is writing into;
         # folders left by killed saves are removed by prune() after the next successful one.
         temporary = temp_path(self.root, position.step, self.status.state["run_id"])
         # Checked before anything is written: a broken LoRA never becomes a checkpoint, nor prunes a good one.
-        file_tensors = self.checked_file_tensors(self.lora_tensors(), self.root / name)
+        file_tensors = self.checked_file_tensors(self.lora_tensors(), self.root / name, others)
         error = _attempt(lambda: temporary.mkdir(parents=True, exist_ok=True))
-        accelerator.wait_for_everyone()
+        wait_for_everyone(accelerator, self.status, others)
         extra = {"exclude_frozen_parameters": True} if self.deepspeed else {}
         error = error or _attempt(lambda: accelerator.save_state(str(temporary), **extra))
         time.sleep(self.injected_delay_s)
-        errors = [error for error in self.gather_objects(error) if error]
+        errors = [error for error in self.gather_objects(error, others) if error]
         if errors:
             message = self.failure_message(name, temporary, errors[0]) if accelerator.is_main_process else None
-            raise CheckpointWriteError(broadcast_from_main(accelerator, message))
+            raise CheckpointWriteError(broadcast_from_main(accelerator, message, self.status, others))
         final = self.root / name
-        per_rank = self.gather_positions(position)
+        per_rank = self.gather_positions(position, others)
         problem = failure = None
         if accelerator.is_main_process:
             try:
                 problem = self.publish_state(temporary, position, per_rank, file_tensors)
             except Exception as exc:  # noqa: BLE001 - a failed write (full disk): said with the folder, then raised
                 failure = self.failure_message(name, temporary, exc)
-        problem, failure = broadcast_from_main(accelerator, (problem, failure))
+        problem, failure = broadcast_from_main(accelerator, (problem, failure), self.status, others)
         if failure:
             raise CheckpointWriteError(failure)
         if problem:
             raise RuntimeError(problem)
-        accelerator.wait_for_everyone()
+        wait_for_everyone(accelerator, self.status, others)
         self.last_step = position.step
         self.status.update(phase=f"saved checkpoint {name}", last_checkpoint=str(final),
                            last_checkpoint_step=position.step)
@@ -263,20 +274,21 @@ class Checkpoints(LoraFiles):
             raise RuntimeError(f"resuming from {path.parent}: {len(wrong)} of {len(expected)} LoRA tensors were not "
                                f"restored (first: {wrong[:1]})")
 
-    def gather_positions(self, position: Position) -> list:
+    def gather_positions(self, position: Position, what: str = "ranks at a gather") -> list:
         """Every rank's own counters (collective: all ranks call it)."""
         return self.gather_objects({"samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
-                                    "recent_skips": position.recent_skips})
+                                    "recent_skips": position.recent_skips}, what)
 
-    def gather_objects(self, mine) -> list:
-        """Every rank's ``mine``, in rank order (collective: all ranks call it)."""
+    def gather_objects(self, mine, what: str = "ranks at a gather") -> list:
+        """Every rank's ``mine``, in rank order (collective: all ranks call it; waits as ``what``)."""
         if self.accelerator.num_processes == 1:
             return [mine]
         import torch.distributed as dist
 
         everyone = [None] * self.accelerator.num_processes
         # accelerate's gather_object returns its input unchanged on CPU ranks; this works on gloo and NCCL.
-        dist.all_gather_object(everyone, mine)
+        with waiting(self.status, what):
+            dist.all_gather_object(everyone, mine)
         return everyone
 
     def load(self, resume: str) -> Position:

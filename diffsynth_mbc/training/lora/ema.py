@@ -202,6 +202,6 @@ def save_ema_lora(files, target: Path, step: int) -> None:
     model = files.accelerator.unwrap_model(files.module)
     tensors = {key: value.detach().to("cpu").contiguous()
                for key, value in model.lora_state_dict(files.ema.tensors()).items()}
-    file_tensors = files.checked_file_tensors(tensors, ema_target)
+    file_tensors = files.checked_file_tensors(tensors, ema_target, f"ranks saving {ema_target.name}")
     if files.accelerator.is_main_process:
         files.write_lora(ema_target, step, file_tensors)

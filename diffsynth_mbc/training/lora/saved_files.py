@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_save_safetensors
-from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
+from diffsynth_mbc.training.distributed.collectives import all_reduce_sum, wait_for_everyone
 from diffsynth_mbc.training.lora.ema import save_ema_lora
 from diffsynth_mbc.training.lora.file_format import (
     NonFiniteLoraError,
@@ -56,16 +56,18 @@ class LoraFiles:
         return convert(tensors, options.lora_format, scale=training_scale(options.lora_rank, options.lora_alpha),
                        dora_ratios=ratios)
 
-    def checked_file_tensors(self, tensors: dict, target: Path) -> dict:
+    def checked_file_tensors(self, tensors: dict, target: Path, waiting_for: str) -> dict:
         """The file's tensors, or NonFiniteLoraError on every rank if any holds NaN/inf (collective: all ranks call
-        it). Nothing is written then, so the last good checkpoint and LoRA files stay what they were."""
+        it, each waiting as ``waiting_for``). Nothing is written then, so the last good checkpoint and LoRA files stay
+        what they were."""
         import torch
 
         from diffsynth_mbc.training.checkpoints.folder import find_latest
 
         converted = self.file_tensors(tensors)
         found = nonfinite_tensors(converted)
-        anywhere = int(all_reduce_sum(self.accelerator, torch.tensor([len(found)], device=self.accelerator.device)))
+        anywhere = int(all_reduce_sum(self.accelerator, torch.tensor([len(found)], device=self.accelerator.device),
+                                      self.status, waiting_for))
         if anywhere:
             last = find_latest(self.root)
             raise NonFiniteLoraError(
@@ -86,11 +88,12 @@ class LoraFiles:
         """Rank 0 writes the LoRA (``--lora_format``, loadable by DiffSynth and ComfyUI): temp file, then rename.
         A LoRA holding NaN or inf is never written (NonFiniteLoraError on every rank)."""
         self.status.update(phase=f"saving {file_name}")
-        self.accelerator.wait_for_everyone()
+        others = f"ranks saving {file_name}"   # a rank blocked at a barrier says so (a hung one does not)
+        wait_for_everyone(self.accelerator, self.status, others)
         target = Path(self.options.output_path) / file_name
-        file_tensors = self.checked_file_tensors(self.lora_tensors(), target)
+        file_tensors = self.checked_file_tensors(self.lora_tensors(), target, others)
         if self.accelerator.is_main_process:
             self.write_lora(target, step, file_tensors)
         if self.ema is not None:
             save_ema_lora(self, target, step)
-        self.accelerator.wait_for_everyone()
+        wait_for_everyone(self.accelerator, self.status, others)
