@@ -1,5 +1,6 @@
 """stop.sh signals only the run's own processes: never through a lock that is not a regular file, never a
-process that merely holds the lock file open. Real processes and signals, no training."""
+process that merely holds the lock file open; a hung rank is told from the ones waiting for it, and stop.sh kills
+it; overlapping stop requests lose nothing. Real processes and signals (detached demo runs for the last two)."""
 
 from __future__ import annotations
 
@@ -70,32 +71,76 @@ def test_a_process_holding_the_lock_that_is_not_the_runs_is_left_alone(tmp_path,
     assert process.poll() is None, "the bystander was signalled"
 
 
+STALL_AFTER_S = 20.0   # well above a heartbeat starved for seconds on a loaded 2-core machine
+POLL_S = 0.2           # how often the monitor is asked: each answer reads both ranks' files
+
+
+def wait_while_ranks_live(condition, rank_pids, timeout_s, what, seen=lambda: ""):
+    """``condition()``'s first true value, asked every ``POLL_S`` while every rank process exists."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert all(alive(pid) for pid in rank_pids), f"a rank ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; last seen: {seen()}"
+        time.sleep(POLL_S)
+
+
 @pytest.mark.slow
-def test_stop_sh_kills_a_hung_rank_marks_it_failed_and_says_so(tmp_path):
-    """A detached demo whose rank 1 hangs (SIGSTOP): the grace runs out, the ranks are killed, their status files
-    say failed (not `training` forever), and stop.sh exits 1 naming what it killed."""
+def test_a_hung_rank_is_told_from_the_waiting_one_and_stop_sh_kills_it_marks_it_failed_and_says_so(tmp_path):
+    """A detached demo (the launcher, accelerate launch, torchrun's agent and sessions: a stopped rank as users
+    will meet it) whose rank 1 is stopped with SIGSTOP: only it goes stale and is called stalled, while rank 0,
+    blocked in a collective, keeps its file fresh and says what it waits for; SIGCONT lets the run go on. Stopped
+    again, stop.sh's grace runs out: the ranks are killed, their status files say failed (not `training` forever),
+    and stop.sh exits 1 naming what it killed."""
+    from diffsynth_mbc.monitor.state import MonitorState
+
     launched = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--detach",
-                               "--num_epochs", "5000"], cwd=tmp_path, env=isolated_env(tmp_path, OMP_NUM_THREADS=1),
-                              capture_output=True, text=True, timeout=120)
+                               "--num_epochs", "5000", "--status_interval_s", "1"], cwd=tmp_path,
+                              env=isolated_env(tmp_path, OMP_NUM_THREADS=1), capture_output=True, text=True,
+                              timeout=120)
     assert launched.returncode == 0, launched.stderr
     log_dir, output = tmp_path / "runs/demo/training_logs", tmp_path / "runs/demo/lora"
-    rank_pids = []
+    states = wait_for_steps(log_dir, 3)
+    rank_pids = [s["pid"] for s in states]          # the ranks' pids, from their own status files
     try:
-        deadline = time.monotonic() + 180
-        while not rank_pids:
-            assert time.monotonic() < deadline, "the ranks never started training"
-            try:
-                states = [read_status(log_dir, rank) for rank in (0, 1)]
-                if all(s["status"] == "training" and (s["step"] or 0) >= 1 for s in states):
-                    rank_pids = [s["pid"] for s in states]
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.2)
+        os.kill(rank_pids[1], signal.SIGSTOP)
+        monitor = MonitorState(log_dir, stall_after=STALL_AFTER_S, backfill=False)
+        wait_while_ranks_live(lambda: monitor.refresh()["stalled_ranks"], rank_pids, 180,
+                              "the monitor to see a stalled rank")
+        last = {}
+
+        def rank_1_alone_stalled_while_rank_0_waits():
+            snap = last["snap"] = monitor.refresh()
+            waiting = {r["rank"]: r["waiting_text"] for r in snap["ranks"]}
+            return snap if snap["stalled_ranks"] == [1] and (waiting.get(0) or "").startswith("waiting for") else None
+
+        # On a loaded machine one snapshot may catch rank 0 between two heartbeats; a healthy run shows this state
+        # within a few of them, a run whose waiting rank wrote nothing never does.
+        snap = wait_while_ranks_live(
+            rank_1_alone_stalled_while_rank_0_waits, rank_pids, 120, "rank 1 alone stalled, rank 0 waiting",
+            seen=lambda: (last["snap"]["stalled_ranks"], [(r["rank"], r.get("phase"), r.get("age_s"),
+                          r["waiting_text"], r.get("step")) for r in last["snap"]["ranks"]]))
+        ranks = {r["rank"]: r for r in snap["ranks"]}
+        assert snap["status"] == "stalled" and snap["stalled_ranks"] == [1], (snap["notes"], {
+            r: (v.get("phase"), v.get("age_s"), v.get("waiting_text"), v.get("step")) for r, v in ranks.items()})
+        assert not ranks[0]["stalled"] and ranks[0]["age_s"] < STALL_AFTER_S
+        assert ranks[0]["waiting_text"].startswith("waiting for ranks "), ranks[0]
+        assert ranks[1]["waiting_text"] is None
+        assert any(note.startswith("rank 1 silent (stalled) while rank 0 is waiting for") for note in snap["notes"])
+
+        os.kill(rank_pids[1], signal.SIGCONT)
+        wait_while_ranks_live(lambda: (lambda s: s["status"] == "training" and not s["stalled_ranks"]
+                                       and all(r["waiting_text"] is None for r in s["ranks"]))(monitor.refresh()),
+                              rank_pids, 180, "the run to go on after SIGCONT")
+
         os.kill(rank_pids[1], signal.SIGSTOP)
         result = stop(tmp_path, output, "--grace", "5")
     finally:
         for pid in rank_pids:
             if alive(pid):
+                os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
     assert result.returncode == 1, result.stderr
     assert "stopped\n" not in result.stderr

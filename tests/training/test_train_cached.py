@@ -12,58 +12,26 @@ from e2e_helpers import REPO, isolated_env, read_history, read_status
 pytestmark = pytest.mark.slow
 
 
-def test_cached_launch_encodes_once_then_trains_the_dit_only(tmp_path):
-    """With the recipe's options on, from the launcher and from the cache: a trigger word, caption dropout and the
-    frame choice reach the cache command too; an EMA, DoRA and LoRA+ train from the cache."""
-    env = isolated_env(tmp_path, OMP_NUM_THREADS=1)
-    # Training flags go through the launcher: a timestep scheme inside a boundary (index 200: level 952.4 of 1000),
-    # a trigger word and caption dropout.
-    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached",
-                             "--timestep_sampling", "shift", "--timestep_shift", "3", "--min_timestep_boundary", "0.2",
-                             "--caption_prefix", "mbcstyle", "--caption_dropout", "0.5", "--frame_sampling", "uniform",
-                             "--ema_decay", "0.9", "--lora_variant", "dora", "--loraplus_lr_ratio", "4"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    cache = tmp_path / "runs" / "demo" / "latent_cache"
-    summary = json.loads((cache / "summary.json").read_text())
-    assert summary["written"] + summary["skipped"] == 11 and summary["failed"] == 0
-    log, = (tmp_path / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's command is in the run's log
-    assert "--cache runs/demo/latent_cache" in log.read_text()
-    index = json.loads((cache / "cache.json").read_text())
-    assert index["settings"]["caption_prefix"] == "mbcstyle" and index["empty_prompt"]["text_tokens"] >= 1
-    assert all(row["prompt"].startswith("mbcstyle ") for row in index["rows"])
-    log_dir = tmp_path / "runs" / "demo" / "training_logs"
-    for rank in (0, 1):
-        state = read_status(log_dir, rank)
-        assert state["status"] == "finished" and state["step"] == state["total_steps"] == 12
-        assert [line["step"] for line in read_history(log_dir, rank)] == list(range(1, 13))
-        timesteps = [t for line in read_history(log_dir, rank) for t in line["timesteps"]]
-        assert len(timesteps) >= 12 and all(0 <= t <= 952.39 for t in timesteps), timesteps
-        assert 0 < state["captions_dropped"] < state["samples_seen"]   # some samples, not all, lost the caption
-    lora = tmp_path / "runs" / "demo" / "lora"
-    assert index["settings"]["frames"]["sampling"] == "uniform", index["settings"]
-    with safe_open(str(lora / "lora.safetensors"), framework="pt") as trained:
-        assert trained.metadata()["lora_variant"] == "dora"
-        assert any(key.endswith(".dora_scale") for key in trained.keys())
-    assert set(load_file(str(lora / "lora_ema.safetensors"))) == set(load_file(str(lora / "lora.safetensors")))
-
-
 @pytest.fixture(scope="module")
-def two_catalogues(tmp_path_factory):
-    """`--cached --cache DIR --datasets FILE` from the launcher, one run read by the two tests below: two catalogues
-    (the second with its own repeat and caption prefix) cached in DIR, then trained on 2 ranks."""
+def cached_run(tmp_path_factory):
+    """One `--demo --cached` launch, read by the tests below: two catalogues (`--datasets FILE`, the second with
+    its own repeat and caption prefix) cached in `--cache DIR` on 2 ranks, then the DiT alone trained from it on
+    2 ranks with the recipe's options on: a timestep scheme inside a boundary (index 200: level 952.4 of 1000), a
+    trigger word, caption dropout, a frame choice, an EMA, DoRA and LoRA+."""
     from diffsynth_mbc.data.demo import prepare
 
-    work = tmp_path_factory.mktemp("two_catalogues")
+    work = tmp_path_factory.mktemp("cached_run")
     prepare(work / "news", num_videos=3, num_images=2, seed=1)
     prepare(work / "drama", num_videos=2, num_images=1, seed=2)
     listing = [{"base_path": "news/catalog", "metadata_path": "news/metadata/metadata.csv", "name": "news"},
                {"base_path": "drama/catalog", "metadata_path": "drama/metadata/metadata.csv", "name": "drama",
                 "repeat": 2, "caption_prefix": "mbc drama, "}]
     (work / "datasets.yaml").write_text(json.dumps(listing))
-    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached", "--skip_doctor",
-                             "--cache", "runs/my_cache", "--datasets", "datasets.yaml", "--num_epochs", "1"],
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached",
+                             "--cache", "runs/my_cache", "--datasets", "datasets.yaml", "--num_epochs", "1",
+                             "--timestep_sampling", "shift", "--timestep_shift", "3", "--min_timestep_boundary", "0.2",
+                             "--caption_prefix", "mbcstyle", "--caption_dropout", "0.5", "--frame_sampling", "uniform",
+                             "--ema_decay", "0.9", "--lora_variant", "dora", "--loraplus_lr_ratio", "4"],
                             cwd=work, env=isolated_env(work, OMP_NUM_THREADS=1), capture_output=True, text=True,
                             timeout=400)
     output = result.stdout + result.stderr
@@ -71,9 +39,33 @@ def two_catalogues(tmp_path_factory):
     return work, output
 
 
-def test_a_cache_folder_given_with_cached_reaches_the_training_once(two_catalogues):
+def test_the_recipe_options_reach_the_cache_and_train_the_dit_from_it(cached_run):
+    """The trigger word, caption dropout and the frame choice given to the launcher reach the cache command too;
+    the timestep scheme, an EMA, DoRA and LoRA+ train from the cache."""
+    work, _ = cached_run
+    cache = work / "runs" / "my_cache"
+    summary = json.loads((cache / "summary.json").read_text())
+    assert summary["written"] + summary["skipped"] == 8 and summary["failed"] == 0
+    index = json.loads((cache / "cache.json").read_text())
+    assert index["settings"]["caption_prefix"] == "mbcstyle" and index["empty_prompt"]["text_tokens"] >= 1
+    assert all(row["prompt"].startswith("mbcstyle ") for row in index["rows"])
+    assert index["settings"]["frames"]["sampling"] == "uniform", index["settings"]
+    log_dir = work / "runs" / "demo" / "training_logs"
+    for rank in (0, 1):
+        state = read_status(log_dir, rank)
+        timesteps = [t for line in read_history(log_dir, rank) for t in line["timesteps"]]
+        assert len(timesteps) >= 7 and all(0 <= t <= 952.39 for t in timesteps), timesteps
+        assert 0 < state["captions_dropped"] < state["samples_seen"]   # some samples, not all, lost the caption
+    lora = work / "runs" / "demo" / "lora"
+    with safe_open(str(lora / "lora.safetensors"), framework="pt") as trained:
+        assert trained.metadata()["lora_variant"] == "dora"
+        assert any(key.endswith(".dora_scale") for key in trained.keys())
+    assert set(load_file(str(lora / "lora_ema.safetensors"))) == set(load_file(str(lora / "lora.safetensors")))
+
+
+def test_a_cache_folder_given_with_cached_reaches_the_training_once(cached_run):
     """`--cached --cache DIR` builds the cache in DIR; the printed command used to carry `--cache DIR` twice."""
-    work, _ = two_catalogues
+    work, _ = cached_run
     log, = (work / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's command is in the run's log
     run_line, = [line for line in log.read_text().splitlines() if line.startswith("run run-")]
     assert run_line.count("--cache") == 1 and "--cache runs/my_cache " in run_line, run_line
@@ -81,17 +73,17 @@ def test_a_cache_folder_given_with_cached_reaches_the_training_once(two_catalogu
     assert not (work / "runs" / "demo" / "latent_cache").exists()
 
 
-def test_two_catalogues_cache_and_train_as_one_on_two_ranks(two_catalogues):
+def test_two_catalogues_cache_and_train_as_one_on_two_ranks(cached_run):
     """`--datasets FILE` from the launcher: the cache encodes each row of both catalogues once (with its caption
     prefix), the 2 ranks draw each catalogue its own repeat, and plan, status and history agree on the steps."""
     from diffsynth_mbc.data.cache.index import read_index
     from diffsynth_mbc.training.plan.step_plan import StepPlan
 
-    work, output = two_catalogues
+    work, output = cached_run
     cache = work / "runs" / "my_cache"
     assert json.loads((cache / "summary.json").read_text())["written"] == 8   # 5 + 3 rows, each once
     prompts = [row["prompt"] for row in read_index(cache)["rows"]]
-    assert sum(prompt.startswith("mbc drama, ") for prompt in prompts) == 3
+    assert sum(prompt.startswith("mbcstyle mbc drama, ") for prompt in prompts) == 3   # then the trigger word
     # The demo preset's dataset_repeat 3 multiplies each catalogue's own: news 5 rows x 3, drama 3 rows x 6.
     counts = [{"name": "news", "rows": 5, "videos": 3, "images": 2, "repeat": 1, "samples_per_epoch": 15},
               {"name": "drama", "rows": 3, "videos": 2, "images": 1, "repeat": 2, "samples_per_epoch": 18}]
