@@ -47,5 +47,5 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_auto_num_workers(config):
     """``-n logical`` (pyproject.toml): one worker more than CPUs (``--maxprocesses`` caps it). Most slow tests wait
-    on the processes they start; the extra worker keeps the CPUs busy meanwhile (2 cores: idle 17% -> 2%)."""
+    on the processes they start; the extra worker keeps the CPUs busy meanwhile (2 cores: idle 17% -> 1%)."""
     return (os.cpu_count() or 1) + 1

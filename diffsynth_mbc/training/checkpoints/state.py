@@ -39,7 +39,7 @@ from diffsynth_mbc.training.checkpoints.integrity import (
     missing_rank_files,
 )
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
-from diffsynth_mbc.training.distributed.collectives import broadcast_from_main, waiting, wait_for_everyone
+from diffsynth_mbc.training.distributed.collectives import broadcast_from_main, gather_from_all, wait_for_everyone
 from diffsynth_mbc.training.lora.saved_files import LoraFiles
 from diffsynth_mbc.training.lora.variants import check_adapter_shape
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
@@ -206,7 +206,7 @@ class Checkpoints(LoraFiles):
         extra = {"exclude_frozen_parameters": True} if self.deepspeed else {}
         error = error or _attempt(lambda: accelerator.save_state(str(temporary), **extra))
         time.sleep(self.injected_delay_s)
-        errors = [error for error in self.gather_objects(error, others) if error]
+        errors = [error for error in gather_from_all(accelerator, error, self.status, others) if error]
         if errors:
             message = self.failure_message(name, temporary, errors[0]) if accelerator.is_main_process else None
             raise CheckpointWriteError(broadcast_from_main(accelerator, message, self.status, others))
@@ -274,22 +274,11 @@ class Checkpoints(LoraFiles):
             raise RuntimeError(f"resuming from {path.parent}: {len(wrong)} of {len(expected)} LoRA tensors were not "
                                f"restored (first: {wrong[:1]})")
 
-    def gather_positions(self, position: Position, what: str = "ranks at a gather") -> list:
-        """Every rank's own counters (collective: all ranks call it)."""
-        return self.gather_objects({"samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
-                                    "recent_skips": position.recent_skips}, what)
-
-    def gather_objects(self, mine, what: str = "ranks at a gather") -> list:
-        """Every rank's ``mine``, in rank order (collective: all ranks call it; waits as ``what``)."""
-        if self.accelerator.num_processes == 1:
-            return [mine]
-        import torch.distributed as dist
-
-        everyone = [None] * self.accelerator.num_processes
-        # accelerate's gather_object returns its input unchanged on CPU ranks; this works on gloo and NCCL.
-        with waiting(self.status, what):
-            dist.all_gather_object(everyone, mine)
-        return everyone
+    def gather_positions(self, position: Position, what: str) -> list:
+        """Every rank's own counters (collective: all ranks call it, each waiting as ``what``)."""
+        return gather_from_all(self.accelerator, {"samples_seen": position.samples_seen,
+                                                  "skipped_samples": position.skipped_samples,
+                                                  "recent_skips": position.recent_skips}, self.status, what)
 
     def load(self, resume: str) -> Position:
         try:

@@ -49,6 +49,19 @@ def broadcast_from_main(accelerator, value, status=None, what: str = "rank 0's b
     return box[0]
 
 
+def gather_from_all(accelerator, value, status=None, what: str = "ranks at a gather") -> list:
+    """Every rank's ``value`` (any picklable object), in rank order. accelerate's gather_object returns its input
+    unchanged on CPU ranks; this works on gloo and NCCL."""
+    if accelerator.num_processes == 1:
+        return [value]
+    import torch.distributed as dist
+
+    everyone = [None] * accelerator.num_processes
+    with waiting(status, what):
+        dist.all_gather_object(everyone, value)
+    return everyone
+
+
 def wait_for_everyone(accelerator, status=None, what: str = "ranks at a barrier") -> None:
     with waiting(status, what):
         accelerator.wait_for_everyone()
