@@ -53,6 +53,12 @@ class BlockRunner:
 
     def __call__(self, index: int, x, context, t_mod, freqs):
         block = self.blocks[index]
+        if self.compiled and not x.requires_grad and torch.is_grad_enabled():
+            # Block 0's input comes from the frozen patch embedding, every later block's from a block with LoRA:
+            # the compiled graph guards on requires_grad, and would be compiled twice (block 0, then the rest).
+            # As a leaf that asks for its gradient, one graph serves every block; its cost is block 0's input
+            # gradient, which is thrown away.
+            x = x.detach().requires_grad_()
         if index >= self.recompute:
             return block(x, context, t_mod, freqs)
         if self.offload:
