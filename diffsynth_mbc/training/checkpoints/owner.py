@@ -15,8 +15,11 @@ import re
 import sys
 from pathlib import Path
 
+from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
+
 REPLACED_PREFIX = "replaced-"
 LORA_FILE = re.compile(r"^(lora|epoch-\d+|step-\d+)(_ema)?\.safetensors$")   # the LoRA files a run writes
+CLAIMING = "ranks claiming the run's folders"   # what a rank at claim_folder's barriers waits for
 
 
 def owner(folder: str | Path) -> str | None:
@@ -107,7 +110,7 @@ def claim_folder(root: str | Path, output: str | Path, run_id: str, start_over: 
     decide the same."""
     check_claim(root, output, run_id, start_over)
     foreign = foreign_outputs(root, output, run_id)
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator, status, CLAIMING)
     if foreign and accelerator.is_main_process:
         Path(root).mkdir(parents=True, exist_ok=True)
         moved = set_aside(foreign, root)
@@ -116,4 +119,4 @@ def claim_folder(root: str | Path, output: str | Path, run_id: str, start_over: 
                             f"{', '.join(places)}")
         print(f"note: --start_over: {len(moved)} checkpoint(s) and LoRA file(s) of another run moved into "
               f"{', '.join(places)}", file=sys.stderr)
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator, status, CLAIMING)

@@ -15,6 +15,7 @@ from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fin
 from diffsynth_mbc.training.checkpoints.folder import (different_configuration, read_manifest, resolve_resume,
                                                        set_aside_unreadable)
 from diffsynth_mbc.training.checkpoints.state import truncate_history
+from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
 from diffsynth_mbc.training.lora.ema import restore as restore_ema
 
 # Settings only the prepared accelerator knows (the precision "auto" chooses, DeepSpeed's accumulation) or only
@@ -75,7 +76,7 @@ def resume(run) -> None:
         for moved in set_aside_unreadable(run.checkpoints.root, position.step):
             print(f"note: {moved.name[len('damaged-'):]} had no readable checkpoint.json: moved aside to {moved}",
                   file=sys.stderr)
-    run.accelerator.wait_for_everyone()
+    wait_for_everyone(run.accelerator, run.status, "rank 0 setting unreadable checkpoint folders aside")
     restore_ema(run)
     kept = truncate_history(run.status.history_file, position.step)
     run.status.elapsed_before_s = position.elapsed_s
