@@ -378,8 +378,8 @@ def detail(result: dict, feed: dict) -> str:
     lora = "fp32 (upcast)" if setting["lora_compute"] == "upcast" else info["model_dtype"]
     return (f"{precision}, {info['model_dtype']} DiT; SDPA allowed: {setting['attention']}, ran: {attention}; "
             f"LoRA computes in {lora}; {info['recompute_blocks']}/{info['num_blocks']} blocks recompute; {compiled}; "
-            f"{feed['skipped_steps']} of {feed['timed_steps']} timed steps skipped (non-finite); s/step per run: "
-            + " ".join(f"{t:.4f}" for t in feed["s_per_step_runs"]))
+            f"{feed['skipped_steps']} of {feed['timed_steps']} timed steps skipped (non-finite); warm-up "
+            f"{feed['warmup_s']:.1f} s; s/step per run: " + " ".join(f"{t:.4f}" for t in feed["s_per_step_runs"]))
 
 
 def memory_cell(row: dict) -> str:

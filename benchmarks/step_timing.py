@@ -280,17 +280,20 @@ def optimizer_step(run: StepRun, batch: list[dict]) -> bool:
 
 
 def time_feeds(run: StepRun, feeds: list[Feed], batches: Batches, warmup: int, runs: int, attention: str) -> dict:
-    """Per feed: mean s/step of each run, skipped steps, memory and attention kernels of one more step."""
+    """Per feed: seconds of its warm-up steps, mean s/step of each run, skipped steps, memory and attention kernels
+    of one more step."""
     import torch
 
     cuda = run.accelerator.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     results = {feed.label: {"s_per_step_runs": [], "skipped_steps": 0, "timed_steps": 0} for feed in feeds}
     with attention_backends(attention):
-        for feed in feeds:
+        for feed in feeds:   # the first feed's warm-up compiles (with --compile), the others' reuse or recompile
+            start = time.perf_counter()
             for _ in range(warmup):
                 optimizer_step(run, batches(feed))
-        sync()
+            sync()
+            results[feed.label]["warmup_s"] = time.perf_counter() - start
         for _ in range(runs):
             for feed in feeds:   # in turns, so a busy machine slows every feed alike
                 result = results[feed.label]

@@ -47,3 +47,30 @@ def test_full_size_refuses_without_cuda():
     assert done.returncode == 2
     assert "--full-size needs a CUDA GPU" in done.stderr and "without --full-size" in done.stderr
     assert done.stdout == ""
+
+
+def test_the_encode_benchmark_times_the_cache_builders_encoder_per_kind_of_row(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_encode
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    out = tmp_path / "encode.json"
+    assert bench_encode.main(["--height", "64", "--width", "96", "--num-frames", "5", "--runs", "2", "--warmup", "0",
+                              "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["size"], result["height"], result["width"], result["num_frames"]) == ("demo", 64, 96, 5)
+    rows = {row["kind"]: row for row in result["rows"]}
+    assert list(rows) == ["clip", "image", "caption"] and all(len(row["runs"]) == 2 for row in rows.values())
+    assert rows["clip"]["seconds"] > rows["image"]["seconds"] > 0 and rows["caption"]["seconds"] > 0
+    assert result["video_row_s"] == pytest.approx(rows["clip"]["seconds"] + rows["caption"]["seconds"], abs=1e-4)
+    text = capsys.readouterr().out
+    assert "clip 96x64x5 (VAE: clip + first frame)" in text and f"{result['video_rows_per_s']:.3f} rows/s" in text
+    import torch
+
+    if not torch.cuda.is_available():
+        assert bench_encode.main(["--full-size"]) == 2
+        assert "--full-size needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_encode.main(["--num-frames", "6"])   # not 4k+1
+    assert "--num-frames must be 4k+1" in capsys.readouterr().err

@@ -41,37 +41,39 @@ def _demo_encoders(seed: int, device: str, torch_dtype):
     """The demo's encoders, built once per process (deterministic from the seed; used without gradients)."""
     import tempfile
 
-    from diffsynth_mbc.models.pipeline import TINY_DIT, build_demo_pipeline
+    from diffsynth_mbc.models.pipeline import build_demo_pipeline
 
     with tempfile.TemporaryDirectory(prefix="mbc-demo-tokenizer-") as tokenizer_dir:  # read while building
-        pipe = build_demo_pipeline(device=device, torch_dtype=torch_dtype, seed=seed, tokenizer_dir=tokenizer_dir)
-    pipe.dit = _dit_flags(TINY_DIT)
-    return pipe
+        return build_demo_pipeline(device=device, torch_dtype=torch_dtype, seed=seed, tokenizer_dir=tokenizer_dir)
 
 
 def load_encoders(options, device: str, torch_dtype, model_files):
     """A WanVideoPipeline with the VAE, text encoder and tokenizer only; ``pipe.dit`` holds the DiT's flags."""
-    from diffsynth_mbc.models.pipeline import TI2V_5B_DIT
+    from diffsynth_mbc.models.pipeline import TI2V_5B_DIT, TINY_DIT
 
     if options.demo:
-        pipe = _demo_encoders(options.seed, device, torch_dtype)
-    else:
-        from diffsynth.pipelines.wan_video_new import ModelConfig, WanVideoPipeline
+        return ready_to_encode(_demo_encoders(options.seed, device, torch_dtype), TINY_DIT)
+    from diffsynth.pipelines.wan_video_new import ModelConfig, WanVideoPipeline
 
-        from diffsynth_mbc.models.model_files import ModelFileError
+    from diffsynth_mbc.models.model_files import ModelFileError
 
-        text_encoder, vae, tokenizer_dir = model_files
-        pipe = WanVideoPipeline.from_pretrained(
-            torch_dtype=torch_dtype, device=device,
-            model_configs=[ModelConfig(path=str(text_encoder)), ModelConfig(path=str(vae))],
-            tokenizer_config=ModelConfig(path=str(tokenizer_dir)))
-        missing = [name for name in ("text_encoder", "vae") if getattr(pipe, name) is None]
-        if missing:
-            raise ModelFileError(f"DiffSynth did not recognise the {', '.join(missing)} weights "
-                                 f"({text_encoder}, {vae}); are these the Wan2.2-TI2V-5B files?")
-        pipe.dit = _dit_flags(TI2V_5B_DIT)
-    # As WanTI2VLoraModule sets them: every model in eval mode (no dropout in the text encoder) and the
-    # scheduler in training mode (InputVideoEmbedder returns input_latents only then).
+    text_encoder, vae, tokenizer_dir = model_files
+    pipe = WanVideoPipeline.from_pretrained(
+        torch_dtype=torch_dtype, device=device,
+        model_configs=[ModelConfig(path=str(text_encoder)), ModelConfig(path=str(vae))],
+        tokenizer_config=ModelConfig(path=str(tokenizer_dir)))
+    missing = [name for name in ("text_encoder", "vae") if getattr(pipe, name) is None]
+    if missing:
+        raise ModelFileError(f"DiffSynth did not recognise the {', '.join(missing)} weights "
+                             f"({text_encoder}, {vae}); are these the Wan2.2-TI2V-5B files?")
+    return ready_to_encode(pipe, TI2V_5B_DIT)
+
+
+def ready_to_encode(pipe, dit_config: dict):
+    """``pipe`` (its VAE, text encoder and tokenizer loaded) set up as the cache encodes: ``pipe.dit`` holds only
+    the flags of ``dit_config``, every model is in eval mode (no dropout in the text encoder) and the scheduler in
+    training mode (InputVideoEmbedder returns input_latents only then), as WanTI2VLoraModule sets them."""
+    pipe.dit = _dit_flags(dit_config)
     pipe.freeze_except([])
     pipe.scheduler.set_timesteps(1000, training=True)
     return pipe
