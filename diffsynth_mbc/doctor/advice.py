@@ -31,7 +31,7 @@ def seconds(run) -> float | None:
 
 
 def describe(run) -> str:
-    """``3.42 / 2.15 s/step (video / image), 30 of 30 blocks recomputed, 11.6 days`` for a run's estimate."""
+    """``3.42 / 2.15 s/step (video / image), 30 of 30 blocks recomputed, 10.7 days`` for a run's estimate."""
     kinds = [kind for kind in ("video", "image") if kind in run.speed]
     rates = " / ".join(f"{run.speed[kind]['seconds_per_step']:.2f}" for kind in kinds)
     blocks = max(plan.recomputed_blocks for plan in run.plans.values())

@@ -238,10 +238,9 @@ def project(options, steps: dict, plans: dict, spec, shape: run_length.RunShape,
     """The run's length at ``steps``' seconds per step of each batch kind, or with ``buckets`` ({key: StepEstimate},
     --buckets aspect) at each bucket's."""
     encode = {}
-    if build_cache:
+    if build_cache:   # each row at the size its kind's steps are estimated at
         tensor_ratio = speed.gpu_ratios(spec, plans[next(iter(plans))].precision)[0]
-        for kind, batch in run_plans(options, "bf16", "cudnn", False, False).items():
-            encode[kind] = speed.encode_seconds(batch.but(batch_size=1), tensor_ratio)
+        encode = {kind: speed.cache_encode_seconds(plan, tensor_ratio) for kind, plan in plans.items()}
     seconds = {kind: estimate.seconds for kind, estimate in steps.items()}
     measured = all(e.measured for e in [*steps.values(), *(buckets or {}).values()])
     kind = "measured" if measured and not build_cache else "estimate"

@@ -36,6 +36,18 @@ How the rest follows (each figure says which rule made it):
   bytes. These are estimates; only the H100 rows above are measurements.
 - Encoding every step: 0.67 s per 1280x704x17 clip on the H100, scaled by frames x pixels and by the
   tensor-rate ratio.
+- Building the latent cache: measured directly on one H200 (2026-11-26, torch 2.11.0+cu130, bf16,
+  ``benchmarks/bench_encode.py --full-size``; benchmarks/results/2026-11-26-h200-encode/), the cache builder's
+  own encoder, one row at a time, at full size with random weights:
+
+      one 1280x704x17 clip through the Wan2.2 VAE (the clip, then its first frame again)   0.353 s
+      one 1280x704 image (the image, then again as its first frame)                         0.041 s
+      one caption through umt5-xxl (512 tokens)                                             0.028 s
+
+  so 0.0196 s per 1280x704 frame encoded (the image's 0.0205) plus 0.028 s per caption, scaled by pixels and
+  by the tensor-rate ratio (the H200 has the H100's). A caption is counted per row: rows that share one
+  encode it once, so the build is at most this long. The in-loop 0.67 s above is higher than the cache's 0.38
+  s per video row: the training process encodes beside the DiT, not alone.
 
 The real training loop measured 0.68 s/step for fp16 from the cache on that H100, where a bare loop of
 the same step took 0.86 s: the figures above come from bare loops and are on the slow side.
@@ -64,6 +76,8 @@ H100_STEPS = {
 H100_ONE_IMAGE = 0.61             # LoRA fp32, eager, every block recomputed, cuDNN, 880 tokens
 H100_ENCODE_STEP = 1.44           # the launcher encoding every step (bf16), against the cached 0.77
 ATTENTION_EXTRA = {"cudnn": 0.0, "flash": 0.0, "mem_efficient": 0.18, "math": 1.14}
+CACHE_VAE_FRAME_S = 0.0196        # the cache build: one 1280x704 frame through the VAE, bf16, H200 (= H100 rate)
+CACHE_CAPTION_S = 0.028           # the cache build: one caption through umt5-xxl, 512 tokens
 
 
 def attention_share(tokens: int = REFERENCE_TOKENS) -> float:
@@ -156,6 +170,15 @@ def encode_seconds(plan: memory.Plan, tensor_ratio: float = 1.0) -> float:
     per_clip = H100_ENCODE_STEP - H100_STEPS[("fp32", False, "all", "cudnn")]
     share = plan.num_frames * plan.height * plan.width / (17 * 704 * 1280)
     return per_clip * share * plan.batch_size * tensor_ratio
+
+
+def cache_encode_seconds(plan: memory.Plan, tensor_ratio: float = 1.0) -> float:
+    """Seconds to cache one row of ``plan``'s size (a clip when ``plan.num_frames`` > 1, else an image): its frames
+    and its first frame again through the VAE, and its caption, measured on an H200 and scaled by pixels and by
+    the tensor-rate ratio."""
+    frames = plan.num_frames + 1   # the first frame is encoded a second time, as the clip's condition
+    pixels = plan.height * plan.width / (704 * 1280)
+    return (CACHE_VAE_FRAME_S * frames * pixels + CACHE_CAPTION_S) * tensor_ratio
 
 
 def seconds_per_step(plan: memory.Plan, spec, rates_from: str | None, accumulation: int = 1) -> StepEstimate | None:

@@ -12,7 +12,7 @@ from diffsynth_mbc.training.plan import estimates
 
 from diffsynth_mbc.gpu import known_gpu
 from diffsynth_mbc.training.options import TrainOptions, resolve_options
-from diffsynth_mbc.training.plan import run_length
+from diffsynth_mbc.training.plan import run_length, speed
 from diffsynth_mbc.training.plan.run_length import RunShape, count_media, duration
 from diffsynth_mbc.training.plan.step_plan import StepPlan
 from e2e_helpers import REPO
@@ -110,6 +110,8 @@ def test_the_full_run_on_v100s_and_h100s(tmp_path):
                                   cached_launch=True, media=media)
     assert v100.plans["video"].attention == "mem_efficient" and h100.plans["video"].attention == "cudnn"
     assert v100.projection.cache_build_seconds > h100.projection.cache_build_seconds > 0
+    for kind in ("video", "image"):   # the cache build: the encodes measured on an H200, at the H100's tensor rate
+        assert getattr(h100.projection, f"encode_{kind}_seconds") == speed.cache_encode_seconds(h100.plans[kind])
     assert 5 * h100.projection.total_seconds < v100.projection.total_seconds
     assert h100.speed["video"]["sources"][0] == ("H100 LoRA in the training precision, compiled, 30 of 30 blocks "
                                                  "recomputed, cudnn attention: 0.39 s measured")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from diffsynth_mbc.training.plan import speed
 from diffsynth_mbc.training.plan.memory import Plan
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+ENCODE_ON_H200 = BENCHMARKS / "results" / "2026-11-26-h200-encode" / "encode_bf16.json"
 H100 = known_gpu("H100-80GB")
 AS_BUILT = Plan(704, 1280, 17, precision="bf16", attention="cudnn", cached=True, lora_dtype="fp32")
 DEFAULTS = AS_BUILT.but(lora_dtype="base", compiled=True)   # the training's defaults on an H100
@@ -46,6 +48,18 @@ def test_the_one_image_step_and_encoding_every_step_are_reproduced():
     one_image = on(AS_BUILT.but(num_frames=1))
     assert one_image.seconds == pytest.approx(0.61, rel=0.01) and not one_image.measured
     assert on(AS_BUILT.but(cached=False)).seconds == pytest.approx(1.44, rel=0.01)
+
+
+def test_the_cache_build_reproduces_the_encodes_measured_on_the_h200():
+    measured = json.loads(ENCODE_ON_H200.read_text())
+    assert (measured["device"], measured["size"], measured["dtype"], measured["text_len"]) == \
+        ("NVIDIA H200", "full", "bf16", 512)
+    clip = Plan(measured["height"], measured["width"], measured["num_frames"])
+    assert speed.cache_encode_seconds(clip) == pytest.approx(measured["video_row_s"], rel=0.02)
+    assert speed.cache_encode_seconds(clip.but(num_frames=1)) == pytest.approx(measured["image_row_s"], rel=0.05)
+    quarter = clip.but(height=352, width=640)   # a quarter of the pixels: the VAE's part shrinks, the caption's not
+    assert speed.cache_encode_seconds(quarter) == pytest.approx(speed.CACHE_VAE_FRAME_S * 18 / 4 + speed.CACHE_CAPTION_S)
+    assert speed.cache_encode_seconds(clip, tensor_ratio=7.6) == pytest.approx(7.6 * speed.cache_encode_seconds(clip))
 
 
 def test_recomputed_blocks_interpolate_between_every_block_and_none():
