@@ -85,7 +85,7 @@ def full_size_encoders(device: str, torch_dtype):
     from diffsynth.pipelines.wan_video_new import WanVideoPipeline
 
     from diffsynth_mbc.data.cache.encoder import ready_to_encode
-    from diffsynth_mbc.models.pipeline import TI2V_5B_DIT, _demo_tokenizer_in
+    from diffsynth_mbc.models.pipeline import TI2V_5B_DIT, demo_tokenizer_in
 
     pipe = WanVideoPipeline(device=device, torch_dtype=torch_dtype)
     pipe.audio_encoder = pipe.audio_processor = None
@@ -101,7 +101,7 @@ def full_size_encoders(device: str, torch_dtype):
     pipe.vae.scale = [pipe.vae.mean, 1.0 / pipe.vae.std]
     pipe.prompter.fetch_models(pipe.text_encoder)
     with tempfile.TemporaryDirectory(prefix="mbc-bench-tokenizer-") as folder:   # read while fetching
-        pipe.prompter.fetch_tokenizer(str(_demo_tokenizer_in(Path(folder))))
+        pipe.prompter.fetch_tokenizer(str(demo_tokenizer_in(Path(folder))))
     return ready_to_encode(pipe, TI2V_5B_DIT)
 
 

@@ -78,7 +78,7 @@ def load_pipeline(model_dir: str | None, model_id: str | None, device: str, torc
     return pipe
 
 
-def _demo_tokenizer_in(folder: Path) -> Path:
+def demo_tokenizer_in(folder: Path) -> Path:
     """`folder` holding the demo tokenizer, written there unless it already is."""
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "tokenizer.json").exists():
@@ -136,10 +136,10 @@ def build_demo_pipeline(device: str = "cpu", torch_dtype: torch.dtype = torch.fl
             pipe.prompter.text_len = TINY_TEXT_LEN
             pipe.prompter.fetch_models(pipe.text_encoder)
             if tokenizer_dir:
-                pipe.prompter.fetch_tokenizer(str(_demo_tokenizer_in(Path(tokenizer_dir))))
+                pipe.prompter.fetch_tokenizer(str(demo_tokenizer_in(Path(tokenizer_dir))))
             else:  # the tokenizer is read into memory: its files are not needed afterwards
                 with tempfile.TemporaryDirectory(prefix="mbc-demo-tokenizer-") as folder:
-                    pipe.prompter.fetch_tokenizer(str(_demo_tokenizer_in(Path(folder))))
+                    pipe.prompter.fetch_tokenizer(str(demo_tokenizer_in(Path(folder))))
         pipe.height_division_factor = pipe.width_division_factor = 32
     finally:
         torch.random.set_rng_state(generator_state)
