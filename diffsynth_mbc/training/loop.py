@@ -18,7 +18,7 @@ from diffsynth_mbc import run_files
 from diffsynth_mbc.lifecycle.signals import StopSignals, unblock_in_child
 from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpoints, Position
-from diffsynth_mbc.training.distributed.accelerator import start_accelerator
+from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
                                                             watch_gradient_all_reduce)
 from diffsynth_mbc.training.evaluation.lora_health import LoraHealth, make_health
@@ -242,7 +242,7 @@ def start_progress(run: Run) -> None:
     run.status.update(plan=run.plan.as_dict(), skipped_samples=position.skipped_samples,
                       skip_reasons=position.recent_skips, lr_scheduler=options.lr_scheduler,
                       max_grad_norm=options.max_grad_norm)
-    blocks = run.accelerator.unwrap_model(run.module).blocks
+    blocks = unwrapped_model(run.accelerator, run.module).blocks
     run.compile_timer = CompileTimer(enabled=main and blocks.compiled)
     if main:
         print(f"step plan: {run.plan.describe()}", file=sys.stderr)
@@ -289,7 +289,7 @@ def train_epoch(run: Run, epoch: int) -> str:
     # Resuming mid-epoch: skip the batches already trained on without decoding them.
     epoch_batches = accelerator.skip_first_batches(run.loader, skip) if skip else run.loader
     losses, samples_in_step, bad_in_step, tokens_in_step, drawn = [], 0, 0, 0, []
-    draws = accelerator.unwrap_model(run.module).draws   # each sample's timestep and loss, for the history
+    draws = unwrapped_model(accelerator, run.module).draws   # each sample's timestep and loss, for the history
     for batch in iterate_waiting_at_start(epoch_batches, run.status):
         for sample in batch:
             for bad in sample.pop("skipped", ()):

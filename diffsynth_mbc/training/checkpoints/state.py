@@ -39,6 +39,7 @@ from diffsynth_mbc.training.checkpoints.integrity import (
     missing_rank_files,
 )
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
+from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import broadcast_from_main, gather_from_all, wait_for_everyone
 from diffsynth_mbc.training.lora.saved_files import LoraFiles
 from diffsynth_mbc.training.lora.variants import check_adapter_shape
@@ -176,7 +177,7 @@ class Checkpoints(LoraFiles):
         self.last_step = None
         self.injected_delay_s = injected_checkpoint_delay_s(os.environ.get(environment.FAULT_SLOW_CHECKPOINT_S),
                                                             accelerator.process_index)
-        unwrapped = accelerator.unwrap_model(module)
+        unwrapped = unwrapped_model(accelerator, module)
         trainable = {name for name, parameter in unwrapped.named_parameters() if parameter.requires_grad}
 
         def keep_only_trainable(models, weights, output_dir):
@@ -255,8 +256,8 @@ class Checkpoints(LoraFiles):
         written = folder_bytes(temporary)
         shutil.rmtree(temporary, ignore_errors=True)
         previous = find_latest(self.root)
-        trainable = sum(p.numel() * p.element_size() for p in self.accelerator.unwrap_model(self.module).parameters()
-                        if p.requires_grad)
+        model = unwrapped_model(self.accelerator, self.module)
+        trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         # The previous checkpoint's size, else the LoRA weights, AdamW's two moments and the LoRA file.
         needed = folder_bytes(previous) or max(written, 4 * trainable)
         return write_failure(name, self.root, error, free=free_bytes(self.root), needed=needed, previous=previous)

@@ -76,3 +76,18 @@ def skip_deepspeed_cpu_inference_kernel() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[DEEPSPEED_CPU_INFERENCE_KERNEL] = False
+
+
+def unwrapped_model(accelerator, model):
+    """The training module inside what ``accelerator.prepare`` wrapped it in. Under DeepSpeed, accelerate's own
+    ``unwrap_model``; otherwise DDP's ``.module`` is taken off here, because accelerate's ``unwrap_model`` imports
+    DeepSpeed whenever it is installed (to test for its engine), which adds seconds to every rank's start of a
+    DDP run that never uses it."""
+    from accelerate.utils import DistributedType
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.unwrap_model(model)
+    while isinstance(model, (DistributedDataParallel, DataParallel)):
+        model = model.module
+    return model

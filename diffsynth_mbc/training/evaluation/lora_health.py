@@ -28,6 +28,7 @@ import collections
 import time
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.evaluation.health_flags import STEPS_KEPT, health_flags, summary, train_loss_average
 from diffsynth_mbc.values import finite_number
 
@@ -246,7 +247,7 @@ def make_health(run) -> LoraHealth:
     """The run's LoRA health (off with ``--health_steps 0``), and its first record: at step 0; a resumed run keeps
     the one at the step it goes on from in memory only (its history, cut back to that step, has its records)."""
     options = run.options
-    blocks = run.accelerator.unwrap_model(run.module).pipe.dit.blocks
+    blocks = unwrapped_model(run.accelerator, run.module).pipe.dit.blocks
     health = LoraHealth(blocks, run.status, run.logger.printer, every=options.health_steps,
                         total_steps=run.logger.total_steps, warmup_steps=options.warmup_steps,
                         read_grads=run.accelerator.state.deepspeed_plugin is None)

@@ -26,6 +26,7 @@ from diffsynth_mbc.atomic import atomic_open, atomic_path, atomic_write_json
 from diffsynth_mbc.sample_prompts import (BASE_FOLDER, BASE_SUFFIX, PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt,
                                           clip_suffix, parse_strengths, prompts_file_record, sample_file_stem,
                                           sample_set_name, sampling_due, strength_text)
+from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.lora.ema import weights_for
 from diffsynth_mbc.training.lora.strength import lora_strength
 
@@ -65,7 +66,7 @@ class Sampler:
         """Every clip of this sample step (and the base model's not made yet): the paths written."""
         import torch
 
-        pipe = self.accelerator.unwrap_model(self.module).pipe
+        pipe = unwrapped_model(self.accelerator, self.module).pipe
         target = self.root / sample_set_name(step)
         target.mkdir(parents=True, exist_ok=True)
         atomic_write_json(target / PROMPTS_FILE, prompts_file_record(self.prompts))   # before the clips it names

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
@@ -78,7 +79,7 @@ class Validator:
         the base model (the LoRA off) on the same samples, noise and timesteps, measured at the first call and
         kept (the base does not change). Every rank calls it: the measurement is split and all-reduced."""
         if self.base is None:
-            with self.accelerator.unwrap_model(self.module).lora_disabled():
+            with unwrapped_model(self.accelerator, self.module).lora_disabled():
                 self.base = self.measure()
             self.base_step, self.base_measurements = step, self.base_measurements + 1
         by_quantile, by_mode, samples = self.base
@@ -100,7 +101,7 @@ class Validator:
 
         from diffsynth_mbc.training.step.objective import MODES
 
-        model = self.accelerator.unwrap_model(self.module)
+        model = unwrapped_model(self.accelerator, self.module)
         mine = self.indices[self.accelerator.process_index::self.accelerator.num_processes]
         quantiles, modes = len(self.quantiles), len(MODES)
         # per quantile: sum of losses; per mode: sum of the samples' losses, then samples; last: samples

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError, quoted
+from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.values import finite_number
 
 STATE_FILE = "ema_state.safetensors"
@@ -173,7 +174,7 @@ def make_ema(run):
     """The run's EMA (None without --ema_decay), known to its checkpoints and validation."""
     if run.options.ema_decay is None:
         return None
-    ema = LoraEma(run.accelerator.unwrap_model(run.module), run.options.ema_decay, run.options.ema_warmup)
+    ema = LoraEma(unwrapped_model(run.accelerator, run.module), run.options.ema_decay, run.options.ema_warmup)
     run.checkpoints.ema = ema
     if run.validator is not None:
         run.validator.ema = ema
@@ -199,7 +200,7 @@ def save_ema_lora(files, target: Path, step: int) -> None:
     """The EMA beside a LoRA file (``files``: the run's ``LoraFiles``), in the same layout; every rank calls it
     (the NaN check is collective), rank 0 writes."""
     ema_target = Path(target).with_name(ema_file_name(Path(target).name))
-    model = files.accelerator.unwrap_model(files.module)
+    model = unwrapped_model(files.accelerator, files.module)
     tensors = {key: value.detach().to("cpu").contiguous()
                for key, value in model.lora_state_dict(files.ema.tensors()).items()}
     file_tensors = files.checked_file_tensors(tensors, ema_target, f"ranks saving {ema_target.name}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_save_safetensors
+from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import all_reduce_sum, wait_for_everyone
 from diffsynth_mbc.training.lora.ema import save_ema_lora
 from diffsynth_mbc.training.lora.file_format import (
@@ -41,7 +42,7 @@ class LoraFiles:
         Never ``accelerator.get_state_dict``: that gathers the whole 5B model to the CPU on every rank. DDP and
         ZeRO-2 keep every parameter whole on every rank (ZeRO-2 shards only gradients and optimizer state).
         """
-        model = self.accelerator.unwrap_model(self.module)
+        model = unwrapped_model(self.accelerator, self.module)
         trainable = {name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
         lora = model.lora_state_dict(trainable)
         return {key: value.detach().to("cpu").contiguous() for key, value in lora.items()}
@@ -51,7 +52,7 @@ class LoraFiles:
         from diffsynth_mbc.training.lora.variants import dora_norm_ratios
 
         options = self.options
-        ratios = dora_norm_ratios(self.accelerator.unwrap_model(self.module).pipe.dit) \
+        ratios = dora_norm_ratios(unwrapped_model(self.accelerator, self.module).pipe.dit) \
             if options.lora_variant == "dora" else None
         return convert(tensors, options.lora_format, scale=training_scale(options.lora_rank, options.lora_alpha),
                        dora_ratios=ratios)

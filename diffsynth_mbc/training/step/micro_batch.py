@@ -3,6 +3,7 @@ compile), backward, and at the end of a step the agreed skip-or-step of the opti
 
 from __future__ import annotations
 
+from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
 
 
@@ -32,7 +33,7 @@ def sample_tokens(sample: dict) -> int:
 def forward(run, batch):
     """The module's loss on ``batch``. While the first compiled steps run, a compile error (torch's dynamo or
     inductor) turns compiling off, said once, and the batch runs uncompiled."""
-    blocks = run.accelerator.unwrap_model(run.module).blocks
+    blocks = unwrapped_model(run.accelerator, run.module).blocks
     if not blocks.compiled:
         return run.module(batch)
     try:

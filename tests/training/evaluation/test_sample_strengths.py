@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from PIL import Image
 
 from diffsynth_mbc.errors import OptionsError
@@ -48,9 +49,7 @@ class Status:
 class Accelerator:
     device = torch.device("cpu")
     is_main_process, num_processes, trackers = True, 1, []
-
-    def unwrap_model(self, module):
-        return module
+    distributed_type = DistributedType.NO   # one process: the module is not wrapped
 
     def autocast(self):
         return contextlib.nullcontext()
