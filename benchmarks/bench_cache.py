@@ -22,8 +22,10 @@ run by run (run i of the two image rows ran back to back, so on a busy machine t
 The step's choices, in any mode but ``--cases``: ``--mixed-precision auto|bf16|fp16|fp32``, ``--attention
 auto|flash|cudnn|efficient|math`` (only that SDPA backend, through ``torch.nn.attention.sdpa_kernel``),
 ``--lora-compute base|upcast`` (upcast: peft's own forward, the step as first built), ``--compile
-auto|on|off``, ``--gradient-checkpointing all|none|N``, ``--batch B`` videos per forward; ``--images`` drops
-the video row. The defaults are the training's.
+auto|on|off``, ``--gradient-checkpointing all|none|auto|N``, ``--batch B`` videos per forward; ``--images``
+drops the video row. The defaults are the training command's own: every block recomputed, where the launchers'
+presets train ``auto`` (the fewest blocks that fit the GPU, resolved by the training's rule; none on an
+H100 or H200), so pass ``--gradient-checkpointing auto`` to time what a preset run does.
 
 Full size, on a CUDA GPU only (it refuses otherwise, exit 2): a randomly initialised Wan2.2-TI2V-5B DiT
 (``models.pipeline.TI2V_5B_DIT``) trained from cache-like inputs (latents 48x5x44x80, context 512x4096), the
@@ -118,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="base (default): fp32 LoRA weights computed in the DiT's dtype; upcast: peft's own "
                            "forward, activations cast to fp32 (the step as first built)")
     step.add_argument("--compile", choices=("auto", "on", "off"), help="torch.compile each DiT block (default auto)")
-    step.add_argument("--gradient-checkpointing", metavar="all|none|N",
-                      help="blocks that recompute in backward: every one (default), none, the first N")
+    step.add_argument("--gradient-checkpointing", metavar="all|none|auto|N",
+                      help="blocks that recompute in backward: every one (default, as the training's own), none, "
+                           "auto (the fewest that fit this GPU: what the presets train), the first N")
     step.add_argument("--batch", type=int, default=1, help="videos per forward (default 1)")
     step.add_argument("--images", action="store_true", help="time images only (1280x704x1 each), no video row")
     step.add_argument("--image-batch", type=int, help="images per forward (default: as many tokens as --batch "
@@ -151,9 +154,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.encode and (args.full_size or args.cases or args.images or args.image_batch):
         parser.error("--encode is the tiny demo's video comparison; it does not combine with --full-size, --cases, "
                      "--images or --image-batch")
-    checkpointing = args.gradient_checkpointing
-    if checkpointing is not None and checkpointing not in ("all", "none") and not checkpointing.isdigit():
-        parser.error(f"--gradient-checkpointing must be all, none or a number of blocks, got {checkpointing!r}")
+    if args.gradient_checkpointing is not None:
+        from diffsynth_mbc.errors import OptionsError
+        from diffsynth_mbc.training.plan.recompute import parse_choice
+
+        try:
+            parse_choice(args.gradient_checkpointing)
+        except OptionsError as exc:
+            parser.error(str(exc).replace("--gradient_checkpointing", "--gradient-checkpointing"))
     args.height = args.height or (128 if args.encode else 704)
     args.width = args.width or (128 if args.encode else 1280)
     args.num_frames = args.num_frames or 17

@@ -74,3 +74,9 @@ def test_the_encode_benchmark_times_the_cache_builders_encoder_per_kind_of_row(t
     with pytest.raises(SystemExit):
         bench_encode.main(["--num-frames", "6"])   # not 4k+1
     assert "--num-frames must be 4k+1" in capsys.readouterr().err
+
+
+def test_checkpointing_is_read_by_the_trainings_own_rule():
+    done = bench("--gradient-checkpointing", "sometimes")
+    assert done.returncode == 2 and done.stdout == ""
+    assert "--gradient-checkpointing must be all, none, auto or a number of blocks, got 'sometimes'" in done.stderr
