@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from step_timing import (ATTENTION_CHOICES, Batches, Feed, Geometry, Setting, build_step_run,  # noqa: E402
-                         cache_like_entries, peak_flops, random_dit_pipeline, summarise, time_feeds)
+                         cache_like_entries, cap_cuda_memory, peak_flops, random_dit_pipeline, summarise, time_feeds)
 
 NO_CUDA = ("--full-size needs a CUDA GPU (the random 5B DiT is built in fp32, about 20 GB, then cast; a step "
            "without checkpointing needs about 40 GB); none is visible here. Run without --full-size for the tiny "
@@ -449,12 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.full_size and not torch.cuda.is_available():
         print(f"bench_cache.py: {NO_CUDA}", file=sys.stderr)
         return 2
-    if args.memory_cap_gib is not None:
-        if not torch.cuda.is_available():
-            print("bench_cache.py: --memory-cap-gib caps CUDA memory; no CUDA GPU is visible here", file=sys.stderr)
-            return 2
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+    refusal = cap_cuda_memory(args.memory_cap_gib, "bench_cache.py")
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     if args.worker:
         return run_worker(args)
     result = run_cases(args, argv) if args.cases else run_encode(args, argv) if args.encode else run_default(args)

@@ -34,7 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from step_timing import cap_cuda_memory  # noqa: E402
 
 NO_CUDA = ("--full-size needs a CUDA GPU (the umt5-xxl text encoder alone is about 11 GB in bf16); none is "
            "visible here. Run without --full-size for the demo's tiny encoders on this machine.")
@@ -207,12 +210,10 @@ def main(argv=None) -> int:
     if args.full_size and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
-    if args.memory_cap_gib is not None:
-        if not torch.cuda.is_available():
-            print("bench_encode.py: --memory-cap-gib caps CUDA memory; no CUDA GPU is visible here", file=sys.stderr)
-            return 2
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+    refusal = cap_cuda_memory(args.memory_cap_gib, "bench_encode.py")
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     result = measure(args)
     print(report(result))
     if args.json:

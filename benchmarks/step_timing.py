@@ -220,6 +220,20 @@ def dit_attention_path() -> str:
     return "torch SDPA"
 
 
+def cap_cuda_memory(gib: float | None, script: str) -> str | None:
+    """``--memory-cap-gib``: this process may allocate at most ``gib`` GiB of GPU memory (an allocation past it fails
+    as it would on a smaller GPU). The refusal to print when no CUDA GPU is visible, else None."""
+    if gib is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"{script}: --memory-cap-gib caps CUDA memory; no CUDA GPU is visible here"
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
+    return None
+
+
 def attention_backends(choice: str):
     """``torch.nn.attention.sdpa_kernel`` restricted to one SDPA backend; ``auto`` leaves torch's choice."""
     if choice == "auto":

