@@ -15,6 +15,9 @@ for _var, _sub in (("HF_HOME", "hf"), ("TORCH_EXTENSIONS_DIR", "torch_ext"), ("M
 # this session's folder too, whatever TMPDIR was: this process's own temp folder is already chosen.
 os.makedirs(os.path.join(_SESSION_HOME, "tmp"))
 os.environ["TMPDIR"] = os.path.join(_SESSION_HOME, "tmp")
+# One folder for the whole test run, the pytest-xdist workers included (they inherit it from the controller, which
+# removes it last): what one worker measured once for every worker (tests/forked_ranks.py).
+os.environ.setdefault("MBC_TEST_RUN_SHARED", _SESSION_HOME)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # pytest-xdist runs a worker per CPU and one more (pytest_xdist_auto_num_workers below): torch's thread pool in each
 # worker, and in the processes it starts, gets its share of the CPUs, so that the workers' threads do not spin

@@ -13,12 +13,14 @@ instead.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,26 +57,36 @@ NOT_CARRIED = ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERRO
 
 def accelerate_environment(world_size: int, config_file: str | None) -> list[dict]:
     """What ``accelerate launch`` (``--multi_gpu`` on 2 CPU processes, or ``--config_file``) adds to each rank's
-    environment, read once per test session from a real launch of a script that writes it down."""
+    environment, read once per test run from a real launch of a script that writes it down: the first worker to
+    need it launches it, the others read what it wrote."""
     key = (world_size, config_file)
     if key not in _LAUNCH_ENVIRONMENTS:
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="mbc-launch-env-") as folder:
-            script = Path(folder) / "dump_environment.py"
-            script.write_text(DUMP)
-            where = ["--config_file", config_file] if config_file else ["--multi_gpu", "--num_machines", "1",
-                                                                         "--mixed_precision", "no",
-                                                                         "--dynamo_backend", "no"]
-            command = [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes",
-                       str(world_size), "--main_process_port", str(free_port()), str(script), folder]
-            base = isolated_env(Path(folder))
-            subprocess.run(command, env=base, check=True, capture_output=True, timeout=300, cwd=folder)
-            ranks = [json.loads((Path(folder) / f"rank{rank}.json").read_text()) for rank in range(world_size)]
-        _LAUNCH_ENVIRONMENTS[key] = [{name: value for name, value in env.items()
-                                      if base.get(name) != value and name not in NOT_CARRIED and name != "_"}
-                                     for env in ranks]
+        shared = Path(os.environ.get("MBC_TEST_RUN_SHARED") or tempfile.gettempdir())
+        record = shared / f"launch-environment-{world_size}-{Path(config_file or 'multi_gpu').stem}.json"
+        with open(shared / "launch-environment.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not record.exists():
+                written = record.with_suffix(".tmp")
+                written.write_text(json.dumps(_launch_environment(world_size, config_file)))
+                written.replace(record)
+        _LAUNCH_ENVIRONMENTS[key] = json.loads(record.read_text())
     return _LAUNCH_ENVIRONMENTS[key]
+
+
+def _launch_environment(world_size: int, config_file: str | None) -> list[dict]:
+    """A real ``accelerate launch`` of a script that writes down each rank's environment: what it added."""
+    with tempfile.TemporaryDirectory(prefix="mbc-launch-env-") as folder:
+        script = Path(folder) / "dump_environment.py"
+        script.write_text(DUMP)
+        where = ["--config_file", config_file] if config_file else ["--multi_gpu", "--num_machines", "1",
+                                                                     "--mixed_precision", "no", "--dynamo_backend", "no"]
+        command = [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes", str(world_size),
+                   "--main_process_port", str(free_port()), str(script), folder]
+        base = isolated_env(Path(folder))
+        subprocess.run(command, env=base, check=True, capture_output=True, timeout=300, cwd=folder)
+        ranks = [json.loads((Path(folder) / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+    return [{name: value for name, value in env.items()
+             if base.get(name) != value and name not in NOT_CARRIED and name != "_"} for env in ranks]
 
 
 def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, prelude: str | None, entry: str) -> None:
