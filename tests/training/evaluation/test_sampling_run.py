@@ -4,16 +4,15 @@ training unchanged by sampling."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 from PIL import Image
 
 from clip_frames import clip_frames
+from diffsynth_mbc.data.cache.cli import main as cache_main
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, assert_trained_alike, isolated_env, read_history, read_status
+from e2e_helpers import REPO, assert_trained_alike, read_history, read_status, run_main
 from forked_ranks import start_training
 
 pytestmark = pytest.mark.slow
@@ -38,13 +37,10 @@ def runs(tmp_path_factory):
     (root / "prompts.yaml").write_text(PROMPTS)
     out = {}
     cache = root / "cache"
-    built = subprocess.run([sys.executable, "-m", "diffsynth_mbc.cache", "--demo", "--dataset_base_path",
-                            str(root / "demo" / "catalog"), "--dataset_metadata_path",
-                            str(root / "demo" / "metadata" / "metadata.csv"), "--height", "64", "--width", "64",
-                            "--num_frames", "9", "--cache_dir", str(cache), "--dataset_num_workers", "0",
-                            "--sample_prompts", str(root / "prompts.yaml")],
-                           cwd=root, env=isolated_env(root, OMP_NUM_THREADS=1), capture_output=True, text=True,
-                           timeout=300)
+    built = run_main(cache_main, ["--demo", "--dataset_base_path", root / "demo" / "catalog", "--dataset_metadata_path",
+                                  root / "demo" / "metadata" / "metadata.csv", "--height", "64", "--width", "64",
+                                  "--num_frames", "9", "--cache_dir", cache, "--dataset_num_workers", "0",
+                                  "--sample_prompts", root / "prompts.yaml"], root)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "sample prompts: 3 text(s) encoded" in built.stderr   # two prompts and the empty negative prompt
     for name, extra in (("with", ["--sample_prompts", str(root / "prompts.yaml"), "--sample_steps", "2",
