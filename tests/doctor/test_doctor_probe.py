@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, isolated_env
+from diffsynth_mbc.doctor.cli import main
+from e2e_helpers import REPO, run_main
 
 pytestmark = pytest.mark.slow
 
 
-def test_the_probe_measures_clips_and_images_apart_and_projects_the_run(tmp_path):
+def test_the_probe_measures_clips_and_images_apart_and_projects_the_run(tmp_path, monkeypatch):
+    for key in [key for key in os.environ if key.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(key)   # an earlier in-process training's settings must not reach the probe's runs
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
     output = tmp_path / "run"
@@ -22,8 +24,7 @@ def test_the_probe_measures_clips_and_images_apart_and_projects_the_run(tmp_path
              "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"), "--output_path", str(output),
              "--gradient_accumulation_steps", "1", "--image_batch_size", "1", "--checkpoint_steps", "1",
              "--val_metadata_path", str(root / "metadata" / "metadata.csv"), "--val_steps", "1"]
-    result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.doctor", *flags, "--quick", "--probe", "2", "--json"],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=isolated_env(tmp_path))
+    result = run_main(main, [*flags, "--quick", "--probe", "2", "--json"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     probe = json.loads(result.stdout)["probe"]
     assert "error" not in probe and probe["steps"] == 2 and not probe["cached"]
