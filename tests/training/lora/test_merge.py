@@ -65,7 +65,7 @@ def run_file(request, tmp_path_factory):
 
 
 def export(*args):
-    """The command in a process of its own (each case below runs it once that way), else in this one."""
+    """The command in a process of its own (the merged export of each case runs that way), else in this one."""
     return subprocess.run([sys.executable, "-m", "diffsynth_mbc.export", *map(str, args)], capture_output=True,
                           text=True, timeout=300)
 
@@ -148,7 +148,7 @@ def test_the_merged_export_refuses_without_or_with_the_wrong_base(tmp_path, run_
 
 @pytest.mark.slow
 def test_a_dora_says_where_it_loads_right_at_export_and_at_the_end_of_its_run(tmp_path, run_file, capsys):
-    result = export(run_file["path"], "--output", tmp_path / "comfy.safetensors")
+    result = export_here(capsys, run_file["path"], "--output", tmp_path / "comfy.safetensors")
     assert result.returncode == 0, result.stderr
     summary = "\n".join(summary_lines({"status": "finished", "step": 10, "total_steps": 10}, best_val_loss=None,
                                       output_path=str(run_file["path"].parent), log_dir="logs"))
