@@ -39,3 +39,13 @@ def start_chromium(width: int, height: int):
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.set_page_load_timeout(60)
     return driver
+
+
+def browser_for_module(chromium, width: int, height: int):
+    """The test process's Chromium (the session's ``chromium`` fixture), ready for a test module's pages: a
+    ``width`` x ``height`` window on a blank page, the logs of earlier modules' pages read away."""
+    chromium.set_window_size(width, height)
+    chromium.get("about:blank")
+    for log in ("performance", "browser"):
+        chromium.get_log(log)
+    return chromium

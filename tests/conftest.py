@@ -35,6 +35,17 @@ def _remove_session_home(owner_pid: int = os.getpid()) -> None:
 atexit.register(_remove_session_home)
 
 
+@pytest.fixture(scope="session")
+def chromium():
+    """One headless Chromium per test process (a start costs about a CPU-second), shared by the test modules that
+    open pages; each module takes it through ``browser_helpers.browser_for_module``."""
+    from browser_helpers import start_chromium
+
+    driver = start_chromium(1400, 1800)
+    yield driver
+    driver.quit()
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A clean working directory for a test that runs commands writing relative paths."""

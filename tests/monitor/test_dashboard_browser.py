@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 import monitor_fixtures as F
-from browser_helpers import needs_browser, start_chromium
+from browser_helpers import browser_for_module, needs_browser
 from test_server import start_server, stop_server
 
 RANK_COLOURS = {0: (0x4c, 0xc3, 0x8a), 1: (0x5a, 0xa2, 0xff)}  # the page's palette for ranks 0 and 1
@@ -95,10 +95,8 @@ def grad_norm_at(step, rank):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    driver = start_chromium(1400, 1800)
-    yield driver
-    driver.quit()
+def browser(chromium):
+    return browser_for_module(chromium, 1400, 1800)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from browser_helpers import needs_browser, start_chromium
+from browser_helpers import browser_for_module, needs_browser
 from diffsynth_mbc.data.inspect.contact_sheet import REASON_ORDER, THUMB_HEIGHT_PX, SheetRow, contact_sheet_html
 
 THUMB_W, THUMB_H = 160, 90
@@ -196,10 +196,8 @@ def test_a_row_of_eight_thumbnails_weighs_tens_of_kilobytes():
 # ---- the page in a real browser -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def browser():
-    driver = start_chromium(1280, 900)
-    yield driver
-    driver.quit()
+def browser(chromium):
+    return browser_for_module(chromium, 1280, 900)
 
 
 @pytest.fixture
