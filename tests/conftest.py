@@ -11,8 +11,8 @@ _SESSION_HOME = tempfile.mkdtemp(prefix="mbc-test-home-")
 for _var, _sub in (("HF_HOME", "hf"), ("TORCH_EXTENSIONS_DIR", "torch_ext"), ("MODELSCOPE_CACHE", "modelscope"),
                    ("TRITON_CACHE_DIR", "triton"), ("MPLCONFIGDIR", "mpl")):
     os.environ.setdefault(_var, os.path.join(_SESSION_HOME, _sub))
-# The temp files of the processes the tests start (Chromium's profile folders, torchrun's, the workers' own) stay in
-# this session's folder too, whatever TMPDIR was: this process's own temp folder is already chosen.
+# The temp files of the processes the tests start (Chromium's profile folders, the workers' own) stay in this
+# session's folder too, whatever TMPDIR was: this process's own temp folder is already chosen.
 os.makedirs(os.path.join(_SESSION_HOME, "tmp"))
 os.environ["TMPDIR"] = os.path.join(_SESSION_HOME, "tmp")
 # One folder for the whole test run, the pytest-xdist workers included (they inherit it from the controller, which

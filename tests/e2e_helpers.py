@@ -34,6 +34,13 @@ def isolated_env(work: Path, **extra) -> dict:
     return env
 
 
+def forget_in_process_trainings(monkeypatch) -> None:
+    """Unset the ``ACCELERATE_*`` settings an earlier in-process training left in this process's environment, for a
+    command run here whose own processes inherit it (the doctor's probe runs)."""
+    for key in [key for key in os.environ if key.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(key)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -7,14 +7,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import os
 
 import pytest
 
 from diffsynth_mbc.doctor.cli import main
 from diffsynth_mbc.gpu import known_gpu
 from diffsynth_mbc.training.plan import memory, speed
-from e2e_helpers import REPO
+from e2e_helpers import REPO, forget_in_process_trainings
 
 FULL = str(REPO / "configs" / "train_full.yaml")
 GPU = "H100-80GB"
@@ -134,8 +133,7 @@ def test_the_probe_measures_every_bucket_in_use_and_projects_from_them(tmp_path,
     in two buckets, each measured by a run of its own, and the run length adds up each bucket's steps."""
     from diffsynth_mbc.data.demo_data import write_video
 
-    for key in [key for key in os.environ if key.startswith("ACCELERATE_")]:
-        monkeypatch.delenv(key)   # an earlier in-process training's settings must not reach the probe's runs
+    forget_in_process_trainings(monkeypatch)
     catalog = tmp_path / "catalog"
     rows = []
     for name, width, height in (("wide_0", 128, 64), ("wide_1", 128, 64), ("tall_0", 64, 128), ("tall_1", 64, 128)):

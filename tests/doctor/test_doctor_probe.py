@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.doctor.cli import main
-from e2e_helpers import REPO, run_main
+from e2e_helpers import REPO, forget_in_process_trainings, run_main
 
 pytestmark = pytest.mark.slow
 
 
 def test_the_probe_measures_clips_and_images_apart_and_projects_the_run(tmp_path, monkeypatch):
-    for key in [key for key in os.environ if key.startswith("ACCELERATE_")]:
-        monkeypatch.delenv(key)   # an earlier in-process training's settings must not reach the probe's runs
+    forget_in_process_trainings(monkeypatch)
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
     output = tmp_path / "run"
