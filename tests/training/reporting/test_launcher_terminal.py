@@ -99,7 +99,7 @@ def test_the_frame_options_reach_the_ranks_and_a_random_window_trains_two_epochs
     assert code == "0", screen
     log, = (work / "runs" / "demo" / "lora").glob("train-*.log")   # the launcher's command is in the run's log
     run_line, = [line for line in log.read_text().splitlines() if line.startswith("run run-")]
-    assert "--frame_sampling random_window --source_fps 6 --short_clips loop" in run_line, run_line
+    assert FRAME_OPTIONS in run_line, run_line
     log_dir = work / LOG_DIR
     for rank in (0, 1):
         state = read_status(log_dir, rank)
