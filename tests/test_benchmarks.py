@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,10 @@ def test_the_encode_benchmark_times_the_cache_builders_encoder_per_kind_of_row(t
     assert (result["size"], result["height"], result["width"], result["num_frames"]) == ("demo", 64, 96, 5)
     rows = {row["kind"]: row for row in result["rows"]}
     assert list(rows) == ["clip", "image", "caption"] and all(len(row["runs"]) == 2 for row in rows.values())
-    assert rows["clip"]["seconds"] > rows["image"]["seconds"] > 0 and rows["caption"]["seconds"] > 0
+    # Each kind's figure is the median of its runs (which is faster is the machine's to say: a clip of 5 small
+    # frames and an image were 0.109 s and 0.111 s apart on a busy 2-core machine).
+    for row in rows.values():
+        assert row["seconds"] == pytest.approx(statistics.median(row["runs"]), abs=1e-4) and row["seconds"] > 0
     assert result["video_row_s"] == pytest.approx(rows["clip"]["seconds"] + rows["caption"]["seconds"], abs=1e-4)
     text = capsys.readouterr().out
     assert "clip 96x64x5 (VAE: clip + first frame)" in text and f"{result['video_rows_per_s']:.3f} rows/s" in text
