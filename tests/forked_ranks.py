@@ -1,8 +1,9 @@
 """2 CPU ranks (gloo) of the training, forked from a process that has imported torch, diffsynth and this package once.
 
 ``accelerate launch -m diffsynth_mbc.train`` costs three Python start-ups and ~7 s of imports per rank before the
-first step; most end-to-end tests only need what the ranks then do. Here a per-run agent (forked from a
-``multiprocessing`` forkserver that preloaded the training's modules) forks the ranks with the environment that
+first step; most end-to-end tests only need what the ranks then do. Here a per-run agent (forked from one zygote
+process per test run, which preloaded the training's modules, shared by the pytest-xdist workers) forks the ranks
+with the environment that
 ``accelerate launch --multi_gpu`` gives them (read from a real launch: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``PORT``, ``ACCELERATE_*``, ``OMP_NUM_THREADS=1``) and each rank runs the same entry as
 ``python -m diffsynth_mbc.train`` (or ``python -m diffsynth_mbc.cache``): real processes, a real process group,
@@ -14,10 +15,13 @@ instead.
 from __future__ import annotations
 
 import fcntl
+import importlib
 import json
-import multiprocessing
 import os
+import pickle
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,15 +41,12 @@ PRELOAD = ["torch", "accelerate", "peft", "diffsynth", "diffsynth_mbc.training.c
 TRAINING = "diffsynth_mbc.training.cli:main"   # python -m diffsynth_mbc.train
 CACHE_BUILD = "diffsynth_mbc.cache:main"        # python -m diffsynth_mbc.cache
 STOP_OTHERS_GRACE_S = 30   # accelerate's agent: SIGTERM to the other ranks, SIGKILL after this
-_context = None
+ZYGOTE_START_TIMEOUT_S = 300   # its imports take ~8 CPU-seconds, on a machine the other workers keep busy
+_zygote_process = None        # the zygote this process started, kept so that it is not reported as left running
 
 
-def _forkserver():
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    return _context
+def _shared_folder() -> Path:
+    return Path(os.environ.get("MBC_TEST_RUN_SHARED") or tempfile.gettempdir())
 
 
 _LAUNCH_ENVIRONMENTS: dict = {}
@@ -61,7 +62,7 @@ def accelerate_environment(world_size: int, config_file: str | None) -> list[dic
     need it launches it, the others read what it wrote."""
     key = (world_size, config_file)
     if key not in _LAUNCH_ENVIRONMENTS:
-        shared = Path(os.environ.get("MBC_TEST_RUN_SHARED") or tempfile.gettempdir())
+        shared = _shared_folder()
         record = shared / f"launch-environment-{world_size}-{Path(config_file or 'multi_gpu').stem}.json"
         with open(shared / "launch-environment.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -160,6 +161,148 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _serve(address: str, owner: int) -> None:
+    """The zygote: imports ``PRELOAD`` once, then forks an agent for each request on the Unix socket ``address``
+    and answers the agent's pid, then its exit code (``-N``: killed by signal N) when it ends. It ends with the
+    test run: when ``owner`` (the pytest process every worker is a child of) has gone."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address + ".binding")
+    listener.listen(64)
+    os.replace(address + ".binding", address)   # ready: a client that finds the address can connect
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)   # an agent ended: wakes the select below
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C stops the tests, which then stop it
+    agents: dict[int, socket.socket] = {}
+    while _alive(owner):
+        ready, _, _ = select.select([listener, wake_read], [], [], 1.0)
+        if wake_read in ready:
+            while True:
+                try:
+                    if not os.read(wake_read, 512):
+                        break
+                except BlockingIOError:
+                    break
+        while agents:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            answer = agents.pop(pid, None)
+            if answer is not None:
+                with answer:
+                    try:
+                        answer.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    except OSError:
+                        pass   # the test that started it is gone
+        if listener in ready:
+            connection, _ = listener.accept()
+            connection.settimeout(60)
+            request = pickle.loads(_read_all(connection))
+            pid = os.fork()
+            if pid == 0:   # the agent: nothing of the zygote's but its imports
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                for handle in (listener, connection, *agents.values()):
+                    handle.close()
+                os.close(wake_read)
+                os.close(wake_write)
+                try:
+                    _agent(**request)
+                finally:
+                    os._exit(1)   # never back into the zygote's loop
+            connection.sendall(f"{pid}\n".encode())
+            agents[pid] = connection
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _read_all(connection: socket.socket) -> bytes:
+    chunks = []
+    while chunk := connection.recv(1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _zygote_connection() -> socket.socket:
+    """A connection to this test run's zygote; the first worker to need one starts it (under a lock: one per run)."""
+    address = str(_shared_folder() / "ranks.sock")
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(address)
+        return connection
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    with open(_shared_folder() / "ranks.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(address):
+            _start_zygote(address)
+    connection.connect(address)
+    return connection
+
+
+def _start_zygote(address: str) -> None:
+    global _zygote_process
+    # pytest-xdist's workers are children of the pytest process, which outlives them all; without workers, this
+    # process is the test run.
+    owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    log = open(_shared_folder() / "ranks-zygote.log", "ab")
+    # In the test run's session, as the ranks of a launched run are: a session of its own would be a scheduling
+    # group of its own (Linux autogroup), and its ranks would share the CPUs differently from launched ones.
+    _zygote_process = subprocess.Popen([sys.executable, __file__, address, str(owner)], stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
+    while not os.path.exists(address):
+        ended = _zygote_process.poll()
+        assert ended is None, f"the ranks' zygote ended ({ended}): {(_shared_folder() / 'ranks-zygote.log').read_text()}"
+        assert time.monotonic() < deadline, "the ranks' zygote did not start"
+        time.sleep(0.05)
+
+
+class _Agent:
+    """A run's agent as the zygote reports it: ``pid``; ``exitcode`` (None while it runs); ``join(timeout)``."""
+
+    def __init__(self, connection: socket.socket):
+        self.connection, self.answered = connection, b""
+        self.pid = int(self._line(timeout=None))
+        self._exitcode = None
+
+    def _line(self, timeout: float | None) -> str | None:
+        while b"\n" not in self.answered:
+            ready, _, _ = select.select([self.connection], [], [], timeout)
+            if not ready:
+                return None
+            chunk = self.connection.recv(64)
+            if not chunk:
+                raise RuntimeError("the ranks' zygote ended while a run was going on")
+            self.answered += chunk
+        line, self.answered = self.answered.split(b"\n", 1)
+        return line.decode()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._exitcode is None:
+            answer = self._line(timeout)
+            if answer is not None:
+                self._exitcode = int(answer)
+                self.connection.close()
+
+    @property
+    def exitcode(self) -> int | None:
+        self.join(0)
+        return self._exitcode
+
+
 class _Reader:
     def __init__(self, path: Path):
         self.path = path
@@ -221,10 +364,12 @@ def start_training(work: Path, flags: list[str], world_size: int = 2, config_fil
     stderr = stdout if combined else outputs / f"{stamp}.err"
     base = isolated_env(work, **extra_env)
     rank_envs = [dict(base, **launched) for launched in accelerate_environment(world_size, config_file)]
-    process = _forkserver().Process(target=_agent, args=([str(f) for f in flags], rank_envs, str(work), str(stdout),
-                                                         str(stderr), prelude, entry), daemon=False)
-    process.start()
-    return ForkedRun(process, stdout, stderr)
+    request = {"argv": [str(f) for f in flags], "rank_envs": rank_envs, "cwd": str(work), "stdout": str(stdout),
+               "stderr": str(stderr), "prelude": prelude, "entry": entry}
+    connection = _zygote_connection()
+    connection.sendall(pickle.dumps(request))
+    connection.shutdown(socket.SHUT_WR)
+    return ForkedRun(_Agent(connection), stdout, stderr)
 
 
 def run_training(work: Path, flags: list[str], timeout: float = 300, **options) -> subprocess.CompletedProcess:
@@ -233,3 +378,7 @@ def run_training(work: Path, flags: list[str], timeout: float = 300, **options) 
     run = start_training(work, flags, **options)
     stdout, stderr = run.communicate(timeout)
     return subprocess.CompletedProcess(["forked ranks", *map(str, flags)], run.returncode, stdout, stderr)
+
+
+if __name__ == "__main__":   # the zygote: python forked_ranks.py ADDRESS OWNER_PID
+    _serve(sys.argv[1], int(sys.argv[2]))
