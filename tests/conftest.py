@@ -16,7 +16,7 @@ for _var, _sub in (("HF_HOME", "hf"), ("TORCH_EXTENSIONS_DIR", "torch_ext"), ("M
 os.makedirs(os.path.join(_SESSION_HOME, "tmp"))
 os.environ["TMPDIR"] = os.path.join(_SESSION_HOME, "tmp")
 # One folder for the whole test run, the pytest-xdist workers included (they inherit it from the controller, which
-# removes it last): what one worker measured once for every worker (tests/forked_ranks.py).
+# removes it last): what one worker measured or started once for every worker (tests/forked_ranks.py).
 os.environ.setdefault("MBC_TEST_RUN_SHARED", _SESSION_HOME)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # pytest-xdist runs a worker per CPU and one more (pytest_xdist_auto_num_workers below): torch's thread pool in each

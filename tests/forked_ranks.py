@@ -107,7 +107,7 @@ def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, prelud
         import torch
 
         # A fresh process sizes torch's thread pool from OMP_NUM_THREADS when it imports torch; this one
-        # imported torch in the forkserver, before that was set.
+        # imported torch in the zygote, before that was set.
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
         if prelude:
             exec(prelude, {"__name__": "prelude"})
