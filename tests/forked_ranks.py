@@ -265,7 +265,8 @@ def _start_zygote(address: str) -> None:
     deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
     while not os.path.exists(address):
         ended = _zygote_process.poll()
-        assert ended is None, f"the ranks' zygote ended ({ended}): {(_shared_folder() / 'ranks-zygote.log').read_text()}"
+        said = (_shared_folder() / "ranks-zygote.log").read_text(errors="replace") if ended is not None else ""
+        assert ended is None, f"the ranks' zygote ended ({ended}): {said}"
         assert time.monotonic() < deadline, "the ranks' zygote did not start"
         time.sleep(0.05)
 
