@@ -201,7 +201,11 @@ def _serve(address: str, owner: int) -> None:
         if listener in ready:
             connection, _ = listener.accept()
             connection.settimeout(60)
-            request = pickle.loads(_read_all(connection))
+            try:
+                request = pickle.loads(_read_all(connection))
+            except (EOFError, OSError, pickle.UnpicklingError):   # a client that left before asking
+                connection.close()
+                continue
             pid = os.fork()
             if pid == 0:   # the agent: nothing of the zygote's but its imports
                 signal.set_wakeup_fd(-1)
@@ -237,17 +241,28 @@ def _read_all(connection: socket.socket) -> bytes:
 def _zygote_connection() -> socket.socket:
     """A connection to this test run's zygote; the first worker to need one starts it (under a lock: one per run)."""
     address = str(_shared_folder() / "ranks.sock")
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(address)
-        return connection
+        return _connect(address)
     except (FileNotFoundError, ConnectionRefusedError):
         pass
     with open(_shared_folder() / "ranks.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(address):
+        try:
+            return _connect(address)   # another worker started it meanwhile
+        except (FileNotFoundError, ConnectionRefusedError):
+            if os.path.exists(address):   # left by a zygote that died: start another
+                os.unlink(address)
             _start_zygote(address)
-    connection.connect(address)
+            return _connect(address)
+
+
+def _connect(address: str) -> socket.socket:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(address)
+    except OSError:
+        connection.close()
+        raise
     return connection
 
 
