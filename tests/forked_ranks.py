@@ -2,14 +2,12 @@
 
 ``accelerate launch -m diffsynth_mbc.train`` costs three Python start-ups and ~7 s of imports per rank before the
 first step; most end-to-end tests only need what the ranks then do. Here a per-run agent (forked from one zygote
-process per test run, which preloaded the training's modules, shared by the pytest-xdist workers) forks the ranks
-with the environment that
-``accelerate launch --multi_gpu`` gives them (read from a real launch: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``/``PORT``, ``ACCELERATE_*``, ``OMP_NUM_THREADS=1``) and each rank runs the same entry as
-``python -m diffsynth_mbc.train`` (or ``python -m diffsynth_mbc.cache``): real processes, a real process group,
-real files. Like accelerate's agent, the agent stops the other ranks when one fails and exits 1 if any rank
-failed. Tests of the launchers themselves (supervisor, stop.sh, the launcher watch) start the real launchers
-instead.
+process per test run, which preloaded the training's modules, shared by the pytest-xdist workers) forks the ranks with
+the environment that ``accelerate launch --multi_gpu`` gives them (read from a real launch: ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, ``ACCELERATE_*``, ``OMP_NUM_THREADS=1``) and each rank runs the same entry
+as ``python -m diffsynth_mbc.train`` (or ``python -m diffsynth_mbc.cache``): real processes, a real process group,
+real files. Like accelerate's agent, the agent stops the other ranks when one fails and exits 1 if any rank failed.
+Tests of the launchers themselves (supervisor, stop.sh, the launcher watch) start the real launchers instead.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from diffsynth_mbc.lifecycle import processes
 from e2e_helpers import free_port, isolated_env
 
 PRELOAD = ["torch", "accelerate", "peft", "diffsynth", "diffsynth_mbc.training.cli", "diffsynth_mbc.training.loop",
@@ -167,6 +166,7 @@ def _serve(address: str, owner: int) -> None:
     test run: when ``owner`` (the pytest process every worker is a child of) has gone."""
     for name in PRELOAD:
         importlib.import_module(name)
+    owner_started = processes.start_time(owner)   # a pid reused after the test run is not the test run
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address + ".binding")
     listener.listen(64)
@@ -178,7 +178,7 @@ def _serve(address: str, owner: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)   # an agent ended: wakes the select below
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C stops the tests, which then stop it
     agents: dict[int, socket.socket] = {}
-    while _alive(owner):
+    while processes.alive(owner, owner_started):
         ready, _, _ = select.select([listener, wake_read], [], [], 1.0)
         if wake_read in ready:
             while True:
@@ -221,14 +221,6 @@ def _serve(address: str, owner: int) -> None:
                     os._exit(1)   # never back into the zygote's loop
             connection.sendall(f"{pid}\n".encode())
             agents[pid] = connection
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _read_all(connection: socket.socket) -> bytes:
@@ -286,15 +278,27 @@ def _start_zygote(address: str) -> None:
         time.sleep(0.05)
 
 
-class _Agent:
-    """A run's agent as the zygote reports it: ``pid``; ``exitcode`` (None while it runs); ``join(timeout)``."""
+class _Reader:
+    def __init__(self, path: Path):
+        self.path = path
 
-    def __init__(self, connection: socket.socket):
-        self.connection, self.answered = connection, b""
-        self.pid = int(self._line(timeout=None))
-        self._exitcode = None
+    def read(self) -> str:
+        return self.path.read_text(errors="replace") if self.path.exists() else ""
 
-    def _line(self, timeout: float | None) -> str | None:
+
+class ForkedRun:
+    """A started run, used as the ``subprocess.Popen`` of ``accelerate launch`` would be: ``pid`` (the agent's; the
+    ranks are its children), ``poll``, ``wait``, ``communicate``, ``returncode``, ``stdout.read()``. The zygote
+    answers on ``connection``: the agent's pid, then its exit code (``-N``: killed by signal N) when it ends."""
+
+    def __init__(self, connection: socket.socket, stdout: Path, stderr: Path):
+        self.connection, self.answered, self.exit_code = connection, b"", None
+        self.stdout, self.stderr = _Reader(stdout), _Reader(stderr)
+        self.combined = stdout == stderr
+        self.pid = int(self._answer(timeout=None))
+
+    def _answer(self, timeout: float | None) -> str | None:
+        """The zygote's next line, or None when it has said nothing more within ``timeout``."""
         while b"\n" not in self.answered:
             ready, _, _ = select.select([self.connection], [], [], timeout)
             if not ready:
@@ -306,51 +310,22 @@ class _Agent:
         line, self.answered = self.answered.split(b"\n", 1)
         return line.decode()
 
-    def join(self, timeout: float | None = None) -> None:
-        if self._exitcode is None:
-            answer = self._line(timeout)
-            if answer is not None:
-                self._exitcode = int(answer)
-                self.connection.close()
-
-    @property
-    def exitcode(self) -> int | None:
-        self.join(0)
-        return self._exitcode
-
-
-class _Reader:
-    def __init__(self, path: Path):
-        self.path = path
-
-    def read(self) -> str:
-        return self.path.read_text(errors="replace") if self.path.exists() else ""
-
-
-class ForkedRun:
-    """A started run, used as the ``subprocess.Popen`` of ``accelerate launch`` would be: ``pid`` (the agent's; the
-    ranks are its children), ``poll``, ``wait``, ``communicate``, ``returncode``, ``stdout.read()``."""
-
-    def __init__(self, process, stdout: Path, stderr: Path):
-        self.process, self.stdout, self.stderr = process, _Reader(stdout), _Reader(stderr)
-        self.combined = stdout == stderr
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     @property
     def returncode(self) -> int | None:
-        return self.process.exitcode
+        return self.poll()
 
-    def poll(self) -> int | None:
-        return self.process.exitcode
+    def poll(self, timeout: float | None = 0) -> int | None:
+        if self.exit_code is None:
+            answer = self._answer(timeout)
+            if answer is not None:
+                self.exit_code = int(answer)
+                self.connection.close()
+        return self.exit_code
 
     def wait(self, timeout: float | None = None) -> int:
-        self.process.join(timeout)
-        if self.process.exitcode is None:
+        if self.poll(timeout) is None:
             raise subprocess.TimeoutExpired("forked training ranks", timeout)
-        return self.process.exitcode
+        return self.exit_code
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         try:
@@ -359,7 +334,7 @@ class ForkedRun:
             from e2e_helpers import kill_tree
 
             kill_tree(self.pid)
-            self.process.join(60)
+            self.poll(60)
             raise
         return self.stdout.read(), None if self.combined else self.stderr.read()
 
@@ -385,7 +360,7 @@ def start_training(work: Path, flags: list[str], world_size: int = 2, config_fil
     connection = _zygote_connection()
     connection.sendall(pickle.dumps(request))
     connection.shutdown(socket.SHUT_WR)
-    return ForkedRun(_Agent(connection), stdout, stderr)
+    return ForkedRun(connection, stdout, stderr)
 
 
 def run_training(work: Path, flags: list[str], timeout: float = 300, **options) -> subprocess.CompletedProcess:
