@@ -11,10 +11,13 @@ _SESSION_HOME = tempfile.mkdtemp(prefix="mbc-test-home-")
 for _var, _sub in (("HF_HOME", "hf"), ("TORCH_EXTENSIONS_DIR", "torch_ext"), ("MODELSCOPE_CACHE", "modelscope"),
                    ("TRITON_CACHE_DIR", "triton"), ("MPLCONFIGDIR", "mpl")):
     os.environ.setdefault(_var, os.path.join(_SESSION_HOME, _sub))
-# The temp files of the processes the tests start (Chromium's profile folders, the workers' own) stay in this
-# session's folder too, whatever TMPDIR was: this process's own temp folder is already chosen.
+# The temp files of this process and of the processes the tests start (Chromium's profile folders, the workers' own,
+# torch's compiled C++ headers) stay in this session's folder too, whatever TMPDIR was. pytest keeps its tmp_path
+# folders where it did (the temp folder chosen above): a failed test's files outlive the session's folder.
 os.makedirs(os.path.join(_SESSION_HOME, "tmp"))
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 os.environ["TMPDIR"] = os.path.join(_SESSION_HOME, "tmp")
+tempfile.tempdir = None   # chosen again, from TMPDIR, when next asked
 # One folder for the whole test run, the pytest-xdist workers included (they inherit it from the controller, which
 # removes it last): what one worker measured or started once for every worker (tests/forked_ranks.py).
 os.environ.setdefault("MBC_TEST_RUN_SHARED", _SESSION_HOME)
