@@ -58,22 +58,34 @@ def test_keep_if_same_leaves_an_identical_file_and_its_mtime_alone(tmp_path):
     assert target.read_bytes() == b"new bytes" and os.listdir(tmp_path) == ["clip.bin"]
 
 
+METADATA = {k: "v" + k for k in ("run_id", "step", "lora_rank", "lora_alpha", "base_model", "é")}
+
+
 @pytest.mark.slow   # starts a Python process that imports torch
 def test_the_same_tensors_and_metadata_save_the_same_bytes_in_any_process(tmp_path):
-    """safetensors orders the metadata by a per-process hash: each process here would write other bytes (the test
-    failed before). The files still load, metadata and all."""
+    """safetensors writes the metadata in the order of a hash map with random keys, new for each map: each save, in
+    this process or in another, would write other bytes (the test failed before; the raw bytes are shown to differ
+    here, so it still can). Eight saves here and one in a process of its own write the same file, and it loads."""
     import subprocess
     import sys
 
-    script = ("import sys, torch; from diffsynth_mbc.atomic import atomic_save_safetensors; "
-              "metadata = {k: 'v' + k for k in ('run_id', 'step', 'lora_rank', 'lora_alpha', 'base_model', 'é')}; "
-              "atomic_save_safetensors(sys.argv[1], {'b': torch.arange(6.).reshape(2, 3), 'a': torch.ones(5)}, "
-              "metadata)")
-    files = [tmp_path / f"{n}.safetensors" for n in range(4)]
-    for path in files:
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True)
-    assert len({path.read_bytes() for path in files}) == 1
+    import torch
     from safetensors import safe_open
+    from safetensors.torch import save
 
-    with safe_open(str(files[0]), "pt") as handle:
+    from diffsynth_mbc.atomic import atomic_save_safetensors
+
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    script = ("import sys, torch; from diffsynth_mbc.atomic import atomic_save_safetensors; "
+              "atomic_save_safetensors(sys.argv[1], {'b': torch.arange(6.).reshape(2, 3), 'a': torch.ones(5)}, "
+              f"{METADATA!r})")
+    subprocess.run([sys.executable, "-c", script, str(elsewhere)], check=True)
+    tensors = {"b": torch.arange(6.).reshape(2, 3), "a": torch.ones(5)}
+    raw = {save(tensors, metadata=METADATA) for _ in range(8)}
+    assert len(raw) > 1, "safetensors wrote the metadata in one order every time: this test would show nothing"
+    here = [tmp_path / f"{n}.safetensors" for n in range(8)]
+    for path in here:
+        atomic_save_safetensors(path, tensors, METADATA)
+    assert {path.read_bytes() for path in [elsewhere, *here]} == {elsewhere.read_bytes()}
+    with safe_open(str(elsewhere), "pt") as handle:
         assert handle.metadata()["é"] == "vé" and handle.get_tensor("b")[1, 2] == 5
