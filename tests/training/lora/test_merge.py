@@ -97,7 +97,7 @@ def test_diffsynth_load_lora_misses_a_dora_and_the_merged_export_reproduces_it(t
     assert unexpected == [] and "blocks.0.self_attn.q.bias" in missing
     torch.testing.assert_close(dit_output(pipe.dit), run_file["output"], rtol=1e-4, atol=1e-5)
     if run_file["variant"] == "dora":
-        assert loaded > 0.1, loaded   # 0.28-0.33 here (the LoRA A draws vary); 0.15 after a 3-epoch demo DoRA run
+        assert loaded > 0.1, loaded   # 0.28-0.37 here (the LoRA A draws vary); 0.21 after a 3-epoch demo DoRA run
     else:
         assert loaded < 1e-4          # a plain LoRA loads right either way
     assert safe_open(str(merged), framework="pt").metadata()["lora_variant"] == run_file["variant"]
