@@ -165,9 +165,9 @@ def test_compiled_blocks_train_to_the_losses_of_uncompiled_ones_from_one_graph(e
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    # Scalar C++ kernels: the same code on any CI machine's CPU, whatever vector units it has, and half the
-    # compile's CPU time (no probe of each vector ISA: 10 test builds, each loaded in a new Python). The GPUs
-    # compile Triton kernels, not these.
+    # Scalar C++ kernels: the same code on any CI machine's CPU, whatever vector units it has, and about half the
+    # C++ compiler's time (no probe of each vector ISA, 10 test builds each loaded in a new Python; 20 kernels
+    # instead of 30). The GPUs compile Triton kernels, not these.
     monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
     videos, _ = entries
     losses = {}
