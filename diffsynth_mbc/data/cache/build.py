@@ -106,6 +106,7 @@ class ShardJob:
         self.empty_prompt = None   # rank 0: {"text": relpath} of the empty prompt's embedding
         self._encoder = None
         self.view = None
+        self.started = time.monotonic()
 
     # -- which rows need work -------------------------------------------------------------------
     def plan_rows(self) -> None:
@@ -211,6 +212,11 @@ class ShardJob:
         except Exception as exc:  # noqa: BLE001 - listed; one bad clip must not stop the job
             return f"metadata row {row + 1} ({self.plan[row]['file']}): cannot encode: {type(exc).__name__}: {exc}"
         self.stats["written"] += 1
+        # When the first and the last encoded row were done (s from the start): their span is the encode rate
+        # without the models' load, the data workers' start and the first encode's warm-up.
+        done_at = round(time.monotonic() - self.started, 3)
+        self.stats.setdefault("first_row_done_s", done_at)
+        self.stats["last_row_done_s"] = done_at
         self.done[row] = self.plan[row]
         return None
 
@@ -267,7 +273,6 @@ class ShardJob:
 def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, torch_dtype, model_files,
                  status=None) -> dict:
     """Encode this rank's rows; returns its shard record (rows done, failures, counts)."""
-    started = time.monotonic()
     job = ShardJob(options, ranks, settings, dataset, device, torch_dtype, model_files, status)
     job.plan_rows()
     if status is not None:
@@ -281,7 +286,7 @@ def encode_shard(options, ranks: Ranks, settings: dict, dataset, device: str, to
             job.view.close()
     if ranks.rank == 0:
         job.ensure_empty_prompt()
-    return job.record(time.monotonic() - started)
+    return job.record(time.monotonic() - job.started)
 
 
 # ---------------------------------------------------------------------------------------------

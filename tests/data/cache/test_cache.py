@@ -87,6 +87,8 @@ def test_first_run_encodes_every_row_and_lists_the_corrupt_clip(demo, reference)
     assert (summary["written"], summary["skipped"], summary["failed"]) == (GOOD_ROWS, 0, 1)
     assert summary["text_written"] == GOOD_ROWS and summary["rows_cached"] == GOOD_ROWS
     assert summary["bytes"] == sum(p.stat().st_size for p in cache_dir.rglob("*.safetensors"))
+    stats = summary["per_rank"][0]   # when its first and last encoded rows were done: the probe's encode rate
+    assert stats["model_load_seconds"] < stats["first_row_done_s"] < stats["last_row_done_s"] <= stats["seconds"]
     with open(cache_dir / "failures.csv", newline="", encoding="utf-8") as handle:
         failures = list(csv.reader(handle))
     assert len(failures) == 2 and failures[1][:2] == [str(BROKEN_ROW), "media/video_002.mp4"]
