@@ -41,6 +41,9 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "caption_dropout": (0.0, 1.0, True, False), "i2v_probability": (0.0, 1.0, True, False),
     "loraplus_lr_ratio": (0.0, None, False, True),
 }
+# The numbers a run may leave unset (None: off, or the default the help names); a preset's value is cleared with none.
+OPTIONAL_NUMBERS = frozenset([key for key, (_, optional) in _INTEGERS.items() if optional]
+                             + [key for key, (*_, optional) in _FLOATS.items() if optional])
 # Parameters of one --timestep_sampling scheme: given with another scheme they would do nothing, so they are refused.
 _SCHEME_PARAMETERS = {"timestep_shift": "shift", "logit_mean": "logit_normal", "logit_std": "logit_normal",
                       "sigmoid_scale": "sigmoid"}
@@ -178,7 +181,8 @@ def validate(options: dict) -> None:
     if parse_strengths(options["sample_strengths"]) != [1.0] and not options["sample_prompts"]:
         raise OptionsError("--sample_strengths needs --sample_prompts FILE (the prompts it renders at each strength)")
     if options["val_steps"] and not options["val_metadata_path"]:
-        raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter)")
+        raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter); "
+                           "--val_steps none trains without validation")
     check_frame_options(options)
     if options["lora_variant"] == "dora" and options["lora_format"] != "comfyui":
         raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "

@@ -7,6 +7,7 @@ import sys
 from typing import Sequence
 
 from diffsynth_mbc.flags import FlagParser, unknown_flag_line
+from diffsynth_mbc.training.options.checks import OPTIONAL_NUMBERS
 from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES
 
 
@@ -74,7 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_and_quality_arguments(parser)
     _add_caption_arguments(parser)
     _add_ema_arguments(parser)
+    _let_none_clear(parser)
     return parser
+
+
+def _let_none_clear(parser: argparse.ArgumentParser) -> None:
+    """A number a run may leave unset (``--val_steps``, ``--checkpoint_minutes``, ...) also takes ``none``: on the
+    command line it clears what the preset set, as if the preset had not set it."""
+    for action in parser._actions:
+        if action.dest in OPTIONAL_NUMBERS:
+            action.type = _number_or_none(action.type)
+            action.help = f"{action.help} (none: unset, over a preset)"
+
+
+def _number_or_none(parse):
+    def number_or_none(text):
+        return None if str(text).strip().lower() == "none" else parse(text)
+
+    number_or_none.__name__ = parse.__name__   # errors still say "invalid int value", "cannot read ... as float"
+    return number_or_none
 
 
 def _add_frame_arguments(data) -> None:

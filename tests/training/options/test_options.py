@@ -22,6 +22,18 @@ def test_command_line_beats_preset(tmp_path):
     assert options.learning_rate == 1e-5 and options.num_epochs == 7
 
 
+def test_none_on_the_command_line_clears_a_number_the_preset_set_and_only_such_a_number():
+    full = ["--config", str(REPO / "configs" / "train_full.yaml")]
+    with pytest.raises(OptionsError, match="--val_steps none trains without validation"):
+        resolve_options([*full, "--val_metadata_path", ""])   # the preset's val_steps: 2000 stays
+    options = resolve_options([*full, "--val_metadata_path", "", "--val_steps", "none", "--checkpoint_minutes", "None",
+                               "--lora_alpha", "none"])
+    assert options.val_steps is None and options.checkpoint_minutes is None and options.lora_alpha is None
+    assert options.checkpoint_steps == 2000 and options.num_epochs == 5   # the rest of the preset as it was
+    with pytest.raises(SystemExit):
+        resolve_options([*full, "--num_epochs", "none"])   # a number every run needs cannot be unset
+
+
 def test_preset_values_are_typed_like_flags(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("dataset_base_path: a\ndataset_metadata_path: b.csv\nlearning_rate: 1e-5\n")  # a YAML string
