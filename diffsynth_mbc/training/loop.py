@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.lifecycle.signals import StopSignals, unblock_in_child
+from diffsynth_mbc.lifecycle.startup import resume_collector
 from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpoints, Position
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
@@ -80,6 +81,7 @@ class Run:
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     run = setup(options, status, signals)
+    resume_collector()   # paused by `python -m diffsynth_mbc.train` while it imported and set up
     if train_epochs(run) != "stopped":
         finish(run)
     cleanup(run)
