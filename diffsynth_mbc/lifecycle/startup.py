@@ -2,8 +2,9 @@
 
 Importing torch, DiffSynth (with transformers) and peft, then building the model, creates about a million
 objects that live as long as the process and almost no cyclic garbage, yet the collector makes 7 full passes
-over them: about 0.6 of a demo rank's 7.5 CPU-seconds (``python -X importtime`` and ``gc.callbacks``, measured
-on the launched demo). ``python -m diffsynth_mbc.train`` pauses the collector before its imports and the
+over them: about 1 of the 8 CPU-seconds of each rank of the launched demo (``gc.callbacks``);
+``benchmarks/bench_startup.py``: 5.6 CPU-s for the imports and the demo pipeline, 4.6 paused. ``python -m
+diffsynth_mbc.train`` pauses the collector before its imports and the
 training resumes it once it is set up, before the first step; a process forked meanwhile (a data-loader
 worker) runs with it on. Only a pause taken here is resumed: a test calling the training's ``main`` in its own
 process keeps its collector as it is. Reference counting frees everything else as usual throughout.
