@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from step_timing import cap_cuda_memory  # noqa: E402
+from step_timing import built_in, cap_cuda_memory  # noqa: E402
 
 NO_CUDA = ("--full-size needs a CUDA GPU (the umt5-xxl text encoder alone is about 11 GB in bf16); none is "
            "visible here. Run without --full-size for the demo's tiny encoders on this machine.")
@@ -82,7 +82,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def full_size_encoders(device: str, torch_dtype):
     """The Wan2.2 VAE and umt5-xxl at full size with random weights, built on ``device`` in ``torch_dtype``."""
-    import torch
     from diffsynth.models.wan_video_text_encoder import WanTextEncoder
     from diffsynth.models.wan_video_vae import WanVideoVAE38
     from diffsynth.pipelines.wan_video_new import WanVideoPipeline
@@ -92,14 +91,9 @@ def full_size_encoders(device: str, torch_dtype):
 
     pipe = WanVideoPipeline(device=device, torch_dtype=torch_dtype)
     pipe.audio_encoder = pipe.audio_processor = None
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)   # built in the cache's dtype: no fp32 copy of 5.7B parameters first
-    try:
-        with torch.device(device):
-            pipe.vae = WanVideoVAE38()
-            pipe.text_encoder = WanTextEncoder()
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with built_in(torch_dtype, device):   # the cache's dtype
+        pipe.vae = WanVideoVAE38()
+        pipe.text_encoder = WanTextEncoder()
     pipe.vae.mean, pipe.vae.std = pipe.vae.mean.float(), pipe.vae.std.float()   # as DiffSynth builds them
     pipe.vae.scale = [pipe.vae.mean, 1.0 / pipe.vae.std]
     pipe.prompter.fetch_models(pipe.text_encoder)

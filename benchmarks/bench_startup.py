@@ -29,7 +29,7 @@ def timed(phase, info):
         spent[0] += time.process_time() - spent[1]
 gc.callbacks.append(timed)
 if sys.argv[1] == "paused":
-    from diffsynth_mbc.lifecycle.startup import pause_collector, resume_collector
+    from diffsynth_mbc.lifecycle.startup import pause_collector
     pause_collector()
 import torch, accelerate, peft, diffsynth
 import diffsynth_mbc.training.loop
@@ -37,8 +37,6 @@ from diffsynth_mbc.models.pipeline import build_demo_pipeline
 import tempfile
 with tempfile.TemporaryDirectory() as folder:
     build_demo_pipeline(device="cpu", torch_dtype=torch.float32, seed=42, tokenizer_dir=folder)
-if sys.argv[1] == "paused":
-    resume_collector()
 print(json.dumps({"cpu_s": time.process_time(), "gc_s": spent[0]}))
 """
 

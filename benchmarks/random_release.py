@@ -21,7 +21,10 @@ import argparse
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from step_timing import built_in  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DIT_SHARDS = 3
@@ -88,13 +91,8 @@ def write_release(folder: Path, device: str, dtype, models=None) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for file_name, _, build in models or release_models():
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)   # built in the file's dtype: no fp32 copy of billions of parameters first
-        try:
-            with torch.device(device):
-                module = build()
-        finally:
-            torch.set_default_dtype(default_dtype)
+        with built_in(dtype, device):
+            module = build()
         state = {key: value.to(dtype).contiguous().cpu() for key, value in file_state_dict(module, file_name).items()}
         del module
         if file_name.endswith(".pth"):

@@ -220,6 +220,21 @@ def dit_attention_path() -> str:
     return "torch SDPA"
 
 
+@contextlib.contextmanager
+def built_in(dtype, device: str):
+    """Modules built inside this are made on ``device`` in ``dtype`` directly: no fp32 copy of billions of
+    parameters first."""
+    import torch
+
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
 def cap_cuda_memory(gib: float | None, script: str) -> str | None:
     """``--memory-cap-gib``: this process may allocate at most ``gib`` GiB of GPU memory (an allocation past it fails
     as it would on a smaller GPU). The refusal to print when no CUDA GPU is visible, else None."""
