@@ -26,7 +26,6 @@ DataLoader workers decode while the GPU encodes, so decoding is not in these tim
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
