@@ -56,9 +56,9 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from step_timing import (Feed, Geometry, Setting, build_step_run, built_in, cache_like_entries,  # noqa: E402
-                         cap_cuda_memory, memory_and_kernels, optimizer_step, peak_flops, random_dit_pipeline,
-                         summarise)
+from step_timing import (Feed, Geometry, Setting, attention_backends, build_step_run, built_in,  # noqa: E402
+                         cache_like_entries, cap_cuda_memory, memory_and_kernels, optimizer_step, peak_flops,
+                         random_dit_pipeline, summarise)
 
 NO_CUDA = "--full-size needs a CUDA GPU; none is visible here. Run without --full-size for the tiny DiT."
 
@@ -173,7 +173,9 @@ def time_rows(run, rows: dict, pools: dict, args, sync) -> dict:
     graphs_while_timed = dynamo_graphs() - graphs
     cuda = run.accelerator.device.type == "cuda"
     for name in rows:
-        timed[name].update(memory_and_kernels(run, batch(name), cuda))
+        samples = batch(name)
+        timed[name].update(memory_and_kernels(run, samples, cuda),
+                           memory_step_modes=[sample.get("mode") for sample in samples if sample.get("mode")])
     return {"feeds": feeds, "timed": timed, "graphs_while_timed": graphs_while_timed}
 
 
@@ -325,7 +327,9 @@ def measure_setting(args) -> dict:
     pools = {name: row_samples(name, row, args.full_size, dtype, seed) for seed, (name, row) in enumerate(rows.items())}
     print(f"{args.setting}: {info['device']}, {info['mixed_precision']}, {info['recompute_blocks']}/"
           f"{info['num_blocks']} blocks recompute, compile {info['compile_reason']}", file=sys.stderr, flush=True)
-    measured = time_rows(run, rows, pools, args, sync)
+    with attention_backends(setting.attention):   # the SDPA kernels the setting allows (a V100's: efficient)
+        measured = time_rows(run, rows, pools, args, sync)
+        extras = measure_extras(run, pools[names[0]][0], args, sync) if args.extras else None
     blocks = run.accelerator.unwrap_model(run.module).blocks
     info.update(compiled=blocks.compiled, compile_status=run.status.state.get("compile_reason"))
     peak = peak_flops(info["device"], args.peak_tflops)
@@ -341,19 +345,22 @@ def measure_setting(args) -> dict:
     result = {"setting": args.setting, "choices": choices, "info": info, "peak_flops": peak, "rows": result_rows,
               "graphs_while_timed": measured["graphs_while_timed"], "runs": args.runs, "steps": args.steps,
               "warmup": args.warmup}
-    if args.extras:
-        extras = {}
-        clip = lambda: [dict(pools[names[0]][0])]  # noqa: E731 - the presets' clip
-        extras.update(health_record_seconds(run, clip, args.runs))
-        print(f"  health record {extras['health_record_s']:.3f} s", file=sys.stderr, flush=True)
-        extras.update(validation_seconds(run, dict(pools[names[0]][0]), args.runs, sync))
-        print(f"  validation sample {extras['val_sample_s']:.3f} s", file=sys.stderr, flush=True)
-        full = ROWS["default"]
-        size = (full.width, full.height, full.num_frames) if args.full_size else (64, 64, 5)
-        extras.update(sample_clip_seconds(run, size, args.full_size, sync))
-        print(f"  sample clip {extras['sample_clip_s']:.1f} s", file=sys.stderr, flush=True)
+    if extras is not None:
         result["extras"] = extras
     return result
+
+
+def measure_extras(run, clip: dict, args, sync) -> dict:
+    """The health record, the validation sample and the sample clip, on the module the rows trained."""
+    extras = health_record_seconds(run, lambda: [dict(clip)], args.runs)
+    print(f"  health record {extras['health_record_s']:.3f} s", file=sys.stderr, flush=True)
+    extras.update(validation_seconds(run, dict(clip), args.runs, sync))
+    print(f"  validation sample {extras['val_sample_s']:.3f} s", file=sys.stderr, flush=True)
+    full = ROWS["default"]
+    size = (full.width, full.height, full.num_frames) if args.full_size else (64, 64, 5)
+    extras.update(sample_clip_seconds(run, size, args.full_size, sync))
+    print(f"  sample clip {extras['sample_clip_s']:.1f} s", file=sys.stderr, flush=True)
+    return extras
 
 
 def useful_mfu(summary: dict, info: dict, text_len: int, peak: float | None) -> float | None:

@@ -84,3 +84,29 @@ def test_checkpointing_is_read_by_the_trainings_own_rule():
     done = bench("--gradient-checkpointing", "sometimes")
     assert done.returncode == 2 and done.stdout == ""
     assert "--gradient-checkpointing must be all, none, auto or a number of blocks, got 'sometimes'" in done.stderr
+
+
+def test_the_rows_benchmark_times_every_bucket_stage_and_mode_and_the_evaluations_costs(tmp_path):
+    """benchmarks/bench_rows.py at tiny size on this machine: every row of the GPU table on one model, each row's
+    warm-up and compiled graphs, and the health record, validation sample and sample clip through the training's
+    own code."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(BENCH.parent / "bench_rows.py"), "--extras", "--runs", "2", "--steps",
+                           "1", "--warmup", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {row["row"]: row for row in result["rows"]}
+    assert list(rows) == ["default", "portrait", "image_batch", "one_image", "square_images", "stage_low",
+                          "mixed_modes"]
+    assert (rows["portrait"]["shape"], rows["image_batch"]["samples_per_step"], rows["stage_low"]["shape"]) == \
+        ("64x128x5", 2, "96x64x5")
+    assert rows["mixed_modes"]["modes"] == ["i2v", "t2v"] and rows["mixed_modes"]["memory_step_modes"] in (["i2v"],
+                                                                                                         ["t2v"])
+    for row in rows.values():
+        assert len(row["s_per_step_runs"]) == 2 and row["s_per_step"] > 0 and row["graphs_compiled"] == 0
+    extras = result["extras"]
+    assert extras["val_quantiles"] == 5 and extras["sample_steps"] == 30 and extras["sample_size"] == "64x64x5"
+    assert all(extras[key] > 0 for key in ("health_record_s", "val_sample_s", "val_sample_lora_s", "sample_clip_s"))
+    assert extras["val_sample_lora_s"] < extras["val_sample_s"]   # the LoRA's pass is half of LoRA + base
+    assert "default" in done.stdout and "sample_clip_s" in done.stdout

@@ -80,13 +80,21 @@ def run_plans(options, precision: str, attention: str, cached: bool, compiled: b
     base = memory.Plan(options.height, options.width, options.num_frames, options.batch_size, options.lora_rank,
                        tuple(options.lora_target_modules.split(",")), precision, cached, memory.DIT["num_layers"],
                        options.use_gradient_checkpointing_offload, attention, zero2_world_size, compiled)
-    plans = {"video": base, "image": base.but(num_frames=1, batch_size=image_batch(options))}
+    plans = {"video": base.but(conditioned=conditioned(options, "video")),
+             "image": base.but(num_frames=1, batch_size=image_batch(options), conditioned=conditioned(options, "image"))}
     sizing = sizing or sizing_buckets(options)
     if sizing:
         plans = {kind: plan.but(height=sizing[kind].height, width=sizing[kind].width) for kind, plan in plans.items()}
     if media is not None:
         plans = {kind: plan for kind, plan, count in zip(("video", "image"), plans.values(), media) if count} or plans
     return plans
+
+
+def conditioned(options, kind: str) -> bool:
+    """Whether a batch of ``kind`` may hold a sample conditioned on its first frame (i2v: the per-token time
+    modulation, the larger memory): every sample under ``--objective diffsynth``, else clips with an i2v chance."""
+    objective = getattr(options, "objective", "modes")
+    return objective == "diffsynth" or (kind == "video" and getattr(options, "i2v_probability", 1.0) > 0)
 
 
 def bucket_plan(plans: dict, key: str, options) -> memory.Plan:
@@ -96,7 +104,8 @@ def bucket_plan(plans: dict, key: str, options) -> memory.Plan:
     kind = media_kind(key)
     plan = plans.get(kind) or next(iter(plans.values())).but(
         num_frames=1 if kind == "image" else options.num_frames,
-        batch_size=image_batch(options) if kind == "image" else options.batch_size)
+        batch_size=image_batch(options) if kind == "image" else options.batch_size,
+        conditioned=conditioned(options, kind))
     bucket = bucket_of_key(key)
     return plan if bucket is None else plan.but(height=bucket.height, width=bucket.width)
 

@@ -15,7 +15,16 @@ TI2V-5B with random weights, 1280x704x17 = 4,400 tokens, batch 1, LoRA rank 32 o
     LoRA bf16, cached, compiled blocks, none           35.0 GiB
     LoRA fp32, cached, one image (880 tokens)          11.0 GiB
 
-Activations scale with tokens x batch (the math kernel's score matrices with tokens squared x batch).
+Activations scale with tokens x batch (the math kernel's score matrices with tokens squared x batch). The figures
+above are clips conditioned on their first frame (i2v), whose time modulation is per token: a block keeps it for
+backward. An image (t2i) or a t2v clip takes one modulation per sample instead, and each sample of a batch keeps
+its own text context for the cross-attention's backward. Measured on one H100 80GB (2026-11-28,
+``benchmarks/bench_rows.py --full-size``, compiled, no block recomputed, benchmarks/results/2026-11-28-h100.json):
+
+    1280x704x17 clip, i2v                              35.7 GiB
+    1280x704x17 clip, t2v                              29.6 GiB   (6.1 GiB less: the per-token modulation)
+    5 images 1280x704 in one forward (t2i)             30.6 GiB   (4 more samples' text contexts: +1.0 GiB)
+    5 images 960x960                                   31.1 GiB
 ``tests/training/plan/test_memory.py`` holds the model to these figures.
 """
 
@@ -40,6 +49,8 @@ BYTES = {"bf16": 2, "fp16": 2, "no": 4}
 KEPT_PER_TOKEN = 52.4 * DIT["dim"]      # one block's activations kept for backward, per token
 BACKWARD_PER_TOKEN = 2.4 * DIT["dim"]   # what backward holds besides them, per token
 VAE_PER_PIXEL = 2050                    # the VAE encoder's working set, per pixel of a frame (one sample)
+MODULATION_PER_TOKEN = 12.8 * DIT["dim"]   # of KEPT_PER_TOKEN: the per-token time modulation (i2v only)
+CONTEXT_PER_TEXT_TOKEN = 4.5 * DIT["dim"]  # a block keeps per text token of each sample (cross-attention)
 MATH_SCORES_IN_FLIGHT = 6.7             # score-matrix-sized tensors of the block in backward (math kernel)
 MATH_SCORES_KEPT = 1                    # ... kept per block that is not recomputed (its softmax; not measured)
 COMPILED_KEPT_SHARE = 0.63              # a compiled block keeps this share of an eager block's activations
@@ -107,6 +118,9 @@ class Plan:
     # fp32: the same storage computed in fp32 (peft's upcast; measured as built before); base: all in the
     # training precision (measured for comparison)
     lora_dtype: str = "master"
+    # a sample conditioned on its first frame (i2v: the DiT's time modulation per token) is in the batch; images
+    # (t2i) and t2v clips take one modulation per sample
+    conditioned: bool = True
 
     def but(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -138,7 +152,8 @@ def _activation_items(plan: Plan) -> list[tuple[str, int]]:
     recomputed = max(0, min(layers, plan.recomputed_blocks))
     kept = layers - recomputed
     scores = DIT["num_heads"] * s * s * batch * size if plan.attention == "math" else 0
-    block = int(KEPT_PER_TOKEN * s * batch * size)
+    per_token = KEPT_PER_TOKEN - (0 if plan.conditioned else MODULATION_PER_TOKEN)
+    block = int(per_token * s * batch * size + CONTEXT_PER_TEXT_TOKEN * TEXT_TOKENS * (batch - 1) * size)
     kept_block = int(block * (COMPILED_KEPT_SHARE if plan.compiled else 1.0)) + MATH_SCORES_KEPT * scores
     items = []
     if kept:

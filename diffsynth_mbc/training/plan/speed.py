@@ -51,6 +51,23 @@ How the rest follows (each figure says which rule made it):
 
 The real training loop measured 0.68 s/step for fp16 from the cache on that H100, where a bare loop of
 the same step took 0.86 s: the figures above come from bare loops and are on the slow side.
+
+The host's floor. A step is also Python on the CPU (the Accelerator, the LoRA module, 30 block calls and their
+guards, AdamW over 600 tensors), which the GPU's work overlaps: a step takes the longer of the two, so a step
+with little GPU work (one image, a low-resolution stage) costs the host's time whatever its tokens. Measured as
+the one-image step (880 tokens: its GPU part is about a fifth of a clip's) on two boxes, compiled blocks
+(``benchmarks/bench_rows.py --full-size``):
+
+    box (results file)                              none recomputed   all 30 recomputed   one image + 4 more
+    H200 (2026-11-26-h200.json)                     0.158 s           0.351 s             below the GPU's
+    H100 (2026-11-28-h100.json)                     0.255 s           0.48 s (clip 0.47)  +0.03 to +0.04 s
+
+so the floor is a part at no recomputed block, a part per recomputed block and a part per sample beyond the
+first, x 1.36 uncompiled (the H200's eager/compiled one-image steps, 0.476 / 0.351 s). It is the CPU's, not the
+GPU's: the H100 box's CPU was 1.6x slower than the H200 box's. An H200 takes the H200 box's floor, every other GPU
+the H100 box's (the slower: a V100S's steps are far above it anyway); ``doctor --probe`` measures yours. The
+GPU's part of a step grows with its tokens, the part that scales with FLOPs by the tensor rate and the rest by
+the bandwidth where the GPU has less than the H100.
 """
 
 from __future__ import annotations
@@ -78,6 +95,11 @@ H100_ENCODE_STEP = 1.44           # the launcher encoding every step (bf16), aga
 ATTENTION_EXTRA = {"cudnn": 0.0, "flash": 0.0, "mem_efficient": 0.18, "math": 1.14}
 CACHE_VAE_FRAME_S = 0.0196        # the cache build: one 1280x704 frame through the VAE, bf16, H200 (= H100 rate)
 CACHE_CAPTION_S = 0.028           # the cache build: one caption through umt5-xxl, 512 tokens
+# The host's floor of a step, compiled blocks: (s with no block recomputed, s per recomputed block), per box
+HOST_FLOOR = {"H200-141GB": (0.158, 0.0064), "H100-80GB": (0.255, 0.0075)}
+HOST_FLOOR_OTHER = "H100-80GB"    # the slower box's, for every GPU not measured
+HOST_PER_EXTRA_SAMPLE = 0.008     # s per sample of a batch beyond the first (5 images: +0.03 s on the H100 box)
+HOST_EAGER_FACTOR = 1.36          # uncompiled blocks: the H200's one-image steps, 0.476 / 0.351 s
 
 
 def attention_share(tokens: int = REFERENCE_TOKENS) -> float:
@@ -181,6 +203,15 @@ def cache_encode_seconds(plan: memory.Plan, tensor_ratio: float = 1.0) -> float:
     return (CACHE_VAE_FRAME_S * frames * pixels + CACHE_CAPTION_S) * tensor_ratio
 
 
+def host_seconds(plan: memory.Plan, rates_from: str | None) -> tuple[float, str]:
+    """The host's floor of one step of ``plan`` (seconds, which box it was measured on)."""
+    box = rates_from if rates_from in HOST_FLOOR else HOST_FLOOR_OTHER
+    base, per_block = HOST_FLOOR[box]
+    recomputed = max(0, min(LAYERS, plan.recomputed_blocks))
+    seconds = base + per_block * recomputed + HOST_PER_EXTRA_SAMPLE * (plan.batch_size - 1)
+    return seconds * (1.0 if plan.compiled else HOST_EAGER_FACTOR), box
+
+
 def seconds_per_step(plan: memory.Plan, spec, rates_from: str | None, accumulation: int = 1) -> StepEstimate | None:
     """Seconds per optimizer step of ``plan`` on ``spec`` (None when the GPU's rates are unknown)."""
     ratios = gpu_ratios(spec, plan.precision)
@@ -194,11 +225,19 @@ def seconds_per_step(plan: memory.Plan, spec, rates_from: str | None, accumulati
     quadratic = plan.batch_size * (plan.tokens / REFERENCE_TOKENS) ** 2
     if plan.precision == "no":
         fixed *= 2   # twice the bytes
-    untouched_by_tokens = fixed * max(1.0, bandwidth_ratio)   # more bandwidth than the H100's buys nothing (H200)
-    seconds = untouched_by_tokens + ((flop_bound - attention) * scale + attention * quadratic) * tensor_ratio
+    linear = plan.batch_size * plan.tokens / REFERENCE_TOKENS
+    by_bandwidth = fixed * linear * max(1.0, bandwidth_ratio)   # more bandwidth than the H100's buys nothing (H200)
+    gpu = by_bandwidth + ((flop_bound - attention) * scale + attention * quadratic) * tensor_ratio
+    host, box = host_seconds(plan, rates_from)
+    seconds = max(gpu, host)
     if scale != 1:
-        sources.append(f"{plan.tokens} tokens x batch {plan.batch_size}: {scale:.3f} of the FLOPs of 4,400 tokens "
-                       f"(the {fixed:.2f} s that does not grow with tokens kept)")
+        sources.append(f"{plan.tokens} tokens x batch {plan.batch_size}: {scale:.3f} of the FLOPs of 4,400 tokens, "
+                       f"{linear:.3f} of the rest")
+    if host > gpu:
+        sources.append(f"host-bound: the CPU's {host:.2f} s per step (measured on the {box} box, "
+                       f"{plan.recomputed_blocks} blocks recomputed) is above the GPU's {gpu:.2f} s; "
+                       "doctor --probe measures this machine's")
+        measured = False
     if not plan.cached:
         seconds += encode_seconds(plan, tensor_ratio)
         sources.append("encoding every step: 0.67 s per 1280x704x17 clip on the H100 (1.44 - 0.77 s measured), "

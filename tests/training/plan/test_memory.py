@@ -72,11 +72,25 @@ def test_each_block_kept_instead_of_recomputed_costs_about_1_25_gib_at_4400_toke
             pytest.approx(1.25, rel=0.05)
     # the first block kept is free at the peak: backward frees it before the first recomputation
     assert memory.peak_allocated(AS_BUILT.but(recomputed_blocks=29)) < memory.peak_allocated(AS_BUILT)
-    # it scales with tokens x batch: five images of 880 tokens keep what one 4,400-token clip keeps
-    images = AS_BUILT.but(num_frames=1, batch_size=5)
+    # it scales with tokens x batch: five images of 880 tokens keep what one 4,400-token clip keeps, less the clip's
+    # per-token time modulation (images take one per sample), plus the four more samples' text contexts
+    images = AS_BUILT.but(num_frames=1, batch_size=5, conditioned=False)
+    clip_kept = memory.peak_allocated(AS_BUILT.but(recomputed_blocks=0)) - memory.peak_allocated(AS_BUILT)
+    modulation = 29 * memory.MODULATION_PER_TOKEN * 4400 * 2
+    contexts = 29 * memory.CONTEXT_PER_TEXT_TOKEN * memory.TEXT_TOKENS * 4 * 2
     assert memory.peak_allocated(images.but(recomputed_blocks=0)) - memory.peak_allocated(images) == \
-        pytest.approx(memory.peak_allocated(AS_BUILT.but(recomputed_blocks=0)) - memory.peak_allocated(AS_BUILT),
-                      rel=0.01)
+        pytest.approx(clip_kept - modulation + contexts, rel=0.01)
+
+
+def test_images_and_t2v_clips_keep_no_per_token_modulation_as_measured_on_the_h100_box():
+    """benchmarks/results/2026-11-28-h100.json: compiled, no block recomputed, bf16, from the cache."""
+    compiled = Plan(704, 1280, 17, precision="bf16", attention="cudnn", cached=True, recomputed_blocks=0,
+                    compiled=True)
+    for plan, measured in ((compiled, 35.7), (compiled.but(conditioned=False), 29.6),
+                           (compiled.but(num_frames=1, batch_size=5, conditioned=False), 30.6),
+                           (compiled.but(num_frames=1, height=960, width=960, batch_size=5, conditioned=False), 31.1),
+                           (compiled.but(num_frames=1, conditioned=False), 14.5)):
+        assert memory.peak_allocated(plan) / GIB == pytest.approx(measured, rel=0.05), plan
 
 
 def test_on_a_v100_with_fp16_from_the_cache_auto_keeps_12_to_14_blocks():

@@ -30,9 +30,16 @@ def on(plan, gpu="H100-80GB", accumulation=1):
 
 @pytest.mark.parametrize("plan, seconds", MEASURED)
 def test_the_h100_measurements_come_back_labelled_measured(plan, seconds):
+    """The GPU's part of each step measured on the first H100 box; where the 2026-11-28 H100 box's host floor is above
+    it (two of them: every block recomputed in bf16), the step is the host's, an estimate that says so."""
     step = on(plan)
-    assert step.seconds == pytest.approx(seconds) and step.measured and step.sources[0].endswith("s measured")
-    assert step.as_dict()["kind"] == "measured"
+    assert step.sources[0].endswith("s measured")
+    host, box = speed.host_seconds(plan, "H100-80GB")
+    if host <= seconds:
+        assert step.seconds == pytest.approx(seconds) and step.measured and step.as_dict()["kind"] == "measured"
+    else:
+        assert step.seconds == pytest.approx(host) and not step.measured and box == "H100-80GB"
+        assert any(source.startswith(f"host-bound: the CPU's {host:.2f} s") for source in step.sources)
 
 
 def test_the_flop_convention_and_the_mfu_of_the_table():
@@ -45,8 +52,8 @@ def test_the_flop_convention_and_the_mfu_of_the_table():
 
 
 def test_the_one_image_step_and_encoding_every_step_are_reproduced():
-    one_image = on(AS_BUILT.but(num_frames=1))
-    assert one_image.seconds == pytest.approx(0.61, rel=0.01) and not one_image.measured
+    one_image = on(AS_BUILT.but(num_frames=1))   # the first H100 box measured 0.61 s: host-bound there too
+    assert one_image.seconds == pytest.approx(0.61, rel=0.10) and not one_image.measured
     assert on(AS_BUILT.but(cached=False)).seconds == pytest.approx(1.44, rel=0.01)
 
 
@@ -63,7 +70,7 @@ def test_the_cache_build_reproduces_the_encodes_measured_on_the_h200():
 
 
 def test_recomputed_blocks_interpolate_between_every_block_and_none():
-    halfway = on(DEFAULTS.but(recomputed_blocks=15))
+    halfway = on(DEFAULTS.but(recomputed_blocks=15), "H200-141GB")   # the H200 box's host is below its GPU part
     assert halfway.seconds == pytest.approx((0.39 + 0.27) / 2) and not halfway.measured
     assert "derived from every block recomputed 0.39 s (measured) and none 0.27 s (measured)" in halfway.sources[0]
     eager_none = on(DEFAULTS.but(compiled=False, recomputed_blocks=0))   # not measured: the eager none/all ratio
@@ -78,8 +85,11 @@ def test_other_gpus_are_scaled_by_tensor_rate_and_bandwidth_and_labelled_estimat
     assert not step.measured and "scaled to V100S-32GB: tensor rate 7.6x lower, bandwidth 3.0x lower" in step.sources[-1]
     h100 = on(v100s_path)
     assert 3 * h100.seconds < step.seconds < 7.6 * h100.seconds
-    # the H200 has the H100's tensor rate and 1.43x its bandwidth, and measured the H100's step times
-    assert on(DEFAULTS, "H200-141GB").seconds == pytest.approx(on(DEFAULTS).seconds)
+    # the H200 has the H100's tensor rate and 1.43x its bandwidth, and measured the first H100 box's step times; the
+    # H100 box of 2026-11-28 had a slower host, whose floor is above the GPU's part with every block recomputed
+    assert on(DEFAULTS, "H200-141GB").seconds == pytest.approx(0.39)
+    assert on(DEFAULTS).seconds == pytest.approx(speed.host_seconds(DEFAULTS, "H100-80GB")[0])
+    assert on(DEFAULTS).seconds > 0.39
     assert "taken as no faster" in on(DEFAULTS, "H200-141GB").sources[-1]
     assert on(DEFAULTS).seconds < on(DEFAULTS.but(attention="flash"), "A100-80GB").seconds
     # bf16 on a V100 is emulated on the CUDA cores and its attention takes the math kernel: far slower
@@ -89,7 +99,7 @@ def test_other_gpus_are_scaled_by_tensor_rate_and_bandwidth_and_labelled_estimat
 
 
 def test_accumulation_multiplies_the_optimizer_step():
-    assert on(DEFAULTS, accumulation=4).seconds == pytest.approx(4 * 0.39)
+    assert on(DEFAULTS, accumulation=4).seconds == pytest.approx(4 * on(DEFAULTS).seconds)
     assert on(DEFAULTS, accumulation=4).flops == pytest.approx(4 * 1.56e14)
 
 
@@ -106,9 +116,26 @@ def test_the_model_is_within_ten_percent_of_every_clip_and_image_batch_step_meas
     """benchmarks/results/2026-11-26-h200: full-size TI2V-5B steps on an H200, recomputed with today's model."""
     rows = gpu_results.table_rows(BENCHMARKS / "results" / "2026-11-26-h200", "H200-141GB")
     assert {row["case"] for row in rows} >= {"default", "image_batch", "recompute_all", "v100_analog"}
+    for row in rows:   # one image per forward (--image_batch_size 1, a partial batch) is the host's: 20%
+        bound = 0.20 if row["case"].endswith("one_image") else 0.10
+        assert row["doctor_s_per_step"] == pytest.approx(row["s_per_step"], rel=bound), row["case"]
+
+
+def test_the_model_is_within_20_percent_and_the_memory_within_15_of_every_row_measured_on_the_h100_box(gpu_results):
+    """benchmarks/results/2026-11-28-h100: every bucket, image batch, stage and mode row, recomputed with today's
+    model (the committed table is what gpu_results.py wrote from the same raw files)."""
+    folder = BENCHMARKS / "results" / "2026-11-28-h100"
+    rows = gpu_results.table_rows(folder, "H100-80GB")
+    assert {row["case"] for row in rows} >= {"default", "image_batch", "one_image", "portrait", "square_images",
+                                             "stage_low", "mixed_modes"}
     for row in rows:
-        if not row["case"].endswith("one_image"):   # one image per forward: --image_batch_size 1 only
-            assert row["doctor_s_per_step"] == pytest.approx(row["s_per_step"], rel=0.10), row["case"]
+        assert row["doctor_s_per_step"] == pytest.approx(row["s_per_step"], rel=0.20), row["case"]
+        assert row["doctor_peak_gib"] == pytest.approx(row["peak_gib"], rel=0.15), row["case"]
+    committed = json.loads(folder.with_suffix(".json").read_text())
+    assert [row["case"] for row in committed["rows"]] == [row["case"] for row in rows]
+    assert [row["s_per_step"] for row in committed["rows"]] == [row["s_per_step"] for row in rows]
+    assert set(committed["extras"]) >= {"health_record_s", "health_record_dora_s", "val_sample_s", "sample_clip_s",
+                                        "compile_warmup_s", "recompiles"}
 
 
 def test_a_raw_file_whose_rows_ran_other_settings_than_its_name_says_is_refused(gpu_results, tmp_path):
