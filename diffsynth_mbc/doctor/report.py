@@ -70,7 +70,8 @@ def projection_lines(projection: dict | None) -> list[str]:
     """The projected run length, what its buckets add up to (--buckets aspect) and the cache build."""
     if not projection:
         return []
-    return [line for line in (projection["line"], projection.get("bucket_line"), projection.get("cache_line")) if line]
+    return [line for line in (projection["line"], projection.get("bucket_line"), projection.get("cache_line"),
+                              projection.get("evaluation_line")) if line]
 
 
 def probe_lines(probe: dict | None) -> list[str]:

@@ -173,3 +173,18 @@ def test_the_probe_measures_every_bucket_in_use_and_projects_from_them(tmp_path,
     assert projected["training_seconds"] == round(12 * wide + 12 * tall)
     assert projected["bucket_line"].startswith("by bucket (measured): 128x64 videos 12 steps x ")
     assert not output.exists()   # the probe trained in a temporary folder
+
+
+def test_the_projection_counts_the_runs_validations_and_health_records(tmp_path, capsys):
+    """The full preset validates 64 samples every 2,000 steps and at the end and records the LoRA's health every 10:
+    on 12 steps per GPU, one validation (32 samples per GPU, the base once) and records at steps 0, 10 and 12."""
+    metadata = write_metadata(tmp_path / "metadata.csv", ROWS)
+    projection = doctor(capsys, *flags_for(metadata, tmp_path, "aspect"))["speed"]["projection"]
+    evaluation = projection["evaluation"]
+    assert (evaluation["validations"], evaluation["health_records"], evaluation["sample_sets"]) == (1, 3, 0)
+    assert projection["total_seconds"] == pytest.approx(projection["training_seconds"]
+                                                        + projection["cache_build_seconds"] + evaluation["seconds"],
+                                                        abs=2)
+    assert projection["evaluation_line"].startswith("evaluation: ") and \
+        "1 validation(s) x 32 sample(s) per GPU" in projection["evaluation_line"]
+    assert projection["line"].endswith(")") and ", with evaluation (" in projection["line"]

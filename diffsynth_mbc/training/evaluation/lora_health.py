@@ -30,6 +30,7 @@ import time
 from diffsynth_mbc import run_files
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.evaluation.health_flags import STEPS_KEPT, health_flags, summary, train_loss_average
+from diffsynth_mbc.training.plan.evaluation_cost import health_cadence
 from diffsynth_mbc.values import finite_number
 
 ROW_CHUNK_ELEMENTS = 1 << 23   # DoRA: rows of W cast to fp64 at a time (64 MB)
@@ -248,7 +249,7 @@ def make_health(run) -> LoraHealth:
     the one at the step it goes on from in memory only (its history, cut back to that step, has its records)."""
     options = run.options
     blocks = unwrapped_model(run.accelerator, run.module).pipe.dit.blocks
-    health = LoraHealth(blocks, run.status, run.logger.printer, every=options.health_steps,
+    health = LoraHealth(blocks, run.status, run.logger.printer, every=health_cadence(options),
                         total_steps=run.logger.total_steps, warmup_steps=options.warmup_steps,
                         read_grads=run.accelerator.state.deepspeed_plugin is None)
     health.record(run.position.step, write=run.position.step == 0)

@@ -27,7 +27,7 @@ _INTEGERS = {   # key: (lowest, optional)
     "val_samples": (1, False), "dataset_num_workers": (0, False), "warmup_steps": (0, False),
     "keep_old_histories": (0, False), "seed": (0, False), "image_batch_size": (1, True), "save_steps": (1, True),
     "checkpoint_steps": (1, True), "val_steps": (1, True), "sample_steps": (1, True), "timestep_strata": (1, False),
-    "health_steps": (0, False),
+    "health_steps": (0, True),
 }
 _FLOATS = {     # key: (low, high, low included, optional)
     "learning_rate": (0.0, None, False, False), "lora_alpha": (0.0, None, False, True),

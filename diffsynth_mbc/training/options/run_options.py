@@ -95,7 +95,8 @@ class TrainOptions:
     val_steps: int | None = None
     val_samples: int = 16
     val_timestep_quantiles: str = "0.1,0.3,0.5,0.7,0.9"
-    health_steps: int = 10          # LoRA health records every N optimizer steps (0: off; evaluation/lora_health.py)
+    health_steps: int | None = None   # LoRA health records every N optimizer steps (0: off; None: 10 for LoRA, 100
+                                      # for DoRA: plan/evaluation_cost.health_cadence; evaluation/lora_health.py)
     # samples
     sample_prompts: str | None = None
     sample_steps: int | None = None

@@ -176,8 +176,8 @@ def plan_lines(options, plan) -> list[str]:
 def projection_lines(run, unknown: str) -> list[str]:
     if run is None:
         return [f"  projected run length: unknown {unknown}"]
-    cache = run.cache_line()
-    return ([f"  {run.line()}"] + ([f"  {cache}"] if cache else [])
+    extra = [line for line in (run.cache_line(), run.evaluation_line()) if line]
+    return ([f"  {run.line()}"] + [f"  {line}" for line in extra]
             + ["  (where each figure comes from: python -m diffsynth_mbc.doctor with the same flags)"])
 
 

@@ -12,11 +12,8 @@ import math
 import os
 from pathlib import Path
 
-from diffsynth_mbc.training.plan import memory
-
-from diffsynth_mbc.training.plan import run_length
-
-from diffsynth_mbc.training.plan import speed
+from diffsynth_mbc.training.plan import memory, run_length, speed
+from diffsynth_mbc.training.plan.evaluation_cost import evaluation_cost
 
 GIB = 1024 ** 3
 
@@ -253,9 +250,28 @@ def project(options, steps: dict, plans: dict, spec, shape: run_length.RunShape,
     seconds = {kind: estimate.seconds for kind, estimate in steps.items()}
     measured = all(e.measured for e in [*steps.values(), *(buckets or {}).values()])
     kind = "measured" if measured and not build_cache else "estimate"
+    tensor_ratio, bandwidth_ratio = speed.gpu_ratios(spec, plans[next(iter(plans))].precision)
+    evaluation = evaluation_cost(options, shape.total_steps, shape.gpus, tensor_ratio, bandwidth_ratio,
+                                 sample_prompts_of(options))
     return run_length.project(shape, seconds.get("video"), seconds.get("image"), encode.get("video"),
                               encode.get("image"), kind=kind,
-                              bucket_seconds={key: e.seconds for key, e in buckets.items()} if buckets else None)
+                              bucket_seconds={key: e.seconds for key, e in buckets.items()} if buckets else None,
+                              evaluation=evaluation)
+
+
+def sample_prompts_of(options) -> list | None:
+    """The run's sample prompts, as the training reads them; None without a readable --sample_prompts file (the
+    doctor's checks name a bad one)."""
+    if not getattr(options, "sample_prompts", None):
+        return None
+    from diffsynth_mbc.errors import OptionsError
+    from diffsynth_mbc.sample_prompts import load_sample_prompts
+
+    try:
+        return load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
+                                   num_frames=options.num_frames, seed=options.seed)
+    except (OptionsError, OSError):
+        return None
 
 
 def step_plan(options, media: tuple[int, int], world_size: int):

@@ -125,6 +125,7 @@ class Projection:
     encode_video_seconds: float | None = None   # one clip / one image through the VAE and the text encoder
     encode_image_seconds: float | None = None
     bucket_seconds: tuple = ()           # --buckets aspect: ((key, seconds per optimizer step at its bucket), ...)
+    evaluation: object = None            # evaluation_cost.EvaluationCost: validations, health records, sample clips
 
     @property
     def training_seconds(self) -> float:
@@ -135,14 +136,23 @@ class Projection:
 
     @property
     def total_seconds(self) -> float:
-        return self.training_seconds + (self.cache_build_seconds or 0.0)
+        return self.training_seconds + (self.cache_build_seconds or 0.0) + self.evaluation_seconds
+
+    @property
+    def evaluation_seconds(self) -> float:
+        return self.evaluation.seconds if self.evaluation is not None else 0.0
+
+    def evaluation_line(self) -> str | None:
+        return self.evaluation.line() if self.evaluation is not None else None
 
     def as_dict(self) -> dict:
         return {**self.shape.as_dict(), "video_seconds_per_step": _round(self.video_seconds),
                 "image_seconds_per_step": _round(self.image_seconds), "training_seconds": round(self.training_seconds),
                 "cache_build_seconds": None if self.cache_build_seconds is None else round(self.cache_build_seconds),
                 "total_seconds": round(self.total_seconds), "total": duration(self.total_seconds), "kind": self.kind,
-                "line": self.line(), "cache_line": self.cache_line(), **self._bucket_dict()}
+                "line": self.line(), "cache_line": self.cache_line(), **self._bucket_dict(),
+                **({"evaluation": self.evaluation.as_dict(), "evaluation_line": self.evaluation_line()}
+                   if self.evaluation is not None and self.evaluation_line() else {})}
 
     def _bucket_dict(self) -> dict:
         if not self.bucket_seconds:
@@ -182,6 +192,8 @@ class Projection:
                 f"{shape.unit} at {rates} s/step")
         if self.cache_build_seconds is not None:
             text += f", after building the latent cache ({duration(self.cache_build_seconds)})"
+        if self.evaluation_seconds:
+            text += f", with evaluation ({duration(self.evaluation_seconds)})"
         return text
 
     def cache_line(self) -> str | None:
@@ -205,7 +217,7 @@ def _round(value: float | None) -> float | None:
 
 def project(shape: RunShape, video_seconds: float | None, image_seconds: float | None,
             encode_video_seconds: float | None = None, encode_image_seconds: float | None = None,
-            kind: str = "estimate", bucket_seconds: dict | None = None) -> Projection:
+            kind: str = "estimate", bucket_seconds: dict | None = None, evaluation=None) -> Projection:
     """The run's length; with the encode seconds of one clip and one image, the cache build first. With
     ``bucket_seconds`` ({key: seconds per step}, --buckets aspect, the shape's plan counting its buckets) each bucket's
     steps at its own seconds; the clips' and the images' seconds are then their buckets' means, weighted by steps."""
@@ -220,7 +232,7 @@ def project(shape: RunShape, video_seconds: float | None, image_seconds: float |
         video_seconds = _mean(shape, bucket_seconds, image=False, otherwise=video_seconds)
         image_seconds = _mean(shape, bucket_seconds, image=True, otherwise=image_seconds)
     return Projection(shape, video_seconds, image_seconds, cache, kind, encode_video_seconds, encode_image_seconds,
-                      buckets)
+                      buckets, evaluation)
 
 
 def _mean(shape: RunShape, bucket_seconds: dict, image: bool, otherwise: float | None) -> float | None:
