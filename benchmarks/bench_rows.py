@@ -4,6 +4,7 @@
     python benchmarks/bench_rows.py --full-size --setting recompute_all --json recompute_all.json
     python benchmarks/bench_rows.py --full-size --setting v100_analog --json v100_analog.json
     python benchmarks/bench_rows.py --full-size --setting static_reference --json static_reference.json
+    python benchmarks/bench_rows.py --full-size --setting static_reference --rows one_image --json static_one_image.json
     python benchmarks/bench_rows.py --full-size --setting dora_health --json dora_health.json
     python benchmarks/bench_rows.py [--setting default --extras]      # the tiny DiT on this machine (CPU)
 
@@ -313,6 +314,7 @@ def measure_setting(args) -> dict:
     import torch
 
     choices, names, _ = SETTINGS[args.setting]
+    names = tuple(args.rows.split(",")) if args.rows else names
     cuda = torch.cuda.is_available() and args.full_size
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.setting == "dora_health":
@@ -396,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-size", action="store_true", help="Wan2.2-TI2V-5B at full size (CUDA only)")
     parser.add_argument("--setting", choices=tuple(SETTINGS), default="default")
     parser.add_argument("--extras", action="store_true", help="health record, validation sample, sample clip")
+    parser.add_argument("--rows", help="comma-separated rows to time instead of the setting's (e.g. one_image)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per row per run (default 4)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row first (default 2)")
@@ -405,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.extras and args.setting != "default":
         parser.error("--extras runs with --setting default")
+    if args.rows and not set(args.rows.split(",")) <= set(ROWS):
+        parser.error(f"--rows: each of {', '.join(ROWS)}")
     if min(args.runs, args.steps) < 1 or args.warmup < 1:
         parser.error("--runs, --steps and --warmup must be at least 1")
     import torch
