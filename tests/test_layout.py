@@ -28,7 +28,7 @@ TORCH_FREE = [
     "training/options/checks.py",
     "training/plan/step_plan.py", "training/plan/batches.py", "training/plan/memory.py", "training/plan/speed.py",
     "training/plan/run_length.py", "training/plan/estimates.py", "training/plan/compile_policy.py",
-    "training/plan/recompute.py",
+    "training/plan/recompute.py", "training/plan/evaluation_cost.py",
     "training/step/objective.py", "training/step/guards.py", "training/evaluation/health_flags.py",
     "training/lora/file_format.py", "training/lora/read.py",
     "training/checkpoints/state.py", "training/checkpoints/folder.py",

@@ -90,8 +90,8 @@ def run_plans(options, precision: str, attention: str, cached: bool, compiled: b
 def conditioned(options, kind: str) -> bool:
     """Whether a batch of ``kind`` may hold a sample conditioned on its first frame (i2v: the per-token time
     modulation, the larger memory): every sample under ``--objective diffsynth``, else clips with an i2v chance."""
-    objective = getattr(options, "objective", "modes")
-    return objective == "diffsynth" or (kind == "video" and getattr(options, "i2v_probability", 1.0) > 0)
+    objective = options.objective
+    return objective == "diffsynth" or (kind == "video" and options.i2v_probability > 0)
 
 
 def bucket_plan(plans: dict, key: str, options) -> memory.Plan:
@@ -262,7 +262,7 @@ def project(options, steps: dict, plans: dict, spec, shape: run_length.RunShape,
 def sample_prompts_of(options) -> list | None:
     """The run's sample prompts, as the training reads them; None without a readable --sample_prompts file (the
     doctor's checks name a bad one)."""
-    if not getattr(options, "sample_prompts", None):
+    if not options.sample_prompts:
         return None
     from diffsynth_mbc.errors import OptionsError
     from diffsynth_mbc.sample_prompts import load_sample_prompts

@@ -103,7 +103,7 @@ def health_cadence(options) -> int:
     """Optimizer steps between LoRA health records: ``--health_steps``, else the variant's default (0: off)."""
     if options.health_steps is not None:
         return options.health_steps
-    return HEALTH_STEPS[getattr(options, "lora_variant", "lora")]
+    return HEALTH_STEPS[options.lora_variant]
 
 
 def due_count(total_steps: int, every: int | None, at_start: bool) -> int:
@@ -122,12 +122,12 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
     per_sample = speed.work(tokens) * tensor_ratio
     quantiles = len(str(options.val_timestep_quantiles).split(",")) / VAL_QUANTILES
     share = math.ceil(options.val_samples / max(1, gpus)) if validations else 0
-    weight_sets = 2 if getattr(options, "validate_with", "raw") == "both" and options.ema_decay else 1
+    weight_sets = 2 if options.validate_with == "both" and options.ema_decay else 1
     validation = share * VAL_SAMPLE_LORA_S * quantiles * per_sample * weight_sets
     base = share * VAL_SAMPLE_BASE_S * quantiles * per_sample
     health = health_cadence(options)
     records = due_count(total_steps, health, True) if health else 0
-    record = HEALTH_RECORD_DORA_S if getattr(options, "lora_variant", "lora") == "dora" else HEALTH_RECORD_S
+    record = HEALTH_RECORD_DORA_S if options.lora_variant == "dora" else HEALTH_RECORD_S
     sets, clips, base_clips, clip = 0, 0, 0, 0.0
     if prompts:
         from diffsynth_mbc.sample_prompts import parse_strengths
