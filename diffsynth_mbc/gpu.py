@@ -124,8 +124,9 @@ def arch_problem(arch_list: list[str], capability: tuple[int, int], device_name:
         if kind == "compute" and (a_major, a_minor) <= (major, minor):
             return None
     shipped = " ".join(arch_list) or "none"
-    fix = (f"pip install {VOLTA_TORCH} (the newest PyPI build with sm_70; see requirements-volta.txt)"
-           if capability < (7, 5) else "pip install a torch build for this GPU (see docs/install.md)")
+    fix = (f"bash install.sh --torch volta (what the README installs with: {VOLTA_TORCH}, the newest PyPI build "
+           "with sm_70, requirements-volta.txt)" if capability < (7, 5)
+           else "bash install.sh --torch default, or a torch build for this GPU (docs/install.md)")
     return (f"the installed torch {torch_version} has no kernels for {device_name} ({sm(capability)}); "
             f"it ships: {shipped}. Every CUDA kernel would fail with 'no kernel image is available'. Fix: {fix}")
 

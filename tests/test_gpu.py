@@ -21,7 +21,8 @@ def test_a_v100_with_a_build_without_sm_70_is_refused_with_the_fix():
     assert problem is not None
     assert "Tesla V100S-PCIE-32GB (sm_70)" in problem and "2.14.1+cu130" in problem
     assert "no kernel image is available" in problem
-    assert "pip install torch==2.10.0 torchvision==0.25.0" in problem and "requirements-volta.txt" in problem
+    assert "Fix: bash install.sh --torch volta (what the README installs with: torch==2.10.0 torchvision==0.25.0" \
+        in problem and "requirements-volta.txt" in problem and "pip install" not in problem
 
 
 @pytest.mark.parametrize("archs, capability", [
@@ -117,7 +118,7 @@ def test_the_training_refuses_a_mismatched_gpu_before_anything_loads(tmp_path):
     """A fake device description (a V100 under a build without sm_70): exit 2, the fix named, status failed."""
     result = train(tmp_path, entry=("-c", FAKE_V100))
     assert result.returncode == 2, result.stderr
-    assert "pip install torch==2.10.0" in result.stderr
+    assert "bash install.sh --torch volta" in result.stderr and "torch==2.10.0" in result.stderr
     state = json.loads((tmp_path / "out" / "training_logs" / "training_gpu0.json").read_text())
     assert state["status"] == "failed" and "torch==2.10.0" in state["error"]["message"]
     assert state["error"]["type"] == "UnsupportedGpuError"

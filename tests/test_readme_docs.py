@@ -169,3 +169,13 @@ def test_the_lora_key_example_is_what_the_training_writes():
     training = (REPO / "docs" / "training.md").read_text(encoding="utf-8")
     output = training[training.index("- **Output**"):training.index("- **Exit codes**")]
     assert _lora_keys(output) == [default[0]], _lora_keys(output)
+
+
+def test_the_convert_guide_says_the_hash_and_sizes_as_the_code_does_and_data_is_ignored():
+    """The duplicate hash has 63 bits (the DC term of the 8x8 block carries no sign), sizes are width x height as
+    the buckets print them, and the README's convert output folder data/ stays out of git."""
+    guide = (REPO / "docs" / "convert.md").read_text()
+    assert "63-bit perceptual hash" in guide and "64-bit" not in guide
+    assert "704 x 1280" not in guide and "1280 x 704 as width x height" in guide
+    ignored = subprocess.run(["git", "check-ignore", "-q", "data/mbc_full/metadata.csv"], cwd=REPO)
+    assert ignored.returncode == 0
