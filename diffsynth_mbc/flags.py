@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from typing import Callable, Iterable, Sequence
 
@@ -43,6 +44,9 @@ def _key(flag: str) -> str:
     return flag.lstrip("-").lower().replace("-", "_")
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
 class FlagParser(argparse.ArgumentParser):
     """An ArgumentParser whose flags have one shown spelling (underscores) and one hidden (dashes).
 
@@ -55,6 +59,9 @@ class FlagParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.passes_on_to = passes_on_to
+        # A value such as -inf, -1e3 or -nan is a (negative) number for the flag before it, as -5 is to argparse,
+        # so that the flag's own check refuses it by name instead of argparse's "expected one argument".
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def spell(self) -> None:
         """Show each long flag with underscores; accept its dashed spelling too. Idempotent."""

@@ -236,3 +236,14 @@ def test_the_launcher_sees_a_dashed_model_folder(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "running the built-in demo" not in result.stderr and "demo=0" in result.stdout
     assert "--model-dir models/Wan2.2-TI2V-5B" in result.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("value", ["-inf", "-Infinity", "-nan", "-1e3", "-2.5E-4", "-.5", "-5"])
+def test_a_negative_number_or_infinity_is_the_flags_value_for_its_own_check_to_refuse(value):
+    """``--i2v_probability -inf`` reached argparse's "expected one argument" before: -inf looked like a flag."""
+    from diffsynth_mbc.training.options.parser import build_parser
+
+    assert build_parser().parse_args(["--i2v_probability", value]).i2v_probability == pytest.approx(float(value),
+                                                                                                  nan_ok=True)
+    with pytest.raises(SystemExit):   # a word after a flag is still a flag
+        build_parser().parse_args(["--i2v_probability", "-x"])

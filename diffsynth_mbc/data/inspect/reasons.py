@@ -7,14 +7,15 @@ REASONS = ("scene_cut", "black", "frozen", "letterbox", "pillarbox", "duplicate"
 
 
 def parse_exclude(text: str | None) -> tuple[str, ...]:
-    """``--exclude``: ``all`` or a comma list of REASONS; ValueError naming an unknown one."""
+    """``--exclude``: ``all`` or a comma list of REASONS (a name twice counts once; ``all`` among them is every
+    reason); ValueError naming each unknown one once."""
     if text is None:
         return ()
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if names == ["all"]:
-        return REASONS
-    unknown = [name for name in names if name not in REASONS]
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in REASONS and name != "all"]
     if unknown or not names:
-        raise ValueError(f"--exclude {text}: {', '.join(unknown) or 'no reason'} is not one of "
-                         f"{', '.join(REASONS)} (or all)")
+        raise ValueError(f"--exclude {text}: {', '.join(unknown) or 'no reason'} "
+                         f"{'is' if len(unknown) < 2 else 'are'} not one of {', '.join(REASONS)} (or all)")
+    if "all" in names:
+        return REASONS
     return tuple(name for name in REASONS if name in names)

@@ -187,3 +187,14 @@ def test_the_window_is_the_trainings_num_frames_under_either_name(catalogue, tmp
     window = json.loads((out / "summary.json").read_text())["inspect"]["window"]
     assert (window["num_frames"], window["sampling"]) == (9, "uniform")
     assert {name_of(r["file_path"]): r["reason"] for r in read_csv_records(out / "flagged.csv")} == FLAGGED
+
+
+def test_exclude_reads_all_and_repeated_reasons_once_and_names_each_unknown_one_once():
+    from diffsynth_mbc.data.inspect.reasons import REASONS, parse_exclude
+
+    assert parse_exclude("all,all") == REASONS and parse_exclude("black,all") == REASONS
+    assert parse_exclude("black,black,frozen") == ("black", "frozen")
+    with pytest.raises(ValueError, match=r"^--exclude blurry,blurry,fuzzy: blurry, fuzzy are not one of scene_cut"):
+        parse_exclude("blurry,blurry,fuzzy")
+    with pytest.raises(ValueError, match=r"^--exclude ,: no reason is not one of"):
+        parse_exclude(",")
