@@ -33,6 +33,7 @@ from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
 from diffsynth_mbc.training.checkpoints.resume import refuse_early
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
+from diffsynth_mbc.training.evaluation.lora_health import UnhealthyRunError
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.guards import NonFiniteError
 
@@ -108,7 +109,7 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
         status.fail(exc)
         print(f"[rank {rank}] error: {exc}", file=sys.stderr)
         return 2
-    except (NonFiniteError, CheckpointWriteError) as exc:
+    except (NonFiniteError, CheckpointWriteError, UnhealthyRunError) as exc:
         status.fail(exc)
         print(f"[rank {rank}] failed: {exc}", file=sys.stderr)
         return 1

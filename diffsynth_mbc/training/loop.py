@@ -22,7 +22,7 @@ from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpo
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
                                                             watch_gradient_all_reduce)
-from diffsynth_mbc.training.evaluation.lora_health import LoraHealth, make_health
+from diffsynth_mbc.training.evaluation.lora_health import LoraHealth, end_of_run, make_health
 from diffsynth_mbc.training.evaluation.sample_clips import make_sampler, maybe_sample
 from diffsynth_mbc.training.evaluation.validation import Validator
 from diffsynth_mbc.training.lora.ema import make_ema
@@ -382,7 +382,7 @@ def finish(run: Run) -> None:
     if run.validator and (not options.val_steps or position.step % options.val_steps):
         run.logger.timed("validation", run.validator.run, position.step)
         run.logger.on_validation(run.accelerator)
-    run.health.at_end(position.step)   # after the last validation: the overfitting flag reads it
+    end_of_run(run)   # the last health record, after the last validation; a broken LoRA fails the run here
     maybe_sample(run)
     run.logger.timed("lora", run.checkpoints.save_lora, "lora.safetensors", position.step)
     if run.schedule.enabled and run.checkpoints.last_step != position.step:

@@ -29,7 +29,8 @@ import time
 
 from diffsynth_mbc import run_files
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
-from diffsynth_mbc.training.evaluation.health_flags import STEPS_KEPT, health_flags, summary, train_loss_average
+from diffsynth_mbc.training.evaluation.health_flags import (STEPS_KEPT, WHAT_TO_DO, health_flags, summary,
+                                                           train_loss_average)
 from diffsynth_mbc.training.plan.evaluation_cost import health_cadence
 from diffsynth_mbc.values import finite_number
 
@@ -242,6 +243,42 @@ class LoraHealth:
                 self.printer.event(f"LoRA health at step {step}: {found['flag']}: {found['what']}. "
                                    f"What to do: {found['do']}")
         return record
+
+
+BROKEN = ("nonfinite", "exploding")   # flags of a last record whose LoRA is not published
+
+
+class UnhealthyRunError(RuntimeError):
+    """The run ended with a broken LoRA: its last health record flags it, or its weights hold inf/NaN."""
+
+
+def end_of_run(run) -> None:
+    """The last health record (after the last validation: the overfitting flag reads it); then, on every rank alike,
+    the run fails, naming why, instead of publishing ``lora.safetensors``, when that record flags ``nonfinite`` or
+    ``exploding`` or a LoRA tensor holds inf/NaN (also with the records off)."""
+    import torch
+
+    from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
+
+    step = run.position.step
+    run.health.at_end(step)
+    last = run.health.records[-1] if run.health.records else {}
+    broken = [found for found in last.get("flags") or [] if found["flag"] in BROKEN]
+    nonfinite = sum(1 for parameter in run.trainable if not bool(torch.isfinite(parameter.detach()).all()))
+    local = torch.tensor([1 if broken or nonfinite else 0], device=run.accelerator.device)
+    if int(all_reduce_sum(run.accelerator, local, run.status, "ranks in all-reduce (the LoRA's health at the end)")
+           .item()) == 0:
+        return
+    if broken:
+        why = "; ".join(f"LoRA health at step {last['step']}: {found['flag']}: {found['what']}" for found in broken)
+        advice = broken[0]["do"]
+    elif nonfinite:
+        why = f"{nonfinite} of the {len(run.trainable)} LoRA tensors hold inf or NaN at step {step}"
+        advice = WHAT_TO_DO["nonfinite"]
+    else:
+        why, advice = "another rank found its LoRA broken (its status file says why)", WHAT_TO_DO["exploding"]
+    raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); lora.safetensors is not written (checkpoints "
+                            f"and epoch files, if any, hold earlier weights). What to do: {advice}")
 
 
 def make_health(run) -> LoraHealth:

@@ -23,12 +23,31 @@ def runs(tmp_path_factory):
     prepare(root / "demo", num_videos=3, num_images=2)
     out = {}
     for name, overrides in (("trains", {"health_steps": 4}),
-                            ("still", {"health_steps": 1, "num_epochs": 1, "learning_rate": 1e-12})):
+                            ("still", {"health_steps": 1, "num_epochs": 1, "learning_rate": 1e-12}),
+                            ("explodes", {"health_steps": 1, "num_epochs": 3, "learning_rate": 1e3, "warmup_steps": 0,
+                                          "max_nonfinite_steps": 100})):
         flags = demo_flags(root / "demo", root / name, checkpoint_steps=100, **overrides)
         result = run_training(root / name, flags, timeout=540, OMP_NUM_THREADS=1)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert result.returncode == (1 if name == "explodes" else 0), result.stdout[-3000:] + result.stderr[-3000:]
         out[name] = (root / name / "logs", result.stdout + result.stderr)
     return out
+
+
+def test_a_run_whose_last_record_flags_a_broken_lora_fails_and_publishes_no_lora(runs):
+    """At a learning rate of 1e3 the loss goes non-finite: the run used to end "finished", exit 0, publishing a LoRA
+    7e10 times the base weights. Every rank now fails at the end, naming the flag and what to do."""
+    logs, output = runs["explodes"]
+    last = read_health(logs, 0)[-1]
+    broken = [flag["flag"] for flag in last["flags"] if flag["flag"] in ("nonfinite", "exploding")]
+    assert broken, last
+    for rank in (0, 1):
+        state = read_status(logs, rank)
+        assert state["status"] == "failed" and state["error"]["type"] == "UnhealthyRunError"
+        assert f"LoRA health at step {last['step']}: {broken[0]}:" in state["error"]["message"]
+        assert "lora.safetensors is not written" in state["error"]["message"]
+        assert "What to do: " in state["error"]["message"]
+    assert not (logs.parent / "lora" / "lora.safetensors").exists() and not list(logs.parent.rglob("lora.safetensors"))
+    assert "the run ended with a broken LoRA" in output
 
 
 def test_records_at_step_0_every_n_steps_and_the_end_one_finite_norm_per_block(runs):
