@@ -245,17 +245,16 @@ class LoraHealth:
         return record
 
 
-BROKEN = ("nonfinite", "exploding")   # flags of a last record whose LoRA is not published
-
-
 class UnhealthyRunError(RuntimeError):
     """The run ended with a broken LoRA: its last health record flags it, or its weights hold inf/NaN."""
 
 
 def end_of_run(run) -> None:
     """The last health record (after the last validation: the overfitting flag reads it); then, on every rank alike,
-    the run fails, naming why, instead of publishing ``lora.safetensors``, when that record flags ``nonfinite`` or
-    ``exploding`` or a LoRA tensor holds inf/NaN (also with the records off)."""
+    the run fails, naming why, instead of publishing ``lora.safetensors``, when a LoRA tensor holds inf/NaN (also
+    with the records off), or that record flags ``exploding``, or it flags ``nonfinite`` and the last step was
+    skipped as non-finite too (the LoRA no longer gives a finite loss). Non-finite steps followed by finite ones
+    changed no weight and fail nothing here (``--max_nonfinite_steps`` in a row stop the run)."""
     import torch
 
     from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
@@ -263,18 +262,20 @@ def end_of_run(run) -> None:
     step = run.position.step
     run.health.at_end(step)
     last = run.health.records[-1] if run.health.records else {}
-    broken = [found for found in last.get("flags") or [] if found["flag"] in BROKEN]
+    ends_nonfinite = run.nonfinite is not None and run.nonfinite.in_a_row > 0
+    broken = [found for found in last.get("flags") or [] if found["flag"] == "exploding"
+              or (found["flag"] == "nonfinite" and ends_nonfinite)]
     nonfinite = sum(1 for parameter in run.trainable if not bool(torch.isfinite(parameter.detach()).all()))
     local = torch.tensor([1 if broken or nonfinite else 0], device=run.accelerator.device)
     if int(all_reduce_sum(run.accelerator, local, run.status, "ranks in all-reduce (the LoRA's health at the end)")
            .item()) == 0:
         return
-    if broken:
-        why = "; ".join(f"LoRA health at step {last['step']}: {found['flag']}: {found['what']}" for found in broken)
-        advice = broken[0]["do"]
-    elif nonfinite:
+    if nonfinite:
         why = f"{nonfinite} of the {len(run.trainable)} LoRA tensors hold inf or NaN at step {step}"
-        advice = WHAT_TO_DO["nonfinite"]
+        advice = WHAT_TO_DO["exploding"]
+    elif broken:
+        why = "; ".join(f"LoRA health at step {last['step']}: {found['flag']}: {found['what']}" for found in broken)
+        advice = WHAT_TO_DO["exploding"]
     else:
         why, advice = "another rank found its LoRA broken (its status file says why)", WHAT_TO_DO["exploding"]
     raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); lora.safetensors is not written (checkpoints "

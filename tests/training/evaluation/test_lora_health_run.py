@@ -38,13 +38,13 @@ def test_a_run_whose_last_record_flags_a_broken_lora_fails_and_publishes_no_lora
     7e10 times the base weights. Every rank now fails at the end, naming the flag and what to do."""
     logs, output = runs["explodes"]
     last = read_health(logs, 0)[-1]
-    broken = [flag["flag"] for flag in last["flags"] if flag["flag"] in ("nonfinite", "exploding")]
-    assert broken, last
+    assert "nonfinite" in [flag["flag"] for flag in last["flags"]], last
     for rank in (0, 1):
         state = read_status(logs, rank)
         assert state["status"] == "failed" and state["error"]["type"] == "UnhealthyRunError"
-        assert f"LoRA health at step {last['step']}: {broken[0]}:" in state["error"]["message"]
+        assert f"LoRA health at step {last['step']}: nonfinite: " in state["error"]["message"]
         assert "lora.safetensors is not written" in state["error"]["message"]
+        assert "--learning_rate" in state["error"]["message"]
         assert "What to do: " in state["error"]["message"]
     assert not (logs.parent / "lora" / "lora.safetensors").exists() and not list(logs.parent.rglob("lora.safetensors"))
     assert "the run ended with a broken LoRA" in output
