@@ -4,6 +4,9 @@ one finite check every option, file and guard asks. Pure: no torch import."""
 from __future__ import annotations
 
 import math
+import re
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def finite_number(value, text: bool = False) -> float | None:
@@ -31,3 +34,9 @@ def positive_number(value, text: bool = False) -> float | None:
     """``value`` as a float when it is one finite number above 0 (see ``finite_number``), else None."""
     number = finite_number(value, text)
     return number if number is not None and number > 0 else None
+
+
+def printable(text: str) -> str:
+    """``text`` without control characters (escape sequences, OSC titles, NUL...), newlines and tabs kept:
+    whatever a file says is shown, never interpreted by the terminal."""
+    return _CONTROL.sub("", text) if _CONTROL.search(text) else text

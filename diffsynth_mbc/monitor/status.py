@@ -9,13 +9,13 @@ import itertools
 import json
 import math
 import os
-import re
 import stat
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc.values import printable  # noqa: F401 - the monitor's views import it from here
 
 STALL_MIN_S = 120.0
 # Ranks and world sizes above this are bad data (a typo or a hostile file), never a set of that size.
@@ -78,13 +78,6 @@ def to_int(value: Any) -> int | None:
     return int(result)
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """``text`` without control characters (escape sequences, OSC titles, NUL...), newlines and tabs kept:
-    whatever a file says is shown, never interpreted by the terminal."""
-    return _CONTROL.sub("", text) if _CONTROL.search(text) else text
 
 
 def json_safe(value: Any, depth: int = 0) -> Any:

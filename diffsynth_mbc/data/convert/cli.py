@@ -35,6 +35,7 @@ from rich.markup import escape
 from diffsynth_mbc.data.convert import catalogue_rows as cat
 from diffsynth_mbc.data.convert import selection
 from diffsynth_mbc.data.convert.caption_lengths import TokenizerError, long_captions
+from diffsynth_mbc.data.convert.console import PrintableConsole
 from diffsynth_mbc.data.convert.output_set import OutputError, publish_output_set
 from diffsynth_mbc.data.convert.outputs import (
     FLAGGED_NAME,
@@ -264,9 +265,9 @@ def _console() -> Console:
     """stderr; piped to a file or another program, it is no terminal and rich would take 80 columns, breaking
     the table's cells over lines (COLUMNS, when set, still decides). Lines of text are never broken by rich (the
     terminal wraps them), so a path in a message stays whole for copying."""
-    console = Console(stderr=True, soft_wrap=True)
+    console = PrintableConsole(stderr=True, soft_wrap=True)
     if not console.is_terminal and not os.environ.get("COLUMNS"):
-        console = Console(stderr=True, soft_wrap=True, width=UNCUT_WIDTH)
+        console = PrintableConsole(stderr=True, soft_wrap=True, width=UNCUT_WIDTH)
     return console
 
 

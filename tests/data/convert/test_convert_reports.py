@@ -178,3 +178,16 @@ def test_without_probe_the_summary_says_what_probe_would_have_checked(tmp_path, 
     assert note.startswith("media files were not opened")
     assert convert(catalog, "--base-path", tmp_path / "data", "--output", out, "--probe") == 1  # not real videos
     assert json.loads((out / "summary.json").read_text())["not_probed"] is None
+
+
+def test_file_names_with_terminal_escapes_are_shown_not_obeyed(tmp_path, capsys):
+    """A catalogue's names reach the terminal in messages: ESC[2J would clear it and an OSC sequence retitle it.
+    Every name is printed without its control characters, as the monitor prints files (item 23 of round 4)."""
+    clear, title = "\x1b[2J", "\x1b]0;owned\x07"
+    rows = [(f"{clear}gone{i}.mp4", "a caption", "video") for i in range(4)] + [(f"{title}x.png", "c", "image")]
+    catalog = write_catalog(tmp_path / "c.csv", rows)
+    assert convert(catalog, "--base-path", tmp_path, "--output", tmp_path / "out") == 1   # every file missing
+    err = capsys.readouterr().err
+    assert "gone0.mp4" in err and "[2Jgone0.mp4" in err   # the name is there, its ESC is not
+    assert "\x1b" not in err and "\x07" not in err
+    assert read_csv_records(tmp_path / "out" / "rejects.csv")[0]["file_path"] == f"{clear}gone0.mp4"   # the file: raw
