@@ -21,7 +21,7 @@ from diffsynth_mbc.data.convert.probe_rejects import Flag
 from diffsynth_mbc.data.inspect.duplicates import DUPLICATE_BITS, find_duplicates
 from diffsynth_mbc.data.inspect.measure_store import STORE_NAME, MeasureStore
 from diffsynth_mbc.data.inspect import measures as m
-from diffsynth_mbc.data.inspect.measures import Finding, WindowMeasures, findings
+from diffsynth_mbc.data.inspect.measures import Finding, WindowMeasures, findings, readable_measures
 from diffsynth_mbc.data.inspect.reasons import REASONS, parse_exclude
 from diffsynth_mbc.data.inspect.run_inspection import (
     MEASURES_VERSION,
@@ -69,10 +69,13 @@ def inspect_entries(entries: list[cat.Entry], probed: dict[int, MediaInfo], args
     started = time.monotonic()
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    with MeasureStore(output / STORE_NAME, MEASURES_VERSION) as store:
+    with MeasureStore(output / STORE_NAME, MEASURES_VERSION, readable=readable_measures) as store:
+        if store.spoiled:
+            console.print(f"note: {store.spoiled} stored line(s) of {output / STORE_NAME} lacked a measure or held "
+                          "a non-number: those rows are measured again", highlight=False)
         results = _run(items, window, args.workers, store, console)
         store.finish({result.key for result in results if result.key and result.measures is not None})
-        reused = sum(1 for r in results if r.reused)
+        reused, spoiled = sum(1 for r in results if r.reused), store.spoiled
     outcome = InspectOutcome(items={id(e): item for e, item in zip(entries, items)}, window=window)
     shapes = TrainingShapes.from_args(args)
     found: dict[int, list[Finding]] = {}
@@ -94,7 +97,8 @@ def inspect_entries(entries: list[cat.Entry], probed: dict[int, MediaInfo], args
     exclude = parse_exclude(args.exclude)
     _flag_and_exclude(entries, found, exclude, outcome)
     seconds = time.monotonic() - started
-    outcome.summary = _summary(args, window, exclude, len(entries), reused, outcome, seconds)
+    outcome.summary = {**_summary(args, window, exclude, len(entries), reused, outcome, seconds),
+                       "store_lines_measured_again": spoiled}
     return outcome
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from diffsynth_mbc.atomic import atomic_open
 from diffsynth_mbc.data.cache.index import file_fingerprint
@@ -27,11 +27,15 @@ STORE_NAME = "inspect_measures.jsonl"
 class MeasureStore:
     """The measures of earlier runs (read once, when made) and an append-only log of this run's new ones."""
 
-    def __init__(self, path: Path, version: int):
+    def __init__(self, path: Path, version: int, readable: Callable[[dict], bool] = lambda measures: True):
+        """``readable(measures)``: whether a stored line's measures can be used (every field there, numbers
+        finite); a line that cannot is measured again, and counted in ``spoiled``."""
         self.path = Path(path)
         self.version = version
+        self.readable = readable
         self.hits = 0
         self.misses = 0
+        self.spoiled = 0   # lines of this version whose measures were not readable: measured again
         self._handle: IO[bytes] | None = None
         self._measures: dict[str, dict] = {}
         self._file_is_compact = True   # one line per key of self._measures: no torn, foreign or repeated line
@@ -116,6 +120,10 @@ class MeasureStore:
         for raw in data.splitlines():
             record = _record(raw)
             if record is None or record["version"] != self.version:
+                self._file_is_compact = False
+                continue
+            if not self.readable(record["measures"]):   # a field missing, a NaN: this row is measured again
+                self.spoiled += 1
                 self._file_is_compact = False
                 continue
             if record["key"] in self._measures:   # measured twice (two runs killed before finishing): last wins

@@ -19,6 +19,7 @@ encoder's noise and the source's resolution: a clip and its re-encoded, resized 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -70,6 +71,17 @@ class WindowMeasures:
                    black_share=float(values["black_share"]), motion=float(values["motion"]),
                    bars=tuple(float(share) for share in values["bars"]),
                    hashes=tuple(str(digest) for digest in values["hashes"]))
+
+
+def readable_measures(values: dict) -> bool:
+    """Whether stored measures give a ``WindowMeasures`` with every number finite (a hand-edited or foreign line
+    may lack a field or hold NaN)."""
+    try:
+        measures = WindowMeasures.from_dict(values)
+    except (KeyError, TypeError, ValueError):
+        return False
+    numbers = [measures.cut_score, measures.cut_change, measures.black_share, measures.motion, *measures.bars]
+    return all(math.isfinite(number) for number in numbers)
 
 
 @dataclass(frozen=True)

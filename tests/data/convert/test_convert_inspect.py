@@ -104,7 +104,7 @@ def test_exclude_all_moves_exactly_the_flagged_rows_to_rejects(catalogue, inspec
         "black", "clean_copy", "picture_copy"}
 
 
-def test_a_second_run_reuses_what_it_measured_and_remeasures_a_changed_file(catalogue, tmp_path):
+def test_a_second_run_reuses_what_it_measured_and_remeasures_a_changed_file(catalogue, tmp_path, capsys):
     out = tmp_path / "out"
     assert convert(catalogue, out) == 0
     assert json.loads((out / "summary.json").read_text())["inspect"]["measured"] == len(ROWS)
@@ -122,6 +122,23 @@ def test_a_second_run_reuses_what_it_measured_and_remeasures_a_changed_file(cata
         os.utime(touched, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     summary = json.loads((out / "summary.json").read_text())["inspect"]
     assert (summary["measured"], summary["reused"]) == (1, len(ROWS) - 1)
+
+    # a stored line without a measure, another with NaN: those two rows are measured again, said once (they used to
+    # fail every later run with KeyError or ValueError until the file was deleted)
+    assert convert(catalogue, out) == 0   # the pan row back at its own time: measured again, once
+    store = out / "inspect_measures.jsonl"
+    lines = [json.loads(line) for line in store.read_text().splitlines()]
+    del lines[0]["measures"]["motion"]
+    lines[1]["measures"]["cut_score"] = float("nan")
+    store.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    capsys.readouterr()
+    assert convert(catalogue, out) == 0
+    summary = json.loads((out / "summary.json").read_text())["inspect"]
+    assert (summary["measured"], summary["reused"], summary["store_lines_measured_again"]) == (2, len(ROWS) - 2, 2)
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("2 stored line(s) of ") == 1 and "lacked a measure or held a non-number" in err
+    assert convert(catalogue, out) == 0   # and the store is whole again
+    assert json.loads((out / "summary.json").read_text())["inspect"]["reused"] == len(ROWS)
 
 
 @pytest.mark.parametrize("flags, message", [
