@@ -206,6 +206,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         rejects += inspected.unreadable + inspected.excluded
         plan.train = [e for e in plan.train if id(e) not in inspected.rejected_ids]
         plan.val = [e for e in plan.val if id(e) not in inspected.rejected_ids]
+        # a row it could not decode is rejected: what --probe flagged of it (short, small, cropped) is not written
+        outcome.flags = [flag for flag in outcome.flags if id(flag.entry) not in inspected.unreadable_ids]
         outcome.flags += inspected.flags
     if args.probe:   # the written rows' mix, after --inspect's exclusions
         probe_summary = summarise_probe(plan.train + plan.val, outcome, args)

@@ -56,6 +56,7 @@ class InspectOutcome:
     unreadable: list[cat.Reject] = field(default_factory=list)   # rows whose window could not be decoded
     measured: dict[int, WindowMeasures] = field(default_factory=dict)   # id(entry) -> its window's measures
     rejected_ids: set[int] = field(default_factory=set)           # id(entry) of the unreadable and excluded rows
+    unreadable_ids: set[int] = field(default_factory=set)         # id(entry) of the rows it could not decode
     items: dict[int, InspectItem] = field(default_factory=dict)   # id(entry) -> what was decoded
     originals: dict[int, cat.Entry] = field(default_factory=dict)  # id(entry) of a duplicate -> the row it repeats
     window: InspectWindow | None = None
@@ -85,6 +86,7 @@ def inspect_entries(entries: list[cat.Entry], probed: dict[int, MediaInfo], args
                                                                          f"not decode its window: {result.error})")
             outcome.unreadable.append(reject)
             outcome.rejected_ids.add(id(entry))
+            outcome.unreadable_ids.add(id(entry))
             continue
         measures = WindowMeasures.from_dict(result.measures)
         outcome.measured[id(entry)] = measures

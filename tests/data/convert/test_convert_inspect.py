@@ -215,3 +215,36 @@ def test_exclude_reads_all_and_repeated_reasons_once_and_names_each_unknown_one_
         parse_exclude("blurry,blurry,fuzzy")
     with pytest.raises(ValueError, match=r"^--exclude ,: no reason is not one of"):
         parse_exclude(",")
+
+
+def spoil_idat(png: bytes) -> bytes:
+    """The PNG with its compressed pixels overwritten and the chunk's CRC made right again: PIL's verify() (the
+    probe's check) passes, decoding fails."""
+    import struct
+    import zlib
+
+    start = png.index(b"IDAT") - 4
+    length = struct.unpack(">I", png[start:start + 4])[0]
+    body = b"IDAT" + bytes([0xFF]) * length
+    return png[:start + 4] + body + struct.pack(">I", zlib.crc32(body)) + png[start + 12 + length:]
+
+
+def test_a_row_inspect_cannot_decode_leaves_flagged_csv_and_the_small_media_count(tmp_path):
+    """Its header reads (so --probe flagged it small), its pixels do not: rejected as unreadable, it is not a file
+    written, so nothing of it stays in flagged.csv or in summary.json's flagged_small_media."""
+    from PIL import Image
+
+    base = tmp_path / "media"
+    base.mkdir()
+    Image.new("RGB", (64, 48), (90, 120, 30)).save(base / "good.png")
+    Image.effect_noise((64, 48), 40).convert("RGB").save(base / "broken.png")
+    (base / "broken.png").write_bytes(spoil_idat((base / "broken.png").read_bytes()))
+    write_catalog(base / "catalogue.csv", [("good.png", "a good one", "image"), ("broken.png", "torn", "image")])
+    out = tmp_path / "out"
+    assert main([str(base / "catalogue.csv"), "--base_path", str(base), "--output", str(out), "--probe", "--inspect",
+                 "--height", "96", "--width", "160"]) == 0
+    rejects = read_csv_records(out / "rejects.csv")
+    assert [(r["file_path"], r["reason"].split(" (")[0]) for r in rejects] == [("broken.png", "unreadable media")]
+    assert {r["file_path"] for r in read_csv_records(out / "flagged.csv")} == {"good.png"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["probe"]["flagged_small_media"] == 1
