@@ -12,6 +12,7 @@ launchers.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -251,13 +252,35 @@ def world_size_of(known) -> tuple[int, int]:
     return world_size, nodes
 
 
+def files_not_found(options) -> str | None:
+    """A line naming how many of the metadata's files are not where the training will look (a wrong
+    --dataset_base_path, a moved archive), with the first of them; None when every file is there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diffsynth_mbc.data.metadata_csv import read_metadata
+
+    rows = list(read_metadata(options.dataset_metadata_path))
+    paths = [os.path.join(options.dataset_base_path or "", str(row.get("video") or "")) for row in rows]
+    with ThreadPoolExecutor(max_workers=16) as pool:   # a network file system answers each look-up slowly
+        found = list(pool.map(os.path.isfile, paths, chunksize=256))
+    missing = [index for index, there in enumerate(found) if not there]
+    if not missing:
+        return None
+    first = missing[0]
+    return (f"warning: {len(missing):,} of {len(rows):,} files were not found (row {first + 1}: "
+            f"{rows[first].get('video')}, looked for at {paths[first]}): the training replaces each as bad media and "
+            f"stops past --max_bad_media_fraction {options.max_bad_media_fraction:g}; is --dataset_base_path "
+            f"({options.dataset_base_path}) right?")
+
+
 def print_plan(options, known, plan, nodes: int) -> int:
     try:
         run, unknown = projection_of(options, plan, known.cached, known.assume, nodes)
     except ValueError as exc:   # an unknown --assume name, or a precision this GPU cannot take
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    full = plan_lines(options, plan) + projection_lines(run, unknown)
+    missing = files_not_found(options)
+    full = ([missing] if missing else []) + plan_lines(options, plan) + projection_lines(run, unknown)
     if known.detail_file:
         try:
             with open(known.detail_file, "a", encoding="utf-8") as handle:
@@ -265,7 +288,8 @@ def print_plan(options, known, plan, nodes: int) -> int:
         except OSError as exc:
             print(f"error: --detail_file {known.detail_file}: {exc.strerror}", file=sys.stderr)
             return 2
-    print("\n".join(brief_lines(plan, run, unknown) if known.brief else full), file=sys.stderr)
+    brief = ([missing] if missing else []) + brief_lines(plan, run, unknown)
+    print("\n".join(brief if known.brief else full), file=sys.stderr)
     return 0
 
 

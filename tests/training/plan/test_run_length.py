@@ -135,6 +135,10 @@ def test_the_plan_command_prints_the_doctors_projected_line(tmp_path):
                                    cached_launch=True, media=(800, 900)).projection.cache_line()
     assert f"  {expected}\n  {cache}\n" in result.stderr and cache.startswith("latent cache build: ")
     assert "on 4 GPU(s) (2 node(s) x 2)" in expected and "after building the latent cache" in expected
+    # no file of the metadata is there: said first, with the first row and where it was looked for
+    warning, = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith("warning: 1,700 of 1,700 files were not found (row 1: v/0.mp4, looked for at ")
+    assert warning.endswith("is --dataset_base_path (/data/mbc) right?")
     unknown = subprocess.run([sys.executable, "-m", "diffsynth_mbc.plan", "--world_size", "1", "--config", FULL,
                               "--dataset_metadata_path", str(metadata)], capture_output=True, text=True, timeout=120,
                              cwd=REPO, env={"PATH": "/nonexistent", "PYTHONPATH": str(REPO)})
@@ -161,3 +165,17 @@ def test_with_aspect_buckets_and_no_rows_read_the_plans_are_at_the_largest_bucke
     used = (("video@1280x704", 10), ("video@704x1280", 4), ("image@1248x736", 3))
     sizing = estimates.sizing_buckets(namespace, used)
     assert {kind: bucket.name for kind, bucket in sizing.items()} == {"video": "1280x704", "image": "1248x736"}
+
+
+def test_the_plan_says_nothing_of_missing_files_when_every_file_is_there_and_counts_those_that_are_not(tmp_path):
+    from diffsynth_mbc.training.plan.command import files_not_found
+
+    metadata = write_metadata(tmp_path / "metadata.csv", 3, 2)
+    for name in ["v/0.mp4", "v/1.mp4", "v/2.mp4", "i/0.JPG", "i/1.JPG"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    options = full_options(metadata, "--dataset_base_path", str(tmp_path))
+    assert files_not_found(options) is None
+    (tmp_path / "v" / "1.mp4").unlink()
+    assert files_not_found(options).startswith(f"warning: 1 of 5 files were not found (row 2: v/1.mp4, looked for at "
+                                               f"{tmp_path / 'v' / '1.mp4'}): the training replaces each as bad media")
