@@ -172,7 +172,21 @@ class StepPlan:
             lines.append(f"  {bucket:>11} {kind + 's':<6} {row['samples_per_epoch']:>8,} samples/epoch "
                          f"{row['batches_per_gpu']:>7,} batches/GPU of {row['batch_size']}"
                          + (f" (+{row['repeated_samples']} repeated)" if row["repeated_samples"] else ""))
-        return lines
+        return lines + self._single_shape_note(rows)
+
+    @staticmethod
+    def _single_shape_note(rows: list[dict]) -> list[str]:
+        """At a small area every aspect rounds to one shape: say that every sample, portrait too, is cropped to it."""
+        from diffsynth_mbc.data.media.buckets import bucket_of_key, bucket_set
+
+        shapes = {bucket_of_key(row["key"]) for row in rows} - {None}
+        if len(shapes) != 1:
+            return []
+        shape, = shapes
+        if len(bucket_set(shape.height, shape.width)) != 1:
+            return []
+        return [f"  note: at {shape.width}x{shape.height} the aspect buckets hold this one shape: every sample, "
+                "portrait and landscape alike, is cropped to it (a larger --height x --width has a bucket per aspect)"]
 
     def describe_modes(self) -> str:
         return describe_modes(self.objective, self.i2v_probability, self.modes_per_epoch)

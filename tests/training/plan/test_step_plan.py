@@ -79,6 +79,16 @@ def test_with_buckets_each_bucket_is_counted_on_its_own_and_its_repeats_said():
     lines = plan.describe_buckets()
     assert lines[0].startswith("buckets (aspect): 3 in use; every GPU trains one bucket at a time; 10 sample(s)")
     assert any("96x96 images" in line and "(+5 repeated)" in line for line in lines)
+    assert not any("note:" in line for line in lines)   # three shapes: no single-shape note
     assert "bucket_samples" in plan.as_dict()
     assert "bucket_samples" not in StepPlan(rows=14, repeat=1, world_size=2, batch_size=2, gradient_accumulation=1,
                                             num_epochs=3).as_dict()
+
+
+def test_at_an_area_whose_buckets_are_one_shape_the_plan_says_every_sample_is_cropped_to_it():
+    """The demo's 64x64: portrait, landscape and square all round to 64x64; "2 in use" are clips and images."""
+    plan = StepPlan(rows=5, repeat=1, world_size=2, batch_size=1, gradient_accumulation=1, num_epochs=1, images=2,
+                    image_batch_size=2, bucket_samples=(("image@64x64", 2), ("video@64x64", 3)))
+    assert plan.describe_buckets()[-1] == ("  note: at 64x64 the aspect buckets hold this one shape: every sample, "
+                                           "portrait and landscape alike, is cropped to it (a larger --height x "
+                                           "--width has a bucket per aspect)")
