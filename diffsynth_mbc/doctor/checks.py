@@ -269,7 +269,8 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
     from diffsynth_mbc.data.dataset import MBCVideoDataset
 
     dataset = MBCVideoDataset(options.dataset_base_path, path, decoder=options.decoder, num_frames=options.num_frames,
-                              height=options.height, width=options.width)
+                              height=options.height, width=options.width, buckets=options.buckets)
+    shapes = []
     for index in range(min(3, rows)):
         try:
             sample = dataset[index]
@@ -279,8 +280,11 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
         if sample is None:
             return Check("metadata", FAIL, f"{path}: row {index + 1} does not decode",
                          "re-run the converter with --probe"), media
-    return Check("metadata", OK, f"{counted}; the first {min(3, rows)} decode at "
-                                 f"{options.width}x{options.height}x{options.num_frames}"), media
+        frames = sample["video"]
+        shapes.append(f"{frames[0].size[0]}x{frames[0].size[1]}x{len(frames)}")
+    at = (f"at {', '.join(dict.fromkeys(shapes))} (their aspect buckets)" if options.buckets == "aspect"
+          else f"at {options.width}x{options.height}x{options.num_frames}")
+    return Check("metadata", OK, f"{counted}; the first {min(3, rows)} decode {at}"), media
 
 
 def ffmpeg_needed_by(options) -> list[str]:

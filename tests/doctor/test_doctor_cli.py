@@ -135,3 +135,17 @@ def test_usage_errors_are_exit_2():
     assert code == 2 and "--probe measures this machine" in err
     code, _, err = doctor("--config", FULL, "--assume", "V100-32GB", "--gradient_checkpointing", "45")
     assert code == 2 and "--gradient_checkpointing 45: the DiT has 30 blocks" in err, err   # the training's own error
+
+
+def test_under_aspect_buckets_the_first_rows_decode_at_their_buckets_and_it_says_so(tmp_path):
+    """The demo's square media at a 160x96 area go to the 128x128 bucket: the doctor names what decoded, not
+    --width x --height (it said "decode at 160x96x9" of rows that train at 128x128)."""
+    root = tmp_path / "demo"
+    prepare(root, num_videos=2, num_images=1)
+    flags = ["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(root / "catalog"),
+             "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"), "--output_path", str(tmp_path / "out"),
+             "--buckets", "aspect", "--height", "96", "--width", "160", "--json"]
+    code, out, err = doctor(*flags)
+    assert code == 0, err
+    detail = by_name(json.loads(out))["metadata"]["detail"]
+    assert detail.endswith("the first 3 decode at 128x128x9, 128x128x1 (their aspect buckets)"), detail
