@@ -9,7 +9,7 @@
 #                 instead and writes none
 #   --deepspeed   DeepSpeed ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml) instead of DDP
 #   --multinode   several nodes: MASTER_ADDR, MASTER_PORT, NUM_MACHINES, MACHINE_RANK from the environment
-#   --gpus N      processes per node (default: NUM_GPUS, else every GPU nvidia-smi lists)
+#   --gpus N      processes per node (default: NUM_GPUS, else every GPU nvidia-smi lists; the demo: 2 CPU processes)
 #   --cached      encode every clip and caption once first (python -m diffsynth_mbc.cache; resumable,
 #                 finished entries are skipped), then train the DiT from that latent cache
 #   --detach      run in the background (log file only); prints the pid and returns
@@ -277,10 +277,12 @@ mbc_launch() {
       accelerate_args=(--multi_gpu --num_processes $((gpus * NUM_MACHINES)) --num_machines "$NUM_MACHINES"
                        --machine_rank "$MACHINE_RANK" --main_process_ip "$MASTER_ADDR"
                        --main_process_port "${MASTER_PORT:-29500}" --mixed_precision no --dynamo_backend no)
-    else
-      gpus=2
-      accelerate_args=(--multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no
+    else   # CPU processes standing in for GPUs: 2 unless --gpus N says how many
+      gpus=${gpus:-2}
+      [[ $gpus =~ ^[1-9][0-9]*$ ]] || mbc_die "--gpus: expected a number of processes, got '$gpus'"
+      accelerate_args=(--num_processes "$gpus" --num_machines 1 --mixed_precision no
                        --dynamo_backend no --main_process_port "$(mbc_free_port)")
+      (( gpus > 1 )) && accelerate_args=(--multi_gpu "${accelerate_args[@]}")
     fi
   else
     # shellcheck disable=SC1091

@@ -158,6 +158,18 @@ def test_a_dry_run_of_the_demo_prints_the_step_plan_a_launch_prints(tmp_path):
     assert not list((tmp_path / ".cache" / "tmpdir").iterdir())             # its scratch catalogue is gone
 
 
+def test_the_demo_runs_as_many_cpu_processes_as_gpus_asks(tmp_path):
+    """`--demo --gpus 3` ran 2 processes without a word."""
+    three = launcher(tmp_path, "--demo", "--dry-run", "--gpus", "3")
+    assert three.returncode == 0, three.stderr
+    assert "--multi_gpu --num_processes 3 " in three.stdout and "gpus=3 " in three.stdout
+    assert "step plan: 8 steps in total per GPU (4 x 2 epochs, 3 GPUs)" in three.stderr.splitlines(), three.stderr
+    one = launcher(tmp_path, "--demo", "--dry-run", "--gpus", "1")
+    assert one.returncode == 0 and "--num_processes 1 " in one.stdout and "--multi_gpu" not in one.stdout
+    bad = launcher(tmp_path, "--demo", "--dry-run", "--gpus", "two")
+    assert bad.returncode != 0 and "--gpus: expected a number of processes, got 'two'" in bad.stderr
+
+
 @pytest.mark.slow
 def test_the_demo_says_what_it_trains_on_and_writes_only_its_own_catalogue(tmp_path):
     """`--demo --dataset_base_path X` said it wrote its catalogue under X and wrote runs/demo. Given a catalogue
