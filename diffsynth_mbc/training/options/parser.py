@@ -79,12 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Files and folders a run may go without: ``none`` clears the preset's (the validation's catalogue and cache, the
+# sample prompts, the latent cache, a LoRA to start from)
+OPTIONAL_PATHS = frozenset(["val_metadata_path", "val_base_path", "val_cache", "cache", "sample_prompts",
+                            "init_lora"])
+
+
 def _let_none_clear(parser: argparse.ArgumentParser) -> None:
-    """A number a run may leave unset (``--val_steps``, ``--checkpoint_minutes``, ...) also takes ``none``: on the
-    command line it clears what the preset set, as if the preset had not set it."""
+    """A number a run may leave unset (``--val_steps``, ``--checkpoint_minutes``, ...) or a file it may go without
+    (``OPTIONAL_PATHS``) also takes ``none``: on the command line it clears what the preset set, as if the preset had
+    not set it."""
     for action in parser._actions:
-        if action.dest in OPTIONAL_NUMBERS:
-            action.type = _number_or_none(action.type)
+        if action.dest in OPTIONAL_NUMBERS or action.dest in OPTIONAL_PATHS:
+            action.type = _number_or_none(action.type or str)
             action.help = f"{action.help} (none: unset, over a preset)"
 
 

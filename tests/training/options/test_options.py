@@ -158,3 +158,15 @@ def test_the_doctor_refuses_to_decode_a_row_that_would_not_fit_in_memory():
     assert "at 4096x4096x17 needs about 3.2 GiB, more than half of the 4.0 GiB free" in problem
     assert decode_memory_problem(1280, 704, 17, available=8 * 2**30) is None
     assert decode_memory_problem(4096, 4096, 17, available=None) is None
+
+
+def test_none_clears_a_file_the_preset_names_that_a_run_may_go_without():
+    """``--val_metadata_path none`` was a file named "none" to the plan and missing to the launcher: now it clears
+    the preset's catalogue, and the preset's --val_steps is refused the same way by both."""
+    full = ["--config", str(REPO / "configs" / "train_full.yaml")]
+    with pytest.raises(OptionsError, match="--val_steps none trains without validation"):
+        resolve_options([*full, "--val_metadata_path", "none"])
+    options = resolve_options([*full, "--val_metadata_path", "none", "--val_steps", "none", "--sample_prompts", "None",
+                               "--cache", "none"])
+    assert options.val_metadata_path is None and options.sample_prompts is None and options.cache is None
+    assert resolve_options([*full, "--val_metadata_path", "nonesuch.csv"]).val_metadata_path == "nonesuch.csv"
