@@ -170,13 +170,19 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
     }
 
 
+def capped_recipe(recipe):
+    """A rank's ``recipe`` as its view shows it: None when it is no dict or larger than ``MAX_RECIPE_BYTES`` as
+    JSON (not the training's: a 1.2 MB one passed the status API whole before)."""
+    return recipe if isinstance(recipe, dict) and len(json.dumps(recipe)) <= MAX_RECIPE_BYTES else None
+
+
 def recipe_of(ranks: list[dict]) -> dict | None:
     """The run's recipe (the status files' ``recipe``, written once at the start): rank 0's, else the lowest
     rank's that has one; None without one or when it is over ``MAX_RECIPE_BYTES`` of JSON."""
     for rank in sorted(ranks, key=lambda r: r["rank"]):
         recipe = rank.get("recipe")
         if isinstance(recipe, dict):
-            return recipe if len(json.dumps(recipe)) <= MAX_RECIPE_BYTES else None
+            return capped_recipe(recipe)
     return None
 
 

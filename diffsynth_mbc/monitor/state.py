@@ -52,6 +52,7 @@ from typing import Any, Callable
 from diffsynth_mbc import run_files
 from diffsynth_mbc.monitor.aggregate import (
     aggregate,
+    capped_recipe,
     pick_run,
     run_status,
     slow_ranks,
@@ -385,7 +386,7 @@ class MonitorState:
             "age_s": None if age is None else round(age, 3),
             "stall_after_s": threshold,
             "stalled_since": updated if stalled else None,
-            "median_step_time_s": median,
+            "median_step_time_s": median, "recipe": capped_recipe(data.get("recipe")),
             "loss_trend": hf.loss.trend(TREND_POINTS) if hf.complete else hf.sampled_trend,
             "loss_by_mode": hf.modes.recent_losses(),   # {mode: mean of its last steps}; {} without modes
             "history_lines": hf.records if hf.complete else None,   # None: read from its tail so far

@@ -124,3 +124,13 @@ def test_the_recipe_is_rank_0s_and_an_absurd_one_is_not_shown():
     assert recipe_of([{"rank": 0}]) is None
     assert recipe_of([{"rank": 0, "recipe": {"x": "y" * MAX_RECIPE_BYTES}}]) is None
     assert run_flags([{"rank": 0, "health": None}, {"rank": 1}]) == []
+
+
+def test_a_ranks_absurd_recipe_leaves_its_view_in_the_status_api_too(tmp_path):
+    """The run-level recipe was capped at 64 KB while a rank's 1.2 MB recipe passed /api/training/status whole."""
+    F.write_status(tmp_path, 0, recipe={"x": "y" * (1200 << 10)})
+    F.write_status(tmp_path, 1, recipe={"lora": "rank 4"})
+    snapshot = MonitorState(tmp_path, clock=lambda: F.NOW).snapshot()
+    views = {r["rank"]: r for r in snapshot["ranks"]}
+    assert views[0]["recipe"] is None and views[1]["recipe"] == {"lora": "rank 4"}
+    assert len(json.dumps(snapshot)) < 64 << 10
