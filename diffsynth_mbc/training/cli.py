@@ -27,6 +27,7 @@ from diffsynth_mbc.gpu import UnsupportedGpuError
 from diffsynth_mbc.lifecycle.run_lock import (RunLockError, follow_run_log, hold_run_locks, lock_without_launcher,
                                               release, watch_launcher)
 from diffsynth_mbc.lifecycle.signals import StopSignals
+from diffsynth_mbc.data.media.media_probe import quiet_pil_pixel_warnings
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
@@ -48,6 +49,7 @@ def default_run_id() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     rank, local_rank, world_size = rank_from_environment()
+    quiet_pil_pixel_warnings()   # a large image would warn at every decode; the converter's --probe says it once
     try:
         options = resolve_options(argv)
         # A resumed run goes on under its own run id (history, elapsed time and trackers continue).

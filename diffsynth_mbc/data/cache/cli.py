@@ -158,6 +158,9 @@ def parse_options(argv=None) -> argparse.Namespace:
 def main(argv: list[str] | None = None, status_writer=None) -> int:
     """``status_writer``: the class that writes each rank's status file (``diffsynth_mbc.cache`` gives the training's
     ``RankStatusWriter``); None writes none."""
+    from diffsynth_mbc.data.media.media_probe import quiet_pil_pixel_warnings
+
+    quiet_pil_pixel_warnings()   # a large image would warn at every encode; the converter's --probe says it once
     try:
         options = parse_options(argv)
     except CacheError as exc:

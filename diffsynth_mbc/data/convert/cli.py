@@ -56,7 +56,7 @@ from diffsynth_mbc.data.convert.report import build_summary, print_summary_table
 from diffsynth_mbc.data.inspect.reasons import REASONS, parse_exclude
 from diffsynth_mbc.data.media.buckets import BUCKET_MODES, STEP
 from diffsynth_mbc.data.media.frame_selection import FRAME_SAMPLING
-from diffsynth_mbc.data.media.media_probe import default_workers
+from diffsynth_mbc.data.media.media_probe import default_workers, quiet_pil_pixel_warnings
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.values import positive_number
 
@@ -275,6 +275,7 @@ def _console() -> Console:
 
 def main(argv: list[str] | None = None) -> int:
     console = _console()
+    quiet_pil_pixel_warnings()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ from diffsynth_mbc.data.convert import selection
 from diffsynth_mbc.data.convert.aspect_mix import CROPPED_MEDIA, TrainingShapes, aspect_lines, summarise_aspect
 from diffsynth_mbc.data.convert.outputs import FLAGGED_NAME, FLAGGED_SHEET_NAME, NOT_IN_SUBSET_NAME
 from diffsynth_mbc.data.convert.probe_rejects import SHORT_VIDEO, SMALL_MEDIA, Flag, ProbeOutcome
-from diffsynth_mbc.data.media.media_probe import histogram
+from diffsynth_mbc.data.media.media_probe import PIL_PIXEL_LIMIT, histogram
 
 NAMED_IN_A_WARNING = 3  # files a warning names before "and N more"
 
@@ -75,7 +75,17 @@ def summarise_probe(entries: list[cat.Entry], outcome: ProbeOutcome, args: argpa
         "video_num_frames": histogram(i.num_frames for i in videos),
         "fps": histogram(None if i.fps is None else round(i.fps, 3) for i in videos),
         "aspect": summarise_aspect(infos, shapes),
+        **_over_pixel_limit(entries, outcome),
     }
+
+
+def _over_pixel_limit(entries: list[cat.Entry], outcome: ProbeOutcome) -> dict:
+    """The images over PIL's decompression-bomb pixel limit: how many, and the first few with their sizes."""
+    large = [(e, outcome.info[id(e)]) for e in entries if e.media_type == "image"
+             and (outcome.info[id(e)].width or 0) * (outcome.info[id(e)].height or 0) > PIL_PIXEL_LIMIT]
+    return {"over_pil_pixel_limit_count": len(large),
+            "over_pil_pixel_limit": [f"{e.source.file_path} ({info.width}x{info.height})"
+                                     for e, info in large[:NAMED_IN_A_WARNING]]}
 
 
 def build_summary(args, catalogs: dict[str, cat.Catalog], plan: selection.ConversionPlan, rejects: list[cat.Reject],
@@ -174,6 +184,17 @@ def _print_probe(console: Console, probe: dict) -> None:
         _print_flagged(console, f"{probe['flagged_cropped_media']} files lose more than 10% of their frame to "
                                 f"cropping (--buckets {probe['aspect']['buckets']})", probe["named_cropped_media"],
                        probe["flagged_cropped_media"])
+    _print_large_images(console, probe)
+
+
+def _print_large_images(console: Console, probe: dict) -> None:
+    count = probe.get("over_pil_pixel_limit_count") or 0
+    if count:
+        more = f" and {count - len(probe['over_pil_pixel_limit'])} more" if count > len(probe["over_pil_pixel_limit"]) \
+            else ""
+        console.print(f"note: {count} image(s) have more than {PIL_PIXEL_LIMIT:,} pixels, where PIL warns of a "
+                      f"possible decompression bomb: {escape(', '.join(probe['over_pil_pixel_limit']))}{more}; they "
+                      "are read (each decode is slow), the warning is said here once", highlight=False)
 
 
 def _print_flagged(console: Console, what: str, named: list[str], count: int) -> None:

@@ -29,6 +29,19 @@ class ProbeResult:
     error: str | None  # the decoder's message when the file could not be read
 
 
+PIL_PIXEL_LIMIT = 89_478_485   # PIL's Image.MAX_IMAGE_PIXELS: an image above it warns of a decompression bomb
+
+
+def quiet_pil_pixel_warnings() -> None:
+    """PIL's DecompressionBombWarning off in this process (and the workers it forks): it came once per stage that
+    opens a large image (probe, inspection, every decode in training); the converter says it once itself."""
+    import warnings
+
+    from PIL import Image
+
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
 def default_workers() -> int:
     return min(8, os.cpu_count() or 1)
 

@@ -191,3 +191,22 @@ def test_file_names_with_terminal_escapes_are_shown_not_obeyed(tmp_path, capsys)
     assert "gone0.mp4" in err and "[2Jgone0.mp4" in err   # the name is there, its ESC is not
     assert "\x1b" not in err and "\x07" not in err
     assert read_csv_records(tmp_path / "out" / "rejects.csv")[0]["file_path"] == f"{clear}gone0.mp4"   # the file: raw
+
+
+def test_an_image_over_pils_pixel_limit_is_said_once_in_our_words_not_as_pils_warning(tmp_path, capsys):
+    """A 10000x10000 PNG printed PIL's DecompressionBombWarning at each stage that opened it."""
+    import warnings
+
+    from PIL import Image
+
+    Image.new("RGB", (10_000, 10_000), (10, 20, 30)).save(tmp_path / "big.png")
+    Image.new("RGB", (64, 48), (10, 20, 30)).save(tmp_path / "small.png")
+    catalog = write_catalog(tmp_path / "c.csv", [("big.png", "a big one", "image"), ("small.png", "small", "image")])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert convert(catalog, "--base-path", tmp_path, "--output", tmp_path / "out", "--probe", "--workers", "1") == 0
+    assert not [w for w in seen if issubclass(w.category, Image.DecompressionBombWarning)]
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("more than 89,478,485 pixels") == 1 and "big.png (10000x10000)" in err
+    probe = json.loads((tmp_path / "out" / "summary.json").read_text())["probe"]
+    assert (probe["over_pil_pixel_limit_count"], probe["over_pil_pixel_limit"]) == (1, ["big.png (10000x10000)"])
