@@ -59,13 +59,17 @@ def foreign_lora_files(output: str | Path, run_id: str) -> list[tuple[Path, str 
     return [(path, other) for path, other in found if other != run_id]
 
 
-def refusal(root: str | Path, foreign: list[tuple[Path, str | None]]) -> str:
+def refusal(root: str | Path, foreign: list[tuple[Path, str | None]], output: str | Path | None = None,
+            log_dir: str | Path | None = None) -> str:
     runs = sorted({other or "an unknown run" for _folder, other in foreign})
     names = ", ".join(folder.name for folder, _other in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+    folders = [("--output_path", output), ("--checkpoint_dir", root), ("--log_dir", log_dir)]
+    now = "; ".join(f"{flag} is now {value}" for flag, value in folders if value is not None)
     return (f"the run's folders hold {len(foreign)} checkpoint(s) or LoRA file(s) of {', '.join(runs)} ({names}); "
             "a new run there would replace, overwrite or prune them. Resume that run with --resume latest, start "
             f"over with --start_over true (they are moved into {Path(root) / (REPLACED_PREFIX + '<run id>')}/, not "
-            "deleted), or give this run its own --output_path / --checkpoint_dir")
+            "deleted), or give this run folders of its own: --output_path, --checkpoint_dir and --log_dir together "
+            f"(a preset's log folder stays where it was when only --output_path changes{'; ' + now if now else ''})")
 
 
 def set_aside(foreign: list[tuple[Path, str | None]], root: str | Path | None = None) -> list[Path]:
@@ -96,19 +100,21 @@ def foreign_outputs(root: str | Path, output: str | Path, run_id: str) -> list[t
     return foreign_checkpoints(root, run_id) + foreign_lora_files(output, run_id)
 
 
-def check_claim(root: str | Path, output: str | Path, run_id: str, start_over: bool) -> None:
+def check_claim(root: str | Path, output: str | Path, run_id: str, start_over: bool,
+                log_dir: str | Path | None = None) -> None:
     """A fresh run's refusal, from the files alone: another run's checkpoints or LoRA files without --start_over."""
     foreign = foreign_outputs(root, output, run_id)
     if foreign and not start_over:
-        raise ValueError(refusal(root, foreign))
+        raise ValueError(refusal(root, foreign, output, log_dir))
 
 
-def claim_folder(root: str | Path, output: str | Path, run_id: str, start_over: bool, accelerator, status) -> None:
+def claim_folder(root: str | Path, output: str | Path, run_id: str, start_over: bool, accelerator, status,
+                 log_dir: str | Path | None = None) -> None:
     """A fresh run's claim of its folders, on every rank alike: another run's checkpoints and LoRA files there are
     refused (ValueError naming them), or with ``start_over`` moved aside by rank 0 into the checkpoint folder's
     ``replaced-<run id>/``. Every rank looks before any rank moves anything (a barrier between), so they all
     decide the same."""
-    check_claim(root, output, run_id, start_over)
+    check_claim(root, output, run_id, start_over, log_dir)
     foreign = foreign_outputs(root, output, run_id)
     wait_for_everyone(accelerator, status, CLAIMING)
     if foreign and accelerator.is_main_process:

@@ -31,7 +31,7 @@ def refuse_early(options, run_id: str, world_size: int, report=None) -> None:
 
     try:
         if not options.resume:
-            check_claim(options.checkpoint_dir, options.output_path, run_id, options.start_over)
+            check_claim(options.checkpoint_dir, options.output_path, run_id, options.start_over, options.log_dir)
             return
         folder = resolve_resume(options.resume, options.checkpoint_dir, world_size, report=report)
     except ValueError as exc:
@@ -64,7 +64,7 @@ def claim_checkpoint_folder(run) -> None:
 
     try:
         claim_folder(run.checkpoints.root, run.options.output_path, run.status.state["run_id"], run.options.start_over,
-                     run.accelerator, run.status)
+                     run.accelerator, run.status, run.options.log_dir)
     except ValueError as exc:
         raise OptionsError(str(exc)) from None
 

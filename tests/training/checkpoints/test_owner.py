@@ -36,6 +36,11 @@ def test_another_runs_checkpoints_are_found_named_and_set_aside_not_deleted(tmp_
     message = refusal(tmp_path, foreign)
     assert "2 checkpoint(s) or LoRA file(s) of run-a (step-00000004, step-00000008)" in message
     assert "--resume latest" in message and "--start_over true" in message
+    # the advice names every folder of the run: a preset's log folder stays behind when only --output_path changes
+    named = refusal(tmp_path, foreign, "runs/demo/lora", "runs/demo/training_logs")
+    assert "--output_path, --checkpoint_dir and --log_dir together" in named
+    assert f"--output_path is now runs/demo/lora; --checkpoint_dir is now {tmp_path}; --log_dir is now " \
+           "runs/demo/training_logs" in named
     moved = set_aside(foreign)
     assert [p.relative_to(tmp_path).as_posix() for p in moved] == ["replaced-run-a/step-00000004",
                                                                    "replaced-run-a/step-00000008"]
