@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -100,7 +101,8 @@ def _measure_all(items: Sequence[InspectItem], indices: list[int], window: Inspe
     # a notebook) is not run again in each worker, as spawn and forkserver would. The parent runs no other
     # thread here (the progress bar is refreshed by the caller, without a thread of its own).
     context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(max_workers=min(workers, len(batches)), mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(batches)), mp_context=context,
+                             initializer=end_with_parent, initargs=(os.getpid(),)) as pool:
         # The workers start at the first submission. What this process left for the garbage collector is
         # collected here first, and what it still holds is frozen, so that no worker ever frees a forked copy
         # of this process's objects (a decoder's state freed in a child crashed it).
@@ -112,6 +114,20 @@ def _measure_all(items: Sequence[InspectItem], indices: list[int], window: Inspe
             gc.unfreeze()
         for index_batch, measured in zip(index_batches, measured_batches):
             yield index_batch, measured
+
+
+def end_with_parent(parent: int) -> None:
+    """In a worker: be killed when the process that started it dies, however it dies (``kill -9`` of the converter
+    left its workers blocked forever, their parent pid 1). Linux's PR_SET_PDEATHSIG; elsewhere nothing is set."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:   # the parent died before the line above: nobody would kill this worker
+        os._exit(1)
 
 
 class ProgressLines:

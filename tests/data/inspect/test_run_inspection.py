@@ -97,3 +97,48 @@ def test_a_run_stopped_midway_keeps_what_it_measured_and_the_next_run_resumes_th
     resumed = inspect_with_store(tmp_path / "store.jsonl", items)
     first_task = [i for i in range(ROWS_PER_TASK) if i != BROKEN]      # the unreadable row is never stored
     assert [i for i, r in enumerate(resumed) if r.reused] == first_task
+
+
+RUN_MANY = """
+import json, sys
+from diffsynth_mbc.data.inspect.measure_store import MeasureStore
+from diffsynth_mbc.data.inspect.run_inspection import InspectItem, inspect_items
+from diffsynth_mbc.data.inspect.window import InspectWindow
+items = [InspectItem(*item) for item in json.loads(sys.argv[1])] * 60
+with MeasureStore(sys.argv[2], 1) as store:
+    inspect_items(items, InspectWindow(), 2, store)
+"""
+
+
+@pytest.mark.slow
+def test_workers_end_when_the_converter_is_killed(items, tmp_path):
+    """``kill -9`` of ``convert --inspect`` left its workers blocked forever, their parent pid 1."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    listed = json.dumps([[item.path, item.media_type, item.available, item.fps] for item in items])
+    parent = subprocess.Popen([sys.executable, "-c", RUN_MANY, listed, str(tmp_path / "store.jsonl")])
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while not workers and time.monotonic() < deadline and parent.poll() is None:
+            workers = psutil.Process(parent.pid).children()
+            time.sleep(0.05)
+        assert workers, "no worker started"
+        time.sleep(0.3)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert alive == [], f"workers still running after their parent's kill: {[p.pid for p in alive]}"
+    finally:
+        for process in workers:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if parent.poll() is None:
+            parent.kill()
