@@ -22,6 +22,9 @@ from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
 
+SUBSTITUTED_NAMED = 10   # rows a validation record names of those it could not decode
+
+
 class Validator:
     """Each rank takes every world_size-th sample of the subset; the RNG of training is left untouched.
 
@@ -43,6 +46,8 @@ class Validator:
         self.accelerator = self.module = None
         # The base model's (by_quantile, by_mode, samples), measured once (the first validation of this process)
         self.base: tuple[dict, dict, int] | None = None
+        # The rows the last measure() could not decode and took the next row for: (this rank's, every rank's count)
+        self.substituted: tuple[list[dict], int] = ([], 0)
         self.base_step = self.base_measurements = 0
 
     def attach(self, accelerator, module) -> None:
@@ -67,11 +72,16 @@ class Validator:
             extra = {"val_loss_ema": sum(ema_by_quantile.values()) / len(ema_by_quantile),
                      "val_loss_ema_by_quantile": ema_by_quantile, "val_loss_ema_by_mode": ema_by_mode}
         extra.update(self.base_fields(step))
+        # said, not hidden: samples whose own row did not decode were the next rows (every rank's count; the rows
+        # this rank took over, named)
+        mine, substituted = self.substituted
+        said = {"val_substituted": substituted, "val_substituted_rows": mine[:SUBSTITUTED_NAMED]}
         self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss,
                                     "val_loss_by_quantile": by_quantile, "val_loss_by_mode": by_mode,
-                                    "val_samples": samples, "time": round(time.time(), 3), **extra})
+                                    "val_samples": samples, "time": round(time.time(), 3), **extra,
+                                    **(said if substituted else {})})
         self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_loss_by_mode=by_mode,
-                           val_step=step, phase=f"validated at step {step}", **extra)
+                           val_step=step, phase=f"validated at step {step}", **extra, **said)
         return val_loss
 
     def base_fields(self, step: int) -> dict:
@@ -104,13 +114,17 @@ class Validator:
         model = unwrapped_model(self.accelerator, self.module)
         mine = self.indices[self.accelerator.process_index::self.accelerator.num_processes]
         quantiles, modes = len(self.quantiles), len(MODES)
-        # per quantile: sum of losses; per mode: sum of the samples' losses, then samples; last: samples
-        total = torch.zeros(quantiles + 2 * modes + 1, dtype=torch.float64, device=self.accelerator.device)
+        # per quantile: sum of losses; per mode: sum of the samples' losses, then samples; then samples; last: the
+        # samples that were another row, their own not decoding
+        total = torch.zeros(quantiles + 2 * modes + 2, dtype=torch.float64, device=self.accelerator.device)
+        substituted = []
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             for index in mine:
                 sample = self.dataset[index]
-                sample.pop("skipped", None)
+                skipped = sample.pop("skipped", None) or []
+                substituted += [{**record, "val_sample": index} for record in skipped]
+                total[-1] += bool(skipped)
                 sample["mode"] = self.mode(sample, index)
                 torch.manual_seed(self.seed + index)   # the same noise for this sample at every validation
                 with self.accelerator.autocast():
@@ -121,9 +135,10 @@ class Validator:
                     total[position] += loss
                     total[quantiles + MODES.index(sample["mode"])] += loss / quantiles
                 total[quantiles + modes + MODES.index(sample["mode"])] += 1
-                total[-1] += 1
+                total[-2] += 1
         total = all_reduce_sum(self.accelerator, total, self.status, "ranks in all-reduce (validation loss)")
-        samples = int(total[-1])
+        samples = int(total[-2])
+        self.substituted = (substituted, int(total[-1]))
         if samples == 0:
             return {}, {}, 0
         by_mode = {mode: float(total[quantiles + m] / total[quantiles + modes + m]) for m, mode in enumerate(MODES)

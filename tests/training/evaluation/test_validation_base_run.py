@@ -26,7 +26,10 @@ def base_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("base_run")
     prepare(work / "news", num_videos=3, num_images=2, seed=1)
     prepare(work / "drama", num_videos=2, num_images=1, seed=2)
-    val = prepare(work / "val", num_videos=2, num_images=2, seed=3)
+    val = prepare(work / "val", num_videos=3, num_images=2, seed=3)
+    # the first validation row does not decode: the next row takes its place, said in every record
+    first = next(line.split(",")[0] for line in val.read_text(encoding="utf-8").splitlines()[1:2])
+    (val.parents[1] / "catalog" / first).write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video" * 4)
     listing = [{"base_path": str(work / "news" / "catalog"), "metadata_path": str(work / "news" / "metadata" /
                                                                                   "metadata.csv"), "name": "news"},
                {"base_path": str(work / "drama" / "catalog"), "metadata_path": str(work / "drama" / "metadata" /
@@ -105,3 +108,17 @@ def test_the_summary_says_the_gain_over_the_base_and_every_file_written(base_run
     assert f"  validation: EMA loss {state['val_loss_ema']:.4f} vs the base model's" in output
     assert f"  EMA LoRA: {lora_dir}/lora_ema.safetensors" in output and (lora_dir / "lora_ema.safetensors").exists()
     assert f"  also in {lora_dir}: 2 epoch file(s) (epoch-001 .. epoch-002) (each with its _ema twin)" in output
+
+
+def test_a_validation_sample_that_does_not_decode_is_counted_and_named(base_run):
+    """It was replaced by the next row without a word (``val_samples: 4`` stayed)."""
+    log_dir, _, _ = base_run
+    named = []
+    for rank in (0, 1):
+        records = validations(log_dir, rank)
+        assert all(record["val_substituted"] == 1 and record["val_samples"] == 4 for record in records)
+        named += records[-1]["val_substituted_rows"]
+        state = read_status(log_dir, rank)
+        assert state["val_substituted"] == 1
+    row, = named
+    assert (row["row"], row["val_sample"]) == (1, 0) and row["file"].endswith(".mp4") and row["reason"]
