@@ -40,6 +40,7 @@ from diffsynth_mbc.data.media.clip_reader import (DECODERS, ReferenceReaderNeede
 from diffsynth_mbc.data.media.frame_selection import FrameSelection, ShortClip, select_frames
 from diffsynth_mbc.data.media.buckets import sample_key
 from diffsynth_mbc.data.media.row_buckets import row_buckets
+from diffsynth_mbc.training.plan.batches import sample_place
 from diffsynth_mbc.data.media.shapes import shape_key
 
 MAX_CONSECUTIVE_BAD_ROWS = 20
@@ -90,6 +91,7 @@ class MBCVideoDataset(VideoDataset):
         self.decoder = decoder
         self.frames = frames or FrameSelection()
         self._draw = (0, 0)   # (epoch, sample in epoch) of the row being loaded: random_window's draw
+        self.epoch_span: int | None = None   # the loader's indices per epoch (the batch sampler's; default len)
         kinds = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
         self.buckets = buckets
         self.row_buckets = (row_buckets(self.data, base_path, height, width) if buckets == "aspect"
@@ -197,8 +199,8 @@ class MBCVideoDataset(VideoDataset):
 
     def __getitem__(self, index: int) -> dict:
         row = index % len(self.data)
-        epoch, sample = divmod(index, len(self))
-        copy = sample // len(self.data)   # which of the --dataset_repeat copies of the row
+        # which epoch and which copy of the row (--dataset_repeat x its catalogue's repeat): each its own draw
+        epoch, sample, copy = sample_place(index, self.epoch_span or len(self), len(self.data))
         self._draw = (epoch, sample)
         if not self.substitute_bad_media:
             return self.load_row(row)

@@ -177,10 +177,10 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     if plan.rows == 0:
         raise ValueError(f"{options.dataset_metadata_path} has no rows to train on")
     workers = options.dataset_num_workers
-    # Videos batch with videos, images with images (one DiT forward per batch); all ranks' batches in turn,
-    # dealt out one per rank by accelerate's sharding.
+    # One shape per batch (one DiT forward); all ranks' batches in turn, dealt one per rank by accelerate's sharding
     batches = ShapeGroupedBatchSampler(keys, options.dataset_repeat, {VIDEO: options.batch_size, IMAGE: image_batch},
                                        accelerator.num_processes, options.seed, row_repeats, equal_load)
+    dataset.epoch_span = batches.epoch_span   # random_window's draw: each index's epoch and copy of its row
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=batches, collate_fn=list, num_workers=workers,
         persistent_workers=workers > 0, prefetch_factor=2 if workers > 0 else None,

@@ -10,9 +10,10 @@ each key a batch size (``--batch_size`` for videos, ``--image_batch_size`` for i
 3. padded to a multiple of the world size by repeating batches from the start, so every rank runs the same
    number (the sharding gives batch ``i`` to rank ``i % world_size``).
 
-The loader gets each index plus ``epoch x rows x repeat``: the datasets read row ``index % rows``, and the
-epoch the sample belongs to is ``index // (rows x repeat)`` in whichever worker process loads it (a random
-frame window is drawn per epoch). The same seed and epoch give the same batches on every rank and on resume. ``batches_per_rank`` counts
+The loader gets each index plus ``epoch x span``, ``span`` the indices one epoch takes (``epoch_span``: rows x
+repeat x the largest catalogue repeat): the datasets read row ``index % rows``, and ``sample_place`` gives the epoch
+and the sample within it in whichever worker process loads it (a random frame window is drawn per sample: a row's
+copies in one epoch and in the next draw apart). The same seed and epoch give the same batches on every rank and on resume. ``batches_per_rank`` counts
 them without building them, for the step plan.
 
 **Equal load** (``--buckets aspect``, ``equal_load=True``): keys are media kind and bucket (``video@1280x704``), and
@@ -70,6 +71,18 @@ def equal_load_repeats(samples: int, batch_size: int, world_size: int) -> int:
     group of ``world_size``."""
     groups = _ceil_div(_ceil_div(samples, batch_size), world_size)
     return groups * world_size * batch_size - samples
+
+
+def epoch_span(rows: int, repeat: int, row_repeats: Sequence[int] | None = None) -> int:
+    """The sample indices one epoch spans: copy ``k`` of row ``r`` is ``k * rows + r``, and a catalogue's repeat
+    (``row_repeats``) makes more copies of its rows than ``repeat`` alone."""
+    return rows * repeat * (max(row_repeats) if row_repeats else 1)
+
+
+def sample_place(index: int, span: int, rows: int) -> tuple[int, int, int]:
+    """(epoch, sample within the epoch, which copy of its row) of a loader index (``epoch x span`` + sample)."""
+    epoch, sample = divmod(index, span)
+    return epoch, sample, sample // rows
 
 
 def _sample_indices(rows: int, repeat: int, row_repeats: Sequence[int] | None):
@@ -149,12 +162,13 @@ class ShapeGroupedBatchSampler:
         self.row_repeats = list(row_repeats) if row_repeats else None
         self.world_size, self.seed, self.epoch = world_size, seed, 0
         self.equal_load = equal_load
+        self.epoch_span = epoch_span(len(self.keys), repeat, self.row_repeats)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        offset = self.epoch * len(self.keys) * self.repeat   # the epoch rides along in the index (module docstring)
+        offset = self.epoch * self.epoch_span   # the epoch rides along in the index (module docstring)
         batches = epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch,
                                 self.row_repeats, self.equal_load)
         return iter([[index + offset for index in batch] for batch in batches])

@@ -129,3 +129,23 @@ def test_without_equal_load_the_batches_are_what_they_always_were():
     keys = ["video"] * 5 + ["image"] * 4
     assert epoch_batches(keys, 1, {"video": 2, "image": 3}, 2, seed=0, epoch=0) == \
         epoch_batches(keys, 1, {"video": 2, "image": 3}, 2, seed=0, epoch=0, equal_load=False)
+
+
+def test_a_catalogues_repeat_gives_each_copy_of_a_row_its_own_draw_in_every_epoch():
+    """Row 0's catalogue repeats 3 times: its second copy in epoch 0 and its first in epoch 1 had the same loader
+    index, so random_window drew them the same window (the epoch offset was rows x repeat)."""
+    from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler, sample_place
+
+    keys = ["video", "video", "image"]
+    sampler = ShapeGroupedBatchSampler(keys, 1, {"video": 1, "image": 1}, 1, seed=7, row_repeats=[3, 1, 1])
+    assert sampler.epoch_span == 3 * 3
+    places = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        indices = [index for batch in sampler for index in batch]
+        assert sorted(index % 3 for index in indices) == [0, 0, 0, 1, 2]
+        for index in indices:
+            at, sample, copy = sample_place(index, sampler.epoch_span, len(keys))
+            assert at == epoch and sample % len(keys) == index % len(keys)
+            places.append((at, sample))
+    assert len(set(places)) == len(places)
