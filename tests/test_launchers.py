@@ -398,3 +398,22 @@ def test_a_tracker_whose_package_is_missing_is_refused_at_start_naming_the_packa
                             "--report_to", "wandb"], cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True,
                            text=True, timeout=120)
     assert train.returncode == 2 and "pip install wandb" in train.stderr, train.stderr[-2000:]
+
+
+def test_another_runs_folders_are_refused_before_anything_starts_dry_run_or_not(tmp_path):
+    """The refusal came from the ranks, followed by ~45 lines of torch's ChildFailedError: off an 80x24 screen.
+    Now the launcher's path check says it, as the last line, before accelerate starts; --dry_run finds it too."""
+    from diffsynth_mbc.training.checkpoints.folder import temp_path
+    from diffsynth_mbc.training.checkpoints.state import publish
+
+    folder = temp_path(tmp_path / "runs" / "demo" / "lora" / "checkpoints", 4, "run-old")
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"x")
+    publish(folder, {"step": 4, "epoch": 0, "batches_in_epoch": 0, "run_id": "run-old"})
+    for args in (("--dry_run",), ()):
+        result = launcher(tmp_path, "--demo", "--skip_doctor", *args)
+        assert result.returncode == 2, result.stdout + result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: the run's folders hold 1 checkpoint(s) or LoRA file(s) of run-old"), last
+        assert "--start_over true" in last and "--log_dir is now runs/demo/training_logs" in last
+        assert "accelerate" not in result.stderr and not (tmp_path / "runs" / "demo" / "training_logs").exists()

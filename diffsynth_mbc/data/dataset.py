@@ -40,7 +40,7 @@ from diffsynth_mbc.data.media.clip_reader import (DECODERS, ReferenceReaderNeede
 from diffsynth_mbc.data.media.frame_selection import FrameSelection, ShortClip, select_frames
 from diffsynth_mbc.data.media.buckets import sample_key
 from diffsynth_mbc.data.media.row_buckets import row_buckets
-from diffsynth_mbc.training.plan.batches import sample_place
+from diffsynth_mbc.data.sample_draws import sample_place
 from diffsynth_mbc.data.media.shapes import shape_key
 
 MAX_CONSECUTIVE_BAD_ROWS = 20

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,10 @@ from diffsynth_mbc.lifecycle import run_lock
 from diffsynth_mbc.lifecycle.processes import children, is_trainer, start_time
 from diffsynth_mbc.lifecycle.signals import NOW_SIGNAL, STOP_SIGNALS
 from diffsynth_mbc.lifecycle.stop_command import closing_lines, mark_dead_ranks, rank_states
+
+ERROR_LINE = re.compile(r"^(?:\[rank \d+\] )?error: (.+)$")
+MAX_ERRORS = 5
+MAX_ERROR_CHARS = 4000
 
 
 
@@ -50,6 +55,8 @@ class Supervisor:
         self.signals_received = 0
         self.interrupts = 0   # of them, SIGINTs: a person's Ctrl-C
         self._log = None
+        self.errors: dict[str, None] = {}   # the ranks' "error: ..." lines, each once (a refusal before any status)
+        self._partial = b""
 
     # -- the command
 
@@ -100,6 +107,16 @@ class Supervisor:
             if not chunk:
                 return
             self.emit(chunk)
+            self._remember_errors(chunk)
+
+    def _remember_errors(self, chunk: bytes) -> None:
+        """Keep the lines a rank printed as ``error: ...`` (``[rank N] error: ...``), to say them again last."""
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()[-MAX_ERROR_CHARS:]
+        for raw in lines:
+            line = ERROR_LINE.match(raw.decode("utf-8", "replace").strip())
+            if line and len(self.errors) < MAX_ERRORS:
+                self.errors.setdefault(line.group(1)[:MAX_ERROR_CHARS], None)
 
     def emit(self, data: bytes) -> None:
         """To this process's output (the terminal) and the log file; a closed terminal never stops the run."""
@@ -165,8 +182,12 @@ class Supervisor:
         marked = mark_dead_ranks(self.log_dir, code)
         if marked:
             self.say(f"marked rank(s) {' '.join(map(str, marked))} failed: their process ended without a final status")
-        for line in closing_lines(rank_states(self.log_dir, os.environ.get(environment.RUN_ID) or None),
-                                  self.resume_command, self.log_file):
+        closing = closing_lines(rank_states(self.log_dir, os.environ.get(environment.RUN_ID) or None),
+                                self.resume_command, self.log_file)
+        if not closing and code != 0 and self.errors:   # refused before any status file: its words, after torch's
+            closing = [f"the run did not start: {error}" for error in self.errors] + \
+                ([f"  log: {self.log_file}"] if self.log_file else [])
+        for line in closing:
             self.say(line)
         self.remove_records()
         return code

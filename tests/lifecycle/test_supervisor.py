@@ -139,3 +139,23 @@ def test_a_failed_run_ends_with_its_cause(tmp_path):
     assert any(line.startswith("failed: rank") and "TooMuchBadMedia" in line and "could not be decoded" in line
                for line in last), text[-3000:]
     assert last[-1].startswith("  log: ") and last[-1].endswith(".log")
+
+
+def test_a_refusal_before_any_status_is_said_again_after_torchs_traceback(tmp_path):
+    """A rank that refuses before writing a status file (a lock taken, files of another run) printed one error line,
+    which torch's ChildFailedError then buried; the supervisor says it again, last."""
+    import io
+    import sys
+
+    from diffsynth_mbc.lifecycle.supervisor import Supervisor
+
+    script = ("import sys; print('[rank 0] error: the folder is held by run-old; give --output_path', file=sys.stderr);"
+              "print('[rank 1] error: the folder is held by run-old; give --output_path', file=sys.stderr);"
+              "[print(f'  File torch/distributed/run.py, line {n}') for n in range(45)]; sys.exit(1)")
+    out = io.BytesIO()
+    code = Supervisor([sys.executable, "-c", script], [], str(tmp_path), log_file=str(tmp_path / "run.log"),
+                      out=out).run()
+    lines = out.getvalue().decode().strip().splitlines()
+    assert code == 1
+    assert lines[-2:] == ["the run did not start: the folder is held by run-old; give --output_path",
+                          f"  log: {tmp_path / 'run.log'}"]

@@ -30,6 +30,8 @@ import random
 from collections import Counter
 from typing import Mapping, Sequence
 
+from diffsynth_mbc.data.sample_draws import epoch_span
+
 
 def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
@@ -71,18 +73,6 @@ def equal_load_repeats(samples: int, batch_size: int, world_size: int) -> int:
     group of ``world_size``."""
     groups = _ceil_div(_ceil_div(samples, batch_size), world_size)
     return groups * world_size * batch_size - samples
-
-
-def epoch_span(rows: int, repeat: int, row_repeats: Sequence[int] | None = None) -> int:
-    """The sample indices one epoch spans: copy ``k`` of row ``r`` is ``k * rows + r``, and a catalogue's repeat
-    (``row_repeats``) makes more copies of its rows than ``repeat`` alone."""
-    return rows * repeat * (max(row_repeats) if row_repeats else 1)
-
-
-def sample_place(index: int, span: int, rows: int) -> tuple[int, int, int]:
-    """(epoch, sample within the epoch, which copy of its row) of a loader index (``epoch x span`` + sample)."""
-    epoch, sample = divmod(index, span)
-    return epoch, sample, sample // rows
 
 
 def _sample_indices(rows: int, repeat: int, row_repeats: Sequence[int] | None):

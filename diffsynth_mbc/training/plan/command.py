@@ -97,7 +97,8 @@ def paths_read(options, cached: bool = False, demo_root: str | None = None) -> l
     return read
 
 
-def check_paths(options, cached: bool, project_root: str | None, demo_root: str | None = None) -> int:
+def check_paths(options, cached: bool, project_root: str | None, demo_root: str | None = None,
+                world_size: int = 1) -> int:
     """Print each path the run reads and what it resolved to; 2 naming the first missing one and the folder it
     was resolved against (and the project root, when the path is there instead). The demo says what it trains on:
     the catalogue it writes under ``demo_root``, or the one it was given."""
@@ -118,6 +119,10 @@ def check_paths(options, cached: bool, project_root: str | None, demo_root: str 
             hint = f"; it is there under the project folder: run from {project_root}, or give an absolute path"
         print(f"error: {key} {value}: no such {kind}: {resolved}{where}{hint}", file=sys.stderr)
         return 2
+    refusal = refusal_of_the_files(options, world_size)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     if options.demo:
         run = (here / options.output_path).resolve()
         if demo_root:
@@ -127,6 +132,21 @@ def check_paths(options, cached: bool, project_root: str | None, demo_root: str 
                 f"{(here / options.dataset_metadata_path).resolve()}"
             print(f"demo: the demo model trains on {data} (no catalogue of its own written), the run under {run}")
     return 0
+
+
+def refusal_of_the_files(options, world_size: int) -> str | None:
+    """What the training would refuse from the files alone (another run's checkpoints or LoRA files in a fresh
+    run's folders, a --resume without a usable checkpoint), said before anything starts: the launch stops here, and
+    --dry_run finds it too. None when the files allow the run."""
+    from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
+    from diffsynth_mbc.training.checkpoints.resume import refuse_early
+
+    run_id = options.run_id or resumed_run_id(options.resume, options.checkpoint_dir) or "a-new-run"
+    try:
+        refuse_early(options, run_id, world_size)
+    except OptionsError as exc:
+        return str(exc)
+    return None
 
 
 def projection_of(options, plan, cached: bool, assume: str | None, nodes: int):
@@ -301,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             print_cache_commands(options)
             return 0
         if known.check_paths:
-            return check_paths(options, known.cached, known.project_root, known.demo_root)
+            given = known.gpus is not None or known.world_size is not None
+            return check_paths(options, known.cached, known.project_root, known.demo_root,
+                               world_size_of(known)[0] if given else 1)
         if known.paths_only:
             print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
             print(f"LOG_DIR={shlex.quote(options.log_dir)}")

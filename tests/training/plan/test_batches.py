@@ -134,7 +134,8 @@ def test_without_equal_load_the_batches_are_what_they_always_were():
 def test_a_catalogues_repeat_gives_each_copy_of_a_row_its_own_draw_in_every_epoch():
     """Row 0's catalogue repeats 3 times: its second copy in epoch 0 and its first in epoch 1 had the same loader
     index, so random_window drew them the same window (the epoch offset was rows x repeat)."""
-    from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler, sample_place
+    from diffsynth_mbc.data.sample_draws import sample_place
+    from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler
 
     keys = ["video", "video", "image"]
     sampler = ShapeGroupedBatchSampler(keys, 1, {"video": 1, "image": 1}, 1, seed=7, row_repeats=[3, 1, 1])
