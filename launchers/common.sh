@@ -304,7 +304,7 @@ mbc_launch() {
   [[ $multinode == 1 ]] && nodes=$NUM_MACHINES
 
   # Where this run writes; validates every flag without reading any data.
-  local paths OUTPUT_PATH LOG_DIR CHECKPOINT_DIR
+  local paths OUTPUT_PATH LOG_DIR CHECKPOINT_DIR RESUMED_RUN_ID
   paths=$("$PYTHON" -m diffsynth_mbc.plan --paths-only --gpus "$gpus" --config "$preset" \
           "${train_args[@]+"${train_args[@]}"}") || exit 2
   eval "$paths"
@@ -330,7 +330,8 @@ mbc_launch() {
 
   # One training per output, log and checkpoint folder (per node): a second run sharing any of them
   # would replace the first one's monitoring files or prune its checkpoints.
-  export MBC_RUN_ID=${MBC_RUN_ID:-$(mbc_new_run_id)}
+  # A resumed run goes on under its checkpoint's run id, and so does its launch: one run id on the screen
+  export MBC_RUN_ID=${MBC_RUN_ID:-${RESUMED_RUN_ID:-$(mbc_new_run_id)}}
   MBC_MULTINODE=$multinode MBC_LOCK_FILES=()
   # Until the supervisor takes over, a launch that stops (a folder already locked, a failed preflight, a
   # failed cache build) removes the run records it wrote, so the next launch finds no "stale lock" of it.
@@ -401,7 +402,7 @@ mbc_launch() {
   local cmd=("${env_prefix[@]+"${env_prefix[@]}"}" "$PYTHON" -m accelerate.commands.launch "${accelerate_args[@]}"
              -m diffsynth_mbc.train --config "$preset" "${train_args[@]+"${train_args[@]}"}")
   printf '%s\n' "run $MBC_RUN_ID: ${cmd[*]}" "per-GPU status: $LOG_DIR/training_gpu*.json" >> "$log_file"
-  echo "run $MBC_RUN_ID: $gpus process(es) here; the command is in the log" >&2
+  echo "run $MBC_RUN_ID${RESUMED_RUN_ID:+ (resumed)}: $gpus process(es) here; the command is in the log" >&2
   echo "log: $log_file" >&2
   echo "watch: python -m diffsynth_mbc.monitor $(printf %q "$LOG_DIR")" >&2
 

@@ -134,6 +134,19 @@ def check_paths(options, cached: bool, project_root: str | None, demo_root: str 
     return 0
 
 
+def resumed_id(options) -> str:
+    """The run a ``--resume`` goes on with (its checkpoint's run id), "" for a fresh run or an unreadable one: the
+    launcher names the launch by it, so one run id is on the screen."""
+    from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
+
+    if not options.resume:
+        return ""
+    try:
+        return resumed_run_id(options.resume, options.checkpoint_dir) or ""
+    except (OSError, ValueError):
+        return ""
+
+
 def refusal_of_the_files(options, world_size: int) -> str | None:
     """What the training would refuse from the files alone (another run's checkpoints or LoRA files in a fresh
     run's folders, a --resume without a usable checkpoint), said before anything starts: the launch stops here, and
@@ -328,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"OUTPUT_PATH={shlex.quote(options.output_path)}")
             print(f"LOG_DIR={shlex.quote(options.log_dir)}")
             print(f"CHECKPOINT_DIR={shlex.quote(options.checkpoint_dir)}")
+            print(f"RESUMED_RUN_ID={shlex.quote(resumed_id(options))}")
             return 0
         world_size, nodes = world_size_of(known)
         from diffsynth_mbc.training.plan.run_length import count_media

@@ -167,7 +167,11 @@ def test_killing_both_nodes_and_resuming_both_equals_the_uninterrupted_run(unint
     assert len(first_ids) == 1, "both nodes must agree on one run id"
 
     nodes = start_nodes(work, free_port(), "--resume", "latest")
-    finish(nodes)
+    outputs = finish(nodes)
+    # one run id on the screen: the launch is named by the run it resumes, not by a new id first
+    for output in outputs:
+        assert set(re.findall(r"\brun-\d{8}-\d{6}-[0-9a-f]+\b", output)) == first_ids, output[-3000:]
+        assert f"run {next(iter(first_ids))} (resumed): " in output
     after = monitor_json(log_dir)
     assert_whole_run_seen(after)
     assert after["status"] == "finished"
