@@ -299,7 +299,9 @@ class HistoryFile:
         i = bisect.bisect_right(self.index_keys, since) - 1
         return self.ident, (self.index_offsets[i] if i >= 0 else 0), self.offset
 
-    def notes(self) -> list[str]:
+    def notes(self, resumed: dict | None = None) -> list[str]:
+        """What is odd about the file; ``resumed``: the rank's status ``resumed_from`` (a resumed run cuts its
+        history back to the checkpoint's step, which reads as a truncation: said as the resume it is)."""
         name = self.path.name
         out = []
         if self.bad_lines:
@@ -308,7 +310,10 @@ class HistoryFile:
             out.append(f"{name}: last line incomplete, waiting for the rest")
         if self.skipped_bytes:
             out.append(f"{name}: skipped {self.skipped_bytes} bytes without line breaks")
-        if self.rereads:
+        step = resumed.get("step") if isinstance(resumed, dict) else None
+        if self.rereads and isinstance(step, int) and not isinstance(step, bool):
+            out.append(f"{name}: resumed at step {step} (the history was cut back to it and read again)")
+        elif self.rereads:
             out.append(f"{name}: file was replaced or truncated {self.rereads} time(s); read again from the start")
         return out
 

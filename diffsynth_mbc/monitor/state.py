@@ -320,7 +320,7 @@ class MonitorState:
             if self.backfill and not hf.complete:
                 self._backfill.request(rank, hf)
             self._note_new_run(rank, sf.data.get("run_id"), hf)
-            notes.extend(hf.notes())
+            notes.extend(hf.notes(sf.data.get("resumed_from")))
             ranks_out.append(self._rank_view(sf, hf, now))
         present = {r["rank"] for r in ranks_out}
         missing = sorted(set(range(world_size or 0)) - present)

@@ -501,3 +501,17 @@ def test_a_long_history_is_answered_from_its_tail_and_read_whole_behind_it(tmp_p
     r0 = state.refresh()["ranks"][0]
     assert r0["history_complete"] and r0["history_lines"] == steps + 1
     assert r0["loss_trend"] == whole.refresh()["ranks"][0]["loss_trend"]
+
+
+def test_a_resumed_runs_cut_back_history_reads_as_the_resume_it_is(tmp_path):
+    """The resume cuts the history back to the checkpoint's step; the monitor kept saying "file was replaced or
+    truncated 1 time(s)" for the rest of the run."""
+    F.make_run(tmp_path, world_size=1, ranks=[0], steps=8)
+    state = MonitorState(tmp_path, clock=lambda: F.NOW)
+    state.refresh()
+    F.write_history(tmp_path, 0, range(1, 5))   # cut back to step 4, as the resume does
+    F.write_status(tmp_path, 0, step=4, resumed_from={"checkpoint": "checkpoints/step-00000004", "step": 4,
+                                                      "run_id": "run-a"})
+    notes = state.refresh()["notes"]
+    assert "training_gpu0.jsonl: resumed at step 4 (the history was cut back to it and read again)" in notes
+    assert not any("replaced or truncated" in note for note in notes)
