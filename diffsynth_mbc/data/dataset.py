@@ -39,6 +39,7 @@ from diffsynth_mbc.data.media.clip_reader import (DECODERS, ReferenceReaderNeede
                                                   read_selected_frames)
 from diffsynth_mbc.data.media.frame_selection import FrameSelection, ShortClip, select_frames
 from diffsynth_mbc.data.media.buckets import sample_key
+from diffsynth_mbc.data.media.orientation import upright
 from diffsynth_mbc.data.media.row_buckets import row_buckets
 from diffsynth_mbc.data.sample_draws import sample_place
 from diffsynth_mbc.data.media.shapes import shape_key
@@ -153,7 +154,7 @@ class MBCVideoDataset(VideoDataset):
         """DiffSynth's ``load_image`` (a 1-frame clip, resized and cropped), with 16-bit greyscale scaled, not
         clipped (``rgb_image``)."""
         with Image.open(file_path) as opened:
-            image = rgb_image(opened)
+            image = rgb_image(upright(opened))   # its EXIF orientation applied: what the contact sheet shows
         return [self.crop_and_resize(image, *self.get_height_width(image))]
 
     def get_height_width(self, image):

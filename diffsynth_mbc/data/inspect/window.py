@@ -32,8 +32,6 @@ from diffsynth_mbc.data.media.clip_reader import ClipReadError, decode_frames, d
 from diffsynth_mbc.data.media.frame_selection import FrameSelection, frames_needed, select_frames, timeline
 
 ANALYSIS_LONG_SIDE = 128   # pixels: twice the statistics' largest thumbnail (64), enough for the eye too
-EXIF_ORIENTATION = 0x0112
-TURNED_ORIENTATIONS = (5, 6, 7, 8)   # EXIF orientations that swap width and height
 DECODER_OPTIONS = {"skip_loop_filter": "all"}   # no deblocking: ~12% less decoding, invisible at 128 px
 
 
@@ -189,16 +187,18 @@ def _small_rgb(frame, shape: tuple[int, int, int], long_side: int):
 
 def _read_image(path: str, long_side: int) -> WindowFrames:
     """The image as a one-frame window: EXIF orientation applied, JPEGs decoded at a reduced scale (``draft``)."""
-    from PIL import Image, ImageOps
+    from PIL import Image
+
+    from diffsynth_mbc.data.media.orientation import displayed_size, is_turned, upright
 
     try:
         with Image.open(path) as image:
-            turned = image.getexif().get(EXIF_ORIENTATION, 1) in TURNED_ORIENTATIONS
-            width, height = image.size[::-1] if turned else image.size
+            turned = is_turned(image)
+            width, height = displayed_size(image)
             size = analysis_size(width, height, long_side)
             image.draft("RGB", size[::-1] if turned else size)   # JPEG: 1/2..1/8 scale, never below the size
-            upright = ImageOps.exif_transpose(image).convert("RGB")
-            pixels = np.asarray(upright.resize(size, Image.Resampling.BOX, reducing_gap=2.0))
+            standing = upright(image).convert("RGB")
+            pixels = np.asarray(standing.resize(size, Image.Resampling.BOX, reducing_gap=2.0))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise InspectReadError(f"cannot read the image: {exc}") from None
     return WindowFrames(pixels[None].copy(), [0], width, height)

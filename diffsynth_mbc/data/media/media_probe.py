@@ -68,9 +68,12 @@ def probe_video(path: str) -> MediaInfo:
 def probe_image(path: str) -> MediaInfo:
     from PIL import Image
 
+    from diffsynth_mbc.data.media.orientation import displayed_size
+
     with Image.open(path) as image:
-        width, height = image.size
-        image.verify()
+        image.verify()   # first: it must come straight after opening
+    with Image.open(path) as image:
+        width, height = displayed_size(image)   # the upright picture's: what trains (data/media/orientation.py)
     return MediaInfo(int(width), int(height), 1, None)
 
 

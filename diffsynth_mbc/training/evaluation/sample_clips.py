@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_open, atomic_path, atomic_write_json
+from diffsynth_mbc.data.media.orientation import upright
 from diffsynth_mbc.sample_prompts import (BASE_FOLDER, BASE_SUFFIX, PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt,
                                           clip_suffix, parse_strengths, prompts_file_record, sample_file_stem,
                                           sample_set_name, sampling_due, strength_text)
@@ -133,7 +134,8 @@ class Sampler:
                                          f"denoising {number}/{prompt.steps}")
                 yield timestep
 
-        image = Image.open(prompt.image).convert("RGB").resize((prompt.width, prompt.height)) if prompt.image else None
+        image = upright(Image.open(prompt.image)).convert("RGB").resize((prompt.width, prompt.height)) \
+            if prompt.image else None
         with self.accelerator.autocast():
             return pipe(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt, input_image=image,
                         seed=prompt.seed, height=prompt.height, width=prompt.width, num_frames=prompt.num_frames,
