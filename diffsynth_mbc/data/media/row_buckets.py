@@ -13,24 +13,41 @@ from typing import Sequence
 
 from diffsynth_mbc.data.media.buckets import Bucket, bucket_set, nearest_bucket, sample_key
 from diffsynth_mbc.data.media.shapes import shape_key
+from diffsynth_mbc.errors import MetadataError
 
 
 _NOTES_SAID: set[tuple] = set()
 
 
-def _column_size(row: dict) -> tuple[int, int] | None:
-    try:
-        width, height = int(float(row.get("width") or 0)), int(float(row.get("height") or 0))
-    except (TypeError, ValueError):
+MAX_SIDE = 1 << 16   # pixels: no image or clip the training reads is wider or taller
+
+
+def _column_size(row: dict, number: int) -> tuple[int, int] | None:
+    """The row's ``width``/``height`` columns; None when either is empty (``nan`` as pandas writes a missing value):
+    its file's header is read instead. A value that is no whole number of pixels in 1..MAX_SIDE (``-5``, ``abc``,
+    ``inf``, ``1e400``, ``12.5``) is refused, naming the metadata row and the column."""
+    cells = {column: str(row.get(column) or "").strip() for column in ("width", "height")}
+    if not all(text and text.lower() != "nan" for text in cells.values()):
         return None
-    return (width, height) if width > 0 and height > 0 else None
+    sides = []
+    for column, text in cells.items():
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not value.is_integer() or not 1 <= value <= MAX_SIDE:
+            raise MetadataError(f"metadata row {number} ({row.get('video')}): {column} {text!r} is not a size in "
+                                f"pixels (a whole number from 1 to {MAX_SIDE}); fix or empty the cell (python -m "
+                                "diffsynth_mbc.convert --probe writes them from the files)")
+        sides.append(int(value))
+    return sides[0], sides[1]
 
 
 def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None) -> list[tuple[int, int] | None]:
     """(width, height) of every row: its columns, else its file's header; None where neither can be read."""
     from diffsynth_mbc.data.media.media_probe import probe_files
 
-    sizes = [_column_size(row) for row in rows]
+    sizes = [_column_size(row, number) for number, row in enumerate(rows, 1)]
     missing = [index for index, size in enumerate(sizes) if size is None]
     said = (len(missing), len(rows), base_path)
     if missing and os.environ.get("RANK", "0") == "0" and said not in _NOTES_SAID:   # once per process, rank 0

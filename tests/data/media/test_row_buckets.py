@@ -16,3 +16,17 @@ def test_sizes_come_from_the_columns_else_the_files_and_the_fallback_is_said_onc
                                                          "video@128x64"]   # missing: the configured shape
     said = capsys.readouterr().err
     assert said.count("3 of 4 metadata rows have no width/height columns") == 1
+
+
+def test_a_size_cell_that_is_no_size_is_refused_naming_the_row_and_the_column(tmp_path):
+    """``inf`` and ``1e400`` raised OverflowError; ``-5`` and ``abc`` read as "no width/height columns"."""
+    import pytest
+
+    from diffsynth_mbc.errors import MetadataError
+
+    for width in ("inf", "1e400", "-5", "abc", "12.5", "0"):
+        rows = [{"video": "a.mp4", "media_type": "video", "width": "640", "height": "360"},
+                {"video": "b.mp4", "media_type": "video", "width": width, "height": "360"}]
+        with pytest.raises(MetadataError, match=rf"^metadata row 2 \(b\.mp4\): width '{width}' is not a size in "
+                                                r"pixels \(a whole number from 1 to 65536\)"):
+            row_sizes(rows, str(tmp_path))
