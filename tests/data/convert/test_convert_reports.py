@@ -210,3 +210,21 @@ def test_an_image_over_pils_pixel_limit_is_said_once_in_our_words_not_as_pils_wa
     assert err.count("more than 89,478,485 pixels") == 1 and "big.png (10000x10000)" in err
     probe = json.loads((tmp_path / "out" / "summary.json").read_text())["probe"]
     assert (probe["over_pil_pixel_limit_count"], probe["over_pil_pixel_limit"]) == (1, ["big.png (10000x10000)"])
+
+
+def test_a_clip_turned_45_degrees_by_its_display_matrix_is_rejected_naming_the_rotation(tmp_path):
+    """It passed triage, then every draw of it in training fell back to DiffSynth's reader (~10 s each)."""
+    import subprocess
+
+    import imageio_ffmpeg
+
+    from diffsynth_mbc.data.demo_data import write_video
+
+    write_video(tmp_path / "upright.mp4", 9, 64, 48)
+    subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-display_rotation", "45", "-i",
+                    str(tmp_path / "upright.mp4"), "-c", "copy", str(tmp_path / "tilted.mp4")], check=True)
+    catalog = write_catalog(tmp_path / "c.csv", [("upright.mp4", "a clip", "video"), ("tilted.mp4", "tilted", "video")])
+    assert convert(catalog, "--base-path", tmp_path, "--output", tmp_path / "out", "--probe", "--min_frames", "5") == 0
+    reject, = read_csv_records(tmp_path / "out" / "rejects.csv")
+    assert reject["file_path"] == "tilted.mp4" and "turns the picture 45 degrees" in reject["reason"], reject
+    assert [row["video"] for row in read_csv_records(tmp_path / "out" / "metadata.csv")] == ["upright.mp4"]
