@@ -262,11 +262,12 @@ def probe_clip(path: str) -> tuple[int, int, int, float | None]:
             count = sum(1 for packet in container.demux(stream) if packet.size)
         rate = stream.average_rate or stream.guessed_rate
         width, height = first.width, first.height
-        turns, exact = display_turns(first)
-        if not exact:   # every draw of it in training would fall back to DiffSynth's reader, ~10 s each
-            raise ClipReadError(f"its display matrix turns the picture {float(first.rotation or 0):g} degrees or "
-                                "mirrors it, which no bucket can hold upright (a multiple of 90 degrees can be "
-                                "turned): re-encode it as it should be seen, e.g. ffmpeg -i IN -vf rotate=... OUT")
+        turns, _ = display_turns(first)
+        rotation = float(first.rotation or 0)
+        if abs(rotation - 90 * round(rotation / 90)) >= 0.01:   # each draw would go to DiffSynth's reader, ~10 s
+            raise ClipReadError(f"its display matrix turns the picture {rotation:g} degrees, which no bucket holds "
+                                "upright (quarter turns are applied): re-encode it as it should be seen, e.g. "
+                                "ffmpeg -i IN -vf rotate=... OUT")
         if turns % 2:
             width, height = height, width
         return width, height, int(count), float(rate) if rate else None
