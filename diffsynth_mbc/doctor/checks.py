@@ -248,6 +248,16 @@ def decode_memory_problem(width: int, height: int, num_frames: int, available: i
     return None
 
 
+def bad_size_cell(options) -> str | None:
+    """Under aspect buckets, a width/height cell that is no size (the training and the plan refuse it), else None."""
+    if options.buckets != "aspect":
+        return None
+    from diffsynth_mbc.data.media.row_buckets import column_size_problem
+    from diffsynth_mbc.data.metadata_csv import read_metadata
+
+    return column_size_problem(read_metadata(options.dataset_metadata_path))
+
+
 def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]:
     """The metadata's rows as (videos, images), and whether the first rows decode at the training size."""
     from diffsynth_mbc.training.plan.run_length import count_media
@@ -260,6 +270,9 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
     if rows == 0:
         return Check("metadata", FAIL, f"{path}: no rows", "re-run the converter"), media
     counted = f"{path}: {rows:,} rows ({media[0]:,} videos, {media[1]:,} images)"
+    bad_size = bad_size_cell(options)
+    if bad_size:
+        return Check("metadata", FAIL, f"{counted}; {bad_size}", "fix or empty the cell"), media
     if quick or options.cache:
         return Check("metadata", OK, counted), media
     too_big = decode_memory_problem(options.width, options.height, options.num_frames, available_memory_bytes())

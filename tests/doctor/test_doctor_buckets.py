@@ -188,3 +188,13 @@ def test_the_projection_counts_the_runs_validations_and_health_records(tmp_path,
     assert projection["evaluation_line"].startswith("evaluation: ") and \
         "1 validation(s) x 32 sample(s) per GPU" in projection["evaluation_line"]
     assert projection["line"].endswith(")") and ", with evaluation (" in projection["line"]
+
+
+def test_a_size_cell_that_is_no_size_fails_the_metadata_check_naming_row_and_column(tmp_path, capsys):
+    """The plan and the training refuse it; the doctor sized the run for every bucket without a word."""
+    metadata = tmp_path / "metadata.csv"
+    metadata.write_text("video,prompt,media_type,width,height\na.mp4,x,video,1920,1080\nb.mp4,y,video,-5,1080\n")
+    report = doctor(capsys, *flags_for(metadata, tmp_path, "aspect"))
+    check, = [c for c in report["checks"] if c["name"] == "metadata"]
+    assert check["status"] == "fail" and "metadata row 2 (b.mp4): width '-5' is not a size in pixels" in check["detail"]
+    assert report["exit_code"] == 1

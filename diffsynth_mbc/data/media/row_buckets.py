@@ -43,6 +43,16 @@ def _column_size(row: dict, number: int) -> tuple[int, int] | None:
     return sides[0], sides[1]
 
 
+def column_size_problem(rows: Sequence[dict]) -> str | None:
+    """The first width/height cell that is no size in pixels, as the refusal says it; None when every one is."""
+    try:
+        for number, row in enumerate(rows, 1):
+            _column_size(row, number)
+    except MetadataError as exc:
+        return str(exc)
+    return None
+
+
 def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None) -> list[tuple[int, int] | None]:
     """(width, height) of every row: its columns, else its file's header; None where neither can be read."""
     from diffsynth_mbc.data.media.media_probe import probe_files
