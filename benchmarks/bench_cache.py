@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from step_timing import (ATTENTION_CHOICES, Batches, Feed, Geometry, Setting, build_step_run,  # noqa: E402
-                         cache_like_entries, cap_cuda_memory, peak_flops, random_dit_pipeline, summarise, time_feeds)
+                         cache_like_entries, peak_flops, refuse_to_start, random_dit_pipeline, summarise, time_feeds)
 
 NO_CUDA = ("--full-size needs a CUDA GPU (the random 5B DiT is built in fp32, about 20 GB, then cast; a step "
            "without checkpointing needs about 40 GB); none is visible here. Run without --full-size for the tiny "
@@ -444,12 +444,7 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
-    import torch
-
-    if args.full_size and not torch.cuda.is_available():
-        print(f"bench_cache.py: {NO_CUDA}", file=sys.stderr)
-        return 2
-    refusal = cap_cuda_memory(args.memory_cap_gib, "bench_cache.py")
+    refusal = refuse_to_start("bench_cache.py", args.full_size, f"bench_cache.py: {NO_CUDA}", args.memory_cap_gib)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2

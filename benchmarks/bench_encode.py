@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from step_timing import built_in, cap_cuda_memory  # noqa: E402
+from step_timing import built_in, refuse_to_start, seconds_of_runs  # noqa: E402
 
 NO_CUDA = ("--full-size needs a CUDA GPU (the umt5-xxl text encoder alone is about 11 GB in bf16); none is "
            "visible here. Run without --full-size for the demo's tiny encoders on this machine.")
@@ -129,11 +129,7 @@ def time_kind(torch, device: str, encode, runs: int, warmup: int) -> dict:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        encode()   # returns CPU tensors: the GPU's work is done when it returns
-        seconds.append(time.perf_counter() - started)
+    seconds = seconds_of_runs(encode, runs, lambda: None)   # encode returns CPU tensors: the GPU's work is done
     return {"seconds": round(statistics.median(seconds), 4), "runs": [round(s, 4) for s in seconds],
             "peak_gib": round(peak_gib(torch, device), 2)}
 
@@ -198,12 +194,7 @@ def report(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    if args.full_size and not torch.cuda.is_available():
-        print(NO_CUDA, file=sys.stderr)
-        return 2
-    refusal = cap_cuda_memory(args.memory_cap_gib, "bench_encode.py")
+    refusal = refuse_to_start("bench_encode.py", args.full_size, NO_CUDA, args.memory_cap_gib)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2

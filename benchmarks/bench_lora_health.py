@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from step_timing import seconds_of_runs  # noqa: E402
 
 from diffsynth_mbc.training.evaluation.lora_health import (LayerNorms, LoraHealth, grad_norms,  # noqa: E402
                                                           lora_update_norm, update_norms)
@@ -38,13 +38,7 @@ BLOCK_SHAPES = [(DIM, DIM)] * 8 + [(FFN, DIM), (DIM, FFN)]
 
 
 def median_seconds(work, runs: int, sync) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        work()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(seconds_of_runs(work, runs, sync))
 
 
 # ---------------------------------------------------------------------------------------------

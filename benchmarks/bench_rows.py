@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -58,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from step_timing import (Feed, Geometry, Setting, attention_backends, build_step_run, built_in,  # noqa: E402
-                         cache_like_entries, cap_cuda_memory, memory_and_kernels, optimizer_step, peak_flops,
-                         random_dit_pipeline, summarise)
+                         cache_like_entries, memory_and_kernels, optimizer_step, peak_flops, random_dit_pipeline,
+                         refuse_to_start, seconds_of_runs, summarise)
 
 NO_CUDA = "--full-size needs a CUDA GPU; none is visible here. Run without --full-size for the tiny DiT."
 
@@ -130,12 +129,7 @@ def dynamo_graphs() -> int:
 
 
 def median_of(work, runs: int, sync) -> tuple[float, list[float]]:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        work()
-        sync()
-        times.append(time.perf_counter() - start)
+    times = seconds_of_runs(work, runs, sync)
     return statistics.median(times), times
 
 
@@ -412,12 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rows: each of {', '.join(ROWS)}")
     if min(args.runs, args.steps) < 1 or args.warmup < 1:
         parser.error("--runs, --steps and --warmup must be at least 1")
-    import torch
-
-    if args.full_size and not torch.cuda.is_available():
-        print(f"bench_rows.py: {NO_CUDA}", file=sys.stderr)
-        return 2
-    refusal = cap_cuda_memory(SETTINGS[args.setting][2] if args.full_size else None, "bench_rows.py")
+    refusal = refuse_to_start("bench_rows.py", args.full_size, f"bench_rows.py: {NO_CUDA}",
+                              SETTINGS[args.setting][2] if args.full_size else None)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2

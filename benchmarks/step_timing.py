@@ -235,6 +235,28 @@ def built_in(dtype, device: str):
         torch.set_default_dtype(default_dtype)
 
 
+def seconds_of_runs(work, runs: int, sync) -> list[float]:
+    """Wall seconds of each of ``runs`` calls of ``work``, each ended by ``sync`` (CUDA's synchronize: the GPU's
+    work counted, not only its launch)."""
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        work()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def refuse_to_start(script: str, full_size: bool, no_cuda: str, memory_cap_gib: float | None) -> str | None:
+    """What a benchmark prints and exits 2 on before it measures anything: ``no_cuda`` for a full-size run without a
+    CUDA GPU, a memory cap without one; None to go on (the cap then set)."""
+    import torch
+
+    if full_size and not torch.cuda.is_available():
+        return no_cuda
+    return cap_cuda_memory(memory_cap_gib, script)
+
+
 def cap_cuda_memory(gib: float | None, script: str) -> str | None:
     """``--memory-cap-gib``: this process may allocate at most ``gib`` GiB of GPU memory (an allocation past it fails
     as it would on a smaller GPU). The refusal to print when no CUDA GPU is visible, else None."""
