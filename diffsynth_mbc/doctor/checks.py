@@ -282,9 +282,15 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
     from diffsynth_mbc.data.dataset import MBCVideoDataset
 
     dataset = MBCVideoDataset(options.dataset_base_path, path, decoder=options.decoder, num_frames=options.num_frames,
-                              height=options.height, width=options.width, buckets=options.buckets)
+                              height=options.height, width=options.width)
+    first = min(3, rows)
+    if options.buckets == "aspect":   # the rows decoded here at their buckets: their sizes only, not every row's
+        from diffsynth_mbc.data.media.row_buckets import row_buckets
+
+        dataset.row_buckets[:first] = row_buckets(dataset.data[:first], options.dataset_base_path, options.height,
+                                                  options.width)
     shapes = []
-    for index in range(min(3, rows)):
+    for index in range(first):
         try:
             sample = dataset[index]
         except Exception as exc:  # noqa: BLE001 - any decoding failure is the finding
@@ -297,7 +303,7 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
         shapes.append(f"{frames[0].size[0]}x{frames[0].size[1]}x{len(frames)}")
     at = (f"at {', '.join(dict.fromkeys(shapes))} (their aspect buckets)" if options.buckets == "aspect"
           else f"at {options.width}x{options.height}x{options.num_frames}")
-    return Check("metadata", OK, f"{counted}; the first {min(3, rows)} decode {at}"), media
+    return Check("metadata", OK, f"{counted}; the first {first} decode {at}"), media
 
 
 def ffmpeg_needed_by(options) -> list[str]:
