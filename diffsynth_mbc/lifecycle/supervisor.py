@@ -42,7 +42,6 @@ MAX_ERRORS = 5
 MAX_ERROR_CHARS = 4000
 
 
-
 class Supervisor:
     def __init__(self, command: list[str], locks: list[str], log_dir: str, log_file: str | None = None,
                  launcher_pid: int | None = None, out=None, resume_command: str | None = None):
@@ -110,10 +109,14 @@ class Supervisor:
             self._remember_errors(chunk)
 
     def _remember_errors(self, chunk: bytes) -> None:
-        """Keep the lines a rank printed as ``error: ...`` (``[rank N] error: ...``), to say them again last."""
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()[-MAX_ERROR_CHARS:]
-        for raw in lines:
+        """Keep the lines a rank printed as ``error: ...`` (``[rank N] error: ...``), to say them again last. Runs on
+        all of a run's output: a chunk without such a line costs one search."""
+        data = self._partial + chunk
+        cut = data.rfind(b"\n")
+        self._partial = data[cut + 1:][-MAX_ERROR_CHARS:]
+        if cut < 0 or b"error: " not in data[:cut]:
+            return
+        for raw in data[:cut].split(b"\n"):
             line = ERROR_LINE.match(raw.decode("utf-8", "replace").strip())
             if line and len(self.errors) < MAX_ERRORS:
                 self.errors.setdefault(line.group(1)[:MAX_ERROR_CHARS], None)
