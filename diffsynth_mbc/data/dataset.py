@@ -41,8 +41,8 @@ from diffsynth_mbc.data.media.frame_selection import FrameSelection, ShortClip, 
 from diffsynth_mbc.data.media.buckets import sample_key
 from diffsynth_mbc.data.media.orientation import upright
 from diffsynth_mbc.data.media.row_buckets import row_buckets
-from diffsynth_mbc.data.sample_draws import sample_place
 from diffsynth_mbc.data.media.shapes import shape_key
+from diffsynth_mbc.data.sample_draws import sample_place
 
 MAX_CONSECUTIVE_BAD_ROWS = 20
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections import deque
 
 from diffsynth_mbc.monitor.series import Series
-from diffsynth_mbc.monitor.status import printable, to_float
+from diffsynth_mbc.monitor.status import to_float
+from diffsynth_mbc.values import printable
 from diffsynth_mbc.monitor.timestep_bins import MAX_PAIRS_PER_RECORD, LossByTimestep, finite_number
 
 MODE_ORDER = ("t2i", "i2v", "t2v")   # how modes are listed; any other name (a newer training's) after these

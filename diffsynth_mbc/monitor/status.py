@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from diffsynth_mbc import run_files
-from diffsynth_mbc.values import printable  # noqa: F401 - the monitor's views import it from here
+from diffsynth_mbc.values import printable
 
 STALL_MIN_S = 120.0
 # Ranks and world sizes above this are bad data (a typo or a hostile file), never a set of that size.
@@ -76,8 +76,6 @@ def to_int(value: Any) -> int | None:
     if result is None or result != int(result):
         return None
     return int(result)
-
-
 
 
 def json_safe(value: Any, depth: int = 0) -> Any:

@@ -12,7 +12,8 @@ losses (an older run's) has no gain: its series stay empty and the dashboard hid
 from __future__ import annotations
 
 from diffsynth_mbc.monitor.series import Series
-from diffsynth_mbc.monitor.status import printable, to_float
+from diffsynth_mbc.monitor.status import to_float
+from diffsynth_mbc.values import printable
 
 MAX_QUANTILES = 16   # quantile series kept per rank (the training writes a handful): more in a file are left out
 MAX_NAME = 12        # characters of a quantile's key kept

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from diffsynth_mbc.monitor.modes import RECENT_STEPS, ordered
-from diffsynth_mbc.monitor.status import printable
+from diffsynth_mbc.values import printable
 from diffsynth_mbc.run_files import overheads_text
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"

@@ -23,18 +23,18 @@ import traceback
 from diffsynth_mbc import run_files
 from diffsynth_mbc import environment
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.data.media.media_probe import quiet_pil_pixel_warnings
 from diffsynth_mbc.gpu import UnsupportedGpuError
 from diffsynth_mbc.lifecycle.run_lock import (RunLockError, follow_run_log, hold_run_locks, lock_without_launcher,
                                               release, watch_launcher)
 from diffsynth_mbc.lifecycle.signals import StopSignals
-from diffsynth_mbc.data.media.media_probe import quiet_pil_pixel_warnings
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
 from diffsynth_mbc.training.checkpoints.resume import refuse_early
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
-from diffsynth_mbc.training.options import check_run_id, resolve_options
 from diffsynth_mbc.training.evaluation.lora_health import UnhealthyRunError
+from diffsynth_mbc.training.options import check_run_id, resolve_options
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.guards import NonFiniteError
 

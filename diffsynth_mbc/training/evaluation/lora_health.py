@@ -272,14 +272,12 @@ def end_of_run(run) -> None:
         return
     if nonfinite:
         why = f"{nonfinite} of the {len(run.trainable)} LoRA tensors hold inf or NaN at step {step}"
-        advice = WHAT_TO_DO["exploding"]
     elif broken:
         why = "; ".join(f"LoRA health at step {last['step']}: {found['flag']}: {found['what']}" for found in broken)
-        advice = WHAT_TO_DO["exploding"]
     else:
-        why, advice = "another rank found its LoRA broken (its status file says why)", WHAT_TO_DO["exploding"]
+        why = "another rank found its LoRA broken (its status file says why)"
     raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); lora.safetensors is not written (checkpoints "
-                            f"and epoch files, if any, hold earlier weights). What to do: {advice}")
+                            f"and epoch files, if any, hold earlier weights). What to do: {WHAT_TO_DO['exploding']}")
 
 
 def make_health(run) -> LoraHealth:

@@ -91,16 +91,16 @@ def _let_none_clear(parser: argparse.ArgumentParser) -> None:
     not set it."""
     for action in parser._actions:
         if action.dest in OPTIONAL_NUMBERS or action.dest in OPTIONAL_PATHS:
-            action.type = _number_or_none(action.type or str)
+            action.type = _or_none(action.type or str)
             action.help = f"{action.help} (none: unset, over a preset)"
 
 
-def _number_or_none(parse):
-    def number_or_none(text):
+def _or_none(parse):
+    def or_none(text):
         return None if str(text).strip().lower() == "none" else parse(text)
 
-    number_or_none.__name__ = parse.__name__   # errors still say "invalid int value", "cannot read ... as float"
-    return number_or_none
+    or_none.__name__ = parse.__name__   # errors still say "invalid int value", "cannot read ... as float"
+    return or_none
 
 
 def _add_frame_arguments(data) -> None:

@@ -151,10 +151,9 @@ def refusal_of_the_files(options, world_size: int) -> str | None:
     """What the training would refuse from the files alone (another run's checkpoints or LoRA files in a fresh
     run's folders, a --resume without a usable checkpoint), said before anything starts: the launch stops here, and
     --dry_run finds it too. None when the files allow the run."""
-    from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
     from diffsynth_mbc.training.checkpoints.resume import refuse_early
 
-    run_id = options.run_id or resumed_run_id(options.resume, options.checkpoint_dir) or "a-new-run"
+    run_id = options.run_id or resumed_id(options) or "a-new-run"
     try:
         refuse_early(options, run_id, world_size)
     except OptionsError as exc:

@@ -90,8 +90,7 @@ def run_plans(options, precision: str, attention: str, cached: bool, compiled: b
 def conditioned(options, kind: str) -> bool:
     """Whether a batch of ``kind`` may hold a sample conditioned on its first frame (i2v: the per-token time
     modulation, the larger memory): every sample under ``--objective diffsynth``, else clips with an i2v chance."""
-    objective = options.objective
-    return objective == "diffsynth" or (kind == "video" and options.i2v_probability > 0)
+    return options.objective == "diffsynth" or (kind == "video" and options.i2v_probability > 0)
 
 
 def bucket_plan(plans: dict, key: str, options) -> memory.Plan:
@@ -243,14 +242,13 @@ def project(options, steps: dict, plans: dict, spec, shape: run_length.RunShape,
             build_cache: bool, buckets: dict | None = None) -> run_length.Projection:
     """The run's length at ``steps``' seconds per step of each batch kind, or with ``buckets`` ({key: StepEstimate},
     --buckets aspect) at each bucket's."""
+    tensor_ratio, bandwidth_ratio = speed.gpu_ratios(spec, plans[next(iter(plans))].precision)
     encode = {}
     if build_cache:   # each row at the size its kind's steps are estimated at
-        tensor_ratio = speed.gpu_ratios(spec, plans[next(iter(plans))].precision)[0]
         encode = {kind: speed.cache_encode_seconds(plan, tensor_ratio) for kind, plan in plans.items()}
     seconds = {kind: estimate.seconds for kind, estimate in steps.items()}
     measured = all(e.measured for e in [*steps.values(), *(buckets or {}).values()])
     kind = "measured" if measured and not build_cache else "estimate"
-    tensor_ratio, bandwidth_ratio = speed.gpu_ratios(spec, plans[next(iter(plans))].precision)
     evaluation = evaluation_cost(options, shape.total_steps, shape.gpus, tensor_ratio, bandwidth_ratio,
                                  sample_prompts_of(options))
     return run_length.project(shape, seconds.get("video"), seconds.get("image"), encode.get("video"),
