@@ -104,9 +104,8 @@ def row_table(folder: Path, gpu: str) -> list[dict]:
                 raise SystemExit(f"{folder / name}, row {row['row']}: attention ran {row['attention_kernels']}, "
                                  f"ROW_RUNS says {kernel}")
             width, height, frames = (int(side) for side in row["shape"].split("x"))
-            modes = memory_step_modes(result, row)
-            conditioned = row["kind"] == "video" and (not modes or "i2v" in modes) if row["modes"] else \
-                ROWS_KIND.get(row["row"], "video") == "video"
+            modes = memory_step_modes(result, row)   # a clip is conditioned (i2v) unless its memory step was t2v
+            conditioned = frames > 1 and (not modes or "i2v" in modes)
             doctor_s, doctor_gib = doctor_figures(settings, (height, width, frames), row["samples_per_step"], gpu,
                                                   conditioned=conditioned)
             case = row["row"] if not prefix else f"{prefix}_{row['row']}".replace("_default", "")
@@ -123,9 +122,6 @@ def row_table(folder: Path, gpu: str) -> list[dict]:
                 "warmup_s": round(row["warmup_s"], 2), "graphs_compiled": row["graphs_compiled"],
                 "attention_kernels": row["attention_kernels"], "skipped_steps": row["skipped_steps"]})
     return rows
-
-
-ROWS_KIND = {"image_batch": "image", "one_image": "image", "square_images": "image"}
 
 
 def row_extras(folder: Path) -> dict:
