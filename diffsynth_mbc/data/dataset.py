@@ -17,8 +17,9 @@ epoch (the batch sampler adds ``epoch x len(dataset)``), so a random window is d
 in whichever worker process loads it. A clip too short under ``--short_clips skip`` is bad media like an
 undecodable file.
 ``buckets="aspect"`` (``data/media/buckets.py``) resizes each row to cover the bucket nearest its aspect instead of
-``height x width`` (``row_buckets``: sizes from the metadata's columns or the files' headers, read once here); a
-row's batch key then names its bucket (``video@1280x704``), so a batch holds one shape.
+``height x width`` (``row_buckets``: sizes from the run's size table, ``size_table``, or ``read_sizes``: the
+training's rank 0 reads them and every rank takes rank 0's); a row's batch key then names its bucket
+(``video@1280x704``), so a batch holds one shape.
 ``caption_prefix`` / ``caption_suffix`` (a trigger word) are joined to every caption when the metadata is read
 (``caption_rules.with_affixes``), so training, validation and the latent cache all see the same prompt.
 """
@@ -26,6 +27,7 @@ row's batch key then names its bucket (``video@1280x704``), so a batch holds one
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import os
@@ -40,7 +42,7 @@ from diffsynth_mbc.data.media.clip_reader import (DECODERS, ReferenceReaderNeede
 from diffsynth_mbc.data.media.frame_selection import FrameSelection, ShortClip, select_frames
 from diffsynth_mbc.data.media.buckets import sample_key
 from diffsynth_mbc.data.media.orientation import upright
-from diffsynth_mbc.data.media.row_buckets import row_buckets
+from diffsynth_mbc.data.media.row_buckets import buckets_of_sizes, row_sizes
 from diffsynth_mbc.data.media.shapes import shape_key
 from diffsynth_mbc.data.sample_draws import sample_place
 
@@ -80,7 +82,8 @@ class MBCVideoDataset(VideoDataset):
     def __init__(self, base_path: str, metadata_path: str, num_frames: int, height: int, width: int,
                  repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast",
                  frames: FrameSelection | None = None,
-                 caption_prefix: str = "", caption_suffix: str = "", buckets: str = "off"):
+                 caption_prefix: str = "", caption_suffix: str = "", buckets: str = "off",
+                 size_table: str | None = None, read_sizes=None):
         notices = io.StringIO()
         with contextlib.redirect_stdout(notices):   # DiffSynth prints a notice per dataset and rank
             super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
@@ -95,7 +98,10 @@ class MBCVideoDataset(VideoDataset):
         self.epoch_span: int | None = None   # the loader's indices per epoch (the batch sampler's; default len)
         kinds = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
         self.buckets = buckets
-        self.row_buckets = (row_buckets(self.data, base_path, height, width) if buckets == "aspect"
+        # Under aspect buckets each row's size as displayed (None: unreadable), kept for the checkpoint to compare
+        self.row_sizes = ((read_sizes or functools.partial(row_sizes, base_path=base_path, table_path=size_table))(
+            self.data) if buckets == "aspect" else None)
+        self.row_buckets = (buckets_of_sizes(self.row_sizes, height, width) if buckets == "aspect"
                             else [None] * len(self.data))
         self._keys = [sample_key(kind, bucket) for kind, bucket in zip(kinds, self.row_buckets)]
         self._loading_bucket = None   # the bucket of the row being loaded (get_height_width)
@@ -103,6 +109,12 @@ class MBCVideoDataset(VideoDataset):
             for row in self.data:
                 if isinstance(row.get("prompt"), str):
                     row["prompt"] = with_affixes(row["prompt"], caption_prefix, caption_suffix)
+
+    def sized_rows(self) -> list | None:
+        """(video, size) of every row under aspect buckets (a checkpoint keeps them); None with ``off``."""
+        if self.row_sizes is None:
+            return None
+        return [(str(row.get("video")), size) for row, size in zip(self.data, self.row_sizes)]
 
     def load_video(self, file_path):
         """``fast``: only the frames that train, decoded in-process (clip_reader); the same frames, resized

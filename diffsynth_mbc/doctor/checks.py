@@ -249,13 +249,21 @@ def decode_memory_problem(width: int, height: int, num_frames: int, available: i
 
 
 def bad_size_cell(options) -> str | None:
-    """Under aspect buckets, a width/height cell that is no size (the training and the plan refuse it), else None."""
+    """Under aspect buckets, a width/height cell that is no size or not its file's (the training and the plan
+    refuse it), else None. The files' sizes come from the run's size table (read once per run)."""
     if options.buckets != "aspect":
         return None
-    from diffsynth_mbc.data.media.row_buckets import column_size_problem
+    from diffsynth_mbc.data.media.row_buckets import row_sizes
+    from diffsynth_mbc.data.media.size_table import table_path_in
     from diffsynth_mbc.data.metadata_csv import read_metadata
+    from diffsynth_mbc.errors import MetadataError
 
-    return column_size_problem(read_metadata(options.dataset_metadata_path))
+    try:
+        row_sizes(read_metadata(options.dataset_metadata_path), options.dataset_base_path,
+                  table_path=table_path_in(options.output_path))
+    except MetadataError as exc:
+        return str(exc)
+    return None
 
 
 def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]:
@@ -286,9 +294,10 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
     first = min(3, rows)
     if options.buckets == "aspect":   # the rows decoded here at their buckets: their sizes only, not every row's
         from diffsynth_mbc.data.media.row_buckets import row_buckets
+        from diffsynth_mbc.data.media.size_table import table_path_in
 
         dataset.row_buckets[:first] = row_buckets(dataset.data[:first], options.dataset_base_path, options.height,
-                                                  options.width)
+                                                  options.width, table_path=table_path_in(options.output_path))
     shapes = []
     for index in range(first):
         try:

@@ -59,15 +59,17 @@ def write_subset(metadata_path: str, kind: str, rows_wanted: int, out: Path) -> 
 
 def bucket_rows(options) -> tuple[list[str], dict[str, list[dict]]]:
     """``--buckets aspect``: (the metadata's columns, its rows by bucket key, ``video@1280x704``), each row in the
-    bucket the training puts it in (its width/height columns, else its file's header)."""
+    bucket the training puts it in (its size from the run's size table)."""
     from diffsynth_mbc.data.media.row_buckets import bucket_keys
+    from diffsynth_mbc.data.media.size_table import table_path_in
 
     with open(options.dataset_metadata_path, newline="", encoding="utf-8-sig") as handle:
         reader = csv.DictReader(handle)
         rows = list(reader)
         fields = reader.fieldnames or []
     by_key: dict[str, list[dict]] = {}
-    for row, key in zip(rows, bucket_keys(rows, options.dataset_base_path, options.height, options.width)):
+    for row, key in zip(rows, bucket_keys(rows, options.dataset_base_path, options.height, options.width,
+                                              table_path=table_path_in(options.output_path))):
         by_key.setdefault(key, []).append(row)
     return fields, dict(sorted(by_key.items()))
 

@@ -9,7 +9,6 @@ checkpoint. Started by ``diffsynth_mbc.training.cli.main`` on every rank.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,10 +27,11 @@ from diffsynth_mbc.training.evaluation.validation import Validator
 from diffsynth_mbc.training.lora.ema import make_ema
 from diffsynth_mbc.training.lora.init_from_file import start_from_lora
 from diffsynth_mbc.training.lora.saved_files import epoch_file_name
+from diffsynth_mbc.training.reporting.run_start import start_progress
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.block_runner import CompileTimer
 from diffsynth_mbc.training.step.caption_dropout import CaptionDropout
-from diffsynth_mbc.training.step.guards import BadMediaGuard, NonFiniteGuard, injected_steps
+from diffsynth_mbc.training.step.guards import BadMediaGuard, NonFiniteGuard
 from diffsynth_mbc.training.step.micro_batch import forward_backward, latent_frames, sample_tokens
 
 if TYPE_CHECKING:   # the types of Run's parts; importing them here would load torch before setup says so
@@ -126,12 +126,14 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
     import torch
 
     from diffsynth_mbc.data.cache.dataset import open_training_dataset
+    from diffsynth_mbc.training.distributed.agreed_sizes import rank_zero_sizes
     from diffsynth_mbc.models.pipeline import training_pipeline
     from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
 
     # The data first: a latent cache that does not match these options fails before any model loads.
     status.update(phase="reading metadata" + (f" and the latent cache {options.cache}" if options.cache else ""))
-    dataset = open_training_dataset(options, substitute_bad_media=True)
+    dataset = open_training_dataset(options, substitute_bad_media=True,   # one read of sizes, rank 0's everywhere
+                                    read_sizes=rank_zero_sizes(options, accelerator, status))
     validator = Validator(options, status) if options.val_metadata_path else None
 
     encoders = not options.cache   # with the cache only the DiT (plus LoRA) is needed
@@ -219,46 +221,10 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
     checkpoints = Checkpoints(accelerator, module, scheduler, options, status, fingerprint=run_fingerprint(
         options, world_size=accelerator.num_processes, accumulation=accumulation, rows=dataset.rows,
         metadata_sha256=file_sha256(options.dataset_metadata_path), image_batch=image_batch,
-        precision=accelerator.mixed_precision))
+        precision=accelerator.mixed_precision), sized_rows=dataset.sized_rows())
     return Run(options=options, status=status, signals=signals, accelerator=accelerator, module=module,
                optimizer=optimizer, scheduler=scheduler, loader=loader, trainable=trainable, plan=plan,
                steps_per_epoch=steps_per_epoch, checkpoints=checkpoints, validator=validator, batches=batches)
-
-
-def start_progress(run: Run) -> None:
-    from diffsynth_mbc.training.reporting.eta import OverheadSchedule
-    from diffsynth_mbc.training.reporting.progress import ProgressLogger
-    from diffsynth_mbc.training.reporting.recipe import announce_recipe
-    from diffsynth_mbc.training.reporting.terminal import TerminalProgress, launcher_streams
-
-    options, position = run.options, run.position
-    main = run.accelerator.is_main_process
-    line_stream, bar_stream = launcher_streams(os.environ) if main else (None, None)
-    printer = TerminalProgress(enabled=main, print_every_s=options.print_every_s, stream=line_stream,
-                               bar_stream=bar_stream)
-    run.logger = ProgressLogger(options.output_path, run.status, steps_per_epoch=run.steps_per_epoch,
-                                num_epochs=options.num_epochs, samples_per_step=options.batch_size,
-                                start_step=position.step, printer=printer,
-                                overhead_schedule=OverheadSchedule.from_options(
-                                    options, validation=run.validator is not None, samples=run.sampler is not None))
-    run.status.update(plan=run.plan.as_dict(), skipped_samples=position.skipped_samples,
-                      skip_reasons=position.recent_skips, lr_scheduler=options.lr_scheduler,
-                      max_grad_norm=options.max_grad_norm)
-    blocks = unwrapped_model(run.accelerator, run.module).blocks
-    run.compile_timer = CompileTimer(enabled=main and blocks.compiled)
-    if main:
-        print(f"step plan: {run.plan.describe()}", file=sys.stderr)
-        for line in run.plan.describe_buckets():
-            print(line, file=sys.stderr)
-        print(f"precision: {run.status.state.get('precision_reason')}", file=sys.stderr)
-        print(f"{blocks.describe()} ({run.status.state.get('gradient_checkpointing_reason')}; "
-              f"{run.status.state.get('compile_reason')})", file=sys.stderr)
-    announce_recipe(options, run.status, main)   # what changes what is trained: the status file, and once here
-    run.logger.track_catalogues(options, run.plan, run.accelerator.num_processes)
-    run.schedule = CheckpointSchedule(options.checkpoint_steps, options.checkpoint_minutes)
-    run.bad_media = BadMediaGuard(options.max_bad_media_fraction)
-    run.nonfinite = NonFiniteGuard(options.max_nonfinite_steps, run.accelerator.mixed_precision)
-    run.injected_nonfinite = injected_steps(os.environ, run.accelerator.process_index)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -43,45 +42,7 @@ from diffsynth_mbc.data.cache.index import (
 )
 from diffsynth_mbc.data.cache.progress import ProgressView
 from diffsynth_mbc.data.caption_rules import EMPTY_PROMPT
-from diffsynth_mbc.run_files import rank_from_environment
-
-# ---------------------------------------------------------------------------------------------
-# Processes
-
-
-class Ranks:
-    """Rank and world size from the launcher's environment; a gloo/NCCL group only for the start barrier."""
-
-    def __init__(self):
-        self.rank, self.local_rank, self.world_size = rank_from_environment()
-        self._group = False
-
-    def start(self, use_cuda: bool) -> None:
-        if self.world_size > 1:
-            import datetime
-
-            import torch
-            import torch.distributed as dist
-
-            if use_cuda:
-                torch.cuda.set_device(self.local_rank)
-            timeout = datetime.timedelta(seconds=int(os.environ.get("NCCL_TIMEOUT", "1800")))
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
-            self._group = True
-
-    def barrier(self) -> None:
-        if self._group:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def close(self) -> None:
-        if self._group:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self._group = False
-
+from diffsynth_mbc.data.cache.ranks import Ranks
 
 def shard_path(cache_dir: Path, rank: int, world_size: int) -> Path:
     return cache_dir / SHARDS_DIR / f"rank-{rank:05d}-of-{world_size:05d}.json"

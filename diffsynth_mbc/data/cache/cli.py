@@ -67,6 +67,8 @@ from diffsynth_mbc.data.caption_rules import caption_affixes, check_caption_opti
 from diffsynth_mbc.data.media.buckets import BUCKET_MODES
 from diffsynth_mbc.data.media.clip_reader import DECODERS
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
+from diffsynth_mbc.data.media.row_buckets import row_sizes
+from diffsynth_mbc.data.media.size_table import first_rank_reads, table_path_in
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.errors import MetadataError
 from diffsynth_mbc.flags import FlagParser
@@ -114,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the training's --buckets: off (every row resized to cover --height x --width and "
                              "centre-cropped; default) or aspect (each row at the bucket nearest its own aspect, at "
                              "about the same pixel area; each entry stored at its bucket's shape)")
+    parser.add_argument("--size_table", help="the media sizes table under --buckets aspect (each file's header read "
+                                             "once; default CACHE_DIR/size_table.json; the launchers give the "
+                                             "training's)")
     parser.add_argument("--log_dir", help="where each rank writes its status file training_gpu{rank}.json for the "
                                           "monitor (default: CACHE_DIR/logs; the launchers give the training's)")
     parser.add_argument("--run_id", help=f"the run id in the status files (default: ${environment.RUN_ID}, else "
@@ -244,10 +249,14 @@ def run(options, ranks: Ranks, status=None) -> int:
     if options.buckets != "off":   # absent for off: caches built before buckets still match
         settings["buckets"] = options.buckets
 
+    table = options.size_table or table_path_in(cache_dir)
     dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path, decoder=options.decoder,
                               frames=options.frames,
                               num_frames=options.num_frames, height=options.height, width=options.width,
-                              buckets=options.buckets, **caption_affixes(options))
+                              buckets=options.buckets, **caption_affixes(options),
+                              read_sizes=lambda rows: first_rank_reads(   # one read, every rank the same buckets
+                                  lambda: row_sizes(rows, options.dataset_base_path, table_path=table),
+                                  ranks.rank == 0, ranks.broadcast))
     metadata = {"path": str(Path(options.dataset_metadata_path).resolve()),
                 "sha256": file_sha256(options.dataset_metadata_path),
                 "base_path": str(Path(options.dataset_base_path).resolve()), "rows": len(dataset.data)}

@@ -33,6 +33,7 @@ from diffsynth_mbc.data.cache.index import (
 )
 from diffsynth_mbc.data.caption_rules import caption_affixes
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
+from diffsynth_mbc.data.media.size_table import table_path_in
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.models.wan_units import pad_context
 
@@ -54,6 +55,10 @@ class CachedLatentDataset(torch.utils.data.Dataset):
     @property
     def rows(self) -> int:
         return len(self.entries)
+
+    def sized_rows(self) -> None:
+        """The cache fixed every row's shape when it was built: a checkpoint keeps no media sizes."""
+        return None
 
     def __len__(self) -> int:
         return len(self.entries) * self.repeat
@@ -216,7 +221,8 @@ def open_training_dataset(options, **media_options):
                                decoder=options.decoder, frames=frame_selection_from(options),
                                **caption_affixes(options),
                                num_frames=options.num_frames, height=options.height, width=options.width,
-                               repeat=options.dataset_repeat, buckets=options.buckets, **media_options)
+                               repeat=options.dataset_repeat, buckets=options.buckets,
+                               size_table=table_path_in(options.output_path), **media_options)
     index = read_index(cache_dir)
     check_cache_matches(index, options, cache_dir)
     if options.model_id and not options.model_dir:
@@ -249,4 +255,5 @@ def open_validation_dataset(options, **media_options):
     return MBCVideoDataset(base_path, options.val_metadata_path, num_frames=options.num_frames,
                            decoder=options.decoder, frames=frame_selection_from(options),
                            **caption_affixes(options),
-                           height=options.height, width=options.width, buckets=options.buckets, **media_options)
+                           height=options.height, width=options.width, buckets=options.buckets,
+                           size_table=table_path_in(options.output_path), **media_options)

@@ -1,5 +1,5 @@
-"""Rank 0's view of the cache job (a rich bar in a terminal, else a plain line every 30 s), and every rank's
-rows/s and ETA for its status file (``RowRate``; pure, no torch)."""
+"""Rank 0's view of the cache job or of any long read of files (a rich bar in a terminal, else a plain line every
+30 s), and every rank's rows/s and ETA for its status file (``RowRate``; pure, no torch)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import time
 class ProgressView:
     """Rank 0's bar (rich, with ETA) in a terminal; otherwise a line every ``interval_s``."""
 
-    def __init__(self, total: int, rank: int, world_size: int, enabled: bool, interval_s: float = 30.0):
+    def __init__(self, total: int, rank: int, world_size: int, enabled: bool, interval_s: float = 30.0,
+                 label: str | None = None, unit: str = "rows"):
         self.total, self.done, self.enabled = total, 0, enabled and total > 0
-        self.label = f"encoding (rank {rank} of {world_size})"
+        self.label = label or f"encoding (rank {rank} of {world_size})"
+        self.unit = unit
         self.interval_s = interval_s
         self.started = self.last_line = time.monotonic()
         self.counted_from = 0
@@ -49,11 +51,11 @@ class ProgressView:
         now = time.monotonic()
         rate = (self.done - self.counted_from) / max(now - self.started, 1e-9)
         if self.progress is not None:
-            self.progress.update(self.task, advance=1, rate=f"{rate:.2f} rows/s")
+            self.progress.update(self.task, advance=1, rate=f"{rate:.2f} {self.unit}/s")
         elif now - self.last_line >= self.interval_s or self.done == self.total:
             self.last_line = now
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            print(f"{self.label}: {self.done}/{self.total} rows, {rate:.2f} rows/s, ETA {eta:.0f} s",
+            print(f"{self.label}: {self.done}/{self.total} {self.unit}, {rate:.2f} {self.unit}/s, ETA {eta:.0f} s",
                   file=sys.stderr, flush=True)
 
     def close(self) -> None:

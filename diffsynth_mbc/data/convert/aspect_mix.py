@@ -1,9 +1,9 @@
 """--probe's aspect report: which shape each probed row would train at, what centre-cropping to it discards, and
-which rows are small (upscaled) or lose much of their frame to the crop. No torch.
+which rows are small (upscaled by more than 1.1x) or lose much of their frame to the crop. No torch.
 
 The shapes are the training's: ``--buckets off`` trains every row at ``--height x --width``, ``--buckets aspect``
 at the bucket nearest its aspect (``diffsynth_mbc.data.media.buckets``). A row is small when it would be upscaled
-at its own shape; under ``off`` that shape is turned to the row's orientation, since a portrait clip's problem
+at its own shape by more than UPSCALE_FLAGGED_ABOVE; under ``off`` that shape is turned to the row's orientation, since a portrait clip's problem
 there is the crop, not its size. A row whose crop keeps less than 90% of its frame is flagged as cropped.
 """
 
@@ -16,6 +16,10 @@ from diffsynth_mbc.data.media.media_probe import MediaInfo
 
 CROPPED_MEDIA = "cropped media"
 KEEP_AT_LEAST = 0.9   # a crop that keeps less of the frame is flagged (under --buckets off, every such row)
+# A picture upscaled by more than this is flagged as small. Any resize between two sizes blurs; on real photos a file
+# 10% short of its shape trains with twice the error (3 dB) of one 2% larger than its shape, where a 2% upscale is
+# within 1 dB of it (benchmarks/bench_upscale.py; docs/convert.md).
+UPSCALE_FLAGGED_ABOVE = 1.1
 ORIENTATIONS = ("landscape", "portrait", "square")
 
 
@@ -44,15 +48,17 @@ class TrainingShapes:
         return self.training
 
     def small(self, info: MediaInfo) -> str | None:
-        """``"64x48, smaller than 1280x704"`` when the picture would be upscaled at its shape, else None."""
+        """``"64x48, smaller than 1280x704 (upscaled 20x)"`` when the picture would be upscaled at its shape by more
+        than UPSCALE_FLAGGED_ABOVE, else None."""
         width, height = info.width, info.height
         target = self.target(width, height)
         if self.mode == "off" and (width >= height) != (target.width >= target.height):
             target = Bucket(target.width, target.height)   # the training shape turned to the picture's orientation
-        if width >= target.width and height >= target.height:
+        upscale = max(target.width / width, target.height / height)   # DiffSynth's resize covers the shape
+        if upscale <= UPSCALE_FLAGGED_ABOVE:
             return None
         its = "its bucket " if self.mode == "aspect" else ""
-        return f"{width}x{height}, smaller than {its}{target.name}"
+        return f"{width}x{height}, smaller than {its}{target.name} (upscaled {upscale:.2g}x)"
 
     def cropped(self, info: MediaInfo, media_type: str) -> str | None:
         """``"portrait clip, cropping to 1280x704 keeps 31%"`` when the crop keeps less than 90%, else None."""

@@ -13,7 +13,8 @@ from rich.table import Table
 
 from diffsynth_mbc.data.convert import catalogue_rows as cat
 from diffsynth_mbc.data.convert import selection
-from diffsynth_mbc.data.convert.aspect_mix import CROPPED_MEDIA, TrainingShapes, aspect_lines, summarise_aspect
+from diffsynth_mbc.data.convert.aspect_mix import (CROPPED_MEDIA, UPSCALE_FLAGGED_ABOVE, TrainingShapes, aspect_lines,
+                                                  summarise_aspect)
 from diffsynth_mbc.data.convert.outputs import FLAGGED_NAME, FLAGGED_SHEET_NAME, NOT_IN_SUBSET_NAME
 from diffsynth_mbc.data.convert.probe_rejects import SHORT_VIDEO, SMALL_MEDIA, Flag, ProbeOutcome
 from diffsynth_mbc.data.media.media_probe import PIL_PIXEL_LIMIT, histogram
@@ -178,8 +179,12 @@ def _print_probe(console: Console, probe: dict) -> None:
         _print_flagged(console, f"{probe['flagged_short_videos']} videos have fewer than {probe['min_frames']} "
                                 "frames", probe["named_short_videos"], probe["flagged_short_videos"])
     if probe["flagged_small_media"]:
-        _print_flagged(console, f"{probe['flagged_small_media']} files are smaller than {probe['trains_at']}",
+        _print_flagged(console, f"{probe['flagged_small_media']} files would train upscaled by more than "
+                                f"{UPSCALE_FLAGGED_ABOVE:g}x to {probe['trains_at']}",
                        probe["named_small_media"], probe["flagged_small_media"])
+        console.print("  they train blurrier than the rest: re-export them from a larger source, or leave their rows "
+                      "out of the catalogue if it has enough without them (docs/convert.md, Small media)",
+                      highlight=False)
     if probe["flagged_cropped_media"]:
         _print_flagged(console, f"{probe['flagged_cropped_media']} files lose more than 10% of their frame to "
                                 f"cropping (--buckets {probe['aspect']['buckets']})", probe["named_cropped_media"],

@@ -1,22 +1,21 @@
-"""Each metadata row's bucket (``--buckets aspect``): from its size, read once before the run. No torch.
+"""Each metadata row's bucket (``--buckets aspect``): from its size, read once per run. No torch.
 
-A row's size is its ``width``/``height`` columns where the converter wrote them (``convert --probe``), else the
-file's header, read in parallel (``media_probe``: a clip's displayed size, its rotation metadata applied). A file
-whose size cannot be read goes to the configured shape: it fails to decode later and is replaced like any bad file.
+A row's size is its file's, as displayed (``media_probe``: its rotation metadata or EXIF orientation applied), read
+from the header once per run and kept in the run's size table (``size_table``). The ``width``/``height`` columns the
+converter writes (``convert --probe``) are checked against it: a column that is no size, or not the file's, is
+refused naming the row. A file whose size cannot be read takes its columns, else the configured shape: it fails to
+decode later and is replaced like any bad file.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Sequence
 
 from diffsynth_mbc.data.media.buckets import Bucket, bucket_set, nearest_bucket, sample_key
 from diffsynth_mbc.data.media.shapes import shape_key
 from diffsynth_mbc.errors import MetadataError
 
-
-_NOTES_SAID: set[tuple] = set()
 
 
 MAX_SIDE = 1 << 16   # pixels: no image or clip the training reads is wider or taller
@@ -43,48 +42,53 @@ def _column_size(row: dict, number: int) -> tuple[int, int] | None:
     return sides[0], sides[1]
 
 
-def column_size_problem(rows: Sequence[dict]) -> str | None:
-    """The first width/height cell that is no size in pixels, as the refusal says it; None when every one is."""
-    try:
-        for number, row in enumerate(rows, 1):
-            _column_size(row, number)
-    except MetadataError as exc:
-        return str(exc)
-    return None
+def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None,
+              table_path: str | None = None) -> list[tuple[int, int] | None]:
+    """(width, height) of every row as its file is displayed: from the run's size table at ``table_path``
+    (``size_table``: each file's header read once per run), its ``width``/``height`` columns where the file cannot
+    be read; None where neither gives one. Columns that disagree with the file are refused, naming the rows."""
+    from diffsynth_mbc.data.media.size_table import file_sizes
+
+    columns = [_column_size(row, number) for number, row in enumerate(rows, 1)]
+    items = [(os.path.join(base_path, str(row.get("video") or "")),
+              shape_key(row.get("media_type"), row.get("video"))) for row in rows]
+    headers = file_sizes(items, table_path, workers)
+    disagreeing = [(number, row, column, header)
+                   for number, (row, column, header) in enumerate(zip(rows, columns, headers), 1)
+                   if column and header and column != header]
+    if disagreeing:
+        raise MetadataError(columns_disagree(disagreeing))
+    return [header or column for header, column in zip(headers, columns)]
 
 
-def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None) -> list[tuple[int, int] | None]:
-    """(width, height) of every row: its columns, else its file's header; None where neither can be read."""
-    from diffsynth_mbc.data.media.media_probe import probe_files
+def columns_disagree(disagreeing: list[tuple]) -> str:
+    """The refusal of width/height columns that are not the file's size: the first rows, and how many in all."""
+    def said(entry):
+        number, row, (width, height), (file_width, file_height) = entry
+        return (f"metadata row {number} ({row.get('video')}): the columns say {width}x{height}, the file is "
+                f"{file_width}x{file_height}")
+    shown = "; ".join(said(entry) for entry in disagreeing[:3])
+    more = f"; and {len(disagreeing) - 3:,} more rows" if len(disagreeing) > 3 else ""
+    return (f"{shown}{more} (width x height as displayed, rotation applied): the width/height columns would put "
+            f"{'these rows' if len(disagreeing) > 1 else 'this row'} in another shape's bucket. Rewrite them from "
+            "the files with python -m diffsynth_mbc.convert --probe, or empty the cells")
 
-    sizes = [_column_size(row, number) for number, row in enumerate(rows, 1)]
-    missing = [index for index, size in enumerate(sizes) if size is None]
-    said = (len(missing), len(rows), base_path)
-    if missing and os.environ.get("RANK", "0") == "0" and said not in _NOTES_SAID:   # once per process, rank 0
-        _NOTES_SAID.add(said)
-        print(f"note: {len(missing):,} of {len(rows):,} metadata rows have no width/height columns; reading their "
-              "files' headers for the buckets (python -m diffsynth_mbc.convert --probe writes the columns)",
-              file=sys.stderr)
-    paths = {index: os.path.join(base_path, str(rows[index].get("video") or "")) for index in missing}
-    readable = [index for index in missing if os.path.isfile(paths[index])]   # a missing file fails later, named
-    if readable:
-        items = [(paths[index], shape_key(rows[index].get("media_type"), rows[index].get("video")))
-                 for index in readable]
-        for index, result in zip(readable, probe_files(items, workers=workers)):
-            if result.info is not None:
-                sizes[index] = (result.info.width, result.info.height)
-    return sizes
+
+def buckets_of_sizes(sizes: Sequence[tuple[int, int] | None], height: int, width: int) -> list[Bucket]:
+    """Each size's bucket among ``bucket_set(height, width)``; the configured shape where the size is unknown."""
+    buckets = bucket_set(height, width)
+    fallback = Bucket(height, width)
+    return [nearest_bucket(buckets, *size) if size else fallback for size in sizes]
 
 
 def row_buckets(rows: Sequence[dict], base_path: str, height: int, width: int,
-                workers: int | None = None) -> list[Bucket]:
+                workers: int | None = None, table_path: str | None = None) -> list[Bucket]:
     """Every row's bucket among ``bucket_set(height, width)``."""
-    buckets = bucket_set(height, width)
-    fallback = Bucket(height, width)
-    return [nearest_bucket(buckets, *size) if size else fallback for size in row_sizes(rows, base_path, workers)]
+    return buckets_of_sizes(row_sizes(rows, base_path, workers, table_path), height, width)
 
 
-def bucket_keys(rows: Sequence[dict], base_path: str, height: int, width: int) -> list[str]:
+def bucket_keys(rows: Sequence[dict], base_path: str, height: int, width: int,
+                table_path: str | None = None) -> list[str]:
     """Every row's batch key under ``--buckets aspect`` (``video@1280x704``), as the training's dataset keys it."""
     return [sample_key(shape_key(row.get("media_type"), row.get("video")), bucket)
-            for row, bucket in zip(rows, row_buckets(rows, base_path, height, width))]
+            for row, bucket in zip(rows, row_buckets(rows, base_path, height, width, table_path=table_path))]

@@ -14,6 +14,7 @@ from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fingerprint_differences, run_fingerprint
 from diffsynth_mbc.training.checkpoints.folder import (different_configuration, read_manifest, resolve_resume,
                                                        set_aside_unreadable)
+from diffsynth_mbc.training.checkpoints.row_sizes import resized_since
 from diffsynth_mbc.training.checkpoints.state import truncate_history
 from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
 from diffsynth_mbc.training.lora.ema import restore as restore_ema
@@ -43,9 +44,13 @@ def refuse_early(options, run_id: str, world_size: int, report=None) -> None:
     except OSError:   # the metadata cannot be read: opening the dataset says so, naming the file
         return
     keys = [key for key in FINGERPRINT_KEYS if key not in KNOWN_LATE]
-    differences = fingerprint_differences((read_manifest(folder) or {}).get("fingerprint", {}), current, keys)
+    manifest = read_manifest(folder) or {}
+    differences = fingerprint_differences(manifest.get("fingerprint", {}), current, keys)
     if differences:
         raise OptionsError(different_configuration(folder, differences))
+    resized = resized_since(options, folder, manifest)   # media files that changed shape since: the rows named
+    if resized:
+        raise OptionsError(resized)
 
 
 def early_fingerprint(options, world_size: int) -> dict:

@@ -38,6 +38,7 @@ from diffsynth_mbc.training.checkpoints.integrity import (
     inventory,
     missing_rank_files,
 )
+from diffsynth_mbc.training.checkpoints.row_sizes import changed_sizes, sizes_digest, write_row_sizes
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import broadcast_from_main, gather_from_all, wait_for_everyone
@@ -163,7 +164,8 @@ class Checkpoints(LoraFiles):
     (LoRA) tensors for DDP, and DeepSpeed is asked to exclude frozen parameters.
     """
 
-    def __init__(self, accelerator, module, scheduler, options, status: RankStatusWriter, fingerprint: dict):
+    def __init__(self, accelerator, module, scheduler, options, status: RankStatusWriter, fingerprint: dict,
+                 sized_rows: list | None = None):
         from accelerate.utils import DistributedType
 
         self.accelerator = accelerator
@@ -172,6 +174,8 @@ class Checkpoints(LoraFiles):
         self.options = options
         self.status = status
         self.fingerprint = fingerprint
+        self.sized_rows = sized_rows   # (video, size) of every row under aspect buckets: a resume compares them
+        self.sizes_digest = sizes_digest(sized_rows)
         self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         self.last_step = None
@@ -236,6 +240,8 @@ class Checkpoints(LoraFiles):
         self.write_lora(temporary / "lora.safetensors", position.step, file_tensors)
         if self.ema is not None:
             self.ema.save_state(temporary)
+        if self.sized_rows is not None:
+            write_row_sizes(temporary, self.sized_rows)
         files = inventory(temporary)
         missing = missing_rank_files(files, self.accelerator.num_processes)
         if missing:   # published only when every rank's state is in it
@@ -247,7 +253,7 @@ class Checkpoints(LoraFiles):
             "run_id": self.status.state["run_id"], "created_at": time.time(),
             "elapsed_s": self.status.state.get("elapsed_s") or 0.0,
             "fingerprint": self.fingerprint, "per_rank": per_rank,
-            "world_size": self.accelerator.num_processes, "files": files})
+            "world_size": self.accelerator.num_processes, "files": files, "row_sizes_sha256": self.sizes_digest})
         prune(self.root, self.options.keep_checkpoints, self.status.state["run_id"])
         return None
 
@@ -293,6 +299,9 @@ class Checkpoints(LoraFiles):
         check_adapter_shape(manifest.get("fingerprint", {}), self.fingerprint)   # DoRA / LoRA+ on or off
         if differences and not self.options.force_resume:
             raise OptionsError(different_configuration(folder, differences))
+        resized = changed_sizes(folder, manifest, self.sized_rows)   # media that changed shape since: rows named
+        if resized and not self.options.force_resume:
+            raise OptionsError(resized)
         self.status.update(phase=f"loading checkpoint {folder.name}")
         if self.deepspeed:
             self.accelerator.load_state(str(folder), load_module_strict=False)

@@ -25,13 +25,15 @@ from diffsynth_mbc.training.plan.step_plan import bucket_samples_of_metadata, pl
 
 
 def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str) -> list[str]:
+    from diffsynth_mbc.data.media.size_table import table_path_in
+
     arguments = ["--dataset_base_path", base_path, "--dataset_metadata_path", metadata_path,
                  "--height", str(options.height), "--width", str(options.width),
                  "--num_frames", str(options.num_frames), "--cache_dir", cache_dir, "--seed", str(options.seed),
                  "--decoder", options.decoder, "--log_dir", options.log_dir]   # the monitor sees the build there
     arguments += frame_arguments(options)
-    if options.buckets != "off":   # the cache stores each entry at its bucket's shape
-        arguments += ["--buckets", options.buckets]
+    if options.buckets != "off":   # the cache stores each entry at its bucket's shape, sized as the run sizes it
+        arguments += ["--buckets", options.buckets, "--size_table", table_path_in(options.output_path)]
     if options.sample_prompts and metadata_path == options.dataset_metadata_path:
         arguments += ["--sample_prompts", options.sample_prompts]
     affixes = {"caption_prefix": options.caption_prefix, "caption_suffix": options.caption_suffix}

@@ -219,11 +219,13 @@ def bucket_samples_of_metadata(options) -> tuple:
         return ()
     from diffsynth_mbc.data.dataset_list import row_repeats
     from diffsynth_mbc.data.media.row_buckets import bucket_keys
+    from diffsynth_mbc.data.media.size_table import table_path_in
     from diffsynth_mbc.data.metadata_csv import read_metadata
     from diffsynth_mbc.training.plan.batches import key_samples
 
     rows = list(read_metadata(options.dataset_metadata_path))
-    keys = bucket_keys(rows, options.dataset_base_path, options.height, options.width)
+    keys = bucket_keys(rows, options.dataset_base_path, options.height, options.width,
+                       table_path=table_path_in(options.output_path))
     repeats = row_repeats(options.datasets, [int(row["dataset"]) for row in rows]) if options.datasets else None
     return tuple(key_samples(keys, options.dataset_repeat, repeats).items())
 

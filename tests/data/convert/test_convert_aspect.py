@@ -89,6 +89,21 @@ def test_off_flags_every_crop_that_keeps_under_90_percent_and_shows_what_buckets
     assert "rows per shape (--buckets off: all at 288x160): 288x160: 6" in err
     assert "5 files lose more than 10% of their frame to cropping (--buckets off)" in err
     assert "portrait.mp4 (portrait clip, cropping to 288x160 keeps 31%)" in err
+    assert err.count("2 files would train upscaled by more than 1.1x to 288x160 in their orientation") == 1
+    assert err.count("they train blurrier than the rest: re-export them from a larger source") == 1
+
+
+def test_only_an_upscale_of_more_than_a_tenth_is_small():
+    """23 of 26 real rows were flagged small, a 2% upscale among them, which trains within 1 dB of a file 2% too
+    large (benchmarks/bench_upscale.py: a 10% upscale doubles the error)."""
+    from diffsynth_mbc.data.convert.aspect_mix import TrainingShapes
+    from diffsynth_mbc.data.media.media_probe import MediaInfo
+
+    shapes = TrainingShapes("aspect", Bucket(704, 1280), (Bucket(704, 1280),))
+    assert shapes.small(MediaInfo(1256, 691, 1, None)) is None          # 1.02x
+    assert shapes.small(MediaInfo(1164, 640, 1, None)) is None          # 1.1x: the threshold itself
+    assert shapes.small(MediaInfo(1140, 627, 1, None)) == "1140x627, smaller than its bucket 1280x704 (upscaled 1.1x)"
+    assert shapes.small(MediaInfo(640, 352, 1, None)) == "640x352, smaller than its bucket 1280x704 (upscaled 2x)"
 
 
 def test_aspect_trains_each_row_near_its_own_aspect_and_flags_only_what_is_outside_the_buckets(catalogue, tmp_path):
@@ -106,8 +121,8 @@ def test_aspect_trains_each_row_near_its_own_aspect_and_flags_only_what_is_outsi
     assert flags(tmp_path / "aspect", "cropped media") == {
         "panorama.png": f"landscape image, cropping to 320x128 keeps {keeps}%"}
     small = flags(tmp_path / "aspect", "small media")
-    assert small == {"square.png": "64x64, smaller than its bucket 224x224",
-                     "four_three.png": "80x60, smaller than its bucket 256x192"}
+    assert small == {"square.png": "64x64, smaller than its bucket 224x224 (upscaled 3.5x)",
+                     "four_three.png": "80x60, smaller than its bucket 256x192 (upscaled 3.2x)"}
     assert probe["flagged_small_media"] == 2 and "phone.png" not in small
 
 

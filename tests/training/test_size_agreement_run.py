@@ -1,0 +1,84 @@
+"""One size table per run, on 2 CPU ranks (gloo): rank 0 reads the media sizes and every rank trains its buckets,
+even where a rank's copy of a file is another shape (each rank read its own files: the ranks planned different
+buckets and trained different shapes at the same step); a resume after a file changed shape is refused naming the
+row (it was accepted and the plan shifted: "finished: 7/6 steps")."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import pytest
+
+from diffsynth_mbc.data.demo_data import write_image, write_video
+from diffsynth_mbc.data.media.size_table import TABLE_NAME
+from e2e_helpers import REPO, read_history, read_status
+
+pytestmark = pytest.mark.slow
+
+# rank 1 works in another folder (another node's copy of the catalogue), where land_0.mp4 is a portrait clip
+OTHER_NODE = """import os
+if os.environ["RANK"] == "1":
+    os.chdir(os.environ["OTHER_NODE_FOLDER"])
+"""
+
+
+def write_catalogue(folder, portrait_land_0=False):
+    media = folder / "catalog" / "media"
+    media.mkdir(parents=True)
+    rows = []
+    for index in range(2):
+        for name, width, height in (("land", 128, 72), ("port", 72, 128)):
+            if name == "land" and index == 0 and portrait_land_0:
+                width, height = height, width
+            write_video(media / f"{name}_{index}.mp4", 9, width, height, seed=index)
+            rows.append((f"media/{name}_{index}.mp4", f"a city street at night #{name}{index}", "video"))
+    write_image(media / "square.png", 64, 64, seed=3)
+    rows.append(("media/square.png", "a news anchor in the studio", "image"))
+    with open(folder / "metadata.csv", "w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("video", "prompt", "media_type"), *rows])
+
+
+def flags(node_0, run_dir, **more):
+    """The dataset's base folder is relative: each rank reads the catalogue of the folder it works in."""
+    values = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": "catalog",
+              "dataset_metadata_path": node_0 / "metadata.csv", "output_path": run_dir / "lora",
+              "log_dir": run_dir / "logs", "buckets": "aspect", "height": 64, "width": 128, "num_epochs": 1,
+              "dataset_repeat": 1, "checkpoint_steps": 1, **more}
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
+def step_records(log_dir, rank):
+    return [line for line in read_history(log_dir, rank) if line.get("kind") is None and "step" in line]
+
+
+def test_every_rank_trains_rank_0s_buckets_and_a_resume_on_resized_media_is_refused(tmp_path):
+    from forked_ranks import run_training
+
+    node_0, node_1, run_dir = tmp_path / "node0", tmp_path / "node1", tmp_path / "run"
+    write_catalogue(node_0)
+    write_catalogue(node_1, portrait_land_0=True)
+    result = run_training(node_0, flags(node_0, run_dir), timeout=300, prelude=OTHER_NODE,
+                          OMP_NUM_THREADS=1, OTHER_NODE_FOLDER=str(node_1))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logs = run_dir / "logs"
+    states = [read_status(logs, rank) for rank in (0, 1)]
+    assert [state["status"] for state in states] == ["finished", "finished"]
+    assert states[0]["total_steps"] == states[1]["total_steps"] == states[0]["step"]
+    assert states[0]["plan"]["bucket_samples"] == states[1]["plan"]["bucket_samples"]
+    by_rank = [step_records(logs, rank) for rank in (0, 1)]
+    assert [record["shapes"] for record in by_rank[0]] == [record["shapes"] for record in by_rank[1]]
+    # the sizes rank 0 read, kept beside the run: one entry per file of rank 0's catalogue
+    table = json.loads((run_dir / "lora" / TABLE_NAME).read_text())["sizes"]
+    assert sorted(key.rsplit("/", 1)[1] for key in table) == [
+        "land_0.mp4", "land_1.mp4", "port_0.mp4", "port_1.mp4", "square.png"]
+
+    # land_1.mp4 turns portrait: a resume from the last checkpoint would plan other buckets
+    shutil.copy(node_0 / "catalog" / "media" / "port_1.mp4", node_0 / "catalog" / "media" / "land_1.mp4")
+    resumed = run_training(node_0, flags(node_0, run_dir, resume="latest"), timeout=300, OMP_NUM_THREADS=1)
+    assert resumed.returncode != 0
+    said = resumed.stdout + resumed.stderr
+    assert ("trained on media of other sizes: metadata row 3 (media/land_1.mp4): 128x72 then, 72x128 now. Resuming "
+            "would put these rows in other buckets") in said, said[-3000:]
+    assert read_status(logs, 0)["step"] == states[0]["step"]

@@ -1,0 +1,49 @@
+"""A launch reads each media file's size once: the plan reads every header (with its progress) into the run's size
+table; the doctor, the ranks and a resume look the files up there (each of them read every header again: 170K rows
+took minutes before the ranks started and minutes more in them)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+
+import pytest
+
+from diffsynth_mbc.data.demo_data import write_image, write_video
+from diffsynth_mbc.data.media.size_table import LONG_READ, TABLE_NAME
+from e2e_helpers import REPO, isolated_env, read_status
+
+pytestmark = pytest.mark.slow
+
+IMAGES = LONG_READ + 16
+
+
+def test_a_launch_reads_each_file_size_once_with_progress(tmp_path):
+    media = tmp_path / "mine" / "catalog" / "media"
+    media.mkdir(parents=True)
+    write_image(media / "wide.png", 80, 40, seed=1)
+    write_image(media / "tall.png", 40, 80, seed=2)
+    write_video(media / "clip.mp4", 9, 128, 72, seed=3)
+    rows = [("media/clip.mp4", "a city street at night", "video")]
+    for index in range(IMAGES):   # hard links: each row its own path, so its own entry in the table
+        source = media / ("wide.png" if index % 2 else "tall.png")
+        os.link(source, media / f"{index:04d}.png")
+        rows.append((f"media/{index:04d}.png", f"a news anchor in the studio #{index}", "image"))
+    with open(tmp_path / "mine" / "metadata.csv", "w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("video", "prompt", "media_type"), *rows])
+    launch = subprocess.run(
+        ["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--dataset_base_path", "mine/catalog",
+         "--dataset_metadata_path", "mine/metadata.csv", "--buckets", "aspect", "--height", "64", "--width", "128",
+         "--num_epochs", "1", "--dataset_repeat", "1", "--image_batch_size", "8"],
+        cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=400)
+    run = tmp_path / "runs" / "demo"
+    log_files = sorted((run / "lora").glob("train-*.log"))
+    said = launch.stdout + launch.stderr + "".join(path.read_text() for path in log_files)
+    assert launch.returncode == 0, said[-4000:]
+    read_once = f"reading media sizes: {IMAGES + 1}/{IMAGES + 1} files"   # the plan's; no other reader's
+    assert said.count(read_once) == 1 and "reading media sizes" not in said.replace(read_once, ""), said[-4000:]
+    table = json.loads((run / "lora" / TABLE_NAME).read_text())["sizes"]
+    assert len(table) == IMAGES + 1 and sorted(set(map(tuple, table.values()))) == [(40, 80), (80, 40), (128, 72)]
+    assert read_status(run / "training_logs", 0)["status"] == "finished"
