@@ -71,7 +71,7 @@ def _sheet_row(flag, inspected) -> SheetRow:
 def _strip(inspected, entry, most: int, cut: int | None, prefix: str) -> tuple[list, list[str]]:
     item = inspected.items[id(entry)]
     window = read_window(item.path, item.media_type, inspected.window, available=item.available, fps=item.fps,
-                         long_side=THUMBNAIL_LONG_SIDE)
-    indices = strip_indices(len(window.frames), cut, most)
-    labels = [prefix + ("image" if item.media_type == "image" else f"frame {window.positions[i]}") for i in indices]
-    return [window.frames[i] for i in indices], labels
+                         long_side=THUMBNAIL_LONG_SIDE, keep=lambda count: strip_indices(count, cut, most))
+    labels = [prefix + ("image" if item.media_type == "image" else f"frame {position}")
+              for position in window.positions]
+    return list(window.frames), labels

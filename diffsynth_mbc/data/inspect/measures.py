@@ -43,6 +43,7 @@ BARS_MAX_SHARE = 0.08      # of the trained picture: more dark bar than that tra
 HASH_SIDE = 32             # px, the pHash thumbnail (square)
 HASH_BLOCK = 8             # the low-frequency DCT block whose signs make the hash
 HASH_FLAT_STD = 2.0        # luma levels: a frame flatter than this has no detail to hash (black, one colour)
+METER_CHUNK = 32           # frames measured at once when they arrive one by one: ~6 MB at work for 128x72
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,15 @@ def frame_is_black(planes: np.ndarray) -> np.ndarray:
 def frame_changes(planes: np.ndarray) -> np.ndarray:
     """Mean absolute luma change between consecutive thumbnails of luma planes [T, h, w], the smallest over
     shifts of up to CUT_SHIFT pixels (so a pan or a shaking camera changes little, a new shot as much as ever)."""
-    thumbs = area_resize(planes, *thumbnail_size(*planes.shape[1:], CUT_THUMB_SIDE))
+    return thumbnail_changes(cut_thumbnails(planes))
+
+
+def cut_thumbnails(planes: np.ndarray) -> np.ndarray:
+    return area_resize(planes, *thumbnail_size(*planes.shape[1:], CUT_THUMB_SIDE))
+
+
+def thumbnail_changes(thumbs: np.ndarray) -> np.ndarray:
+    """``frame_changes`` of the cut thumbnails [T, h, w] (T - 1 changes)."""
     height, width = thumbs.shape[1:]
     shift = max(0, min(CUT_SHIFT, (min(height, width) - 1) // 4))
     before, after = thumbs[:-1, shift:height - shift, shift:width - shift], thumbs[1:]
@@ -146,21 +155,18 @@ def cut_statistics(planes: np.ndarray) -> tuple[float, int | None, float]:
     frames, where it happens, and how many times the median of the other changes it is."""
     if len(planes) < 2:
         return 0.0, None, 0.0
-    changes = frame_changes(planes)
+    return cut_of_changes(frame_changes(planes))
+
+
+def cut_of_changes(changes: np.ndarray) -> tuple[float, int | None, float]:
+    """``cut_statistics`` from the frame-to-frame changes (one fewer than the frames; none: no cut)."""
+    if not len(changes):
+        return 0.0, None, 0.0
     largest = int(np.argmax(changes))
     if len(changes) < 2:
         return 0.0, None, float(changes[largest])
     typical = max(float(np.median(np.delete(changes, largest))), TYPICAL_CHANGE_FLOOR)
     return float(changes[largest]) / typical, largest + 1, float(changes[largest])
-
-
-def motion_level(planes: np.ndarray) -> float:
-    """How far the window moves: the largest (over frames) MOTION_PERCENTILE of |frame - first frame|."""
-    if len(planes) < 2:
-        return 0.0
-    thumbs = area_resize(planes, *thumbnail_size(*planes.shape[1:], MOTION_THUMB_SIDE))
-    moved = np.abs(thumbs[1:] - thumbs[:1]).reshape(len(thumbs) - 1, -1)
-    return float(np.percentile(moved, MOTION_PERCENTILE, axis=1).max())
 
 
 def _dark_run(lit_shares: np.ndarray) -> int:
@@ -169,12 +175,9 @@ def _dark_run(lit_shares: np.ndarray) -> int:
     return int(lit[0]) if len(lit) else len(lit_shares)
 
 
-def bar_shares(planes: np.ndarray) -> tuple[float, float, float, float]:
-    """(top, bottom, left, right) share of the height/width that is a dark bar in every frame of [T, h, w]."""
-    if not len(planes):
-        return 0.0, 0.0, 0.0, 0.0
-    lit = planes >= BAR_LUMA
-    rows, columns = lit.mean(axis=(0, 2)), lit.mean(axis=(0, 1))
+def _bars_of_lit(rows: np.ndarray, columns: np.ndarray) -> tuple[float, float, float, float]:
+    """(top, bottom, left, right) share of the height/width that is a dark bar in every non-black frame, from the
+    share of lit pixels in each row and column over those frames."""
     if _dark_run(rows) == len(rows):   # all dark: no picture to frame
         return 0.0, 0.0, 0.0, 0.0
     return (_dark_run(rows) / len(rows), _dark_run(rows[::-1]) / len(rows),
@@ -212,14 +215,81 @@ def measure_window(frames: np.ndarray) -> WindowMeasures:
     """The measures of one window: uint8 RGB frames [T, h, w, 3] (``read_window``'s)."""
     if frames.ndim != 4 or frames.shape[-1] != 3 or not len(frames):
         raise ValueError(f"expected RGB frames [T, h, w, 3], got an array of shape {frames.shape}")
-    planes = luma(frames)
-    black = frame_is_black(planes)
-    cut_score, cut_frame, cut_change = cut_statistics(planes)
-    return WindowMeasures(frames=len(planes), cut_score=round(cut_score, 4), cut_frame=cut_frame,
-                          cut_change=round(cut_change, 4), black_share=round(float(black.mean()), 4),
-                          motion=round(motion_level(planes), 4),
-                          bars=tuple(round(share, 4) for share in bar_shares(planes[~black])),
-                          hashes=tuple(perceptual_hash(planes[index]) for index in hashed_positions(len(planes))))
+    meter = WindowMeter(len(frames))
+    meter.add(frames)
+    return meter.result()
+
+
+class WindowMeter:
+    """``measure_window`` of a window of ``count`` frames fed in order, a frame or a chunk at a time: what it keeps
+    is a few thumbnails, one number per frame and sums per row and column, so the memory does not grow with the
+    clip (``--frame_sampling random_window`` measures every frame of a clip that may be an hour long)."""
+
+    def __init__(self, count: int):
+        self.count, self.seen = count, 0
+        self.hash_at = set(hashed_positions(count))
+        self.hashes: dict[int, str] = {}
+        self.changes: list[np.ndarray] = []   # frame-to-frame changes, chunk by chunk
+        self.last_thumb = None                # the cut thumbnail of the last frame seen
+        self.first_motion_thumb = None
+        self.motion = 0.0
+        self.black = 0
+        self.rows_lit = self.columns_lit = None   # lit pixels per row and column over the non-black frames
+        self.lit_frames = 0
+        self.pending: list[np.ndarray] = []   # frames pushed one at a time, measured METER_CHUNK at once
+
+    def push(self, frame: np.ndarray) -> None:
+        """One uint8 RGB frame [h, w, 3]; measured with the next ones (numpy's cost is per call, not per frame)."""
+        self.pending.append(frame)
+        if len(self.pending) >= METER_CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            chunk, self.pending = np.stack(self.pending), []
+            self.add(chunk)
+
+    def add(self, frames: np.ndarray) -> None:
+        """uint8 RGB frames [T, h, w, 3], or one frame [h, w, 3]: the next of the window."""
+        if frames.ndim == 3:
+            frames = frames[None]
+        planes = luma(frames)
+        start, self.seen = self.seen, self.seen + len(planes)
+        black = frame_is_black(planes)
+        self.black += int(black.sum())
+        thumbs = cut_thumbnails(planes)
+        if self.last_thumb is not None:
+            thumbs = np.concatenate([self.last_thumb[None], thumbs])
+        self.changes.append(thumbnail_changes(thumbs))
+        self.last_thumb = thumbs[-1]
+        motion_thumbs = area_resize(planes, *thumbnail_size(*planes.shape[1:], MOTION_THUMB_SIDE))
+        if self.first_motion_thumb is None:
+            self.first_motion_thumb = motion_thumbs[0]
+        moved = np.abs(motion_thumbs - self.first_motion_thumb).reshape(len(motion_thumbs), -1)
+        self.motion = max(self.motion, float(np.percentile(moved, MOTION_PERCENTILE, axis=1).max()))
+        lit = planes[~black] >= BAR_LUMA
+        if self.rows_lit is None:
+            self.rows_lit, self.columns_lit = np.zeros(planes.shape[1]), np.zeros(planes.shape[2])
+        self.rows_lit += lit.sum(axis=(0, 2))
+        self.columns_lit += lit.sum(axis=(0, 1))
+        self.lit_frames += len(lit)
+        for offset in range(len(planes)):
+            if start + offset in self.hash_at:
+                self.hashes[start + offset] = perceptual_hash(planes[offset])
+
+    def result(self) -> WindowMeasures:
+        self.flush()
+        if self.seen != self.count or not self.seen:
+            raise ValueError(f"the window has {self.count} frames, {self.seen} were measured")
+        cut_score, cut_frame, cut_change = cut_of_changes(np.concatenate(self.changes))
+        bars = (0.0, 0.0, 0.0, 0.0)
+        if self.lit_frames:
+            bars = _bars_of_lit(self.rows_lit / (self.lit_frames * len(self.columns_lit)),
+                                self.columns_lit / (self.lit_frames * len(self.rows_lit)))
+        return WindowMeasures(frames=self.seen, cut_score=round(cut_score, 4), cut_frame=cut_frame,
+                              cut_change=round(cut_change, 4), black_share=round(self.black / self.seen, 4),
+                              motion=round(self.motion, 4), bars=tuple(round(share, 4) for share in bars),
+                              hashes=tuple(self.hashes[index] for index in sorted(self.hash_at)))
 
 
 def kept_shares(source_size: tuple[int, int], train_shape: tuple[int, int]) -> tuple[float, float]:

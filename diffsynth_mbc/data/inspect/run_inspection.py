@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from diffsynth_mbc.data.inspect.measure_store import MeasureStore
-from diffsynth_mbc.data.inspect.window import InspectWindow, read_window
+from diffsynth_mbc.data.inspect.window import InspectWindow, read_window, stream_window
 
 MEASURES_VERSION = 1    # raise when measure_window's statistics change: older stored measures are then remeasured
 ROWS_PER_TASK = 8       # rows a worker takes at a time: few enough to keep both workers busy to the end
@@ -43,11 +43,19 @@ class InspectResult:
 
 def measure_item(item: InspectItem, window: InspectWindow) -> InspectResult:
     """Decode and measure one row (in a worker process)."""
-    from diffsynth_mbc.data.inspect.measures import measure_window
+    from diffsynth_mbc.data.inspect.measures import WindowMeter, measure_window
 
     try:
-        frames = read_window(item.path, item.media_type, window, available=item.available, fps=item.fps)
-        return InspectResult(measure_window(frames.frames).to_dict(), None)
+        if item.media_type == "image":
+            frames = read_window(item.path, item.media_type, window, available=item.available, fps=item.fps)
+            return InspectResult(measure_window(frames.frames).to_dict(), None)
+        meters = []   # the frames stream through the meter: bounded memory for a clip of any length
+
+        def new_meter(count: int):
+            meters.append(WindowMeter(count))
+            return lambda _index, frame: meters[-1].push(frame)
+        stream_window(item.path, window, new_meter, available=item.available, fps=item.fps)
+        return InspectResult(meters[-1].result().to_dict(), None)
     except Exception as error:   # any decoder failure is this row's reason, never the run's end
         message = " ".join(str(error).split()) or type(error).__name__
         return InspectResult(None, f"{type(error).__name__}: {message[:300]}")

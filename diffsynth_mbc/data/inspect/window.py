@@ -101,16 +101,32 @@ def analysis_size(width: int, height: int, long_side: int = ANALYSIS_LONG_SIDE) 
 
 
 def read_window(path: str, media_type: str, window: InspectWindow, *, available: int | None = None,
-                fps: float | None = None, long_side: int = ANALYSIS_LONG_SIDE) -> WindowFrames:
+                fps: float | None = None, long_side: int = ANALYSIS_LONG_SIDE, keep=None) -> WindowFrames:
     """The frames of the row at ``path`` that train under ``window``, small (see the module docstring).
-    ``available`` and ``fps`` are the probe's (the container's are used where they are None)."""
+    ``available`` and ``fps`` are the probe's (the container's are used where they are None). ``keep(count)``: the
+    indices (into a window of ``count`` frames) of the only frames to return (a contact sheet's strip); all when
+    None. ``positions`` are those of the frames returned."""
     if media_type == "image":
         return _read_image(path, long_side)
-    return _read_video(path, window, available, fps, long_side)
+    kept: dict[int, np.ndarray] = {}
+
+    def new_sink(count: int):
+        kept.clear()
+        wanted = set(range(count) if keep is None else keep(count))
+        return lambda index, frame: kept.__setitem__(index, frame) if index in wanted else None
+    positions, width, height = stream_window(path, window, new_sink, available=available, fps=fps,
+                                             long_side=long_side)
+    order = sorted(kept)
+    return WindowFrames(np.stack([kept[index] for index in order]), [positions[index] for index in order],
+                        width, height)
 
 
-def _read_video(path: str, window: InspectWindow, available: int | None, fps: float | None,
-                long_side: int) -> WindowFrames:
+def stream_window(path: str, window: InspectWindow, new_sink, *, available: int | None = None,
+                  fps: float | None = None, long_side: int = ANALYSIS_LONG_SIDE) -> tuple[list[int], int, int]:
+    """The clip's frames that train under ``window``, small, one at a time as they decode, to
+    ``new_sink(count)(index in the window, frame)``: nothing but the frame in hand is held, however long the clip.
+    ``new_sink`` is asked again for a fresh sink when the clip ends before the container said (its frames are then
+    the ones the training takes from what it has). Returns (source positions, displayed width, height)."""
     import av
 
     try:
@@ -131,16 +147,15 @@ def _read_video(path: str, window: InspectWindow, available: int | None, fps: fl
         wanted = window.positions(available, fps)
         if not wanted:
             raise InspectReadError("the clip has no frames")
-        small, decoded, shape = _decode_positions(container, stream, wanted, long_side)
+        decoded, shape = _decode_positions(container, stream, wanted, long_side, new_sink(len(wanted)))
         if decoded <= wanted[-1]:   # the clip ends early: the frames training would take from what it has
             wanted = window.positions(decoded, fps)
-            if not set(wanted) <= small.keys():
-                container.seek(0)
-                small, _, shape = _decode_positions(container, stream, wanted, long_side)
+            container.seek(0)
+            _, shape = _decode_positions(container, stream, wanted, long_side, new_sink(len(wanted)))
     finally:
         container.close()
     width, height, _ = shape
-    return WindowFrames(np.stack([small[index] for index in wanted]), list(wanted), width, height)
+    return list(wanted), width, height
 
 
 def _container_count(container, stream, window: InspectWindow, fps: float | None) -> int:
@@ -155,10 +170,11 @@ def _container_count(container, stream, window: InspectWindow, fps: float | None
     return count
 
 
-def _decode_positions(container, stream, wanted: list[int], long_side: int):
-    """({position: small RGB array} of the wanted frames among the first ``max(wanted) + 1``, frames decoded,
-    (displayed width, displayed height, quarter turns)), through the clip reader's decoding loop."""
+def _decode_positions(container, stream, wanted: list[int], long_side: int, sink):
+    """(frames decoded, (displayed width, displayed height, quarter turns)), each wanted frame among the first
+    ``max(wanted) + 1`` going small to ``sink(index in wanted, array)``, through the clip reader's decoding loop."""
     shapes = []
+    order = {position: index for index, position in enumerate(wanted)}
 
     def converter_for(first):
         turns = display_turns(first)[0]
@@ -167,10 +183,11 @@ def _decode_positions(container, stream, wanted: list[int], long_side: int):
         return lambda frame: _small_rgb(frame, shapes[0], long_side)
 
     try:
-        small, count = decode_frames(container, stream, wanted[-1], set(wanted), converter_for)
+        _, count = decode_frames(container, stream, wanted[-1], set(order), converter_for,
+                                 sink=lambda position, frame: sink(order[position], frame))
     except ClipReadError as exc:
         raise InspectReadError(str(exc)) from None
-    return small, count, shapes[0]
+    return count, shapes[0]
 
 
 def _small_rgb(frame, shape: tuple[int, int, int], long_side: int):

@@ -208,11 +208,13 @@ def _decode_indices(container, stream, last: int | None, wanted: set | None, tim
 
 
 def decode_frames(container, stream, last: int | None, wanted: set | None, converter_for,
-                  times: list | None = None) -> tuple[dict, int]:
+                  times: list | None = None, sink=None) -> tuple[dict, int]:
     """({index: converted frame} of the ``wanted`` frames (all when None) among the first ``last + 1`` (all when
     None), frames decoded). ``converter_for(first decoded frame)`` gives the function that converts each wanted
-    frame (it may refuse the clip by raising). Each decoded frame's time goes to ``times`` when given. A damaged
-    tail ends the clip where it breaks; ClipReadError when no frame decodes at all."""
+    frame (it may refuse the clip by raising). Each decoded frame's time goes to ``times`` when given. ``sink``:
+    each converted frame goes to ``sink(index, frame)`` as it decodes instead of into the dict (which stays empty),
+    so a long clip is never held. A damaged tail ends the clip where it breaks; ClipReadError when no frame decodes
+    at all."""
     import av
 
     frames, count, convert = {}, 0, None
@@ -220,7 +222,10 @@ def decode_frames(container, stream, last: int | None, wanted: set | None, conve
         for frame in container.decode(stream):
             convert = convert or converter_for(frame)
             if wanted is None or count in wanted:
-                frames[count] = convert(frame)
+                if sink is None:
+                    frames[count] = convert(frame)
+                else:
+                    sink(count, convert(frame))
             if times is not None:
                 times.append(None if frame.pts is None else float(frame.pts * stream.time_base))
             count += 1
