@@ -57,6 +57,9 @@ class WindowMeasures:
     motion: float            # luma levels: how far the window moves from its first frame, at most
     bars: tuple[float, float, float, float]   # top, bottom, left, right: share of the height/width that is a bar
     hashes: tuple[str, ...]  # 16 hex digits each: first, middle, last frame; "" for a flat frame
+    cut_position: int | None = None   # the source frame after the largest change (``cut_frame`` in the clip)
+    cut_seconds: float | None = None  # its time in the clip (None: the rate is unknown)
+    cut_dense: bool = False   # the cut's numbers were measured on every source frame around it, not the window's
 
     def to_dict(self) -> dict:
         """Plain JSON values; ``from_dict`` gives back an equal object."""
@@ -71,7 +74,10 @@ class WindowMeasures:
                    cut_frame=None if cut_frame is None else int(cut_frame), cut_change=float(values["cut_change"]),
                    black_share=float(values["black_share"]), motion=float(values["motion"]),
                    bars=tuple(float(share) for share in values["bars"]),
-                   hashes=tuple(str(digest) for digest in values["hashes"]))
+                   hashes=tuple(str(digest) for digest in values["hashes"]),
+                   cut_position=None if values["cut_position"] is None else int(values["cut_position"]),
+                   cut_seconds=None if values["cut_seconds"] is None else float(values["cut_seconds"]),
+                   cut_dense=bool(values["cut_dense"]))
 
 
 def readable_measures(values: dict) -> bool:
@@ -327,6 +333,24 @@ def _bar_finding(reason: str, sides: tuple[str, str], measured: tuple[float, flo
     return Finding(reason, round(trained, 4), BARS_MAX_SHARE, detail)
 
 
+def cut_detail(measures: WindowMeasures) -> str:
+    """``hard cut at source frame 150 (0:06.25), window frame 9 of 17: mean luma change 54 vs 3.0 typical``."""
+    typical = measures.cut_change / measures.cut_score
+    where = f"frame {measures.cut_frame} of the window"
+    if measures.cut_position is not None:
+        when = "" if measures.cut_seconds is None else f" ({clock(measures.cut_seconds)})"
+        where = f"source frame {measures.cut_position}{when}, window frame {measures.cut_frame} of {measures.frames}"
+    rate = " (at the clip's own frame rate, around the trained frames)" if measures.cut_dense else ""
+    return f"hard cut at {where}: mean luma change {measures.cut_change:.0f} vs {typical:.1f} typical{rate}"
+
+
+def clock(seconds: float) -> str:
+    """``0:06.25``, ``1:02:03.50``: a time in the clip as a player shows it."""
+    minutes, rest = divmod(seconds, 60)
+    hours, minutes = divmod(int(minutes), 60)
+    return f"{hours}:{minutes:02d}:{rest:05.2f}" if hours else f"{minutes}:{rest:05.2f}"
+
+
 def findings(measures: WindowMeasures, media_type: str, train_shape: tuple[int, int], shape_label: str,
              source_size: tuple[int, int]) -> list[Finding]:
     """What the measures flag (all reasons but ``duplicate``, which compares rows: ``duplicates``). Images are
@@ -334,10 +358,7 @@ def findings(measures: WindowMeasures, media_type: str, train_shape: tuple[int, 
     found = []
     video = media_type != "image"
     if video and measures.cut_change >= CUT_MIN_CHANGE and measures.cut_score >= CUT_MIN_RATIO:
-        typical = measures.cut_change / measures.cut_score
-        found.append(Finding("scene_cut", measures.cut_score, CUT_MIN_RATIO,
-                             f"hard cut at frame {measures.cut_frame} (window position): mean luma change "
-                             f"{measures.cut_change:.0f} vs {typical:.1f} typical"))
+        found.append(Finding("scene_cut", measures.cut_score, CUT_MIN_RATIO, cut_detail(measures)))
     if measures.black_share > BLACK_FRAME_SHARE:
         black_frames = round(measures.black_share * measures.frames)
         what = f"{black_frames} of {measures.frames} frames are" if video else "the image is"

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 from diffsynth_mbc.data.inspect.measure_store import MeasureStore
 from diffsynth_mbc.data.inspect.window import InspectWindow, read_window, stream_window
 
-MEASURES_VERSION = 1    # raise when measure_window's statistics change: older stored measures are then remeasured
+MEASURES_VERSION = 2    # raise when measure_window's statistics change: older stored measures are then remeasured
 ROWS_PER_TASK = 8       # rows a worker takes at a time: few enough to keep both workers busy to the end
 REPORT_EVERY_S = 30.0   # a progress line this often when the output is no terminal
 
@@ -43,6 +43,7 @@ class InspectResult:
 
 def measure_item(item: InspectItem, window: InspectWindow) -> InspectResult:
     """Decode and measure one row (in a worker process)."""
+    from diffsynth_mbc.data.inspect.cut_check import located_cut
     from diffsynth_mbc.data.inspect.measures import WindowMeter, measure_window
 
     try:
@@ -54,8 +55,9 @@ def measure_item(item: InspectItem, window: InspectWindow) -> InspectResult:
         def new_meter(count: int):
             meters.append(WindowMeter(count))
             return lambda _index, frame: meters[-1].push(frame)
-        stream_window(item.path, window, new_meter, available=item.available, fps=item.fps)
-        return InspectResult(meters[-1].result().to_dict(), None)
+        streamed = stream_window(item.path, window, new_meter, available=item.available, fps=item.fps)
+        measures = located_cut(meters[-1].result(), streamed.positions, streamed.fps, item.path)
+        return InspectResult(measures.to_dict(), None)
     except Exception as error:   # any decoder failure is this row's reason, never the run's end
         message = " ".join(str(error).split()) or type(error).__name__
         return InspectResult(None, f"{type(error).__name__}: {message[:300]}")

@@ -23,6 +23,7 @@ would drop frames that train.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -114,19 +115,23 @@ def read_window(path: str, media_type: str, window: InspectWindow, *, available:
         kept.clear()
         wanted = set(range(count) if keep is None else keep(count))
         return lambda index, frame: kept.__setitem__(index, frame) if index in wanted else None
-    positions, width, height = stream_window(path, window, new_sink, available=available, fps=fps,
-                                             long_side=long_side)
+    streamed = stream_window(path, window, new_sink, available=available, fps=fps, long_side=long_side)
     order = sorted(kept)
-    return WindowFrames(np.stack([kept[index] for index in order]), [positions[index] for index in order],
-                        width, height)
+    return WindowFrames(np.stack([kept[index] for index in order]), [streamed.positions[index] for index in order],
+                        streamed.width, streamed.height)
 
 
-def stream_window(path: str, window: InspectWindow, new_sink, *, available: int | None = None,
-                  fps: float | None = None, long_side: int = ANALYSIS_LONG_SIDE) -> tuple[list[int], int, int]:
-    """The clip's frames that train under ``window``, small, one at a time as they decode, to
-    ``new_sink(count)(index in the window, frame)``: nothing but the frame in hand is held, however long the clip.
-    ``new_sink`` is asked again for a fresh sink when the clip ends before the container said (its frames are then
-    the ones the training takes from what it has). Returns (source positions, displayed width, height)."""
+@dataclass(frozen=True)
+class StreamedWindow:
+    positions: list[int]   # the source frame index of each frame that went to the sink
+    width: int             # the source's displayed width and height
+    height: int
+    fps: float | None      # the probe's rate, else the container's
+
+
+@contextlib.contextmanager
+def opened_clip(path: str):
+    """(container, its video stream) for decoding in one thread without deblocking (``DECODER_OPTIONS``)."""
     import av
 
     try:
@@ -139,6 +144,27 @@ def stream_window(path: str, window: InspectWindow, new_sink, *, available: int 
         stream = container.streams.video[0]
         stream.thread_type = "NONE"
         stream.codec_context.options = dict(DECODER_OPTIONS)
+        yield container, stream
+    finally:
+        container.close()
+
+
+def read_span(path: str, first: int, last: int, long_side: int = ANALYSIS_LONG_SIDE) -> np.ndarray:
+    """Every source frame from ``first`` to ``last`` (fewer where the clip ends first), small, in order."""
+    frames = []
+    with opened_clip(path) as (container, stream):
+        _decode_positions(container, stream, list(range(first, last + 1)), long_side,
+                          lambda _index, frame: frames.append(frame))
+    return np.stack(frames)
+
+
+def stream_window(path: str, window: InspectWindow, new_sink, *, available: int | None = None,
+                  fps: float | None = None, long_side: int = ANALYSIS_LONG_SIDE) -> StreamedWindow:
+    """The clip's frames that train under ``window``, small, one at a time as they decode, to
+    ``new_sink(count)(index in the window, frame)``: nothing but the frame in hand is held, however long the clip.
+    ``new_sink`` is asked again for a fresh sink when the clip ends before the container said (its frames are then
+    the ones the training takes from what it has)."""
+    with opened_clip(path) as (container, stream):
         if not fps:
             rate = stream.guessed_rate or stream.average_rate   # as the training's reader (clip_reader)
             fps = float(rate) if rate else None
@@ -152,10 +178,8 @@ def stream_window(path: str, window: InspectWindow, new_sink, *, available: int 
             wanted = window.positions(decoded, fps)
             container.seek(0)
             _, shape = _decode_positions(container, stream, wanted, long_side, new_sink(len(wanted)))
-    finally:
-        container.close()
     width, height, _ = shape
-    return list(wanted), width, height
+    return StreamedWindow(list(wanted), width, height, fps)
 
 
 def _container_count(container, stream, window: InspectWindow, fps: float | None) -> int:

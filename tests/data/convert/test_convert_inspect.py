@@ -60,7 +60,7 @@ def test_each_defect_is_flagged_with_its_reason_and_nothing_on_the_clean_rows(in
     assert len(flagged) == len(FLAGGED)                           # one finding each, no probe flag mixed in
     by_name = {name_of(r["file_path"]): r for r in flagged}
     path_of = {name_of(r["video"]): r["video"] for _, r in pd.read_csv(inspected / "metadata.csv").iterrows()}
-    assert by_name["cut"]["detail"].startswith("hard cut at frame 8 ")
+    assert by_name["cut"]["detail"].startswith("hard cut at source frame 8 (0:00.33), window frame 8 of 17: ")
     assert float(by_name["cut"]["value"]) > float(by_name["cut"]["threshold"]) == CUT_MIN_RATIO
     for copy, original in (("clean_copy", "clean"), ("picture_copy", "picture")):
         row = ROWS.index(original) + 1

@@ -50,7 +50,7 @@ def test_each_clip_is_flagged_for_what_it_shows_and_nothing_else(measured):
 def test_the_cut_is_at_the_splice(measured):
     cut, _, (finding,) = measured["cut"]
     assert cut.cut_frame == 8 and cut.cut_change > 2 * CUT_MIN_CHANGE and cut.cut_score > 2 * CUT_MIN_RATIO
-    assert finding.detail.startswith("hard cut at frame 8 (window position): mean luma change ")
+    assert finding.detail.startswith("hard cut at frame 8 of the window: mean luma change ")
 
 
 def test_a_slow_fade_and_a_pan_change_steadily(measured):

@@ -263,7 +263,7 @@ def test_cut_wording():
     window = WindowMeasures(frames=17, cut_score=50.83, cut_frame=8, cut_change=61.0, black_share=0.0, motion=90.0,
                             bars=(0.0, 0.0, 0.0, 0.0), hashes=("1", "2", "3"))
     (finding,) = findings(window, "video", (1280, 704), "1280x704 aspect bucket", (1280, 720))
-    assert finding.detail == "hard cut at frame 8 (window position): mean luma change 61 vs 1.2 typical"
+    assert finding.detail == "hard cut at frame 8 of the window: mean luma change 61 vs 1.2 typical"
     assert (finding.reason, finding.value, finding.threshold) == ("scene_cut", 50.83, CUT_MIN_RATIO)
     assert {f.reason for f in findings(window, "video", (1, 1), "", (1, 1))} <= set(REASONS)
 
