@@ -126,29 +126,13 @@ class Sampler:
         return ["raw"] if self.ema is None else weights_for(self.options.validate_with, self.ema.updates)
 
     def _generate(self, pipe, prompt: SamplePrompt, step: int, index: int, label: str = "") -> list:
-        from PIL import Image
-
-        def heartbeat(timesteps):
-            for number, timestep in enumerate(timesteps, 1):
-                self.status.update(phase=f"sampling at step {step}: prompt {index + 1}/{len(self.prompts)}{label}, "
-                                         f"denoising {number}/{prompt.steps}")
-                yield timestep
-
-        image = upright(Image.open(prompt.image)).convert("RGB").resize((prompt.width, prompt.height)) \
-            if prompt.image else None
-        with self.accelerator.autocast():
-            return pipe(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt, input_image=image,
-                        seed=prompt.seed, height=prompt.height, width=prompt.width, num_frames=prompt.num_frames,
-                        num_inference_steps=prompt.steps, cfg_scale=prompt.cfg_scale, tiled=False,
-                        rand_device=str(self.accelerator.device), progress_bar_cmd=heartbeat)
+        def said(number: int) -> None:
+            self.status.update(phase=f"sampling at step {step}: prompt {index + 1}/{len(self.prompts)}{label}, "
+                                     f"denoising {number}/{prompt.steps}")
+        return generate_clip(pipe, prompt, self.accelerator, said)
 
     def _write(self, target: Path, stem: str, frames: list) -> list[Path]:
-        video, still = target / f"{stem}.mp4", target / f"{stem}.png"
-        with atomic_path(video, suffix=".mp4") as tmp:   # the encoder picks the format from the name
-            write_video(frames, str(tmp), fps=FPS, quality=8)
-        with atomic_open(still, "wb") as handle:
-            frames[0].save(handle, format="PNG")
-        return [video, still]
+        return write_clip(target, stem, frames)
 
     def _record(self, step: int, paths: list[Path], seconds: float) -> None:
         """The history line and status of a sample set: ``files`` in the set's folder; with strength 0 in
@@ -206,6 +190,38 @@ class Sampler:
                                      f"({time.monotonic() - started:.0f} s)")
             time.sleep(WAIT_POLL_S)
         work.wait()
+
+
+def generate_clip(pipe, prompt: SamplePrompt, accelerator, on_step=None) -> list:
+    """The clip of ``prompt`` (PIL frames) by DiffSynth's ``WanVideoPipeline.__call__`` with the pipeline's weights as
+    they are (the LoRA at its strength), the prompt's seed drawing the noise on the accelerator's device, under its
+    autocast: the one sampler of the training's sample steps and of ``python -m diffsynth_mbc.sample``.
+    ``on_step(n)`` is told each denoising step."""
+    from PIL import Image
+
+    def heartbeat(timesteps):
+        for number, timestep in enumerate(timesteps, 1):
+            if on_step is not None:
+                on_step(number)
+            yield timestep
+
+    image = upright(Image.open(prompt.image)).convert("RGB").resize((prompt.width, prompt.height)) \
+        if prompt.image else None
+    with accelerator.autocast():
+        return pipe(prompt=prompt.prompt, negative_prompt=prompt.negative_prompt, input_image=image,
+                    seed=prompt.seed, height=prompt.height, width=prompt.width, num_frames=prompt.num_frames,
+                    num_inference_steps=prompt.steps, cfg_scale=prompt.cfg_scale, tiled=False,
+                    rand_device=str(accelerator.device), progress_bar_cmd=heartbeat)
+
+
+def write_clip(target: Path, stem: str, frames: list) -> list[Path]:
+    """``target/stem.mp4`` and its first frame ``stem.png``, each through a temp file and a rename."""
+    video, still = target / f"{stem}.mp4", target / f"{stem}.png"
+    with atomic_path(video, suffix=".mp4") as tmp:   # the encoder picks the format from the name
+        write_video(frames, str(tmp), fps=FPS, quality=8)
+    with atomic_open(still, "wb") as handle:
+        frames[0].save(handle, format="PNG")
+    return [video, still]
 
 
 def _label(strength: float, weights: str) -> str:

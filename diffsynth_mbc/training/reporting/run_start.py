@@ -9,6 +9,7 @@ import sys
 
 from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
+from diffsynth_mbc.training.options.run_record import write_run_options
 from diffsynth_mbc.training.step.block_runner import CompileTimer
 from diffsynth_mbc.training.step.guards import BadMediaGuard, NonFiniteGuard, injected_steps
 
@@ -36,6 +37,7 @@ def start_progress(run) -> None:
     blocks = unwrapped_model(run.accelerator, run.module).blocks
     run.compile_timer = CompileTimer(enabled=main and blocks.compiled)
     if main:
+        write_run_options(options)   # what reads the run afterwards measures with its settings (python -m ...sample)
         print(f"step plan: {run.plan.describe()}", file=sys.stderr)
         for line in run.plan.describe_buckets():
             print(line, file=sys.stderr)
