@@ -1,0 +1,108 @@
+"""Which LoRA files a sweep renders: files, checkpoint folders, or a run's output folder (every LoRA file the run
+wrote: ``lora.safetensors``, ``epoch-*``, ``step-*``, each checkpoint's; with ``ema`` their EMA twins), ordered by
+step. Each file's step, run id, base model and variant come from its metadata (the header alone is read). Files of
+one run at one step hold the same weights (the run writes them from the same parameters): one of them is rendered.
+No torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffsynth_mbc.training.lora.ema import FILE_SUFFIX as EMA_FILE_SUFFIX
+from diffsynth_mbc.training.lora.read import file_metadata_of
+from diffsynth_mbc.training.options.run_record import RUN_OPTIONS
+
+CHECKPOINT_MANIFEST = "checkpoint.json"
+RUN_FILE = re.compile(r"^(lora|epoch-\d+|step-\d+)(_ema)?\.safetensors$")
+NAMED_FIRST = ("lora", "step", "epoch", "checkpoint")   # of one run's files at one step, the one kept
+
+
+class SweepFileError(ValueError):
+    """A --lora argument that names no LoRA file, or a file for another base model; the path named."""
+
+
+@dataclass(frozen=True)
+class SweepFile:
+    path: str               # absolute
+    label: str              # what the sheet heads its column with: "step-40", "epoch-002", "checkpoint step-00000040"
+    key: str                # the folder its clips go to: "step-00000040", "epoch-002", "lora", "checkpoint-00000040"
+    step: int | None
+    run_id: str | None
+    variant: str            # "raw" or "ema"
+    base_model: str | None
+    run_dir: str | None     # the run's output folder when the file is one of a run's (its validation settings)
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "label": self.label, "key": self.key, "step": self.step, "run_id": self.run_id,
+                "variant": self.variant, "base_model": self.base_model, "run_dir": self.run_dir}
+
+
+def sweep_files(sources: list[str], ema: bool = False, base_model: str | None = None) -> list[SweepFile]:
+    """Every LoRA file ``sources`` name, ordered by step (files without one last, in the order given)."""
+    found: list[SweepFile] = []
+    for source in sources:
+        found += _files_of(Path(source), ema)
+    kept: dict[tuple, SweepFile] = {}
+    for item in found:
+        same = (item.run_id, item.step, item.variant) if item.run_id and item.step is not None else (item.path,)
+        if same not in kept or _rank(item) < _rank(kept[same]):
+            kept[same] = item
+    files = sorted(kept.values(), key=lambda f: (f.step is None, f.step if f.step is not None else 0,
+                                                 f.variant == "ema", _rank(f)))
+    if base_model:
+        for item in files:
+            if item.base_model and item.base_model != base_model:
+                raise SweepFileError(f"{item.path}: made for {item.base_model}, not {base_model}; a LoRA renders "
+                                     "only with the base model it was trained on")
+    return files
+
+
+def _rank(item: SweepFile) -> int:
+    kind = item.key.split("-")[0]
+    return NAMED_FIRST.index(kind) if kind in NAMED_FIRST else len(NAMED_FIRST)
+
+
+def _files_of(source: Path, ema: bool) -> list[SweepFile]:
+    if source.is_file():
+        return [_described(source, None)]
+    if not source.is_dir():
+        raise SweepFileError(f"--lora {source}: no such file or folder")
+    if (source / CHECKPOINT_MANIFEST).is_file():
+        return [_described(source / "lora.safetensors", None, checkpoint=source.name)]
+    files = [_described(path, source) for path in sorted(source.iterdir())
+             if RUN_FILE.match(path.name) and (ema or not path.stem.endswith(EMA_FILE_SUFFIX))]
+    checkpoints = source / "checkpoints"
+    if checkpoints.is_dir():
+        files += [_described(folder / "lora.safetensors", source, checkpoint=folder.name)
+                  for folder in sorted(checkpoints.iterdir())
+                  if (folder / CHECKPOINT_MANIFEST).is_file() and (folder / "lora.safetensors").is_file()]
+    if not files:
+        raise SweepFileError(f"--lora {source}: a folder with no LoRA file (lora.safetensors, epoch-*, step-*), "
+                             "no checkpoint.json and no checkpoints/ of a run")
+    return files
+
+
+def _described(path: Path, run_dir: Path | None, checkpoint: str | None = None) -> SweepFile:
+    if not path.is_file():
+        raise SweepFileError(f"--lora {path}: no such LoRA file")
+    metadata = file_metadata_of(path)
+    step = int(metadata["step"]) if str(metadata.get("step") or "").isdigit() else None
+    variant = "ema" if path.stem.endswith(EMA_FILE_SUFFIX) else "raw"
+    if checkpoint:
+        label = f"checkpoint {checkpoint}"
+        key = f"checkpoint-{checkpoint.removeprefix('step-')}"
+    else:
+        label = path.stem
+        stem = path.stem.removesuffix(EMA_FILE_SUFFIX)
+        key = f"step-{step:08d}" if stem.startswith("step-") and step is not None else stem
+        key += EMA_FILE_SUFFIX if variant == "ema" else ""
+    if run_dir is None:   # a file or checkpoint of a run: the run's output folder, where its options are kept
+        run_dir = path.parent.parent.parent if checkpoint else path.parent
+    run_dir = run_dir if (Path(run_dir) / RUN_OPTIONS).is_file() else None
+    return SweepFile(path=str(path.resolve()), label=label, key=key, step=step,
+                     run_id=metadata.get("run_id") or None, variant=variant,
+                     base_model=metadata.get("base_model") or None,
+                     run_dir=str(Path(run_dir).resolve()) if run_dir is not None else None)

@@ -1,0 +1,203 @@
+"""One sweep: which files and clips, the settings they render and validate with, the rendering (each process its
+share of the missing clips, each clip's record kept as it is written), the validation, and ``sweep.json`` and
+``sweep.html`` at the end (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
+from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.sample.lora_files import sweep_files
+from diffsynth_mbc.sample.render import Renderer, say, start_accelerator, validation_of
+from diffsynth_mbc.sample.sheet import sweep_page
+from diffsynth_mbc.sample.sweep_plan import best_file, plan_clips, read_records, rendered
+from diffsynth_mbc.sample_prompts import load_sample_prompts, parse_strengths
+from diffsynth_mbc.training.options.run_options import TrainOptions
+from diffsynth_mbc.training.options.run_record import read_run_options
+
+DEMO_BASE = "Wan2.2-TI2V-5B (demo)"
+RELEASE_BASE = "Wan2.2-TI2V-5B"
+RECORDS_FOLDER = ".sweep-records"   # each process's clip records while it renders, merged into sweep.json
+GIVEN_SETTINGS = ("seed", "height", "width", "num_frames", "mixed_precision", "val_metadata_path", "val_base_path",
+                  "val_samples", "val_timestep_quantiles")
+
+
+def sweep_options(args, run: TrainOptions | None) -> TrainOptions:
+    """The settings a sweep renders and validates with: the run's (``run_options.json``), then what is given."""
+    given = vars(args)
+    changes = {key: given[key] for key in GIVEN_SETTINGS if given[key] is not None}
+    if args.demo:
+        changes.update(demo=True, model_dir=None, model_id=None)
+    elif args.model_dir or args.model_id:
+        changes.update(demo=False, model_dir=args.model_dir, model_id=args.model_id)
+    elif run is None:
+        raise OptionsError("the files are not a run's (no run_options.json beside them) and no model is given: pass "
+                           "--demo, --model_dir or --model_id")
+    options = (run or TrainOptions()).replace(output_path=str(args.output), **changes)
+    if args.validate and not options.val_metadata_path and not options.val_cache:
+        raise OptionsError("--validate: " + ("the run validated nothing (no --val_metadata_path)" if run else
+                                             "the files are not a run's") + "; pass --val_metadata_path")
+    return options
+
+
+def known_records(output: Path) -> dict[str, dict]:
+    """Clips recorded in ``sweep.json`` and, after an interrupted invocation, in each process's records."""
+    records = read_records(output)
+    for path in sorted((output / RECORDS_FOLDER).glob("rank-*.json")):
+        try:
+            records.update({item["path"]: item for item in json.loads(path.read_text(encoding="utf-8"))})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return records
+
+
+def run_sweep(args) -> int:
+    from diffsynth_mbc.training.distributed.collectives import gather_from_all, wait_for_everyone
+
+    output = Path(args.output)
+    files = sweep_files(args.lora, ema=args.ema)
+    runs = [item.run_dir for item in files if item.run_dir]
+    run = read_run_options(runs[0]) if runs else None
+    options = sweep_options(args, run)
+    files = sweep_files(args.lora, ema=args.ema, base_model=DEMO_BASE if options.demo else RELEASE_BASE)
+    prompts = load_sample_prompts(args.prompts, height=options.height, width=options.width,
+                                  num_frames=options.num_frames, seed=options.seed)
+    strengths = parse_strengths(args.strengths)
+    clips = plan_clips(prompts, files, strengths)
+    output.mkdir(parents=True, exist_ok=True)
+    records = known_records(output)
+    todo = [clip for clip in clips if not rendered(clip, output, records)]
+    accelerator = start_accelerator(options)
+    main = accelerator.is_main_process
+    if main:
+        say(f"sweep: {len(files)} file(s) x {len(prompts)} prompt(s) at strength {args.strengths}: {len(clips)} clips, "
+            f"{len(todo)} to render" + (f" on {accelerator.num_processes} processes" if accelerator.num_processes > 1
+                                        else ""))
+    renderer = Renderer(options, accelerator)
+    mine = render_share(renderer, todo[accelerator.process_index::accelerator.num_processes], files, prompts, output,
+                        accelerator.process_index, main)
+    validated = validate_files(renderer, options, files, records_of_files(output)) if args.validate else None
+    everyone = gather_from_all(accelerator, mine, None, "processes at the end of the sweep")
+    if main:
+        for share in everyone:
+            records.update(share)
+        finish(output, files, prompts, strengths, clips, records, validated)
+    wait_for_everyone(accelerator)
+    return 0
+
+
+def render_share(renderer, share: list, files: list, prompts: list, output: Path, rank: int, main: bool) -> dict:
+    """Render this process's clips, each written whole (temp file, then rename) and recorded as it is."""
+    from diffsynth_mbc.data.cache.progress import ProgressView
+    from diffsynth_mbc.training.evaluation.sample_clips import write_clip
+
+    mine: dict[str, dict] = {}
+    records_file = output / RECORDS_FOLDER / f"rank-{rank}.json"
+    view = ProgressView(len(share), rank, 1, enabled=main, label="rendering", unit="clips")
+    try:
+        for clip in share:
+            item = files[clip.file_index] if clip.file_index is not None else files[0]
+            renderer.use(item.path)   # strength 0 (the base model) renders with any file's layers at zero
+            prompt = prompts[clip.prompt_index]
+            started = time.monotonic()
+            frames = renderer.render(prompt, clip.strength)
+            target = output / clip.path
+            write_clip(target.parent, target.name, frames)
+            mine[clip.path] = {"path": clip.path, "video": f"{clip.path}.mp4", "still": f"{clip.path}.png",
+                               "prompt": prompt.prompt, "prompt_index": clip.prompt_index + 1, "seed": prompt.seed,
+                               "file": None if clip.file_index is None else item.key, "strength": clip.strength,
+                               "seconds": round(time.monotonic() - started, 3), "settings": clip.settings}
+            atomic_write_json(records_file, list(mine.values()))
+            view.advance()
+    finally:
+        view.close()
+    return mine
+
+
+def records_of_files(output: Path) -> dict[str, dict]:
+    """The validation figures an earlier invocation measured, by file path, with the file's size and mtime then."""
+    try:
+        saved = json.loads((output / "sweep.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    found = {item["path"]: item for item in saved.get("files") or [] if isinstance(item, dict) and "path" in item}
+    if isinstance(saved.get("base"), dict):
+        found["base"] = saved["base"]
+    return found
+
+
+def _stamp(path: str) -> list:
+    stat = Path(path).stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def validate_files(renderer, options, files: list, earlier: dict) -> dict:
+    """{file path: its validation figures, "base": the base model's}: the training's validator on each file's weights
+    (figures an earlier invocation measured for the same file and settings are kept)."""
+    values = options.as_dict()
+    settings = {key: values[key] for key in ("val_metadata_path", "val_samples", "val_timestep_quantiles", "seed",
+                                             "height", "width", "num_frames", "buckets")}
+    validator, results = None, {}
+    for item in files:
+        before = earlier.get(item.path) or {}
+        if before.get("val_loss") is not None and before.get("val_settings") == settings \
+                and before.get("val_file") == _stamp(item.path):
+            results[item.path] = {key: value for key, value in before.items() if key.startswith("val_")}
+            continue
+        renderer.use(item.path)
+        if validator is None or validator.module is not renderer.module:
+            validator = renderer.validator(options)
+        results[item.path] = {**validation_of(validator), "val_settings": settings, "val_file": _stamp(item.path)}
+    base = earlier.get("base") or {}
+    if base.get("val_loss") is not None and base.get("val_settings") == settings:
+        results["base"] = base
+    else:
+        if validator is None:
+            renderer.use(files[0].path)
+            validator = renderer.validator(options)
+        results["base"] = {**validation_of(validator, base=True), "val_settings": settings}
+    return results
+
+
+def write_outputs(output: Path, record: dict, page: str) -> None:
+    atomic_write_json(output / "sweep.json", record, indent=1)
+    atomic_write_text(output / "sweep.html", page)
+
+
+def finish(output: Path, files, prompts, strengths, clips, records, validated) -> None:
+    """``sweep.json`` and ``sweep.html`` from every clip recorded; the best file said on the terminal."""
+    file_records = []
+    for item in files:
+        figures = (validated or {}).get(item.path) or {}
+        file_records.append({**item.as_dict(), **figures})
+    base = (validated or {}).get("base") or None
+    best = best_file(file_records, base.get("val_loss") if base else None)
+    current = {clip.path for clip in clips}
+    clip_records = [records[clip.path] for clip in clips if clip.path in records]
+    columns = ([{"file": None, "strength": 0.0, "val_loss": base.get("val_loss") if base else None}]
+               if 0 in strengths else [])
+    columns += [{"file": record, "strength": strength, "base_val_loss": base.get("val_loss") if base else None}
+                for record in file_records for strength in strengths if strength != 0]
+    cells = {}
+    for clip in clips:
+        if clip.path in records and clip.path in current:
+            number = 0 if clip.file_index is None else (
+                (1 if 0 in strengths else 0) + clip.file_index * len([s for s in strengths if s != 0])
+                + [s for s in strengths if s != 0].index(clip.strength))
+            cells[(clip.prompt_index, number)] = clip.path
+    record = {"prompts": [prompt.as_dict() for prompt in prompts], "strengths": strengths, "files": file_records,
+              "base": base, "clips": clip_records, "best": best}
+    page = sweep_page(prompts, columns, cells, best["key"] if best else None, f"LoRA sweep: {output.resolve().name}")
+    write_outputs(output, record, page)
+    shutil.rmtree(output / RECORDS_FOLDER, ignore_errors=True)
+    missing = len(clips) - len(clip_records)
+    say(f"sweep: {len(clip_records)} of {len(clips)} clips in {output}" + (f" ({missing} not rendered)" if missing
+                                                                           else "") + f"; open {output / 'sweep.html'}")
+    if best:
+        gain = f", {best['gain']:.2%} below the base model's {best['val_loss_base']:.5g}" if best["gain"] is not None \
+            else ""
+        say(f"best: {best['label']} (step {best['step']}) val_loss {best['val_loss']:.5g}{gain}: {best['path']}")
