@@ -60,6 +60,12 @@ STATUS_FIELDS = (
     # "max_update_block", "max_grad_norm", "max_grad_block", "flags": [{"flag", "step", "what", "do"}], "seconds"};
     # None before the first record or with --health_steps 0
     "health",
+    # the lowest validation so far: {"step", "val_loss", "val_loss_base", "gain" ((base - loss) / base), "file" (its
+    # LoRA, OUTPUT/lora-best.safetensors)}; new_best: the last validation was it
+    "best", "new_best",
+    # a run --early_stop ended: {"step", "best_step", "validations_without_improvement", "since_step", "patience",
+    # "min_delta"}
+    "early_stop",
 )
 
 # A cache rank's status file has the fields above (step/total_steps: rows done/rows of its share, samples_per_s:

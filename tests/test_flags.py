@@ -18,6 +18,7 @@ from diffsynth_mbc.monitor import cli as monitor_cli
 from diffsynth_mbc.training import options
 from diffsynth_mbc.training.lora import export
 from diffsynth_mbc.training.plan import command as plan
+from diffsynth_mbc.sample import cli as sample_cli
 from e2e_helpers import REPO, a_preset_s_files, a_value_for, isolated_env
 
 # Every `python -m diffsynth_mbc.X` and the function that builds its parser.
@@ -25,7 +26,7 @@ ENTRY_POINTS = {
     "convert": convert.build_parser, "monitor": monitor_cli.build_parser, "doctor": doctor_cli.build_parser,
     "install": install.build_parser, "export": export.build_parser, "cache": cache_cli.build_parser, "plan": plan.build_parser,
     "stop": stop_command.build_parser, "supervise": supervisor.build_parser, "train": options.build_parser,
-    "demo": demo.build_parser,
+    "demo": demo.build_parser, "sample": sample_cli.build_parser,
 }
 LAUNCHER = str(REPO / "launchers" / "train_test.sh")
 
@@ -91,7 +92,8 @@ def test_both_spellings_of_every_flag_read_the_same_value(entry, prefix, flag):
     value = a_value_for(action)
 
     def read(spelling):
-        parsed, _ = ENTRY_POINTS[entry]().parse_known_args([*prefix, spelling, *value, *base[len(prefix):]])
+        # the required arguments first: a flag of several values (sample's --lora) would take a positional after it
+        parsed, _ = ENTRY_POINTS[entry]().parse_known_args([*prefix, *base[len(prefix):], spelling, *value])
         return vars(parsed)
 
     with_underscores, with_dashes = read(underscore), read(dash)

@@ -151,6 +151,8 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     out["error"] = _normalize_error(raw.get("error"))
     out["waiting"] = _normalize_waiting(raw.get("waiting"), name, notes)
     out["health"] = normalize_health(raw.get("health"))
+    out["best"] = normalize_best(raw.get("best"))
+    out["early_stop"] = normalize_early_stop(raw.get("early_stop"))
     out["catalogue_progress"] = _normalize_catalogues(raw.get("catalogue_progress"))
     if out["rank"] is not None and out["rank"] != file_rank:
         notes.append(f"{name} says it is rank {out['rank']}; shown as rank {file_rank} (from the file name)")
@@ -222,6 +224,28 @@ def normalize_health(value: Any) -> dict | None:
             "max_grad_norm": to_float(value.get("max_grad_norm")),
             "max_grad_block": to_int(value.get("max_grad_block")),
             "flags": health_flags_of(value.get("flags")), "seconds": to_float(value.get("seconds"))}
+
+
+MAX_FILE_TEXT = 500   # characters of a path kept
+
+
+def normalize_best(value: Any) -> dict | None:
+    """The status file's ``best`` (the lowest validation so far and its LoRA file): ``{"step", "val_loss",
+    "val_loss_base", "gain", "file"}``, typed; None when absent, not an object or without a step and loss."""
+    if not isinstance(value, dict) or to_int(value.get("step")) is None or to_float(value.get("val_loss")) is None:
+        return None
+    return {"step": to_int(value["step"]), "val_loss": to_float(value["val_loss"]),
+            "val_loss_base": to_float(value.get("val_loss_base")), "gain": to_float(value.get("gain")),
+            "file": printable(value["file"])[:MAX_FILE_TEXT] if isinstance(value.get("file"), str) else None}
+
+
+def normalize_early_stop(value: Any) -> dict | None:
+    """``early_stop`` (the run ended before its total, ``--early_stop``): its steps and counts, typed."""
+    if not isinstance(value, dict) or to_int(value.get("step")) is None:
+        return None
+    return {**{key: to_int(value.get(key)) for key in ("step", "best_step", "validations_without_improvement",
+                                                         "since_step", "patience")},
+            "min_delta": to_float(value.get("min_delta"))}
 
 
 def _normalize_catalogues(value: Any) -> list[dict] | None:

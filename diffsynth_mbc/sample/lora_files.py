@@ -1,5 +1,6 @@
 """Which LoRA files a sweep renders: files, checkpoint folders, or a run's output folder (every LoRA file the run
-wrote: ``lora.safetensors``, ``epoch-*``, ``step-*``, each checkpoint's; with ``ema`` their EMA twins), ordered by
+wrote: ``lora.safetensors``, ``lora-best``, ``epoch-*``, ``step-*``, each checkpoint's; with ``ema`` their EMA
+twins), ordered by
 step. Each file's step, run id, base model and variant come from its metadata (the header alone is read). Files of
 one run at one step hold the same weights (the run writes them from the same parameters): one of them is rendered.
 No torch.
@@ -16,8 +17,8 @@ from diffsynth_mbc.training.lora.read import file_metadata_of
 from diffsynth_mbc.training.options.run_record import RUN_OPTIONS
 
 CHECKPOINT_MANIFEST = "checkpoint.json"
-RUN_FILE = re.compile(r"^(lora|epoch-\d+|step-\d+)(_ema)?\.safetensors$")
-NAMED_FIRST = ("lora", "step", "epoch", "checkpoint")   # of one run's files at one step, the one kept
+RUN_FILE = re.compile(r"^(lora|lora-best|epoch-\d+|step-\d+)(_ema)?\.safetensors$")
+NAMED_FIRST = ("lora", "step", "epoch", "checkpoint", "lora-best")   # of one run's files at one step, the one kept
 
 
 class SweepFileError(ValueError):
@@ -61,7 +62,7 @@ def sweep_files(sources: list[str], ema: bool = False, base_model: str | None = 
 
 
 def _rank(item: SweepFile) -> int:
-    kind = item.key.split("-")[0]
+    kind = "lora-best" if item.key.startswith("lora-best") else item.key.split("-")[0]
     return NAMED_FIRST.index(kind) if kind in NAMED_FIRST else len(NAMED_FIRST)
 
 

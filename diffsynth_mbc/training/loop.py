@@ -21,6 +21,7 @@ from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpo
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
                                                             watch_gradient_all_reduce)
+from diffsynth_mbc.training.evaluation.best_lora import keep_best, resume_best, say_early_stop, stopped_before
 from diffsynth_mbc.training.evaluation.lora_health import LoraHealth, end_of_run, make_health
 from diffsynth_mbc.training.evaluation.sample_clips import make_sampler, maybe_sample
 from diffsynth_mbc.training.evaluation.validation import Validator
@@ -82,8 +83,9 @@ class Run:
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     run = setup(options, status, signals)
     resume_collector()   # paused by `python -m diffsynth_mbc.train` while it imported and set up
-    if train_epochs(run) != "stopped":
-        finish(run)
+    outcome = "early_stop" if stopped_before(run) else train_epochs(run)
+    if outcome != "stopped":
+        finish(run, early_stop=outcome == "early_stop")
     cleanup(run)
 
 
@@ -109,6 +111,7 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     if options.resume:
         resume(run)
+        resume_best(run)
     else:
         claim_checkpoint_folder(run)
     if options.report_to != "none":   # after a resume: the run id (the tracker's run name) goes on, so does its run
@@ -232,13 +235,15 @@ def prepare(options, status, signals, accelerator, dataset, module, validator) -
 
 
 def train_epochs(run: Run) -> str:
-    """Every remaining epoch; 'stopped' when a stop request ended the run, else 'done'."""
+    """Every remaining epoch; 'stopped' when a stop request ended the run, 'early_stop' when --early_stop did,
+    else 'done'."""
     maybe_sample(run)   # the baseline, before the first step of a fresh run (see training/evaluation/sample_clips.py)
     run.logger.on_train_begin()
     run.signals.graceful = True
     for epoch in range(run.position.epoch, run.options.num_epochs):
-        if train_epoch(run, epoch) == "stopped":
-            return "stopped"
+        outcome = train_epoch(run, epoch)
+        if outcome != "done":   # a stop request, or --early_stop
+            return outcome
         run.logger.timed("lora", run.checkpoints.save_lora, epoch_file_name(epoch, run.options.num_epochs),
                         run.position.step)
         run.logger.on_epoch_end(save_epoch_file=False)
@@ -281,8 +286,8 @@ def train_epoch(run: Run, epoch: int) -> str:
         outcome = after_optimizer_step(run, epoch, step_loss, grad_norm, samples_in_step, bad_in_step, skipped,
                                        tokens=tokens_in_step, drawn=drawn)
         losses, samples_in_step, bad_in_step, tokens_in_step, drawn = [], 0, 0, 0, []
-        if outcome == "stopped":
-            return "stopped"
+        if outcome != "continue":
+            return outcome
     return "done"
 
 
@@ -322,9 +327,11 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     run.bad_media.account(bad_total, seen_total, position.recent_skips)
     if position.batches_in_epoch >= len(run.loader):
         position.epoch, position.batches_in_epoch = epoch + 1, 0
+    early_stop = False
     if run.validator and options.val_steps and position.step % options.val_steps == 0:
         run.logger.timed("validation", run.validator.run, position.step)
         run.logger.on_validation(accelerator)
+        early_stop = keep_best(run)
     maybe_sample(run)
     if stop_any:
         run.logger.timed("checkpoint", run.checkpoints.save, position)
@@ -336,22 +343,27 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         run.schedule.saved()
     if options.save_steps and position.step % options.save_steps == 0:
         run.logger.timed("lora", run.checkpoints.save_lora, f"step-{position.step}.safetensors", position.step)
-    return "continue"
+    return "early_stop" if early_stop else "continue"
 
 
 # ---------------------------------------------------------------------------------------------
 # finish and cleanup
 
 
-def finish(run: Run) -> None:
+def finish(run: Run, early_stop: bool = False) -> None:
+    """The end of the run (its planned total, or ``--early_stop``'s): the last validation, the LoRA file and the last
+    checkpoint (an early stop's always, as a stop request's)."""
     options, position = run.options, run.position
     if run.validator and (not options.val_steps or position.step % options.val_steps):
         run.logger.timed("validation", run.validator.run, position.step)
         run.logger.on_validation(run.accelerator)
+        keep_best(run)
+    if early_stop:
+        say_early_stop(run)
     end_of_run(run)   # the last health record, after the last validation; a broken LoRA fails the run here
     maybe_sample(run)
     run.logger.timed("lora", run.checkpoints.save_lora, "lora.safetensors", position.step)
-    if run.schedule.enabled and run.checkpoints.last_step != position.step:
+    if (run.schedule.enabled or early_stop) and run.checkpoints.last_step != position.step:
         run.logger.timed("checkpoint", run.checkpoints.save, position)
     wait_for_everyone(run.accelerator, run.status, "ranks to finish")
     run.logger.on_training_end()

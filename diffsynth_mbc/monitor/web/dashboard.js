@@ -195,8 +195,28 @@
     return tr;
   }
 
+  function bestOf(s) {
+    // The best validation so far and the early stop, from rank 0's status (every rank says the same).
+    const first = (s && s.ranks || []).find((r) => r.rank === 0) || (s && s.ranks || [])[0] || {};
+    return {best: first.best || null, earlyStop: first.early_stop || null};
+  }
+
+  function renderBest(s) {
+    const {best, earlyStop} = bestOf(s);
+    $("best-card").hidden = !best;
+    if (!best) return;
+    $("best-step").textContent = "step " + best.step;
+    const lines = ["val_loss " + FORMATS.loss(best.val_loss) + (num(best.gain)
+      ? " (" + (100 * best.gain).toFixed(2) + "% below the base)" : "")];
+    if (best.file) lines.push(best.file);
+    if (earlyStop) lines.push("stopped early at step " + earlyStop.step + ": no better validation in "
+      + earlyStop.validations_without_improvement + " evaluations");
+    $("best-detail").replaceChildren(...lines.map((t) => el("div", null, t)));
+  }
+
   function renderStatus(s) {
     renderSummary(s);
+    renderBest(s);
     renderPanels(s);
     const body = $("ranks-body");
     body.replaceChildren();
@@ -777,6 +797,26 @@
     return num(idx) ? binRange(chart, idx) + " (" + binSamples(chart, u, idx) + " samples)" : "-";
   }
 
+  function bestPlugin(chart) {
+    // The validation loss chart: a ring and "best" at the lowest validation so far (its LoRA: lora-best.safetensors).
+    return {hooks: {draw: (u) => {
+      const best = bestOf(status).best;
+      delete chart.box.dataset.best;
+      if (chart.spec.id !== "val_loss" || !best) return;
+      if (best.step < u.scales.x.min || best.step > u.scales.x.max) return;
+      const x = u.valToPos(best.step, "x", true), y = u.valToPos(best.val_loss, "y", true);
+      if (!(y >= u.bbox.top && y <= u.bbox.top + u.bbox.height)) return;
+      const ctx = u.ctx, r = 7 * devicePixelRatio;
+      ctx.save();
+      ctx.strokeStyle = "#f2c94c"; ctx.fillStyle = "#f2c94c"; ctx.lineWidth = 2 * devicePixelRatio;
+      ctx.beginPath(); ctx.arc(x, y, r, 0, 2 * Math.PI); ctx.stroke();
+      ctx.font = Math.round(11 * devicePixelRatio) + "px sans-serif"; ctx.textAlign = "left";
+      ctx.fillText("best", x + r + 3 * devicePixelRatio, y - r);
+      ctx.restore();
+      chart.box.dataset.best = JSON.stringify([best.step, x / devicePixelRatio, y / devicePixelRatio]);
+    }}};
+  }
+
   function countPlugin(chart) {
     // The loss by timestep chart: a faint bar per bin under the lines, as tall as its samples (of the lines
     // shown) are to the fullest bin's, the fullest a fifth of the plot; so a bin of 3 samples looks it.
@@ -896,7 +936,7 @@
         }))),
       cursor: {drag: {x: true, y: false, setScale: true}},
       legend: {live: true},
-      plugins: [epochPlugin(chart), countPlugin(chart), zeroPlugin(chart)],
+      plugins: [epochPlugin(chart), countPlugin(chart), zeroPlugin(chart), bestPlugin(chart)],
       hooks: {
         setSelect: [() => { chart.zoomed = true; }],
         setScale: [(u, key) => {

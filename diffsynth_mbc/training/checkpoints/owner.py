@@ -1,6 +1,6 @@
 """Whose checkpoints and LoRA files a run's folders hold: a run deletes or replaces only its own. Pure: no torch.
 
-A fresh run pointed at folders that hold another run's checkpoints or LoRA files (``lora.safetensors``,
+A fresh run pointed at folders that hold another run's checkpoints or LoRA files (``lora.safetensors``, ``lora-best``,
 ``epoch-001``, ``step-N``, their ``_ema`` twins: each file names its run in its metadata) is refused, naming them,
 unless it resumes (it then goes on as that run) or is told to start over (``--start_over true``), which moves
 everything of the other run aside into the checkpoint folder's ``replaced-<their run id>/`` rather than deleting or
@@ -18,7 +18,7 @@ from pathlib import Path
 from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
 
 REPLACED_PREFIX = "replaced-"
-LORA_FILE = re.compile(r"^(lora|epoch-\d+|step-\d+)(_ema)?\.safetensors$")   # the LoRA files a run writes
+LORA_FILE = re.compile(r"^(lora|lora-best|epoch-\d+|step-\d+)(_ema)?\.safetensors$")   # the LoRA files a run writes
 CLAIMING = "ranks claiming the run's folders"   # what a rank at claim_folder's barriers waits for
 
 

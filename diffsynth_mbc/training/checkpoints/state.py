@@ -137,6 +137,7 @@ class Position:
     run_id: str | None = None   # the run a resumed position came from (its run id goes on)
     elapsed_s: float = 0.0      # training time before this position, so a resumed run's clock goes on
     checkpoint: str = ""        # the checkpoint folder it was loaded from
+    best_so_far: dict | None = None   # the best validation and the early stop's count (evaluation/best_so_far.py)
 
 
 def _attempt(write) -> str | None:
@@ -252,7 +253,7 @@ class Checkpoints(LoraFiles):
             "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
             "run_id": self.status.state["run_id"], "created_at": time.time(),
             "elapsed_s": self.status.state.get("elapsed_s") or 0.0,
-            "fingerprint": self.fingerprint, "per_rank": per_rank,
+            "fingerprint": self.fingerprint, "per_rank": per_rank, "best_so_far": position.best_so_far,
             "world_size": self.accelerator.num_processes, "files": files, "row_sizes_sha256": self.sizes_digest})
         prune(self.root, self.options.keep_checkpoints, self.status.state["run_id"])
         return None
@@ -308,6 +309,7 @@ class Checkpoints(LoraFiles):
         else:
             self.accelerator.load_state(str(folder), strict=False)
         self.verify_lora(folder / "lora.safetensors")
+        self.last_step = manifest["step"]   # this step has its checkpoint: finishing here saves none again
         if differences:   # --force_resume: this run's settings, not the saved optimizer's, and said so
             applied = apply_run_settings(self.scheduler, self.options)
             if self.accelerator.is_main_process:
@@ -319,4 +321,5 @@ class Checkpoints(LoraFiles):
         return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],
                         samples_seen=mine.get("samples_seen", 0), skipped_samples=mine.get("skipped_samples", 0),
                         recent_skips=mine.get("recent_skips", []), run_id=manifest.get("run_id"),
-                        elapsed_s=float(manifest.get("elapsed_s") or 0.0), checkpoint=folder.name)
+                        elapsed_s=float(manifest.get("elapsed_s") or 0.0), checkpoint=folder.name,
+                        best_so_far=manifest.get("best_so_far"))

@@ -18,6 +18,7 @@ import contextlib
 import time
 
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
+from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar
 from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
@@ -49,12 +50,15 @@ class Validator:
         # The rows the last measure() could not decode and took the next row for: (this rank's, every rank's count)
         self.substituted: tuple[list[dict], int] = ([], 0)
         self.base_step = self.base_measurements = 0
+        self.best = BestSoFar.from_options(options)   # a resumed run takes its checkpoint's (loop.setup)
 
     def attach(self, accelerator, module) -> None:
         self.accelerator, self.module = accelerator, module
 
     def run(self, step: int) -> float | None:
         from diffsynth_mbc.training.lora.ema import weights_for
+
+        self.best.last_new_best = False
 
         self.status.update(phase=f"validation at step {step}")
         which = weights_for(self.validate_with, self.ema.updates) if self.ema is not None else ["raw"]
@@ -76,12 +80,14 @@ class Validator:
         # this rank took over, named)
         mine, substituted = self.substituted
         said = {"val_substituted": substituted, "val_substituted_rows": mine[:SUBSTITUTED_NAMED]}
+        # the lowest val_loss yet: the loop keeps its LoRA as lora-best.safetensors (evaluation/best_lora.py)
+        new_best = self.best.observe(step, val_loss, extra.get("val_loss_base"))
         self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss,
                                     "val_loss_by_quantile": by_quantile, "val_loss_by_mode": by_mode,
                                     "val_samples": samples, "time": round(time.time(), 3), **extra,
-                                    **(said if substituted else {})})
+                                    **(said if substituted else {}), **({"new_best": True} if new_best else {})})
         self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_loss_by_mode=by_mode,
-                           val_step=step, phase=f"validated at step {step}", **extra, **said)
+                           val_step=step, phase=f"validated at step {step}", new_best=new_best, **extra, **said)
         return val_loss
 
     def base_fields(self, step: int) -> dict:

@@ -95,6 +95,19 @@ def _let_none_clear(parser: argparse.ArgumentParser) -> None:
             action.help = f"{action.help} (none: unset, over a preset)"
 
 
+def _validations_or_off(text):
+    """``--early_stop``: a number of validations (1 or more), or off / none."""
+    if str(text).strip().lower() in ("off", "none"):
+        return None
+    try:
+        number = int(str(text).strip())
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of validations (1 or more) or off, got {text!r}")
+    return number
+
+
 def _or_none(parse):
     def or_none(text):
         return None if str(text).strip().lower() == "none" else parse(text)
@@ -243,6 +256,13 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     samples.add_argument("--sample_strengths", type=str,
                          help="render each sample prompt at each of these LoRA strengths, same seed, e.g. 0,0.5,1 "
                               "(0: the base model, rendered once per prompt into samples/base/; default 1)")
+    data_quality.add_argument("--early_stop", type=_validations_or_off,
+                              help="stop (a checkpoint, status finished, exit 0) after N validations in a row "
+                                   "without an improvement of --early_stop_min_delta; off (default) trains the "
+                                   "planned total. The best LoRA is kept either way (lora-best.safetensors)")
+    data_quality.add_argument("--early_stop_min_delta", type=float,
+                              help="what counts as an improvement for --early_stop: at least this share below the "
+                                   "loss the count was last reset at (default 0.001: 0.1%%)")
     data_quality.add_argument("--val_timestep_quantiles",
                               help="validation loss at these fixed points of the noise schedule, comma-separated "
                                    "in (0, 1); the headline val_loss is their mean (default 0.1,0.3,0.5,0.7,0.9)")

@@ -22,7 +22,8 @@ def against_base(loss: float, base: float) -> str:
 
 def validation_event(state: dict, took: str = "") -> str:
     """The terminal's line after a validation: ``validation at step 6: val_loss 0.4123 (2.1 s); base ...``."""
-    line = f"validation at step {state['val_step']}: val_loss {state['val_loss']:.4f}{took}"
+    line = f"validation at step {state['val_step']}: val_loss {state['val_loss']:.4f}{took}" + (
+        ", new best" if state.get("new_best") else "")
     if state.get("val_loss_ema") is not None:
         line += f", EMA {state['val_loss_ema']:.4f}"
     base = state.get("val_loss_base")

@@ -78,7 +78,9 @@ def test_a_fresh_run_refuses_another_runs_checkpoints_and_start_over_moves_them_
                                      "--dataset_base_path", str(data / "catalog"),
                                      "--dataset_metadata_path", str(data / "metadata" / "metadata.csv"),
                                      "--output_path", str(run_dir / "lora"), "--log_dir", str(run_dir / "logs"),
-                                     "--num_epochs", "1", "--checkpoint_steps", "2", *extra]
+                                     "--num_epochs", "1", "--checkpoint_steps", "2", "--val_metadata_path",
+                                     str(data / "metadata" / "metadata.csv"), "--val_steps", "2", "--val_samples", "2",
+                                     *extra]
         return run_training(tmp_path, flags, timeout=300, OMP_NUM_THREADS=1)
 
     first = train("--run_id", "first-run")
@@ -88,7 +90,8 @@ def test_a_fresh_run_refuses_another_runs_checkpoints_and_start_over_moves_them_
     (newest / "KEEP").touch()
     (newest / "notes.txt").write_text("a user's notes")
     finished = snapshot(run_dir)
-    lora_files = {name: (run_dir / "lora" / name).read_bytes() for name in ("lora.safetensors", "epoch-001.safetensors")}
+    lora_files = {name: (run_dir / "lora" / name).read_bytes()
+                  for name in ("lora.safetensors", "epoch-001.safetensors", "lora-best.safetensors")}
 
     # Refusals that need only files come before anything loads or is written: the finished run's files, status
     # files included, stay byte for byte (a refused resume used to mark the finished run FAILED).

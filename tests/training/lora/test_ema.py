@@ -159,8 +159,9 @@ def test_an_ema_run_trains_the_raw_lora_bit_for_bit_and_writes_the_average_besid
         expected, actual = load_file(str(plain / file)), load_file(str(ema / file))
         assert expected.keys() == actual.keys() and all(torch.equal(actual[k], expected[k]) for k in expected), file
     assert not list(plain.glob("*_ema.safetensors"))
-    assert sorted(p.name for p in ema.glob("*_ema.safetensors")) == [
-        "epoch-001_ema.safetensors", "lora_ema.safetensors", "step-1_ema.safetensors", "step-2_ema.safetensors"]
+    assert sorted(p.name for p in ema.glob("*_ema.safetensors")) == [   # the best LoRA's EMA twin too
+        "epoch-001_ema.safetensors", "lora-best_ema.safetensors", "lora_ema.safetensors", "step-1_ema.safetensors",
+        "step-2_ema.safetensors"]
 
     # The average, from the raw files: B starts at zero (alpha = rank here, so the file holds B as trained);
     # update 0 decays by min(0.9, 1/10), update 1 by min(0.9, 2/11).

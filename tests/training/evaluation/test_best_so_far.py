@@ -1,0 +1,53 @@
+"""The best validation so far and --early_stop's count: new bests, the relative improvement, the warm-up and the
+first validation counting for nothing, a checkpoint's state carried into a resume."""
+
+from types import SimpleNamespace
+
+from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar, early_stop_line
+
+
+def options(**given):
+    return SimpleNamespace(**{"early_stop": 2, "early_stop_min_delta": 0.01, "warmup_steps": 0, **given})
+
+
+def test_a_new_best_is_any_lower_loss_and_only_a_real_improvement_resets_the_count():
+    tracker = BestSoFar.from_options(options())
+    assert tracker.observe(10, 1.0) and tracker.without == 0             # the first: the best, counts for nothing
+    assert tracker.observe(20, 0.995) and tracker.without == 1           # lower, but by less than 1%: a best, counted
+    assert not tracker.stop_due
+    assert tracker.observe(30, 0.98) and tracker.without == 0            # 2% below 1.0: an improvement
+    assert not tracker.observe(40, 0.99) and tracker.without == 1
+    assert not tracker.observe(50, 0.985) and tracker.without == 2 and tracker.stop_due
+    assert tracker.best_record("out/lora-best.safetensors") == {
+        "step": 30, "val_loss": 0.98, "val_loss_base": None, "gain": None, "file": "out/lora-best.safetensors"}
+    record = tracker.early_stop_record(50)
+    assert record == {"step": 50, "best_step": 30, "validations_without_improvement": 2, "since_step": 30,
+                      "patience": 2, "min_delta": 0.01}
+    assert early_stop_line(record, 100, "out/lora-best.safetensors") == (
+        "stopped early at step 50 of 100: no better validation in 2 evaluations since step 30; best: "
+        "out/lora-best.safetensors (step 30)")
+
+
+def test_the_warm_up_never_counts_and_off_never_stops():
+    tracker = BestSoFar.from_options(options(warmup_steps=25))
+    for step in (10, 20):
+        tracker.observe(step, 1.0)
+    assert tracker.without == 0
+    tracker.observe(30, 1.0)
+    assert tracker.without == 1
+    off = BestSoFar.from_options(options(early_stop=None))
+    for step in range(1, 50):
+        off.observe(step, 1.0)
+    assert off.without == 48 and not off.stop_due
+
+
+def test_a_resume_goes_on_from_the_checkpoints_state_with_this_runs_patience():
+    tracker = BestSoFar.from_options(options())
+    tracker.observe(10, 1.0, 1.2)
+    tracker.observe(20, 1.0, 1.2)
+    tracker.observe(30, 1.0, 1.2)
+    assert tracker.stop_due
+    resumed = BestSoFar.from_options(options(early_stop=3), tracker.as_dict())
+    assert resumed.best_step == 10 and resumed.without == 2 and not resumed.stop_due
+    assert resumed.best_record("f")["gain"] == (1.2 - 1.0) / 1.2
+    assert BestSoFar.from_options(options(), tracker.as_dict()).stop_due
