@@ -1,0 +1,52 @@
+"""The best LoRA on the dashboard, in a real headless Chromium: a card with its step, validation loss, gain over the
+base and file (and why the run stopped early, when it did), and a ring marked "best" on the validation chart at that
+step; a run without one shows neither."""
+
+from __future__ import annotations
+
+import json
+
+import health_run as H
+import monitor_fixtures as F
+from test_dashboard_browser import (browser, chart, pixels_of_colour, pytestmark, served_dashboard,  # noqa: F401
+                                    wait_for)
+
+BEST_STEP = 90
+BEST = {"step": BEST_STEP, "val_loss": sum(H.val_loss(BEST_STEP, q) for q in H.QUANTILES) / 3,
+        "val_loss_base": sum(H.base_loss(q) for q in H.QUANTILES) / 3, "file": "runs/full/lora/lora-best.safetensors"}
+BEST["gain"] = (BEST["val_loss_base"] - BEST["val_loss"]) / BEST["val_loss_base"]
+EARLY = {"step": 120, "best_step": BEST_STEP, "validations_without_improvement": 1, "since_step": BEST_STEP,
+         "patience": 1, "min_delta": 0.001}
+YELLOW = (242, 201, 76)
+
+
+def test_the_best_lora_has_a_card_and_a_ring_on_the_validation_chart(browser, tmp_path):
+    log_dir = tmp_path / "training_logs"
+    log_dir.mkdir()
+    H.write_health_run(log_dir)
+    for rank in (0, 1):   # the status files as an early-stopped run leaves them
+        path = log_dir / f"training_gpu{rank}.json"
+        state = json.loads(path.read_text())
+        F.write_raw(path, json.dumps({**state, "best": BEST, "early_stop": EARLY}))
+    with served_dashboard(browser, log_dir):
+        wait_for(browser, lambda d: not d.find_element("id", "best-card").get_attribute("hidden"))
+        card = browser.find_element("id", "best-card").text
+        assert "step 90" in card and BEST["file"] in card
+        assert f"({100 * BEST['gain']:.2f}% below the base)" in card
+        assert "stopped early at step 120: no better validation in 1 evaluations" in card
+        box = chart(browser, "val_loss")["box"]
+        wait_for(browser, lambda d: box.get_attribute("data-best"))
+        step, x, y = json.loads(box.get_attribute("data-best"))
+        assert step == BEST_STEP and x > 0 and y > 0
+        assert pixels_of_colour(browser, "val_loss", YELLOW) > 20   # the ring and its label, drawn
+
+
+def test_a_run_without_a_best_shows_no_card_and_no_ring(browser, tmp_path):
+    log_dir = tmp_path / "training_logs"
+    log_dir.mkdir()
+    H.write_health_run(log_dir)
+    with served_dashboard(browser, log_dir):
+        wait_for(browser, lambda d: d.execute_script("return document.body.dataset.ranksDrawn") == "2")
+        assert browser.find_element("id", "best-card").get_attribute("hidden")
+        assert not chart(browser, "val_loss")["box"].get_attribute("data-best")
+        assert pixels_of_colour(browser, "val_loss", YELLOW) == 0
