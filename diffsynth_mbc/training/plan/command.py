@@ -211,7 +211,8 @@ def plan_lines(options, plan) -> list[str]:
 def projection_lines(run, unknown: str) -> list[str]:
     if run is None:
         return [f"  projected run length: unknown {unknown}"]
-    extra = [line for line in (run.cache_line(), run.evaluation_line()) if line]
+    best = run.evaluation.best_line() if run.evaluation is not None else None
+    extra = [line for line in (run.cache_line(), run.evaluation_line(), best) if line]
     return ([f"  {run.line()}"] + [f"  {line}" for line in extra]
             + ["  (where each figure comes from: python -m diffsynth_mbc.doctor with the same flags)"])
 
@@ -228,11 +229,13 @@ def brief_lines(plan, run, unknown: str, width: int = 80) -> list[str]:
     else:
         cache = (f"; the latent cache build {duration(run.cache_build_seconds)}"
                  if run.cache_build_seconds is not None else "")
-        projected = f"projected run length: {duration(run.total_seconds)} ({run.kind}{cache})"
+        projected = f"projected run length: {run.up_to}{duration(run.total_seconds)} ({run.kind}{cache})"
     epochs = f"{plan.num_epochs} epoch{'s' if plan.num_epochs != 1 else ''}"
     gpus = f"{plan.world_size} GPU{'s' if plan.world_size != 1 else ''}"
     lines = [f"step plan: {plan.total_steps:,} steps in total per GPU ({plan.steps_per_epoch:,} x {epochs}, {gpus})",
              "  " + plan.describe_modes().replace("modes per epoch: ", "modes/epoch: ", 1), f"  {projected}"]
+    if run is not None and run.evaluation is not None and run.evaluation.early_stop is not None:
+        lines.append(f"  {run.evaluation.best_line()}")
     if plan.bucket_samples:
         repeated = sum(row["repeated_samples"] for row in plan.bucket_dicts())
         lines.insert(2, f"  buckets: {len(plan.bucket_samples)} in use, every GPU on one at a time "

@@ -50,6 +50,9 @@ class EvaluationCost:
     clips_per_set: int
     clip_seconds: float
     base_clips: int               # strength 0: once per prompt
+    val_every: int | None = None  # --val_steps
+    early_stop: int | None = None     # --early_stop N: the run may end after N validations without improving
+    min_delta: float = 0.0
 
     @property
     def validation_total(self) -> float:
@@ -84,6 +87,18 @@ class EvaluationCost:
                          + f" x {self.clip_seconds:.0f} s = {duration(self.samples_total)}")
         return parts
 
+    def best_line(self) -> str | None:
+        """What the validation does besides measuring: keep the best LoRA, and with --early_stop end the run sooner
+        (``it stops after 3 validations without a 0.1% improvement, every 2,000 steps``)."""
+        if not self.validations:
+            return None
+        every = f"every {self.val_every:,} steps" if self.val_every else "at the end"
+        if self.early_stop is None:
+            return (f"validation {every} keeps the best LoRA (lora-best.safetensors); --early_stop N would end the "
+                    "run after N validations without improving")
+        return (f"the run may end early: it stops after {self.early_stop} validation(s) in a row without a "
+                f"{self.min_delta:.2%} improvement, validating {every}; the best LoRA is kept (lora-best.safetensors)")
+
     def line(self) -> str | None:
         from diffsynth_mbc.training.plan.run_length import duration
 
@@ -96,7 +111,8 @@ class EvaluationCost:
         return {"seconds": round(self.seconds), "validation_seconds": round(self.validation_total),
                 "health_seconds": round(self.health_total), "samples_seconds": round(self.samples_total),
                 "validations": self.validations, "health_records": self.health_records,
-                "sample_sets": self.sample_sets, "line": self.line()}
+                "sample_sets": self.sample_sets, "line": self.line(), "early_stop": self.early_stop,
+                "best_line": self.best_line()}
 
 
 def health_cadence(options) -> int:
@@ -140,4 +156,6 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
                    * speed.work(memory.tokens(p.height, p.width, p.num_frames)) for p in prompts) / len(prompts)
         clip *= tensor_ratio
     return EvaluationCost(validations, share, validation, base, records, record * max(1.0, bandwidth_ratio),
-                          sets, clips, clip, base_clips)
+                          sets, clips, clip, base_clips, val_every=options.val_steps,
+                          early_stop=options.early_stop if validations else None,
+                          min_delta=options.early_stop_min_delta)

@@ -151,6 +151,7 @@ class Projection:
                 "cache_build_seconds": None if self.cache_build_seconds is None else round(self.cache_build_seconds),
                 "total_seconds": round(self.total_seconds), "total": duration(self.total_seconds), "kind": self.kind,
                 "line": self.line(), "cache_line": self.cache_line(), **self._bucket_dict(),
+                "best_line": self.evaluation.best_line() if self.evaluation is not None else None,
                 **({"evaluation": self.evaluation.as_dict(), "evaluation_line": self.evaluation_line()}
                    if self.evaluation is not None and self.evaluation_line() else {})}
 
@@ -170,6 +171,11 @@ class Projection:
                  for key, steps in self.shape.bucket_steps()]
         return f"by bucket ({self.kind}): " + " + ".join(parts) + f" = {duration(self.training_seconds)}"
 
+    @property
+    def up_to(self) -> str:
+        """``up to `` when --early_stop may end the run before its planned total."""
+        return "up to " if self.evaluation is not None and self.evaluation.early_stop is not None else ""
+
     def line(self) -> str:
         shape, plan = self.shape, self.shape.plan
         media = []
@@ -185,7 +191,8 @@ class Projection:
         rates = " / ".join(f"{s:.2f}" for s in (self.video_seconds if shape.videos else None,
                                                 self.image_seconds if shape.images else None) if s is not None)
         units = "CPU process(es)" if shape.unit == "CPU process" else shape.unit + "(s)"
-        text = (f"projected run length: {duration(self.total_seconds)} ({self.kind}): {' + '.join(media) or 'no rows'}"
+        text = (f"projected run length: {self.up_to}{duration(self.total_seconds)} ({self.kind}): "
+                f"{' + '.join(media) or 'no rows'}"
                 f"{repeat} x {plan.num_epochs} epoch(s)"
                 f"{f' x accumulation {plan.gradient_accumulation}' if plan.gradient_accumulation > 1 else ''} on "
                 f"{shape.gpus} {units} ({shape.nodes} node(s) x {shape.gpus_per_node}): {steps} optimizer steps per "

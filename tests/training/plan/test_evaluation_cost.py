@@ -69,3 +69,32 @@ def test_sample_clips_are_rendered_by_rank_0_at_their_size_steps_and_strengths()
     assert clips.clip_seconds == pytest.approx((7.77 + 7.77 / 2 / 2) / 2)
     assert clips.seconds == pytest.approx((4 * 2 + 2) * clips.clip_seconds)
     assert "4 sample set(s) x 2 clip(s) + 2 of the base" in clips.line()
+
+
+def test_the_plan_says_the_validation_keeps_the_best_and_may_end_the_run_early():
+    run = options(val_metadata_path="val.csv", val_steps=2000, val_samples=64)
+    assert evaluation_cost(run, 245_000, 2, 1.0, 1.0).best_line() == (
+        "validation every 2,000 steps keeps the best LoRA (lora-best.safetensors); --early_stop N would end the run "
+        "after N validations without improving")
+    early = evaluation_cost(run.replace(early_stop=5), 245_000, 2, 1.0, 1.0)
+    assert early.best_line() == ("the run may end early: it stops after 5 validation(s) in a row without a 0.10% "
+                                 "improvement, validating every 2,000 steps; the best LoRA is kept "
+                                 "(lora-best.safetensors)")
+    assert early.as_dict()["early_stop"] == 5
+    assert evaluation_cost(options(), 245_000, 2, 1.0, 1.0).best_line() is None   # nothing validated
+
+
+def test_the_full_preset_stops_early_and_its_projection_says_up_to(tmp_path):
+    from diffsynth_mbc.training.options import resolve_options
+    from diffsynth_mbc.training.plan import run_length
+
+    preset = resolve_options(["--config", str(Path(__file__).resolve().parents[3] / "configs" / "train_full.yaml")])
+    assert preset.early_stop == 5 and preset.early_stop_min_delta == 0.001
+    from diffsynth_mbc.training.plan.step_plan import plan_from_options
+
+    plan = plan_from_options(preset, rows=170_180, images=90_000, world_size=2)
+    shape = run_length.RunShape(plan, 1, "GPU")
+    projection = run_length.project(shape, 3.0, 1.9, None, None, kind="estimate",
+                                    evaluation=evaluation_cost(preset, shape.total_steps, 2, 7.9, 3.7))
+    assert projection.line().startswith("projected run length: up to ")
+    assert projection.as_dict()["best_line"].startswith("the run may end early: it stops after 5 validation(s)")
