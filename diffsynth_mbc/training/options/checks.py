@@ -34,7 +34,8 @@ _FLOATS = {     # key: (low, high, low included, optional)
     "weight_decay": (0.0, None, True, False), "max_grad_norm": (0.0, None, True, False),
     "status_interval_s": (0.0, None, False, False), "print_every_s": (0.0, None, False, False),
     "stop_grace_s": (0.0, None, False, False), "checkpoint_minutes": (0.0, None, False, True),
-    "max_bad_media_fraction": (0.0, 1.0, True, False), "early_stop_min_delta": (0.0, 1.0, True, False), "source_fps": (0.0, None, False, True),
+    "max_bad_media_fraction": (0.0, 1.0, True, False), "early_stop_min_delta": (0.0, 1.0, True, False),
+    "source_fps": (0.0, None, False, True),
     "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
     "timestep_shift": (0.0, None, False, False), "logit_mean": (-math.inf, None, False, False),
     "logit_std": (0.0, None, False, False), "sigmoid_scale": (0.0, None, False, False),
@@ -180,12 +181,12 @@ def validate(options: dict) -> None:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
     if parse_strengths(options["sample_strengths"]) != [1.0] and not options["sample_prompts"]:
         raise OptionsError("--sample_strengths needs --sample_prompts FILE (the prompts it renders at each strength)")
-    if options["early_stop"] is not None and not (options["val_metadata_path"] and options["val_steps"]):
-        raise OptionsError("--early_stop needs a validation to decide on: --val_metadata_path FILE and --val_steps N "
-                           "(it stops after --early_stop of them in a row without improving)")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter); "
                            "--val_steps none trains without validation")
+    if options["early_stop"] is not None and not (options["val_metadata_path"] and options["val_steps"]):
+        raise OptionsError("--early_stop needs a validation to decide on: --val_metadata_path FILE and --val_steps N "
+                           "(it stops after --early_stop of them in a row without improving), or --early_stop off")
     check_frame_options(options)
     if options["lora_variant"] == "dora" and options["lora_format"] != "comfyui":
         raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "

@@ -27,7 +27,7 @@ def test_none_on_the_command_line_clears_a_number_the_preset_set_and_only_such_a
     with pytest.raises(OptionsError, match="--val_steps none trains without validation"):
         resolve_options([*full, "--val_metadata_path", ""])   # the preset's val_steps: 2000 stays
     options = resolve_options([*full, "--val_metadata_path", "", "--val_steps", "none", "--checkpoint_minutes", "None",
-                               "--lora_alpha", "none"])
+                               "--lora_alpha", "none", "--early_stop", "off"])   # the preset's early stop needs them
     assert options.val_steps is None and options.checkpoint_minutes is None and options.lora_alpha is None
     assert options.checkpoint_steps == 2000 and options.num_epochs == 5   # the rest of the preset as it was
     with pytest.raises(SystemExit):
@@ -167,6 +167,8 @@ def test_none_clears_a_file_the_preset_names_that_a_run_may_go_without():
     with pytest.raises(OptionsError, match="--val_steps none trains without validation"):
         resolve_options([*full, "--val_metadata_path", "none"])
     options = resolve_options([*full, "--val_metadata_path", "none", "--val_steps", "none", "--sample_prompts", "None",
-                               "--cache", "none"])
+                               "--cache", "none", "--early_stop", "off"])
+    with pytest.raises(OptionsError, match="--early_stop needs a validation to decide on: .*, or --early_stop off"):
+        resolve_options([*full, "--val_metadata_path", "none", "--val_steps", "none"])
     assert options.val_metadata_path is None and options.sample_prompts is None and options.cache is None
     assert resolve_options([*full, "--val_metadata_path", "nonesuch.csv"]).val_metadata_path == "nonesuch.csv"

@@ -58,7 +58,8 @@ def test_every_checkpoint_lora_file_and_validation_has_its_own_line(run):
         # Checkpoints at steps 2 and 4 by the cadence, and at the end (5); each took the injected delay at least.
         assert [step for step, _ in by_kind["checkpoint"]] == [2, 4, 5]
         assert all(seconds >= DELAY_S for _, seconds in by_kind["checkpoint"])
-        assert [step for step, _ in by_kind["lora"]] == [5, 5]           # epoch-0 and lora.safetensors
+        # lora-best at each new best validation (3, 5), epoch-001 and lora.safetensors
+        assert [step for step, _ in by_kind["lora"]] == [3, 5, 5, 5]
         assert [step for step, _ in by_kind["validation"]] == [3, 5]     # every 3 steps and at the end
         assert all(isinstance(r["time"], float) for r in records)
 
@@ -87,7 +88,7 @@ def test_the_status_file_tallies_the_time_between_steps(run):
         assert checkpoints["count"] == 3 and checkpoints["mean_s"] >= DELAY_S and checkpoints["last_s"] >= DELAY_S
         assert checkpoints["total_s"] == pytest.approx(
             sum(r["seconds"] for r in read_overheads(log_dir, rank) if r["overhead"] == "checkpoint"), abs=0.01)
-        assert state["overheads"]["lora"]["count"] == 2 and state["overheads"]["validation"]["count"] == 2
+        assert state["overheads"]["lora"]["count"] == 4 and state["overheads"]["validation"]["count"] == 2
         assert state["step_time_s"] < STEP_LIMIT_S
         assert state["step_time_avg_s"] < STEP_LIMIT_S
         assert state["gpu"] is None                      # CPU ranks: no GPU fields
@@ -99,7 +100,7 @@ def test_the_terminal_shows_the_step_time_and_the_checkpoints_apart(run):
     summary = [line for line in log.splitlines() if line.startswith("  time: ")]
     assert len(summary) == 1 and re.search(r" s/step \(the steps alone\), \d+\.\d\d samples/s per GPU; "
                                            r"between steps: checkpoints 3 x ", summary[0]), summary
-    assert "LoRA files 2 x" in summary[0] and "validation 2 x" in summary[0]
+    assert "LoRA files 4 x" in summary[0] and "validation 2 x" in summary[0]
 
 
 def test_the_monitor_reports_the_time_between_steps(run):
