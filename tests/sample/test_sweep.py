@@ -126,8 +126,11 @@ def test_ctrl_c_leaves_no_half_written_clip_and_a_rerun_renders_the_rest(runs, t
     output = tmp_path / "interrupted"
     command = [sys.executable, "-m", "diffsynth_mbc.sample", str(runs / "prompts.yaml"), "--lora",
                str(runs / "lora" / "lora"), "--output", str(output), "--strengths", "0,1"]
+    # Ctrl-C's default in the command (a background job, as CI may run the tests in, starts with SIGINT ignored,
+    # which its children inherit and Python then keeps)
     process = subprocess.Popen(command, cwd=runs, env=isolated_env(tmp_path, OMP_NUM_THREADS="1"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     records = output / ".sweep-records" / "rank-0.json"
     deadline = time.monotonic() + 120
     while not (records.is_file() and len(json.loads(records.read_text() or "[]")) >= 2):
