@@ -66,6 +66,9 @@ STATUS_FIELDS = (
     # a run --early_stop ended: {"step", "best_step", "validations_without_improvement", "since_step", "patience",
     # "min_delta"}
     "early_stop",
+    # --resolution_stages: every stage ({"stage", "size", "from_step", "to_step", "steps", "tokens"}) and the one the
+    # next step trains at (the same, with "of" and "final")
+    "stages", "stage",
 )
 
 # A cache rank's status file has the fields above (step/total_steps: rows done/rows of its share, samples_per_s:

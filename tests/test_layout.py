@@ -21,7 +21,7 @@ TORCH_FREE = [
     "data/convert/catalogue_rows.py", "data/convert/selection.py", "data/convert/file_checks.py",
     "data/convert/caption_lengths.py", "data/cache/index.py", "data/media/shapes.py", "data/caption_rules.py",
     "data/sample_draws.py", "data/metadata_csv.py", "data/inspect/measure_store.py", "data/media/size_table.py",
-    "data/media/row_buckets.py", "training/checkpoints/row_sizes.py",
+    "data/media/row_buckets.py", "training/checkpoints/row_sizes.py", "data/media/stages.py",
     "data/inspect/measures.py", "data/inspect/duplicates.py", "data/inspect/reasons.py",
     "lifecycle/processes.py", "lifecycle/run_lock.py", "lifecycle/supervisor.py", "lifecycle/signals.py",
     "lifecycle/stop_command.py",

@@ -83,7 +83,7 @@ class MBCVideoDataset(VideoDataset):
                  repeat: int = 1, substitute_bad_media: bool = False, decoder: str = "fast",
                  frames: FrameSelection | None = None,
                  caption_prefix: str = "", caption_suffix: str = "", buckets: str = "off",
-                 size_table: str | None = None, read_sizes=None):
+                 size_table: str | None = None, read_sizes=None, stages: tuple = ()):
         notices = io.StringIO()
         with contextlib.redirect_stdout(notices):   # DiffSynth prints a notice per dataset and rank
             super().__init__(base_path=base_path, metadata_path=metadata_path, num_frames=num_frames,
@@ -105,6 +105,8 @@ class MBCVideoDataset(VideoDataset):
                             else [None] * len(self.data))
         self._keys = [sample_key(kind, bucket) for kind, bucket in zip(kinds, self.row_buckets)]
         self._loading_bucket = None   # the bucket of the row being loaded (get_height_width)
+        # --resolution_stages (data/media/stages.py): an index (row, stage) loads at that stage's size
+        self.stages, self.final_num_frames, self._stage = tuple(stages), num_frames, len(stages)
         if caption_prefix or caption_suffix:   # the trigger word: what trains (and what the cache encodes)
             for row in self.data:
                 if isinstance(row.get("prompt"), str):
@@ -170,7 +172,14 @@ class MBCVideoDataset(VideoDataset):
         return [self.crop_and_resize(image, *self.get_height_width(image))]
 
     def get_height_width(self, image):
-        """The size a frame is resized to cover and centre-cropped to: the row's bucket, else DiffSynth's."""
+        """The size a frame is resized to cover and centre-cropped to: the row's bucket (at a lower stage, scaled
+        to its area), else DiffSynth's."""
+        if self._stage < len(self.stages):
+            from diffsynth_mbc.data.media.stages import stage_shape
+
+            bucket = self._loading_bucket
+            final = (bucket.height, bucket.width) if bucket is not None else (self.height, self.width)
+            return stage_shape(self.stages[self._stage], *final, self.buckets, (self.height, self.width))
         if self._loading_bucket is not None:
             return self._loading_bucket.height, self._loading_bucket.width
         return super().get_height_width(image)
@@ -210,7 +219,10 @@ class MBCVideoDataset(VideoDataset):
         sample["row"] = row + 1
         return sample
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index) -> dict:
+        index, self._stage = index if isinstance(index, tuple) else (index, len(self.stages))
+        stage = self.stages[self._stage] if self._stage < len(self.stages) else None
+        self.num_frames = stage.num_frames if stage is not None and stage.num_frames else self.final_num_frames
         row = index % len(self.data)
         # which epoch and which copy of the row (--dataset_repeat x its catalogue's repeat): each its own draw
         epoch, sample, copy = sample_place(index, self.epoch_span or len(self), len(self.data))

@@ -36,13 +36,21 @@ def checkpoint_bytes(options) -> int:
 
 
 def cache_bytes(options, videos: int, images: int) -> int:
-    """The latent cache of ``videos`` clips and ``images`` images at the training size (each row encoded once)."""
+    """The latent cache of ``videos`` clips and ``images`` images at the training size (each row encoded once), and
+    at each of --resolution_stages' sizes (a latent each; the caption's embedding once)."""
     from diffsynth_mbc.data.cache.index import projected_bytes_per_sample
+    from diffsynth_mbc.data.media.stages import parse_stages
 
     dtype_bytes = 4 if options.mixed_precision == "no" else 2
     per = {frames: projected_bytes_per_sample(options.height, options.width, frames, text_tokens=TEXT_TOKENS,
                                               dtype_bytes=dtype_bytes)["bytes"] for frames in (options.num_frames, 1)}
-    return videos * per[options.num_frames] + images * per[1]
+    total = videos * per[options.num_frames] + images * per[1]
+    for stage in parse_stages(options.resolution_stages):
+        frames = stage.num_frames or options.num_frames
+        latent = {count: projected_bytes_per_sample(stage.height, stage.width, count, text_tokens=0,
+                                                    dtype_bytes=dtype_bytes)["latent_bytes"] for count in (frames, 1)}
+        total += videos * latent[frames] + images * latent[1]
+    return total
 
 
 def _bytes_in(folder: Path) -> int:

@@ -71,7 +71,8 @@ def projection_lines(projection: dict | None) -> list[str]:
     if not projection:
         return []
     return [line for line in (projection["line"], projection.get("bucket_line"), projection.get("cache_line"),
-                              projection.get("evaluation_line"), projection.get("best_line")) if line]
+                              projection.get("evaluation_line"), projection.get("best_line"),
+                              projection.get("stage_line")) if line]
 
 
 def probe_lines(probe: dict | None) -> list[str]:

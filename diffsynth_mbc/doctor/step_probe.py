@@ -189,9 +189,12 @@ def summarise(run: dict, warmup: int, distinct_rows: int, encode_seconds: float 
 
 
 def probe_report(ours, options, result: dict) -> dict:
-    """The probe's measurements and the run's length projected from them (``{"error": ...}`` on a failure)."""
+    """The probe's measurements and the run's length projected from them (``{"error": ...}`` on a failure); with
+    --resolution_stages each stage is probed at its size on its own (``staged_probe``)."""
     if result["exit_code"] != 0:
         return {"error": "skipped: a check above failed (fix it first; the probe runs the real training)"}
+    if options.resolution_stages:
+        return staged_probe(ours, options, result)
     steps, warmup = ours.probe, WARMUP_STEPS
     cached = bool(options.cache) or ours.cached
     measured, env = {}, child_environment()
@@ -210,6 +213,39 @@ def probe_report(ours, options, result: dict) -> dict:
             measured[unit] = summarise(run, warmup, distinct, encode)
     return {"steps": steps, "warmup_steps": warmup, "measured": measured, "cached": cached,
             "projection": measured_projection(ours, options, result, measured)}
+
+
+def staged_probe(ours, options, result: dict) -> dict:
+    """--resolution_stages: the final size and every stage probed apart (each its own runs), and the run's length as
+    each stage's share of the steps at its measured rate, the rest at the final size's; the cache build adds each
+    stage's latents."""
+    from diffsynth_mbc.data.media.stages import parse_stages
+
+    final = probe_report(ours, options.replace(resolution_stages=None), result)
+    if "error" in final or not final.get("projection"):
+        return final
+    parts, staged = [], dict(final["projection"])
+    rest = 1.0 - sum(stage.share for stage in parse_stages(options.resolution_stages))
+    training, cache = final["projection"]["training_seconds"] * rest, final["projection"]["cache_build_seconds"]
+    for stage in parse_stages(options.resolution_stages):
+        at = probe_report(ours, options.replace(width=stage.width, height=stage.height, resolution_stages=None,
+                                                num_frames=stage.num_frames or options.num_frames), result)
+        if "error" in at:
+            return {**at, "measured": final["measured"]}
+        final.setdefault("stages", {})[stage.name] = at["measured"]
+        training += stage.share * at["projection"]["training_seconds"]
+        if cache is not None and at["projection"]["cache_build_seconds"] is not None:
+            cache += at["projection"]["cache_build_seconds"]
+        parts.append(f"{stage.name} {stage.share:.0%} of the steps "
+                     f"({run_length.duration(stage.share * at['projection']['training_seconds'])})")
+    parts.append(f"{options.width}x{options.height} {rest:.0%} "
+                 f"({run_length.duration(rest * final['projection']['training_seconds'])})")
+    total = training + (cache or 0.0)
+    staged.update(training_seconds=round(training), cache_build_seconds=None if cache is None else round(cache),
+                  total_seconds=round(total), total=run_length.duration(total),
+                  line=f"projected run length: {run_length.duration(total)} (measured, in stages)",
+                  stage_line="in stages: " + " + ".join(parts), cache_line=None)
+    return {**final, "projection": staged}
 
 
 def probe_units(options, media: dict) -> list[tuple[str, str, object]]:

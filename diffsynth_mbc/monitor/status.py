@@ -153,6 +153,8 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     out["health"] = normalize_health(raw.get("health"))
     out["best"] = normalize_best(raw.get("best"))
     out["early_stop"] = normalize_early_stop(raw.get("early_stop"))
+    out["stages"] = normalize_stages(raw.get("stages"))
+    out["stage"] = normalize_stage(raw.get("stage"))
     out["catalogue_progress"] = _normalize_catalogues(raw.get("catalogue_progress"))
     if out["rank"] is not None and out["rank"] != file_rank:
         notes.append(f"{name} says it is rank {out['rank']}; shown as rank {file_rank} (from the file name)")
@@ -246,6 +248,28 @@ def normalize_early_stop(value: Any) -> dict | None:
     return {**{key: to_int(value.get(key)) for key in ("step", "best_step", "validations_without_improvement",
                                                          "since_step", "patience")},
             "min_delta": to_float(value.get("min_delta"))}
+
+
+MAX_STAGES = 16
+
+
+def _stage_row(item: dict) -> dict:
+    return {"stage": to_int(item.get("stage")), "size": printable(str(item.get("size")))[:40],
+            **{key: to_int(item.get(key)) for key in ("from_step", "to_step", "steps", "tokens")}}
+
+
+def normalize_stages(value: Any) -> list[dict] | None:
+    """``stages`` (--resolution_stages): each stage's number, size and steps, typed and bounded."""
+    if not isinstance(value, list):
+        return None
+    return [_stage_row(item) for item in value[:MAX_STAGES] if isinstance(item, dict) and item.get("size")]
+
+
+def normalize_stage(value: Any) -> dict | None:
+    """``stage``: the stage the next step trains at (``of``: how many there are; ``final``: the final size)."""
+    if not isinstance(value, dict) or not value.get("size"):
+        return None
+    return {**_stage_row(value), "of": to_int(value.get("of")), "final": value.get("final") is True}
 
 
 def _normalize_catalogues(value: Any) -> list[dict] | None:

@@ -41,3 +41,25 @@ def test_the_probe_measures_clips_and_images_apart_and_projects_the_run(tmp_path
     assert projected["line"].startswith("projected run length: ") and " on 1 CPU process(es) " in projected["line"]
     # nothing was written where the run itself writes: the probe trained in a temporary folder
     assert not output.exists()
+
+
+def test_with_resolution_stages_each_stage_is_probed_at_its_size(tmp_path, monkeypatch):
+    forget_in_process_trainings(monkeypatch)
+    root = tmp_path / "demo"
+    prepare(root, num_videos=1, num_images=1)
+    flags = ["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(root / "catalog"),
+             "--dataset_metadata_path", str(root / "metadata" / "metadata.csv"), "--output_path", str(tmp_path / "run"),
+             "--gradient_accumulation_steps", "1", "--image_batch_size", "1", "--resolution_stages", "32x32:0.5"]
+    result = run_main(main, [*flags, "--quick", "--probe", "1", "--json"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout)["probe"]
+    assert "error" not in probe
+    final, low = probe["measured"], probe["stages"]["32x32"]
+    assert set(final) == set(low) == {"video", "image"}
+    projected = probe["projection"]
+    steps = {"video": projected["video_steps_per_gpu"], "image": projected["image_steps_per_gpu"]}
+    expected = sum(0.5 * steps[kind] * (final[kind]["seconds_per_step"] + low[kind]["seconds_per_step"])
+                   for kind in steps)
+    assert projected["training_seconds"] == pytest.approx(expected, abs=1)
+    assert projected["line"].endswith("(measured, in stages)")
+    assert projected["stage_line"].startswith("in stages: 32x32 50% of the steps (")

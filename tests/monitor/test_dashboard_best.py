@@ -50,3 +50,24 @@ def test_a_run_without_a_best_shows_no_card_and_no_ring(browser, tmp_path):
         assert browser.find_element("id", "best-card").get_attribute("hidden")
         assert not chart(browser, "val_loss")["box"].get_attribute("data-best")
         assert pixels_of_colour(browser, "val_loss", YELLOW) == 0
+
+
+STAGES = [{"stage": 1, "size": "832x480x17", "from_step": 1, "to_step": 70, "steps": 70, "tokens": 1950},
+          {"stage": 2, "size": "1280x704x17", "from_step": 71, "to_step": 120, "steps": 50, "tokens": 4400}]
+
+
+def test_resolution_stages_are_said_beside_the_step_and_marked_on_the_charts(browser, tmp_path):
+    log_dir = tmp_path / "training_logs"
+    log_dir.mkdir()
+    H.write_health_run(log_dir)
+    for rank in (0, 1):
+        path = log_dir / f"training_gpu{rank}.json"
+        state = json.loads(path.read_text())
+        F.write_raw(path, json.dumps({**state, "stages": STAGES, "stage": {**STAGES[1], "of": 2, "final": True}}))
+    with served_dashboard(browser, log_dir):
+        wait_for(browser, lambda d: d.find_element("id", "sum-stage").text)
+        assert browser.find_element("id", "sum-stage").text == "stage 2/2: 1280x704x17"
+        for chart_id in ("loss", "val_loss"):
+            box = chart(browser, chart_id)["box"]
+            wait_for(browser, lambda d, box=box: box.get_attribute("data-stage-marks"))
+            assert json.loads(box.get_attribute("data-stage-marks")) == [71], chart_id

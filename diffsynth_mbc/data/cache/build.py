@@ -3,6 +3,7 @@ into the index and the summary."""
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import json
@@ -43,6 +44,7 @@ from diffsynth_mbc.data.cache.index import (
 from diffsynth_mbc.data.cache.progress import ProgressView
 from diffsynth_mbc.data.caption_rules import EMPTY_PROMPT
 from diffsynth_mbc.data.cache.ranks import Ranks
+from diffsynth_mbc.data.media.stages import stage_settings
 
 def shard_path(cache_dir: Path, rank: int, world_size: int) -> Path:
     return cache_dir / SHARDS_DIR / f"rank-{rank:05d}-of-{world_size:05d}.json"
@@ -86,23 +88,32 @@ class ShardJob:
                 self.fail(row, str(file_name), f"metadata row {row + 1} ({file_name}): cannot read the file: "
                                                f"{exc.strerror or exc}")
                 continue
-            entry = entry_relpath(entry_key(fingerprint, self.settings, self.dataset.row_buckets[row]))
+            bucket = self.dataset.row_buckets[row]
+            entry = entry_relpath(entry_key(fingerprint, self.settings, bucket))
             text = text_relpath(text_key(caption, self.settings))
             self.plan[row] = {"row": row + 1, "file": str(file_name), "prompt": caption,
                               "media_type": str(record.get("media_type", "")), "entry": entry, "text": text,
                               "size": fingerprint["size"], "mtime_ns": fingerprint["mtime_ns"]}
-            self.remove_if_damaged(entry)
-            self.remove_if_damaged(text)
-            if (self.cache_dir / entry).is_file() or entry in planned_entries:
+            stage_entries = [entry_relpath(entry_key(fingerprint, *stage_settings(self.settings, stage, bucket,
+                                                                                  self.dataset.buckets)))
+                             for stage in self.dataset.stages]   # --resolution_stages: an entry per stage too
+            if stage_entries:
+                self.plan[row]["stage_entries"] = stage_entries
+            entries = [*stage_entries, entry]
+            for relative in [*entries, text]:
+                self.remove_if_damaged(relative)
+            missing = [stage for stage, relative in enumerate(entries)
+                       if not (self.cache_dir / relative).is_file() and relative not in planned_entries]
+            if not missing:
                 # Done by an earlier run (or, for a second row of the same file, by this one): not encoded.
                 self.stats["skipped"] += 1
-                if (self.cache_dir / entry).is_file() and (self.cache_dir / text).is_file():
+                if all((self.cache_dir / relative).is_file() for relative in [*entries, text]):
                     self.done[row] = self.plan[row]
                 else:
                     self.pending_text.append(row)
             else:
-                planned_entries.add(entry)
-                self.pending_media.append(row)
+                planned_entries.update(entries[stage] for stage in missing)
+                self.pending_media += [(row, stage) for stage in missing]
 
     def remove_if_damaged(self, relative: str) -> None:
         """A truncated file (a killed copy, a full disk) is removed so that this run encodes it again."""
@@ -114,7 +125,8 @@ class ShardJob:
 
     @property
     def work(self) -> int:
-        return len(self.pending_media) + len(self.pending_text)
+        """Rows still to encode (a row of several stages counts once)."""
+        return len({row for row, _ in self.pending_media}) + len(self.pending_text)
 
     def fail(self, row: int, file_name: str, reason: str) -> None:
         self.failed.append({"row": row + 1, "file": file_name, "reason": reason})
@@ -158,21 +170,29 @@ class ShardJob:
                                                                    {"format": FORMAT, "tokens": str(context.shape[0])})
         self.empty_prompt = {"text": text}
 
-    def encode_one(self, row: int, sample) -> str | None:
-        """Text first (an entry that exists always has its text), then the clip; the error, if any."""
+    def entries(self, row: int) -> list[str]:
+        """The row's entries: each stage's (--resolution_stages), then the final size's."""
+        return [*self.plan[row].get("stage_entries", []), self.plan[row]["entry"]]
+
+    def encode_one(self, row: int, sample, stage: int | None = None) -> str | None:
+        """Text first (an entry that exists always has its text), then the clip (at ``stage``: the final size when
+        None); the error, if any."""
         import torch
 
         try:
             self.ensure_text(row)
             tensors, first_frame = self.encoder().encode_media(sample)
+            target = self.plan[row]["entry"] if stage is None else self.entries(row)[stage]
             self.stats["bytes_written"] += atomic_save_safetensors(
-                self.cache_dir / self.plan[row]["entry"], tensors,
+                self.cache_dir / target, tensors,
                 {"format": FORMAT, "first_frame": first_frame, "file": self.plan[row]["file"]})
         except (torch.cuda.OutOfMemoryError, MemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 - listed; one bad clip must not stop the job
             return f"metadata row {row + 1} ({self.plan[row]['file']}): cannot encode: {type(exc).__name__}: {exc}"
         self.stats["written"] += 1
+        if not all((self.cache_dir / relative).is_file() for relative in self.entries(row)):
+            return None   # the row's other stages come in their own turn
         # When the first and the last encoded row were done (s from the start): their span is the encode rate
         # without the models' load, the data workers' start and the first encode's warm-up.
         done_at = round(time.monotonic() - self.started, 3)
@@ -188,17 +208,27 @@ class ShardJob:
         loader = torch.utils.data.DataLoader(
             PendingClips(self.dataset, self.pending_media), batch_size=1, shuffle=False, collate_fn=first_item,
             num_workers=workers, prefetch_factor=2 if workers else None)
-        for row, sample, error in loader:
+        failed = set()
+        left = collections.Counter(row for row, _ in self.pending_media)   # each row's stages still to come
+        for (row, stage), sample, error in loader:
+            left[row] -= 1
+            if row in failed:   # a stage of a row that failed at another: its one failure is listed
+                if not left[row]:
+                    self.row_done()
+                continue
             if error is None:
                 self.encoder()  # outside the per-row handler: a model that cannot load stops the job
-                error = self.encode_one(row, sample)
+                error = self.encode_one(row, sample, stage)
             if error is not None:
+                failed.add(row)
+                self.done.pop(row, None)
                 self.fail(row, self.plan[row]["file"], error)
-            self.row_done()
+            if not left[row]:
+                self.row_done()
 
     def encode_texts_of_cached_clips(self) -> None:
         for row in self.pending_text:
-            if (self.cache_dir / self.plan[row]["entry"]).is_file():
+            if all((self.cache_dir / relative).is_file() for relative in self.entries(row)):
                 self.ensure_text(row)
                 self.done[row] = self.plan[row]
             else:  # a second row of a file that failed above
@@ -222,6 +252,11 @@ class ShardJob:
             row["first_frame"] = "stored" if "first_frame_latents" in shapes else "derived"
             row["text_tokens"] = header_shapes(self.cache_dir / row["text"])["context"][0]
             row["entry_bytes"] = (self.cache_dir / row["entry"]).stat().st_size
+            if row.get("stage_entries"):
+                row["stage_latent_shapes"] = [header_shapes(self.cache_dir / relative)["input_latents"]
+                                              for relative in row["stage_entries"]]
+                row["stage_entry_bytes"] = [(self.cache_dir / relative).stat().st_size
+                                            for relative in row["stage_entries"]]
             row["text_bytes"] = (self.cache_dir / row["text"]).stat().st_size
         if self.empty_prompt is not None:
             self.empty_prompt["text_tokens"] = header_shapes(self.cache_dir / self.empty_prompt["text"])["context"][0]

@@ -69,6 +69,7 @@ from diffsynth_mbc.data.media.clip_reader import DECODERS
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.data.media.row_buckets import row_sizes
 from diffsynth_mbc.data.media.size_table import first_rank_reads, table_path_in
+from diffsynth_mbc.data.media.stages import parse_stages, stage_names
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.errors import MetadataError
 from diffsynth_mbc.flags import FlagParser
@@ -116,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the training's --buckets: off (every row resized to cover --height x --width and "
                              "centre-cropped; default) or aspect (each row at the bucket nearest its own aspect, at "
                              "about the same pixel area; each entry stored at its bucket's shape)")
+    parser.add_argument("--resolution_stages", help="the training's --resolution_stages: each row is also encoded "
+                                                    "at every stage's size (the shares do not change the latents)")
     parser.add_argument("--size_table", help="the media sizes table under --buckets aspect (each file's header read "
                                              "once; default CACHE_DIR/size_table.json; the launchers give the "
                                              "training's)")
@@ -248,12 +251,15 @@ def run(options, ranks: Ranks, status=None) -> int:
         settings["frames"] = options.frames.settings()
     if options.buckets != "off":   # absent for off: caches built before buckets still match
         settings["buckets"] = options.buckets
+    stages = parse_stages(options.resolution_stages)
+    if stages:   # absent without stages: caches built before stages still match
+        settings["stages"] = stage_names(stages)
 
     table = options.size_table or table_path_in(cache_dir)
     dataset = MBCVideoDataset(options.dataset_base_path, options.dataset_metadata_path, decoder=options.decoder,
                               frames=options.frames,
                               num_frames=options.num_frames, height=options.height, width=options.width,
-                              buckets=options.buckets, **caption_affixes(options),
+                              buckets=options.buckets, **caption_affixes(options), stages=stages,
                               read_sizes=lambda rows: first_rank_reads(   # one read, every rank the same buckets
                                   lambda: row_sizes(rows, options.dataset_base_path, table_path=table),
                                   ranks.rank == 0, ranks.broadcast))

@@ -34,6 +34,7 @@ from diffsynth_mbc.data.cache.index import (
 from diffsynth_mbc.data.caption_rules import caption_affixes
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.data.media.size_table import table_path_in
+from diffsynth_mbc.data.media.stages import parse_stages, stage_names
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.models.wan_units import pad_context
 
@@ -43,7 +44,7 @@ class CacheMismatchError(CacheError):
 
 
 class CachedLatentDataset(torch.utils.data.Dataset):
-    def __init__(self, cache_dir: str | Path, repeat: int = 1, index: dict | None = None):
+    def __init__(self, cache_dir: str | Path, repeat: int = 1, index: dict | None = None, stages: list | None = None):
         self.cache_dir = Path(cache_dir)
         self.index = read_index(cache_dir) if index is None else index
         self.settings = self.index["settings"]
@@ -51,6 +52,8 @@ class CachedLatentDataset(torch.utils.data.Dataset):
         self.text_len = int(self.settings["text_len"])
         self.repeat = repeat
         self._empty_context = None
+        # --resolution_stages: the run's stage k is the cache's stage stages[k] (its entries follow its own order)
+        self.stage_order = list(stages or [])
 
     @property
     def rows(self) -> int:
@@ -105,13 +108,24 @@ class CachedLatentDataset(torch.utils.data.Dataset):
             raise CacheError(f"metadata row {row['row']} ({row['file']}): cache file {path} cannot be read "
                              f"({type(exc).__name__}: {exc}); {rerun}") from None
 
-    def __getitem__(self, index: int) -> dict:
+    def _entry(self, row: dict, stage: int | None) -> tuple[dict, str, list]:
+        """(the tensors, their file, the shape the index says) of ``row`` at --resolution_stages' ``stage`` (None:
+        the final size)."""
+        stages = row.get("stage_entries") or []
+        if stage is None or stage >= len(stages):
+            return self._load(row["entry"], row, "entry_bytes"), row["entry"], row["latent_shape"]
+        sized = {**row, "stage_bytes": row["stage_entry_bytes"][stage]}
+        return self._load(stages[stage], sized, "stage_bytes"), stages[stage], row["stage_latent_shapes"][stage]
+
+    def __getitem__(self, index) -> dict:
+        index, stage = index if isinstance(index, tuple) else (index, None)   # (index, stage): a batch's stage
+        stage = self.stage_order[stage] if stage is not None and stage < len(self.stage_order) else None
         row = self.entries[index % len(self.entries)]
-        tensors = self._load(row["entry"], row, "entry_bytes")
+        tensors, entry, shape = self._entry(row, stage)
         latents = tensors["input_latents"]
-        if list(latents.shape) != list(row["latent_shape"]):
-            raise CacheError(f"metadata row {row['row']} ({row['file']}): {row['entry']} holds a latent of "
-                             f"shape {list(latents.shape)}, the index says {row['latent_shape']} (C, F, H, W)")
+        if list(latents.shape) != list(shape):
+            raise CacheError(f"metadata row {row['row']} ({row['file']}): {entry} holds a latent of "
+                             f"shape {list(latents.shape)}, the index says {shape} (C, F, H, W)")
         first_frame = tensors.get("first_frame_latents")
         if first_frame is None:
             first_frame = latents[:, :1]
@@ -121,6 +135,19 @@ class CachedLatentDataset(torch.utils.data.Dataset):
                 "prompt": row["prompt"], "row": row["row"], "file": row["file"], "media_type": row["media_type"],
                 "height": latents.shape[2] * factor, "width": latents.shape[3] * factor,
                 "num_frames": (latents.shape[1] - 1) * 4 + 1}
+
+
+def stage_problems(settings: dict, options) -> list[str]:
+    """--resolution_stages: the stage sizes the run trains at that the cache holds no latents for, named."""
+    from diffsynth_mbc.data.media.stages import parse_stages, stage_names
+
+    built = settings.get("stages") or []
+    missing = [name for name in stage_names(parse_stages(options.resolution_stages)) if name not in built]
+    if not missing:
+        return []
+    return [f"it holds no latents for the stage(s) {', '.join(missing)} of --resolution_stages "
+            f"{options.resolution_stages} (built for: {', '.join(built) or 'no stages'}); build it with the same "
+            "--resolution_stages (python -m diffsynth_mbc.cache ...; the launchers' --cached does)"]
 
 
 def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, base_path=None) -> None:
@@ -136,6 +163,8 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
         problems.append("it was built for " + ", ".join(f"{key} {built}" for key, built, _ in sizes)
                         + "; this run asks for " + ", ".join(f"{key} {asked}" for key, _, asked in sizes))
     problems += frame_problems(settings, options)
+    if metadata_path is None:   # the training set's cache; validation stays at the final size
+        problems += stage_problems(settings, options)
     built_buckets, asked_buckets = bucket_mode(settings), options.buckets
     if built_buckets != asked_buckets:
         problems.append(f"--buckets: the cache was built with {built_buckets}, this run asks for {asked_buckets} "
@@ -222,7 +251,8 @@ def open_training_dataset(options, **media_options):
                                **caption_affixes(options),
                                num_frames=options.num_frames, height=options.height, width=options.width,
                                repeat=options.dataset_repeat, buckets=options.buckets,
-                               size_table=table_path_in(options.output_path), **media_options)
+                               size_table=table_path_in(options.output_path),
+                               stages=parse_stages(options.resolution_stages), **media_options)
     index = read_index(cache_dir)
     check_cache_matches(index, options, cache_dir)
     if options.model_id and not options.model_dir:
@@ -232,7 +262,9 @@ def open_training_dataset(options, **media_options):
         print(f"note: {len(index['failed'])} of {index['metadata']['rows']} metadata rows are not in the latent "
               f"cache (they could not be decoded; see {Path(cache_dir) / 'failures.csv'}); training on "
               f"{len(index['rows'])} rows", file=sys.stderr)
-    return CachedLatentDataset(cache_dir, repeat=options.dataset_repeat, index=index)
+    built = index["settings"].get("stages") or []
+    stages = [built.index(name) for name in stage_names(parse_stages(options.resolution_stages))]
+    return CachedLatentDataset(cache_dir, repeat=options.dataset_repeat, index=index, stages=stages)
 
 
 def open_validation_dataset(options, **media_options):

@@ -90,11 +90,12 @@ class PendingClips:
         return len(self.rows)
 
     def __getitem__(self, index: int):
-        row = self.rows[index]
+        row, stage = self.rows[index]   # (row, stage): --resolution_stages' stage, or the final size
+        final = stage >= len(self.dataset.stages)
         try:
-            return row, self.dataset[row], None
+            return (row, None if final else stage), self.dataset[row if final else (row, stage)], None
         except Exception as exc:  # noqa: BLE001 - MediaDecodeError names the row and file
-            return row, None, str(exc)
+            return (row, None if final else stage), None, str(exc)
 
 
 def first_item(batch):

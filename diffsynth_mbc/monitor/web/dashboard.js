@@ -121,6 +121,8 @@
     b.textContent = s.status.replace("_", " ");
     $("run-id").textContent = s.run_id ? "run " + s.run_id : "";
     $("sum-step").textContent = (num(s.step) ? s.step : "-") + " / " + (num(s.total_steps) ? s.total_steps : "-");
+    const stage = ((s.ranks || []).find((r) => r.rank === 0) || {}).stage;   // --resolution_stages
+    $("sum-stage").textContent = stage ? "stage " + stage.stage + "/" + stage.of + ": " + stage.size : "";
     $("sum-progress").textContent = num(s.progress) ? s.progress.toFixed(1) + " %" : "-";
     $("sum-bar").style.width = (num(s.progress) ? Math.min(100, s.progress) : 0) + "%";
     $("sum-elapsed").textContent = dur(s.elapsed_s);
@@ -797,6 +799,31 @@
     return num(idx) ? binRange(chart, idx) + " (" + binSamples(chart, u, idx) + " samples)" : "-";
   }
 
+  function stagePlugin(chart) {
+    // --resolution_stages: a dotted line where each stage after the first begins, labelled with its size, on every
+    // chart over steps.
+    return {hooks: {draw: (u) => {
+      const first = (status && status.ranks || []).find((r) => r.rank === 0) || {};
+      const starts = (first.stages || []).slice(1);
+      delete chart.box.dataset.stageMarks;
+      if (chart.spec.byTimestep || !starts.length) return;
+      const ctx = u.ctx, top = u.bbox.top, height = u.bbox.height, drawn = [];
+      ctx.save();
+      ctx.strokeStyle = "rgba(86, 212, 224, .7)"; ctx.fillStyle = "#56d4e0"; ctx.lineWidth = 1;
+      ctx.setLineDash([2, 3]); ctx.textAlign = "left"; ctx.font = Math.round(10 * devicePixelRatio) + "px sans-serif";
+      for (const stage of starts) {
+        const step = stage.from_step - 0.5;   // between the last step of one stage and the first of the next
+        if (step < u.scales.x.min || step > u.scales.x.max) continue;
+        const x = Math.round(u.valToPos(step, "x", true)) + 0.5;
+        ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
+        ctx.fillText("stage " + stage.stage + ": " + stage.size, x + 4 * devicePixelRatio, top + 24 * devicePixelRatio);
+        drawn.push(stage.from_step);
+      }
+      ctx.restore();
+      chart.box.dataset.stageMarks = JSON.stringify(drawn);
+    }}};
+  }
+
   function bestPlugin(chart) {
     // The validation loss chart: a ring and "best" at the lowest validation so far (its LoRA: lora-best.safetensors).
     return {hooks: {draw: (u) => {
@@ -936,7 +963,7 @@
         }))),
       cursor: {drag: {x: true, y: false, setScale: true}},
       legend: {live: true},
-      plugins: [epochPlugin(chart), countPlugin(chart), zeroPlugin(chart), bestPlugin(chart)],
+      plugins: [epochPlugin(chart), countPlugin(chart), zeroPlugin(chart), bestPlugin(chart), stagePlugin(chart)],
       hooks: {
         setSelect: [() => { chart.zoomed = true; }],
         setScale: [(u, key) => {

@@ -22,7 +22,7 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
                     "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
                     "caption_dropout", "caption_prefix", "caption_suffix", "lora_variant",
-                    "loraplus_lr_ratio", "ema", "objective", "buckets")
+                    "loraplus_lr_ratio", "ema", "objective", "buckets", "resolution_stages")
 # What a checkpoint saved before a setting existed trained with: every sample conditioned on its first frame.
 # Before --buckets existed, everything trained at --height x --width.
 SAVED_BEFORE = {"objective": {"objective": "diffsynth", "i2v_probability": 1.0}, "buckets": "off"}
@@ -57,6 +57,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "ema": ema_fingerprint(options),
         "objective": {"objective": options.objective, "i2v_probability": options.i2v_probability},
         "buckets": options.buckets,   # which shape each sample trains at, and how batches are dealt
+        "resolution_stages": options.resolution_stages,   # which size each step trains at
     }
 
 

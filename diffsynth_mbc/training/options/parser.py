@@ -122,6 +122,10 @@ def _add_frame_arguments(data) -> None:
                                                "drawn anew each epoch; not from a latent cache)")
     data.add_argument("--source_fps", type=float, help="put every clip at this frame rate first (nearest frame), so "
                                                        "25 and 30 fps clips move at one speed (default: as recorded)")
+    data.add_argument("--resolution_stages", help="train the first share of the optimizer steps at a lower "
+                                                  "resolution: WxH[xF]:SHARE[,...], e.g. 832x480:0.7 (70%% of the steps "
+                                                  "at 832x480's area, the rest at --width x --height); shares add up to "
+                                                  "under 1; validation and sample clips stay at the final size")
     data.add_argument("--buckets", help="off: every sample resized to cover --height x --width and centre-cropped "
                                         "(a portrait clip keeps its middle third; default); aspect: each sample at "
                                         "the bucket nearest its own aspect, at about the same pixel area, every GPU "

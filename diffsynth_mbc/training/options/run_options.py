@@ -88,6 +88,7 @@ class TrainOptions:
     source_fps: float | None = None
     short_clips: str = "shorten"
     buckets: str = "off"
+    resolution_stages: str | None = None   # "832x480:0.7": 70% of the steps at that area first (data/media/stages.py)
     # bad media and validation
     max_bad_media_fraction: float = 0.01
     val_metadata_path: str | None = None

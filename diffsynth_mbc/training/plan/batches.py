@@ -154,14 +154,29 @@ class ShapeGroupedBatchSampler:
         self.equal_load = equal_load
         self.epoch_span = epoch_span(len(self.keys), repeat, self.row_repeats)
 
+    stage_ends: list | None = None   # --resolution_stages: the optimizer step each stage ends after (set_stages)
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def set_stages(self, ends: list[int], steps_per_epoch: int, accumulation: int) -> None:
+        """Each index then goes out as ``(index, stage)``: the stage of the optimizer step its batch belongs to, the
+        same on every rank (batch ``i`` is rank ``i % world_size``'s ``i // world_size``-th)."""
+        self.stage_ends, self.steps_per_epoch, self.accumulation = ends, steps_per_epoch, accumulation
+
     def __iter__(self):
+        from diffsynth_mbc.data.media.stages import stage_at
+
         offset = self.epoch * self.epoch_span   # the epoch rides along in the index (module docstring)
         batches = epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch,
                                 self.row_repeats, self.equal_load)
-        return iter([[index + offset for index in batch] for batch in batches])
+        batches = [[index + offset for index in batch] for batch in batches]
+        if self.stage_ends:
+            steps = [self.epoch * self.steps_per_epoch + position // self.world_size // self.accumulation
+                     for position in range(len(batches))]
+            batches = [[(index, stage_at(self.stage_ends, step)) for index in batch]
+                       for step, batch in zip(steps, batches)]
+        return iter(batches)
 
     def __len__(self) -> int:
         return batches_per_rank(self.keys, self.repeat, self.batch_sizes, self.world_size,

@@ -34,6 +34,8 @@ def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str)
     arguments += frame_arguments(options)
     if options.buckets != "off":   # the cache stores each entry at its bucket's shape, sized as the run sizes it
         arguments += ["--buckets", options.buckets, "--size_table", table_path_in(options.output_path)]
+    if options.resolution_stages and metadata_path == options.dataset_metadata_path:   # each stage's latents too
+        arguments += ["--resolution_stages", options.resolution_stages]
     if options.sample_prompts and metadata_path == options.dataset_metadata_path:
         arguments += ["--sample_prompts", options.sample_prompts]
     affixes = {"caption_prefix": options.caption_prefix, "caption_suffix": options.caption_suffix}
@@ -204,6 +206,7 @@ def plan_lines(options, plan) -> list[str]:
         f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)",
         f"  {plan.describe_modes()}",
         *[f"  {line}" for line in plan.describe_buckets()],
+        *[f"  {line}" for line in plan.describe_stages()],
         f"  precision {precision.get(options.mixed_precision, options.mixed_precision)} "
         "(the training prints what it chose)"]
 
@@ -212,7 +215,7 @@ def projection_lines(run, unknown: str) -> list[str]:
     if run is None:
         return [f"  projected run length: unknown {unknown}"]
     best = run.evaluation.best_line() if run.evaluation is not None else None
-    extra = [line for line in (run.cache_line(), run.evaluation_line(), best) if line]
+    extra = [line for line in (run.cache_line(), run.evaluation_line(), run.stage_line(), best) if line]
     return ([f"  {run.line()}"] + [f"  {line}" for line in extra]
             + ["  (where each figure comes from: python -m diffsynth_mbc.doctor with the same flags)"])
 
@@ -227,13 +230,16 @@ def brief_lines(plan, run, unknown: str, width: int = 80) -> list[str]:
     if run is None:
         projected = f"projected run length: unknown {unknown.split(' (')[0]}"
     else:
-        cache = (f"; the latent cache build {duration(run.cache_build_seconds)}"
+        cache = (f"; the latent cache build {duration(run.all_cache_seconds)}"
                  if run.cache_build_seconds is not None else "")
         projected = f"projected run length: {run.up_to}{duration(run.total_seconds)} ({run.kind}{cache})"
     epochs = f"{plan.num_epochs} epoch{'s' if plan.num_epochs != 1 else ''}"
     gpus = f"{plan.world_size} GPU{'s' if plan.world_size != 1 else ''}"
     lines = [f"step plan: {plan.total_steps:,} steps in total per GPU ({plan.steps_per_epoch:,} x {epochs}, {gpus})",
              "  " + plan.describe_modes().replace("modes per epoch: ", "modes/epoch: ", 1), f"  {projected}"]
+    if plan.stages:
+        lines.append("  stages: " + ", then ".join(f"{row['size']} for steps {row['from_step']:,}-{row['to_step']:,}"
+                                                   for row in plan.stage_dicts()))
     if run is not None and run.evaluation is not None and run.evaluation.early_stop is not None:
         lines.append(f"  {run.evaluation.best_line()}")
     if plan.bucket_samples:

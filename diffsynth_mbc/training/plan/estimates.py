@@ -171,7 +171,8 @@ class RunEstimate:
 
 def estimate_run(options, spec, rates_from: str | None, precision: str, *, cudnn_version: int | None = None,
                  gpus: int = 1, nodes: int | None = None, cached_launch: bool = False,
-                 media: tuple[int, int] | None = None, zero2_world_size: int = 1, plan=None) -> RunEstimate:
+                 media: tuple[int, int] | None = None, zero2_world_size: int = 1, plan=None,
+                 stages: bool = True) -> RunEstimate:
     """The run's plans on ``spec`` (a ``GpuSpec``, or None without a GPU), its speed and projected length; ``plan``:
     the step plan already worked out for these rows (``step_plan``), else worked out here."""
     from diffsynth_mbc.gpu import attention_kernel
@@ -206,8 +207,65 @@ def estimate_run(options, spec, rates_from: str | None, precision: str, *, cudnn
         assumptions.append(f"--buckets aspect: memory sized for {sized} ({source}); seconds per step at each "
                            "bucket's tokens")
     speed_figures, run = speed_summary(options, spec, rates_from, plans, media, gpus, nodes, build_cache, plan)
+    if run is not None and stages:   # --resolution_stages: each stage's steps at its size; a plain plan's alternative
+        at_sizes = dict(spec=spec, rates_from=rates_from, precision=precision, cudnn_version=cudnn_version, gpus=gpus,
+                        nodes=nodes, cached_launch=cached_launch, media=media, zero2_world_size=zero2_world_size)
+        run = staged(options, run, at_sizes)
+        speed_figures["projection"] = run.as_dict()
     return RunEstimate(plans, speed_figures, run, assumptions, buckets,
                        run.shape.plan if run is not None else plan)
+
+
+def stage_latents_seconds(at_stage, at_sizes: dict) -> float:
+    """A stage's part of the cache build: its latents (its rows' VAE encode at its size); the captions are encoded
+    once, for the final size's entries."""
+    if at_stage.cache_build_seconds is None:
+        return 0.0
+    shape, ratio = at_stage.shape, speed.gpu_ratios(at_sizes["spec"], at_sizes["precision"])[0]
+    rows = math.ceil(shape.videos / shape.gpus) + math.ceil(shape.images / shape.gpus)
+    return max(0.0, at_stage.cache_build_seconds - rows * speed.CACHE_CAPTION_S * ratio)
+
+
+SUGGESTED_SHARE = 0.7   # a plain plan's staged alternative: 70% of the steps at the lower size (Wan's 480p for 720p)
+
+
+def suggested_stage(options) -> str:
+    """The staged alternative the doctor shows a plain plan: Wan2.2's 832x480 under 1280x704, else two thirds of each
+    side (multiples of 32), for 70% of the steps."""
+    from diffsynth_mbc.data.media.stages import SIDE_STEP
+
+    if (options.width, options.height) == (1280, 704):
+        size = "832x480"
+    else:
+        side = lambda value: max(SIDE_STEP, SIDE_STEP * round(value * 2 / 3 / SIDE_STEP))  # noqa: E731
+        size = f"{side(options.width)}x{side(options.height)}"
+    return f"{size}:{SUGGESTED_SHARE:g}"
+
+
+def staged(options, run, at_sizes: dict):
+    """``run`` with each --resolution_stages stage's training (the whole run's seconds at its size and its cache
+    build, from the same model), or, for a plain plan, the length ``suggested_stage`` would give it."""
+    from diffsynth_mbc.data.media.stages import parse_stages
+
+    stages = parse_stages(options.resolution_stages)
+    flag = None
+    if not stages:
+        flag = suggested_stage(options)
+        if flag.split(":")[0] == f"{options.width}x{options.height}":
+            return run
+        stages = parse_stages(flag)
+    measured = []
+    for stage in stages:
+        stage_options = options.replace(width=stage.width, height=stage.height, resolution_stages=None,
+                                        num_frames=stage.num_frames or options.num_frames)
+        at_stage = estimate_run(stage_options, stages=False, **at_sizes).projection
+        if at_stage is None:
+            return run
+        measured.append((stage.name, stage.share, at_stage.final_size_seconds, stage_latents_seconds(at_stage, at_sizes)))
+    if flag is None:
+        return dataclasses.replace(run, stages=tuple(measured))
+    alternative = dataclasses.replace(run, stages=tuple(measured))
+    return dataclasses.replace(run, staged_alternative=(flag, alternative.total_seconds))
 
 
 def speed_summary(options, spec, rates_from: str | None, plans: dict, media: tuple[int, int] | None, gpus: int,

@@ -126,17 +126,50 @@ class Projection:
     encode_image_seconds: float | None = None
     bucket_seconds: tuple = ()           # --buckets aspect: ((key, seconds per optimizer step at its bucket), ...)
     evaluation: object = None            # evaluation_cost.EvaluationCost: validations, health records, sample clips
+    # --resolution_stages: ((size, share, the whole run's training seconds at that size, its cache build), ...)
+    stages: tuple = ()
+    staged_alternative: tuple = ()       # a plain plan's: (the stages flag, total seconds with it)
 
     @property
-    def training_seconds(self) -> float:
+    def final_size_seconds(self) -> float:
+        """The training's seconds were every step at the final size."""
         if self.bucket_seconds:
             seconds = dict(self.bucket_seconds)
             return sum(steps * seconds.get(key, 0.0) for key, steps in self.shape.bucket_steps())
         return self.shape.video_steps * (self.video_seconds or 0.0) + self.shape.image_steps * (self.image_seconds or 0.0)
 
     @property
+    def training_seconds(self) -> float:
+        """Each stage's share of the steps at its size, the rest at the final size."""
+        rest = 1.0 - sum(share for _, share, _, _ in self.stages)
+        return self.final_size_seconds * rest + sum(share * seconds for _, share, seconds, _ in self.stages)
+
+    @property
+    def all_cache_seconds(self) -> float | None:
+        """The latent cache build: the final size's and every stage's latents (None: no cache to build)."""
+        if self.cache_build_seconds is None:
+            return None
+        return self.cache_build_seconds + sum(cache for _, _, _, cache in self.stages)
+
+    @property
     def total_seconds(self) -> float:
-        return self.training_seconds + (self.cache_build_seconds or 0.0) + self.evaluation_seconds
+        return self.training_seconds + (self.all_cache_seconds or 0.0) + self.evaluation_seconds
+
+    def stage_line(self) -> str | None:
+        """``in stages: 832x480 70% of the steps (2.1 days) + 1280x704 30% (2.4 days)``; a plain plan's staged
+        alternative: ``with --resolution_stages 832x480:0.7: 6.1 days (0.63 of this)``."""
+        if self.stages:
+            rest = 1.0 - sum(share for _, share, _, _ in self.stages)
+            parts = [f"{name} {share:.0%} of the steps ({duration(share * seconds)})"
+                     for name, share, seconds, _ in self.stages]
+            final = f"{self.shape.plan.final_size[1]}x{self.shape.plan.final_size[0]}" if self.shape.plan.final_size \
+                else "the final size"
+            return "in stages: " + " + ".join(parts + [f"{final} {rest:.0%} ({duration(rest * self.final_size_seconds)})"])
+        if self.staged_alternative:
+            flag, seconds = self.staged_alternative
+            return (f"with --resolution_stages {flag}: {duration(seconds)} ({seconds / self.total_seconds:.2f} of "
+                    "this; validation and samples stay at the final size)")
+        return None
 
     @property
     def evaluation_seconds(self) -> float:
@@ -152,6 +185,7 @@ class Projection:
                 "total_seconds": round(self.total_seconds), "total": duration(self.total_seconds), "kind": self.kind,
                 "line": self.line(), "cache_line": self.cache_line(), **self._bucket_dict(),
                 "best_line": self.evaluation.best_line() if self.evaluation is not None else None,
+                "stage_line": self.stage_line(),
                 **({"evaluation": self.evaluation.as_dict(), "evaluation_line": self.evaluation_line()}
                    if self.evaluation is not None and self.evaluation_line() else {})}
 
@@ -198,7 +232,7 @@ class Projection:
                 f"{shape.gpus} {units} ({shape.nodes} node(s) x {shape.gpus_per_node}): {steps} optimizer steps per "
                 f"{shape.unit} at {rates} s/step")
         if self.cache_build_seconds is not None:
-            text += f", after building the latent cache ({duration(self.cache_build_seconds)})"
+            text += f", after building the latent cache ({duration(self.all_cache_seconds)})"
         if self.evaluation_seconds:
             text += f", with evaluation ({duration(self.evaluation_seconds)})"
         return text

@@ -51,6 +51,9 @@ class StepPlan:
     i2v_probability: float = 1.0
     # --buckets aspect: ((key, samples per epoch), ...) per batch key (media kind @ bucket); () with --buckets off.
     bucket_samples: tuple = ()
+    # --resolution_stages (data/media/stages.py): the stages before the final size; the final (height, width, frames)
+    stages: tuple = ()
+    final_size: tuple = ()
 
     def __post_init__(self):
         if self.image_batch_size is None:
@@ -140,6 +143,11 @@ class StepPlan:
             plan["bucket_samples"] = self.bucket_dicts()
         else:
             plan.pop("bucket_samples")   # --buckets off: the plan reads as it always did
+        plan.pop("final_size")
+        if self.stages:
+            plan["stages"] = self.stage_dicts()
+        else:
+            plan.pop("stages")   # no stages: the plan reads as it always did
         return {**plan, "samples_per_epoch": self.samples_per_epoch,
                 "samples_per_rank_per_epoch": self.samples_per_rank_per_epoch,
                 "batches_per_epoch": self.batches_per_epoch, "steps_per_epoch": self.steps_per_epoch,
@@ -191,6 +199,32 @@ class StepPlan:
     def describe_modes(self) -> str:
         return describe_modes(self.objective, self.i2v_probability, self.modes_per_epoch)
 
+    def stage_ends(self) -> list[int]:
+        """The optimizer step each stage ends after (the last: the final size's, at the total)."""
+        from diffsynth_mbc.data.media.stages import boundaries
+
+        return boundaries(self.stages, self.total_steps)
+
+    def stage_dicts(self) -> list[dict]:
+        """Each stage: its size, its optimizer steps (1-based, inclusive) and a clip's tokens there."""
+        from diffsynth_mbc.training.plan.memory import tokens
+
+        height, width, frames = self.final_size
+        sizes = [(s.height, s.width, s.num_frames or frames) for s in self.stages] + [(height, width, frames)]
+        out, start = [], 0
+        for index, (end, (h, w, f)) in enumerate(zip(self.stage_ends(), sizes)):
+            out.append({"stage": index + 1, "size": f"{w}x{h}x{f}", "height": h, "width": w, "num_frames": f,
+                        "from_step": start + 1, "to_step": end, "steps": end - start, "tokens": tokens(h, w, f)})
+            start = end
+        return out
+
+    def describe_stages(self) -> list[str]:
+        """The stage lines of the printed plan (none without --resolution_stages)."""
+        return [f"stage {row['stage']}/{len(self.stages) + 1}: {row['size']}"
+                + (" (the final size)" if row["stage"] == len(self.stages) + 1 else "")
+                + f", steps {row['from_step']:,}-{row['to_step']:,} ({row['steps']:,} steps), {row['tokens']:,} tokens "
+                  "a clip" for row in self.stage_dicts()] if self.stages else []
+
 
 def plan_from_options(options, *, rows: int, images: int, world_size: int, datasets: tuple = (),
                       gradient_accumulation: int | None = None, bucket_samples: tuple = ()) -> StepPlan:
@@ -199,6 +233,7 @@ def plan_from_options(options, *, rows: int, images: int, world_size: int, datas
     above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit)."""
     from diffsynth_mbc.data.dataset_list import check_epoch_size
     from diffsynth_mbc.training.plan.batches import default_image_batch_size
+    from diffsynth_mbc.data.media.stages import parse_stages
 
     image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
     check_epoch_size([(f"datasets[{position}] ({count.name})", count.videos + count.images, count.repeat)
@@ -209,7 +244,8 @@ def plan_from_options(options, *, rows: int, images: int, world_size: int, datas
                     gradient_accumulation=gradient_accumulation or options.gradient_accumulation_steps,
                     num_epochs=options.num_epochs, images=images, image_batch_size=image_batch, datasets=datasets,
                     objective=options.objective, i2v_probability=options.i2v_probability,
-                    bucket_samples=tuple(bucket_samples))
+                    bucket_samples=tuple(bucket_samples), stages=parse_stages(options.resolution_stages),
+                    final_size=(options.height, options.width, options.num_frames))
 
 
 def bucket_samples_of_metadata(options) -> tuple:

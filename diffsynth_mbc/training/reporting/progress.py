@@ -43,6 +43,7 @@ class ProgressLogger(ModelLogger):
         self.status = status
         self.printer = printer or TerminalProgress(enabled=False)
         self._printed_val_step = None
+        self._stage_note_said = False   # --resolution_stages: the first low-resolution validation says the size
         self._summary_printed = False
         self.steps_per_epoch = steps_per_epoch
         self.num_epochs = num_epochs
@@ -165,7 +166,13 @@ class ProgressLogger(ModelLogger):
             self.printer.step(state)
             tally = self.timing.clock.tallies.get("validation")
             took = f" ({tally.last_s:.1f} s)" if tally and tally.last_s is not None else ""
-            self.printer.event(validation_event(state, took))   # with the base model's loss beside it
+            line = validation_event(state, took)   # with the base model's loss beside it
+            stage = state.get("stage")
+            if stage and not stage.get("final") and not self._stage_note_said:   # --resolution_stages, said once
+                self._stage_note_said = True
+                line += (f" (validation and sample clips stay at the final size in every stage; this step trains at "
+                         f"stage {stage['stage']}'s {stage['size']})")
+            self.printer.event(line)
 
     def print_summary(self) -> None:
         """The run's summary on rank 0's terminal, once (finished or stopped)."""

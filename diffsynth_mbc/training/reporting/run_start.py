@@ -39,7 +39,7 @@ def start_progress(run) -> None:
     if main:
         write_run_options(options)   # what reads the run afterwards measures with its settings (python -m ...sample)
         print(f"step plan: {run.plan.describe()}", file=sys.stderr)
-        for line in run.plan.describe_buckets():
+        for line in run.plan.describe_buckets() + run.plan.describe_stages():
             print(line, file=sys.stderr)
         print(f"precision: {run.status.state.get('precision_reason')}", file=sys.stderr)
         print(f"{blocks.describe()} ({run.status.state.get('gradient_checkpointing_reason')}; "
