@@ -23,7 +23,7 @@ from forked_ranks import run_training
 
 pytestmark = pytest.mark.slow
 STAGES = "64x64:0.5"
-SIZE = {"height": 96, "width": 96, "buckets": "aspect", "resolution_stages": STAGES, "num_epochs": 1}
+SIZE = {"height": 96, "width": 96, "buckets": "aspect", "resolution_stages": STAGES, "num_epochs": 4}   # 16 steps
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +122,12 @@ def test_a_sigkill_past_the_boundary_and_a_resume_equal_the_uninterrupted_run(st
             return 0
 
     checkpoints = killed / "lora" / "checkpoints"
-    wait_for(lambda: any(step > boundary for step, _ in complete_checkpoints(checkpoints)) and logged() > boundary + 2
-             or logged() >= total, process, what="a checkpoint past the boundary")
+    def past_the_boundary():   # a checkpoint after the boundary, and a step after that checkpoint
+        past = [step for step, _ in complete_checkpoints(checkpoints) if step > boundary]
+        return past and logged() > past[0]
+
+    wait_for(past_the_boundary, process, what="a checkpoint past the boundary and a step after it")
+    assert logged() < total, "the kill must come before the end"
     rank_pids = [read_status(killed / "logs", rank)["pid"] for rank in (0, 1)]
     kill_tree(process.pid)
     process.wait(timeout=30)

@@ -138,6 +138,7 @@ def test_a_sigkill_and_a_resume_keep_the_best(runs, tmp_path):
     checkpoints = killed / "lora" / "checkpoints"
     wait_for(lambda: (killed / "lora" / "lora-best.safetensors").is_file() and len(complete_checkpoints(checkpoints))
              >= 2 and logged() >= 7, process, what="a best LoRA, two checkpoints and step 7")
+    assert logged() < TOTAL, "the kill must come before the end"
     rank_pids = [read_status(killed / "logs", rank)["pid"] for rank in (0, 1)]
     kill_tree(process.pid)
     process.wait(timeout=30)
