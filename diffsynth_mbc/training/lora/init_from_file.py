@@ -201,8 +201,6 @@ def load_init_lora(module, source, *, rank: int | None = None, alpha: float | No
 
     Rank, alpha and targets default to the module's own LoRA configuration. Returns what was found (layout, rank,
     alpha, modules, the factor applied to lora_B). The weights keep their dtype (fp32 master weights)."""
-    import torch
-
     from diffsynth_mbc.training.lora.read import LoraReadError, read_lora
 
     dit = module.pipe.dit
@@ -214,10 +212,23 @@ def load_init_lora(module, source, *, rank: int | None = None, alpha: float | No
         tensors, facts, read_from = read_lora(source)
     except LoraReadError as exc:
         raise InitLoraError(f"{FLAG}: {exc}") from None
-    named = {name: parameter for name, parameter in dit.named_parameters()
-             if ".lora_A." in name or ".lora_B." in name}
+    named = lora_parameters(dit)
     start, found = starting_pairs(tensors, facts, expected=expected_shapes(named.items()), rank=rank, alpha=alpha,
                                   targets=targets, source=str(read_from))
+    copy_pairs(named, start)
+    return {"file": str(read_from), **found}
+
+
+def lora_parameters(dit) -> dict:
+    """{name: parameter} of every lora_A and lora_B weight of the DiT."""
+    return {name: parameter for name, parameter in dit.named_parameters() if ".lora_A." in name or ".lora_B." in name}
+
+
+def copy_pairs(named: dict, start: dict) -> None:
+    """Each LoRA parameter of ``named`` set from ``starting_pairs``' pairs (lora_B times its factor, in fp64 first),
+    in the parameter's own dtype and device."""
+    import torch
+
     with torch.no_grad():
         for name, parameter in named.items():
             module_name, part = split_lora_key(name)
@@ -226,7 +237,6 @@ def load_init_lora(module, source, *, rank: int | None = None, alpha: float | No
             if part == "B" and pair["B_factor"] != 1.0:
                 value = value.to(torch.float64) * pair["B_factor"]
             parameter.copy_(value.to(device=parameter.device, dtype=parameter.dtype))
-    return {"file": str(read_from), **found}
 
 
 def start_from_lora(module, options, status=None) -> dict | None:

@@ -10,8 +10,9 @@ taken as it is. torch is imported inside the functions.
 
 from __future__ import annotations
 
-from diffsynth_mbc.training.lora.file_format import LoraFormatError, split_magnitudes, split_lora_key
-from diffsynth_mbc.training.lora.init_from_file import InitLoraError, expected_shapes, starting_pairs
+from diffsynth_mbc.training.lora.file_format import LoraFormatError, split_magnitudes
+from diffsynth_mbc.training.lora.init_from_file import (InitLoraError, copy_pairs, expected_shapes, lora_parameters,
+                                                        starting_pairs)
 from diffsynth_mbc.training.lora.read import LoraReadError, alpha_of, rank_of, read_lora
 
 
@@ -55,23 +56,16 @@ def load_lora_file(module, path) -> dict:
     rest, magnitudes = split_magnitudes(tensors)
     dit = module.pipe.dit
     config = dit.peft_config["default"]
-    named = {name: parameter for name, parameter in dit.named_parameters()
-             if ".lora_A." in name or ".lora_B." in name}
+    named = lora_parameters(dit)
     try:
         start, found = starting_pairs(rest, facts, expected=expected_shapes(named.items()), rank=int(config.r),
                                       alpha=float(config.lora_alpha), targets=",".join(sorted(config.target_modules)),
                                       source=str(read_from))
     except InitLoraError as exc:
         raise LoraFileError(str(exc).replace("--init_lora ", "", 1)) from None
+    copy_pairs(named, start)
     layers = {name: layer for name, layer in dit.named_modules() if hasattr(layer, "lora_magnitude_vector")}
     with torch.no_grad():
-        for name, parameter in named.items():
-            module_name, part = split_lora_key(name)
-            pair = start[module_name]
-            value = pair[part]
-            if part == "B" and pair["B_factor"] != 1.0:
-                value = value.to(torch.float64) * pair["B_factor"]
-            parameter.copy_(value.to(device=parameter.device, dtype=parameter.dtype))
         for module_name, (magnitude, kind) in magnitudes.items():
             layer = layers.get(module_name)
             if layer is None or "default" not in layer.lora_magnitude_vector:
