@@ -29,7 +29,7 @@ from diffsynth_mbc.training.lora.ema import make_ema
 from diffsynth_mbc.training.lora.init_from_file import start_from_lora
 from diffsynth_mbc.training.lora.saved_files import epoch_file_name
 from diffsynth_mbc.training.reporting.run_start import start_progress
-from diffsynth_mbc.training.reporting.stage_report import say_stage, start_stages
+from diffsynth_mbc.training.reporting.stage_report import StageReport
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.block_runner import CompileTimer
 from diffsynth_mbc.training.step.caption_dropout import CaptionDropout
@@ -79,8 +79,7 @@ class Run:
     captions: CaptionDropout | None = None  # --caption_dropout (training/step/caption_dropout.py)
     ema: LoraEma | None = None              # the EMA of the LoRA weights (--ema_decay; training/lora/ema.py)
     health: LoraHealth | None = None        # --health_steps (training/evaluation/lora_health.py)
-    stage_ends: list | None = None          # --resolution_stages: the step each stage ends after
-    stage_said: int | None = None           # the stage the status file and terminal said last
+    stages: StageReport | None = None       # --resolution_stages (training/reporting/stage_report.py)
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -124,7 +123,7 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     run.sampler = make_sampler(options, status, accelerator, run.module, run.ema) if options.sample_prompts else None
     run.first_step = run.position.step
     start_progress(run)
-    start_stages(run)   # --resolution_stages: each batch's stage, and the status file's
+    run.stages = StageReport(run)   # --resolution_stages: each batch's stage, and the status file's
     run.health = make_health(run)   # the LoRA health's first record, at step 0 (a resume's: kept, not written)
     return run
 
@@ -323,7 +322,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
     run.logger.on_step_end(accelerator, None, loss=loss, lr=lr, samples=samples, grad_norm=grad_norm,
                            tokens=tokens, timestep_draws=drawn, **({"nonfinite": True} if skipped else {}))
     run.health.after_step(position.step)
-    say_stage(run)
+    run.stages.after_step(run)
     if bad:
         status.update(skipped_samples=position.skipped_samples, skip_reasons=position.recent_skips)
     # One small all-reduce per step keeps every rank's decisions identical.
