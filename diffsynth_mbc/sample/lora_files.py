@@ -41,7 +41,7 @@ class SweepFile:
                 "variant": self.variant, "base_model": self.base_model, "run_dir": self.run_dir}
 
 
-def sweep_files(sources: list[str], ema: bool = False, base_model: str | None = None) -> list[SweepFile]:
+def sweep_files(sources: list[str], ema: bool = False) -> list[SweepFile]:
     """Every LoRA file ``sources`` name, ordered by step (files without one last, in the order given)."""
     found: list[SweepFile] = []
     for source in sources:
@@ -51,14 +51,16 @@ def sweep_files(sources: list[str], ema: bool = False, base_model: str | None = 
         same = (item.run_id, item.step, item.variant) if item.run_id and item.step is not None else (item.path,)
         if same not in kept or _rank(item) < _rank(kept[same]):
             kept[same] = item
-    files = sorted(kept.values(), key=lambda f: (f.step is None, f.step if f.step is not None else 0,
-                                                 f.variant == "ema", _rank(f)))
-    if base_model:
-        for item in files:
-            if item.base_model and item.base_model != base_model:
-                raise SweepFileError(f"{item.path}: made for {item.base_model}, not {base_model}; a LoRA renders "
-                                     "only with the base model it was trained on")
-    return files
+    return sorted(kept.values(), key=lambda f: (f.step is None, f.step if f.step is not None else 0,
+                                                f.variant == "ema", _rank(f)))
+
+
+def refuse_other_base(files: list[SweepFile], base_model: str) -> None:
+    """SweepFileError naming the first file whose metadata names another base model than ``base_model``."""
+    for item in files:
+        if item.base_model and item.base_model != base_model:
+            raise SweepFileError(f"{item.path}: made for {item.base_model}, not {base_model}; a LoRA renders "
+                                 "only with the base model it was trained on")
 
 
 def _rank(item: SweepFile) -> int:

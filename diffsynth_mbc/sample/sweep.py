@@ -11,7 +11,7 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.sample.lora_files import sweep_files
+from diffsynth_mbc.sample.lora_files import refuse_other_base, sweep_files
 from diffsynth_mbc.sample.render import Renderer, say, start_accelerator, validation_of
 from diffsynth_mbc.sample.sheet import sweep_page
 from diffsynth_mbc.sample.sweep_plan import best_file, plan_clips, read_records, rendered
@@ -63,7 +63,7 @@ def run_sweep(args) -> int:
     runs = [item.run_dir for item in files if item.run_dir]
     run = read_run_options(runs[0]) if runs else None
     options = sweep_options(args, run)
-    files = sweep_files(args.lora, ema=args.ema, base_model=DEMO_BASE if options.demo else RELEASE_BASE)
+    refuse_other_base(files, DEMO_BASE if options.demo else RELEASE_BASE)
     prompts = load_sample_prompts(args.prompts, height=options.height, width=options.width,
                                   num_frames=options.num_frames, seed=options.seed)
     strengths = parse_strengths(args.strengths)
