@@ -176,19 +176,17 @@ def finish(output: Path, files, prompts, strengths, clips, records, validated) -
         file_records.append({**item.as_dict(), **figures})
     base = (validated or {}).get("base") or None
     best = best_file(file_records, base.get("val_loss") if base else None)
-    current = {clip.path for clip in clips}
     clip_records = [records[clip.path] for clip in clips if clip.path in records]
-    columns = ([{"file": None, "strength": 0.0, "val_loss": base.get("val_loss") if base else None}]
-               if 0 in strengths else [])
-    columns += [{"file": record, "strength": strength, "base_val_loss": base.get("val_loss") if base else None}
-                for record in file_records for strength in strengths if strength != 0]
-    cells = {}
-    for clip in clips:
-        if clip.path in records and clip.path in current:
-            number = 0 if clip.file_index is None else (
-                (1 if 0 in strengths else 0) + clip.file_index * len([s for s in strengths if s != 0])
-                + [s for s in strengths if s != 0].index(clip.strength))
-            cells[(clip.prompt_index, number)] = clip.path
+    base_loss = base.get("val_loss") if base else None
+    # the sheet's columns: the base model (strength 0), then each file at each other strength
+    kinds = ([(None, 0.0)] if 0 in strengths else []) + [(index, strength) for index in range(len(files))
+                                                          for strength in strengths if strength != 0]
+    columns = [{"file": None, "strength": 0.0, "val_loss": base_loss} if index is None else
+               {"file": file_records[index], "strength": strength, "base_val_loss": base_loss}
+               for index, strength in kinds]
+    column_of = {kind: number for number, kind in enumerate(kinds)}
+    cells = {(clip.prompt_index, column_of[(clip.file_index, clip.strength)]): clip.path
+             for clip in clips if clip.path in records}
     record = {"prompts": [prompt.as_dict() for prompt in prompts], "strengths": strengths, "files": file_records,
               "base": base, "clips": clip_records, "best": best}
     page = sweep_page(prompts, columns, cells, best["key"] if best else None, f"LoRA sweep: {output.resolve().name}")
