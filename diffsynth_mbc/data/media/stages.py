@@ -98,7 +98,8 @@ def stage_at(ends: list[int], step: int) -> int:
     return len(ends) - 1
 
 
-def _side(value: float) -> int:
+def side(value: float) -> int:
+    """The nearest multiple of 32 to ``value``, at least 32: a stage's side."""
     return max(SIDE_STEP, SIDE_STEP * round(value / SIDE_STEP))
 
 
@@ -115,4 +116,4 @@ def stage_shape(stage: Stage, height: int, width: int, buckets: str,
     if (width, height) == configured:
         return stage.width, stage.height
     scale = math.sqrt(stage.width * stage.height / (configured[0] * configured[1]))
-    return _side(height * scale), _side(width * scale)
+    return side(height * scale), side(width * scale)

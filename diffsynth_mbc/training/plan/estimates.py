@@ -232,13 +232,12 @@ SUGGESTED_SHARE = 0.7   # a plain plan's staged alternative: 70% of the steps at
 def suggested_stage(options) -> str:
     """The staged alternative the doctor shows a plain plan: Wan2.2's 832x480 under 1280x704, else two thirds of each
     side (multiples of 32), for 70% of the steps."""
-    from diffsynth_mbc.data.media.stages import SIDE_STEP
+    from diffsynth_mbc.data.media.stages import side
 
     if (options.width, options.height) == (1280, 704):
         size = "832x480"
     else:
-        side = lambda value: max(SIDE_STEP, SIDE_STEP * round(value * 2 / 3 / SIDE_STEP))  # noqa: E731
-        size = f"{side(options.width)}x{side(options.height)}"
+        size = f"{side(options.width * 2 / 3)}x{side(options.height * 2 / 3)}"
     return f"{size}:{SUGGESTED_SHARE:g}"
 
 
