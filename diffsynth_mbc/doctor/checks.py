@@ -253,14 +253,11 @@ def bad_size_cell(options) -> str | None:
     refuse it), else None. The files' sizes come from the run's size table (read once per run)."""
     if options.buckets != "aspect":
         return None
-    from diffsynth_mbc.data.media.row_buckets import row_sizes
-    from diffsynth_mbc.data.media.size_table import table_path_in
-    from diffsynth_mbc.data.metadata_csv import read_metadata
     from diffsynth_mbc.errors import MetadataError
+    from diffsynth_mbc.training.plan.step_plan import sized_rows_of_metadata
 
     try:
-        row_sizes(read_metadata(options.dataset_metadata_path), options.dataset_base_path,
-                  table_path=table_path_in(options.output_path))
+        sized_rows_of_metadata(options)   # the projection's bucket counts read the same, once
     except MetadataError as exc:
         return str(exc)
     return None

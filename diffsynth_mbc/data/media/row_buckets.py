@@ -90,5 +90,10 @@ def row_buckets(rows: Sequence[dict], base_path: str, height: int, width: int,
 def bucket_keys(rows: Sequence[dict], base_path: str, height: int, width: int,
                 table_path: str | None = None) -> list[str]:
     """Every row's batch key under ``--buckets aspect`` (``video@1280x704``), as the training's dataset keys it."""
+    return keys_of_sizes(rows, row_sizes(rows, base_path, table_path=table_path), height, width)
+
+
+def keys_of_sizes(rows: Sequence[dict], sizes: Sequence[tuple[int, int] | None], height: int, width: int) -> list[str]:
+    """``bucket_keys`` from the rows' sizes already read (one read serves every training size: a stage's too)."""
     return [sample_key(shape_key(row.get("media_type"), row.get("video")), bucket)
-            for row, bucket in zip(rows, row_buckets(rows, base_path, height, width, table_path=table_path))]
+            for row, bucket in zip(rows, buckets_of_sizes(sizes, height, width))]
