@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from step_timing import seconds_of_runs  # noqa: E402
 
-from diffsynth_mbc.training.evaluation.lora_health import (LayerNorms, LoraHealth, grad_norms,  # noqa: E402
+from diffsynth_mbc.training.components.lora_health import (LayerNorms, LoraHealth, grad_norms,  # noqa: E402
                                                           lora_update_norm, update_norms)
 
 DIM, FFN, BLOCKS = 3072, 14336, 30

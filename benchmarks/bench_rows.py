@@ -30,7 +30,7 @@ kernels. What is timed is ``step_timing``'s: the training's Accelerator, LoRA mo
 - ``health_record_s``: one LoRA health record as the training makes it (``LoraHealth.record`` after a step whose
   blocks' gradient norms it read), the median of 3;
 - ``val_sample_s``: one validation sample at the five timestep quantiles, with the LoRA and with the base
-  (``Validator.measure``, then under ``lora_disabled``), median of 3 after one untimed (compiling) pass;
+  (``Validator.measure_losses``, then under ``lora_disabled``), median of 3 after one untimed (compiling) pass;
 - ``sample_clip_s``: one 1280x704x17 clip (``--sample-size`` WxHxF) at the default sampling steps and CFG
   (``sample_prompts.DEFAULT_STEPS``, ``DEFAULT_CFG``) through the training's ``Sampler`` and DiffSynth's pipeline
   (a full-size Wan2.2 VAE with random weights; the prompts' embeddings random, as a cached run takes them from
@@ -182,7 +182,7 @@ def health_record_seconds(run, batch, runs: int) -> dict:
     """One LoRA health record as the training takes it: the blocks' gradient norms read inside a step, the update
     norms after it (``LoraHealth.record``'s ``seconds``)."""
     from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
-    from diffsynth_mbc.training.evaluation.lora_health import LoraHealth
+    from diffsynth_mbc.training.components.lora_health import LoraHealth
 
     blocks = unwrapped_model(run.accelerator, run.module).pipe.dit.blocks
     health = LoraHealth(blocks, SimpleNamespace(history_listeners=[]), None, every=1, total_steps=10 ** 9,
@@ -213,16 +213,16 @@ def validation_seconds(run, sample: dict, runs: int, sync) -> dict:
     model = unwrapped_model(run.accelerator, run.module)
 
     def lora_and_base():
-        validator.measure()
+        validator.measure_losses()
         with model.lora_disabled():
-            validator.measure()
+            validator.measure_losses()
 
     graphs, start = dynamo_graphs(), time.perf_counter()
     lora_and_base()
     sync()
     first = time.perf_counter() - start
     seconds, each = median_of(lora_and_base, runs, sync)
-    lora, _ = median_of(validator.measure, runs, sync)
+    lora, _ = median_of(validator.measure_losses, runs, sync)
     return {"val_sample_s": seconds, "val_sample_s_runs": each, "val_sample_lora_s": lora,
             "val_quantiles": len(validator.quantiles), "val_first_s": first,
             "val_graphs_compiled": dynamo_graphs() - graphs}
@@ -284,7 +284,7 @@ def dora_health(args, device: str) -> dict:
     from diffsynth.models.wan_video_dit import WanModel
 
     from diffsynth_mbc.models.pipeline import TI2V_5B_DIT, TINY_DIT
-    from diffsynth_mbc.training.evaluation.lora_health import LoraHealth
+    from diffsynth_mbc.training.components.lora_health import LoraHealth
     from diffsynth_mbc.training.lora.variants import add_dora
     from diffsynth_mbc.training.options import DEFAULTS
 

@@ -32,7 +32,7 @@ if sys.argv[1] == "paused":
     from diffsynth_mbc.lifecycle.startup import pause_collector
     pause_collector()
 import torch, accelerate, peft, diffsynth
-import diffsynth_mbc.training.loop
+import diffsynth_mbc.training.recipe
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 import tempfile
 with tempfile.TemporaryDirectory() as folder:

@@ -159,7 +159,7 @@ def random_dit_pipeline(dit_config: dict):
 
 
 def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun, dict]:
-    """Accelerator, model, LoRA module, AdamW and accelerate's prepare, as ``training.loop`` does them."""
+    """Accelerator, model, LoRA module, AdamW and accelerate's prepare, as ``training.recipe`` does them."""
     import torch
 
     from diffsynth_mbc.training.distributed.accelerator import start_accelerator

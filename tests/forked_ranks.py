@@ -29,7 +29,7 @@ from pathlib import Path
 from diffsynth_mbc.lifecycle import processes
 from e2e_helpers import free_port, isolated_env
 
-PRELOAD = ["torch", "accelerate", "peft", "diffsynth", "diffsynth_mbc.training.cli", "diffsynth_mbc.training.loop",
+PRELOAD = ["torch", "accelerate", "peft", "diffsynth", "diffsynth_mbc.training.cli", "diffsynth_mbc.training.recipe",
            "diffsynth_mbc.models.pipeline", "diffsynth_mbc.data.cache.dataset", "diffsynth_mbc.training.lora.module",
            "diffsynth_mbc.training.evaluation.validation", "diffsynth_mbc.training.evaluation.sample_clips",
            "diffsynth_mbc.training.reporting.progress", "diffsynth_mbc.training.plan.step_choices",

@@ -1,7 +1,7 @@
 """The LoRA's health, from ``{"kind": "lora_health"}`` history records and the status files' ``health``. No torch.
 
 The training appends a health record at step 0, every ``--health_steps`` optimizer steps and at the end
-(``training/evaluation/lora_health.py``): ``update_norm_by_block`` (``|dW|_F / |W|_F`` per DiT block: how far
+(``training/components/lora_health.py``): ``update_norm_by_block`` (``|dW|_F / |W|_F`` per DiT block: how far
 the LoRA has moved each block), ``grad_norm_by_block`` (null where not measured) and the ``flags`` raised then.
 A health record has a step but is no training step: the history reads it here and nowhere else.
 

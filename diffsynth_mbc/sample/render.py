@@ -137,7 +137,7 @@ def validation_of(validator, base: bool = False) -> dict:
     """The validation figures of the module as it is (``base``: with the LoRA off), as the run's records name them."""
     context = validator.module.lora_disabled() if base else contextlib.nullcontext()
     with context:
-        by_quantile, by_mode, samples = validator.measure()
+        by_quantile, by_mode, samples = validator.measure_losses()
     if not samples:
         return {}
     return {"val_loss": sum(by_quantile.values()) / len(by_quantile), "val_loss_by_quantile": by_quantile,

@@ -33,10 +33,10 @@ from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
 from diffsynth_mbc.training.checkpoints.resume import refuse_early
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
-from diffsynth_mbc.training.evaluation.lora_health import UnhealthyRunError
+from diffsynth_mbc.training.components.lora_health import UnhealthyRunError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
-from diffsynth_mbc.training.step.guards import NonFiniteError
+from diffsynth_mbc.training.components.guards import NonFiniteError
 
 
 def default_run_id() -> str:
@@ -98,7 +98,7 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
     signals.install()
     watch = watch_launcher(lambda reason: (follow_run_log(), signals.request(reason)))
     try:
-        from diffsynth_mbc.training.loop import train
+        from diffsynth_mbc.training.recipe import train
 
         train(options, status, signals)
         return 0

@@ -17,7 +17,6 @@ from diffsynth_mbc.training.checkpoints.folder import (different_configuration, 
 from diffsynth_mbc.training.checkpoints.row_sizes import resized_since
 from diffsynth_mbc.training.checkpoints.state import truncate_history
 from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
-from diffsynth_mbc.training.lora.ema import restore as restore_ema
 
 # Settings only the prepared accelerator knows (the precision "auto" chooses, DeepSpeed's accumulation) or only
 # the opened dataset (its rows): compared when the checkpoint loads, not before.
@@ -64,30 +63,32 @@ def early_fingerprint(options, world_size: int) -> dict:
                            precision="")
 
 
-def claim_checkpoint_folder(run) -> None:
+def claim_checkpoint_folder(checkpoints, options, status, accelerator) -> None:
+    """A fresh run's checkpoint and output folders: another run's files there are refused, or set aside with
+    ``--start_over``."""
     from diffsynth_mbc.training.checkpoints.owner import claim_folder
 
     try:
-        claim_folder(run.checkpoints.root, run.options.output_path, run.status.state["run_id"], run.options.start_over,
-                     run.accelerator, run.status, run.options.log_dir)
+        claim_folder(checkpoints.root, options.output_path, status.state["run_id"], options.start_over, accelerator,
+                     status, options.log_dir)
     except ValueError as exc:
         raise OptionsError(str(exc)) from None
 
 
-def resume(run) -> None:
-    """Restores weights, optimizer, scheduler and the RNG of every rank, and the data position."""
-    run.position = position = run.checkpoints.load(run.options.resume)
-    if run.accelerator.is_main_process:   # a damaged folder past the checkpoint would block saving that step again
-        for moved in set_aside_unreadable(run.checkpoints.root, position.step):
+def resume(checkpoints, options, status, accelerator):
+    """Restores weights, optimizer, scheduler and the RNG of every rank, and the data position; the run's id, clock
+    and history go on from the checkpoint's step. Returns (the position, each component's saved state)."""
+    position, states = checkpoints.load(options.resume)
+    if accelerator.is_main_process:   # a damaged folder past the checkpoint would block saving that step again
+        for moved in set_aside_unreadable(checkpoints.root, position.step):
             print(f"note: {moved.name[len('damaged-'):]} had no readable checkpoint.json: moved aside to {moved}",
                   file=sys.stderr)
-    wait_for_everyone(run.accelerator, run.status, "rank 0 setting unreadable checkpoint folders aside")
-    restore_ema(run)
-    kept = truncate_history(run.status.history_file, position.step)
-    run.status.elapsed_before_s = position.elapsed_s
+    wait_for_everyone(accelerator, status, "rank 0 setting unreadable checkpoint folders aside")
+    kept = truncate_history(status.history_file, position.step)
+    status.elapsed_before_s = position.elapsed_s
     lineage = {"checkpoint": position.checkpoint, "step": position.step, "run_id": position.run_id}
-    if position.run_id and position.run_id != run.status.state["run_id"]:   # fell back to another run's checkpoint
-        run.status.update(run_id=position.run_id)
-    run.status.update(phase=f"resumed from {position.checkpoint} of run {run.status.state['run_id']} "
-                            f"(history: {kept} lines kept)", resumed_from=lineage,
-                      samples_seen=position.samples_seen, skipped_samples=position.skipped_samples)
+    if position.run_id and position.run_id != status.state["run_id"]:   # fell back to another run's checkpoint
+        status.update(run_id=position.run_id)
+    status.update(phase=f"resumed from {position.checkpoint} of run {status.state['run_id']} "
+                        f"(history: {kept} lines kept)", resumed_from=lineage, samples_seen=position.samples_seen)
+    return position, states

@@ -3,8 +3,10 @@
 inside its methods, so the rest of this module imports without torch).
 
 A checkpoint is ``CHECKPOINTS/step-00001234/`` holding the LoRA (``lora.safetensors``, loadable by
-DiffSynth), accelerate's saved state (optimizer, LR scheduler, RNG state of every rank) and
-``checkpoint.json`` (step, epoch, data position, configuration fingerprint). It is written as
+DiffSynth), accelerate's saved state (optimizer, LR scheduler, RNG state of every rank), the components' files
+(``training/components/protocol.py``: the EMA's ``ema_state.safetensors``) and ``checkpoint.json`` (step, epoch,
+data position, configuration fingerprint, each component's state under its name: ``components``, and each rank's
+in ``per_rank``). It is written as
 ``.tmp-step-00001234.<run id>/`` and renamed when complete, so a crash mid-save leaves only a temp folder,
 which is never picked as ``latest`` and is removed by the next save. A folder with a ``KEEP`` file
 is never pruned.
@@ -17,7 +19,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from diffsynth_mbc import environment
@@ -84,29 +86,6 @@ def prune(root: str | Path, keep_last: int, run_id: str | None = None) -> list[P
     return removed
 
 
-class CheckpointSchedule:
-    """Due every ``every_steps`` optimizer steps and/or every ``every_minutes``, whichever comes first."""
-
-    def __init__(self, every_steps: int | None, every_minutes: float | None, monotonic=time.monotonic):
-        self.every_steps = every_steps or None
-        self.every_seconds = every_minutes * 60 if every_minutes else None
-        self._monotonic = monotonic
-        self._last = monotonic()
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.every_steps or self.every_seconds)
-
-    def due_by_steps(self, step: int) -> bool:
-        return bool(self.every_steps) and step % self.every_steps == 0
-
-    def due_by_time(self) -> bool:
-        return bool(self.every_seconds) and self._monotonic() - self._last >= self.every_seconds
-
-    def saved(self) -> None:
-        self._last = self._monotonic()
-
-
 def truncate_history(path: str | Path, last_step: int) -> int:
     """Keep the JSONL lines up to ``last_step`` (a resumed run repeats what came after); returns lines kept."""
     path = Path(path)
@@ -127,17 +106,29 @@ def truncate_history(path: str | Path, last_step: int) -> int:
 
 @dataclass
 class Position:
-    """Where the run is; saved in every checkpoint."""
+    """Where the run is; saved in every checkpoint (each component's own state beside it, under its name)."""
     step: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0   # batches of ``epoch`` already consumed (a multiple of the accumulation)
     samples_seen: int = 0       # this rank's, including replaced bad files
-    skipped_samples: int = 0    # this rank's bad files
-    recent_skips: list = field(default_factory=list)
     run_id: str | None = None   # the run a resumed position came from (its run id goes on)
     elapsed_s: float = 0.0      # training time before this position, so a resumed run's clock goes on
     checkpoint: str = ""        # the checkpoint folder it was loaded from
-    best_so_far: dict | None = None   # the best validation and the early stop's count (evaluation/best_so_far.py)
+
+
+def component_states(manifest: dict, rank: int) -> dict[str, dict]:
+    """Each component's saved state (``components``), with this rank's own for the per-rank ones; a checkpoint
+    written before the training had components keeps the same states elsewhere: the best validation and the early
+    stop's count as ``best_so_far``, each rank's bad media beside its counters in ``per_rank``."""
+    per_rank = manifest.get("per_rank") or []
+    mine = per_rank[rank] if rank < len(per_rank) and isinstance(per_rank[rank], dict) else {}
+    if "components" in manifest:
+        return {**(manifest.get("components") or {}), **(mine.get("components") or {})}
+    states = {"bad_media": {"skipped_samples": mine.get("skipped_samples", 0),
+                            "recent_skips": mine.get("recent_skips", [])}}
+    if manifest.get("best_so_far"):
+        states["best_lora"] = manifest["best_so_far"]
+    return states
 
 
 def _attempt(write) -> str | None:
@@ -166,7 +157,7 @@ class Checkpoints(LoraFiles):
     """
 
     def __init__(self, accelerator, module, scheduler, options, status: RankStatusWriter, fingerprint: dict,
-                 sized_rows: list | None = None):
+                 sized_rows: list | None = None, ema=None):
         from accelerate.utils import DistributedType
 
         self.accelerator = accelerator
@@ -177,6 +168,7 @@ class Checkpoints(LoraFiles):
         self.fingerprint = fingerprint
         self.sized_rows = sized_rows   # (video, size) of every row under aspect buckets: a resume compares them
         self.sizes_digest = sizes_digest(sized_rows)
+        self.ema = ema   # the run's LoraEma: its twin beside every LoRA file (``LoraFiles``)
         self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         self.last_step = None
@@ -194,7 +186,7 @@ class Checkpoints(LoraFiles):
         accelerator.register_for_checkpointing(scheduler)
 
     # -- full training state --------------------------------------------------------------------
-    def save(self, position: Position) -> Path:
+    def save(self, position: Position, components=()) -> Path:
         """Every rank's state into a temp folder, then rank 0 adds the LoRA and manifest and renames it into place.
         A write that fails on any rank (a full disk) stops every rank with one message naming the folder and the
         space needed; the partial folder is removed and the previous checkpoints stay (CheckpointWriteError)."""
@@ -217,11 +209,11 @@ class Checkpoints(LoraFiles):
             message = self.failure_message(name, temporary, errors[0]) if accelerator.is_main_process else None
             raise CheckpointWriteError(broadcast_from_main(accelerator, message, self.status, others))
         final = self.root / name
-        per_rank = self.gather_positions(position, others)
+        per_rank = self.gather_positions(position, components, others)
         problem = failure = None
         if accelerator.is_main_process:
             try:
-                problem = self.publish_state(temporary, position, per_rank, file_tensors)
+                problem = self.publish_state(temporary, position, per_rank, file_tensors, components)
             except Exception as exc:  # noqa: BLE001 - a failed write (full disk): said with the folder, then raised
                 failure = self.failure_message(name, temporary, exc)
         problem, failure = broadcast_from_main(accelerator, (problem, failure), self.status, others)
@@ -235,12 +227,14 @@ class Checkpoints(LoraFiles):
                            last_checkpoint_step=position.step)
         return final
 
-    def publish_state(self, temporary: Path, position: Position, per_rank: list, file_tensors: dict) -> str | None:
-        """Rank 0: the LoRA file, the manifest, the rename, pruning. Returns why it was not published, or None."""
+    def publish_state(self, temporary: Path, position: Position, per_rank: list, file_tensors: dict,
+                      components=()) -> str | None:
+        """Rank 0: the LoRA file, the components' files, the manifest, the rename, pruning. Returns why it was not
+        published, or None."""
         name = checkpoint_name(position.step)
         self.write_lora(temporary / "lora.safetensors", position.step, file_tensors)
-        if self.ema is not None:
-            self.ema.save_state(temporary)
+        for component in components:
+            component.save_files(temporary)
         if self.sized_rows is not None:
             write_row_sizes(temporary, self.sized_rows)
         files = inventory(temporary)
@@ -250,10 +244,11 @@ class Checkpoints(LoraFiles):
                     f"saved elsewhere?); {self.root} must be one folder shared by every node. Not published.")
         publish(temporary, {
             "step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch,
-            "samples_seen": position.samples_seen, "skipped_samples": position.skipped_samples,
-            "run_id": self.status.state["run_id"], "created_at": time.time(),
+            "samples_seen": position.samples_seen, "run_id": self.status.state["run_id"], "created_at": time.time(),
             "elapsed_s": self.status.state.get("elapsed_s") or 0.0,
-            "fingerprint": self.fingerprint, "per_rank": per_rank, "best_so_far": position.best_so_far,
+            "fingerprint": self.fingerprint, "per_rank": per_rank,
+            "components": {component.name: state for component in components if not component.per_rank
+                           and (state := component.state_dict()) is not None},
             "world_size": self.accelerator.num_processes, "files": files, "row_sizes_sha256": self.sizes_digest})
         prune(self.root, self.options.keep_checkpoints, self.status.state["run_id"])
         return None
@@ -282,13 +277,16 @@ class Checkpoints(LoraFiles):
             raise RuntimeError(f"resuming from {path.parent}: {len(wrong)} of {len(expected)} LoRA tensors were not "
                                f"restored (first: {wrong[:1]})")
 
-    def gather_positions(self, position: Position, what: str) -> list:
-        """Every rank's own counters (collective: all ranks call it, each waiting as ``what``)."""
-        return gather_from_all(self.accelerator, {"samples_seen": position.samples_seen,
-                                                  "skipped_samples": position.skipped_samples,
-                                                  "recent_skips": position.recent_skips}, self.status, what)
+    def gather_positions(self, position: Position, components, what: str) -> list:
+        """Every rank's own counters and per-rank components' states (collective: all ranks call it, each waiting as
+        ``what``)."""
+        mine = {component.name: component.state_dict() for component in components if component.per_rank}
+        return gather_from_all(self.accelerator, {"samples_seen": position.samples_seen, "components": mine},
+                               self.status, what)
 
-    def load(self, resume: str) -> Position:
+    def load(self, resume: str) -> tuple[Position, dict[str, dict]]:
+        """The checkpoint ``resume`` names, loaded (weights, optimizer, scheduler, every rank's RNG): where it was, and
+        each component's state (``component_states``)."""
         try:
             folder = resolve_resume(resume, self.root, self.accelerator.num_processes,
                                     report=lambda message: print(f"[rank {self.accelerator.process_index}] "
@@ -316,10 +314,11 @@ class Checkpoints(LoraFiles):
                 print(f"resuming from {folder} with --force_resume true despite:\n  " + "\n  ".join(differences)
                       + "\nthe optimizer now uses this run's " + ", ".join(applied), file=sys.stderr)
             self.status.update(resumed_with_changes=differences)
-        rank_state = (manifest.get("per_rank") or [{}] * self.accelerator.num_processes)
-        mine = rank_state[self.accelerator.process_index] if len(rank_state) > self.accelerator.process_index else {}
-        return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],
-                        samples_seen=mine.get("samples_seen", 0), skipped_samples=mine.get("skipped_samples", 0),
-                        recent_skips=mine.get("recent_skips", []), run_id=manifest.get("run_id"),
-                        elapsed_s=float(manifest.get("elapsed_s") or 0.0), checkpoint=folder.name,
-                        best_so_far=manifest.get("best_so_far"))
+        rank = self.accelerator.process_index
+        rank_state = manifest.get("per_rank") or []
+        mine = rank_state[rank] if len(rank_state) > rank else {}
+        position = Position(step=manifest["step"], epoch=manifest["epoch"],
+                            batches_in_epoch=manifest["batches_in_epoch"], samples_seen=mine.get("samples_seen", 0),
+                            run_id=manifest.get("run_id"), elapsed_s=float(manifest.get("elapsed_s") or 0.0),
+                            checkpoint=folder.name)
+        return position, component_states(manifest, rank)

@@ -19,13 +19,16 @@ def waiting(status, what: str):
     return contextlib.nullcontext() if status is None else status.waiting(what)
 
 
-def agree(accelerator, torch, stop_requested: bool, checkpoint_due: bool, bad: int, seen: int, status=None):
-    """All ranks learn: did any rank get a stop request / reach the checkpoint time; bad and seen in total."""
+def agree(accelerator, votes: list[dict[str, int]], status=None) -> dict[str, int]:
+    """The step's agreement: every rank's votes (each component's ``{name: integer}``, the same names in the same
+    order on every rank) summed over the ranks, in one all-reduce."""
+    import torch
+
+    names = [name for vote in votes for name in vote]
+    values = [int(value) for vote in votes for value in vote.values()]
     with waiting(status, STEP_AGREEMENT):
-        flags = all_reduce_sum(accelerator, torch.tensor([int(stop_requested), int(checkpoint_due), bad, seen],
-                                                         dtype=torch.int64, device=accelerator.device))
-        stop_any, due_any, bad_total, seen_total = (int(v) for v in flags.tolist())
-    return stop_any > 0, due_any > 0, bad_total, seen_total
+        sums = all_reduce_sum(accelerator, torch.tensor(values, dtype=torch.int64, device=accelerator.device))
+        return dict(zip(names, (int(value) for value in sums.tolist())))
 
 
 def all_reduce_sum(accelerator, tensor, status=None, what: str = "ranks in all-reduce"):

@@ -272,21 +272,6 @@ def make_sampler(options, status, accelerator, module, ema=None):
     return sampler
 
 
-def maybe_sample(run) -> None:
-    """Sample clips when due (before the first step, every --sample_steps, at the end); every rank calls it."""
-    sampler = run.sampler
-    if sampler is None or not sampler.due(run.position.step, run.logger.total_steps, run.first_step):
-        return
-    with run.logger.overhead("samples") as section:   # timed apart from the steps, on every rank (others wait)
-        sampler.run(run.position.step)
-    last = run.status.state.get("last_samples")
-    if last:
-        base = len(last.get("base_files") or []) // 2
-        run.logger.printer.event(f"samples at step {last['step']}: {len(last['files']) // 2} clip(s) in {last['dir']}"
-                                 + (f", {base} of the base model in {last['base_dir']}" if base else "")
-                                 + f" ({section.seconds:.1f} s)")
-
-
 @contextlib.contextmanager
 def _prompts_from(pipe, contexts: dict | None):
     """While sampling from a cached run, DiffSynth's prompt unit gets each text's embedding from the cache."""

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
-from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar
 from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
@@ -26,13 +26,25 @@ from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 SUBSTITUTED_NAMED = 10   # rows a validation record names of those it could not decode
 
 
+@dataclass
+class Validation:
+    """One validation, measured: its history ``record`` and its status ``fields``, until ``Validator.write``."""
+    step: int
+    val_loss: float
+    record: dict
+    fields: dict
+
+    def mark(self, **fields) -> None:
+        """What a component says of this validation (``new_best``), in the record and the status alike."""
+        self.record.update(fields)
+        self.fields.update(fields)
+
+
 class Validator:
     """Each rank takes every world_size-th sample of the subset; the RNG of training is left untouched.
 
     With ``--validate_with ema`` the headline ``val_loss`` is the EMA's (``val_weights: "ema"``); with ``both`` it
     is the raw weights' and the EMA's is ``val_loss_ema`` (and ``val_loss_ema_by_quantile``) beside it."""
-
-    ema = None   # the run's LoraEma, set by training/lora/ema.make_ema
 
     def __init__(self, options, status: RankStatusWriter):
         from diffsynth_mbc.data.cache.dataset import open_validation_dataset
@@ -47,25 +59,31 @@ class Validator:
         self.accelerator = self.module = None
         # The base model's (by_quantile, by_mode, samples), measured once (the first validation of this process)
         self.base: tuple[dict, dict, int] | None = None
-        # The rows the last measure() could not decode and took the next row for: (this rank's, every rank's count)
+        # The rows the last measure_losses() could not decode and took the next row for: (this rank's, every rank's count)
         self.substituted: tuple[list[dict], int] = ([], 0)
         self.base_step = self.base_measurements = 0
-        self.best = BestSoFar.from_options(options)   # a resumed run takes its checkpoint's (loop.setup)
+        self.every = options.val_steps
+        self.ema = None   # the run's LoraEma (--validate_with ema|both measure it)
 
-    def attach(self, accelerator, module) -> None:
-        self.accelerator, self.module = accelerator, module
+    def attach(self, accelerator, module, ema=None) -> None:
+        """The trained module, once accelerate has prepared it, and the EMA of its LoRA."""
+        self.accelerator, self.module, self.ema = accelerator, module, ema
 
-    def run(self, step: int) -> float | None:
+    def due(self, step: int) -> bool:
+        """Every ``--val_steps`` optimizer steps (and at the run's end, unless it just did)."""
+        return bool(self.every) and step % self.every == 0
+
+    def measure(self, step: int) -> "Validation | None":
+        """The validation of ``step`` (every rank calls it: the measurement is split and all-reduced), not yet
+        written: the components may add to it (``Validation.mark``) before ``write``. None without samples."""
         from diffsynth_mbc.training.lora.ema import weights_for
-
-        self.best.last_new_best = False
 
         self.status.update(phase=f"validation at step {step}")
         which = weights_for(self.validate_with, self.ema.updates) if self.ema is not None else ["raw"]
         measured = {}
         for weights in which:
             with self.ema.weights(weights) if self.ema is not None else contextlib.nullcontext():
-                measured[weights] = self.measure()
+                measured[weights] = self.measure_losses()
         by_quantile, by_mode, samples = measured[which[0]]
         if samples == 0:
             return None
@@ -80,15 +98,17 @@ class Validator:
         # this rank took over, named)
         mine, substituted = self.substituted
         said = {"val_substituted": substituted, "val_substituted_rows": mine[:SUBSTITUTED_NAMED]}
-        # the lowest val_loss yet: the loop keeps its LoRA as lora-best.safetensors (evaluation/best_lora.py)
-        new_best = self.best.observe(step, val_loss, extra.get("val_loss_base"))
-        self.status.append_history({"kind": "val", "step": step, "val_loss": val_loss,
-                                    "val_loss_by_quantile": by_quantile, "val_loss_by_mode": by_mode,
-                                    "val_samples": samples, "time": round(time.time(), 3), **extra,
-                                    **(said if substituted else {}), **({"new_best": True} if new_best else {})})
-        self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_loss_by_mode=by_mode,
-                           val_step=step, phase=f"validated at step {step}", new_best=new_best, **extra, **said)
-        return val_loss
+        record = {"kind": "val", "step": step, "val_loss": val_loss, "val_loss_by_quantile": by_quantile,
+                  "val_loss_by_mode": by_mode, "val_samples": samples, "time": round(time.time(), 3), **extra,
+                  **(said if substituted else {})}
+        fields = {"val_loss": val_loss, "val_loss_by_quantile": by_quantile, "val_loss_by_mode": by_mode,
+                  "val_step": step, "phase": f"validated at step {step}", "new_best": False, **extra, **said}
+        return Validation(step, val_loss, record, fields)
+
+    def write(self, validation: "Validation") -> None:
+        """The validation's history record and status fields."""
+        self.status.append_history(validation.record)
+        self.status.update(**validation.fields)
 
     def base_fields(self, step: int) -> dict:
         """``val_loss_base`` (mean over the quantiles), ``_by_quantile``, ``_by_mode`` and ``val_loss_base_step``:
@@ -96,7 +116,7 @@ class Validator:
         kept (the base does not change). Every rank calls it: the measurement is split and all-reduced."""
         if self.base is None:
             with unwrapped_model(self.accelerator, self.module).lora_disabled():
-                self.base = self.measure()
+                self.base = self.measure_losses()
             self.base_step, self.base_measurements = step, self.base_measurements + 1
         by_quantile, by_mode, samples = self.base
         if not samples:
@@ -110,7 +130,7 @@ class Validator:
 
         return validation_mode(self.objective, self.i2v_probability, latent_frames(sample) == 1, self.seed, index)
 
-    def measure(self) -> tuple[dict, dict, int]:
+    def measure_losses(self) -> tuple[dict, dict, int]:
         """({quantile: mean loss}, {mode: mean loss}, samples) over every rank's share of the subset, with the
         weights as they are. A sample's loss in its mode is its mean over the quantiles."""
         import torch

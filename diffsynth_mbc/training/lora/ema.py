@@ -21,7 +21,6 @@ The option checks, decay and file names are pure; torch is imported inside the m
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError, quoted
@@ -167,33 +166,7 @@ class LoraEma:
 
 
 # ---------------------------------------------------------------------------------------------
-# the loop's calls
-
-
-def make_ema(run):
-    """The run's EMA (None without --ema_decay), known to its checkpoints and validation."""
-    if run.options.ema_decay is None:
-        return None
-    ema = LoraEma(unwrapped_model(run.accelerator, run.module), run.options.ema_decay, run.options.ema_warmup)
-    run.checkpoints.ema = ema
-    if run.validator is not None:
-        run.validator.ema = ema
-    return ema
-
-
-def restore(run) -> None:
-    """After the checkpoint's weights are back: its EMA, or (a checkpoint made without one) a fresh EMA, said."""
-    if run.ema is None:
-        return
-    folder = run.checkpoints.root / run.position.checkpoint
-    if run.ema.load_state(folder):
-        run.status.update(ema_updates=run.ema.updates)
-        return
-    run.ema.reset()
-    message = f"{folder} holds no EMA of the LoRA: the EMA starts from its weights at step {run.position.step}"
-    if run.accelerator.is_main_process:
-        print(f"note: {message}", file=sys.stderr)
-    run.status.update(ema_note=message)
+# the LoRA files' EMA twins
 
 
 def save_ema_lora(files, target: Path, step: int) -> None:

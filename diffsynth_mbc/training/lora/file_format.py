@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 
-from diffsynth_mbc.training.step.guards import NonFiniteError
+from diffsynth_mbc.training.components.guards import NonFiniteError
 from diffsynth_mbc.values import positive_number
 
 FORMATS = ("comfyui", "diffsynth")

@@ -34,7 +34,7 @@ def epoch_file_name(epoch: int, num_epochs: int) -> str:
 class LoraFiles:
     """Writing the run's LoRA files; ``Checkpoints`` provides accelerator, module, options, status and root."""
 
-    ema = None   # the run's LoraEma (--ema_decay): its file is written beside each LoRA file
+    ema = None   # the run's LoraEma (--ema_decay): its file is written beside each LoRA file (set by Checkpoints)
 
     def lora_tensors(self) -> dict:
         """The trainable (LoRA) tensors in DiffSynth's training layout, taken from the parameters themselves.

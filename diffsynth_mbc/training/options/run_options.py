@@ -96,10 +96,10 @@ class TrainOptions:
     val_steps: int | None = None
     val_samples: int = 16
     val_timestep_quantiles: str = "0.1,0.3,0.5,0.7,0.9"
-    early_stop: int | None = None     # stop after N validations in a row without improving (evaluation/best_so_far.py)
+    early_stop: int | None = None     # stop after N validations in a row without improving (training/components/best_lora.py)
     early_stop_min_delta: float = 0.001   # an improvement: at least this much below (relative)
     health_steps: int | None = None   # LoRA health records every N optimizer steps (0: off; None: 10 for LoRA, 100
-                                      # for DoRA: plan/evaluation_cost.health_cadence; evaluation/lora_health.py)
+                                      # for DoRA: plan/evaluation_cost.health_cadence; components/lora_health.py)
     # samples
     sample_prompts: str | None = None
     sample_steps: int | None = None

@@ -1,6 +1,6 @@
 """Print the step plan of a training before it starts: ``python -m diffsynth_mbc.plan --gpus N [train flags]``.
 
-Reads the same preset and flags as ``diffsynth_mbc.training.loop`` and counts the metadata rows the way
+Reads the same preset and flags as ``diffsynth_mbc.training.recipe`` and counts the metadata rows the way
 DiffSynth's loader will, and prints the plan on stderr: the training's own ``plan_from_options``, and the
 doctor's projected run length of that same plan. ``--gpus`` counts the GPUs of one node, as the launchers'
 and the doctor's do (x ``--nodes``); the old ``--world_size`` (every node's GPUs together) still works.

@@ -5,7 +5,7 @@ Measured at full size on one H100 80GB (2026-11-28, torch 2.11.0+cu130, ``benchm
 --extras``, benchmarks/results/2026-11-28-h100.json), on the module a run trains (compiled blocks, bf16), through
 the training's own code:
 
-    one validation sample (1280x704x17) at the 5 quantiles, with the LoRA (``Validator.measure``)    0.578 s
+    one validation sample (1280x704x17) at the 5 quantiles, with the LoRA (``Validator.measure_losses``)    0.578 s
     the same sample with the LoRA off (the base: once per process, at its first validation)          0.528 s
     one LoRA health record (the blocks' gradient and update norms)                                   0.029 s
     one DoRA health record (exact norms: the base weights read in fp64 row chunks)                   0.441 s

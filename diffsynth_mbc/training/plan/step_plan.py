@@ -200,20 +200,17 @@ class StepPlan:
     def describe_modes(self) -> str:
         return describe_modes(self.objective, self.i2v_probability, self.modes_per_epoch)
 
-    def stage_ends(self) -> list[int]:
-        """The optimizer step each stage ends after (the last: the final size's, at the total)."""
+    def stage_dicts(self, total_steps: int | None = None) -> list[dict]:
+        """Each stage: its size, its optimizer steps (1-based, inclusive) and a clip's tokens there; the boundaries
+        from ``total_steps`` (the training's, from its data loader), else the plan's total."""
         from diffsynth_mbc.data.media.stages import boundaries
-
-        return boundaries(self.stages, self.total_steps)
-
-    def stage_dicts(self) -> list[dict]:
-        """Each stage: its size, its optimizer steps (1-based, inclusive) and a clip's tokens there."""
         from diffsynth_mbc.training.plan.memory import tokens
 
         height, width, frames = self.final_size
         sizes = [(s.height, s.width, s.num_frames or frames) for s in self.stages] + [(height, width, frames)]
         out, start = [], 0
-        for index, (end, (h, w, f)) in enumerate(zip(self.stage_ends(), sizes)):
+        ends = boundaries(self.stages, self.total_steps if total_steps is None else total_steps)
+        for index, (end, (h, w, f)) in enumerate(zip(ends, sizes)):
             out.append({"stage": index + 1, "size": f"{w}x{h}x{f}", "height": h, "width": w, "num_frames": f,
                         "from_step": start + 1, "to_step": end, "steps": end - start, "tokens": tokens(h, w, f)})
             start = end

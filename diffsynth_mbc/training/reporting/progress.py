@@ -3,7 +3,7 @@
 It has ModelLogger's shape (``on_step_end(accelerator, model, save_steps)``, ``on_epoch_end``,
 ``on_training_end``) so it can be handed to DiffSynth's own ``launch_training_task``; there it counts
 optimizer steps from ``accelerator.sync_gradients`` (DiffSynth calls it once per micro-batch) and has
-no loss to report. Our loop (``diffsynth_mbc.training.loop``) passes the loss, learning rate and sample count
+no loss to report. Our recipe (``diffsynth_mbc.training.recipe``) passes the loss, learning rate and sample count
 as keyword arguments, and wraps what it does between steps (checkpoints, LoRA files, validation, samples) in
 ``overhead(kind)``, so step times and the ETA stay honest (``training.step_timing``).
 """

@@ -93,7 +93,7 @@ class RankStatusWriter:
                                          stream)
         self._pending_history: collections.deque[str] = collections.deque()
         self.history_lines_lost = 0
-        # called with every history record as it is appended (training/evaluation/lora_health.py reads the steps)
+        # called with every history record as it is appended (training/components/lora_health.py reads the steps)
         self.history_listeners: list[Callable[[dict], None]] = []
         self._status_guard.run(lambda: self.log_dir.mkdir(parents=True, exist_ok=True))
         self._stream = stream

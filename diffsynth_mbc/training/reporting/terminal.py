@@ -145,7 +145,7 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
     if best and best.get("file"):
         lines.append(f"  best LoRA: {best['file']} (step {best['step']}, val_loss {best['val_loss']:.4f})")
     if state.get("early_stop") and best:   # the launcher's last line: why the run ended before its total
-        from diffsynth_mbc.training.evaluation.best_so_far import early_stop_line
+        from diffsynth_mbc.training.components.best_lora import early_stop_line
 
         lines.append(early_stop_line(state["early_stop"], state.get("total_steps"), best["file"]))
     return lines

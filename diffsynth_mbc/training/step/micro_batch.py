@@ -1,8 +1,12 @@
-"""One micro-batch of the training loop: forward (falling back once from compiled blocks that fail to
-compile), backward, and at the end of a step the agreed skip-or-step of the optimizer."""
+"""One micro-batch of the training loop: forward (falling back once from compiled blocks that fail to compile),
+backward, and at the end of an optimizer step the agreed skip-or-step: clipping, the optimizer's and the learning
+rate schedule's step."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from diffsynth_mbc import environment
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
 
@@ -30,53 +34,74 @@ def sample_tokens(sample: dict) -> int:
     return latent_frames(sample) * (height // 32) * (width // 32)
 
 
-def forward(run, batch):
+def forward(module, accelerator, status, batch):
     """The module's loss on ``batch``. While the first compiled steps run, a compile error (torch's dynamo or
     inductor) turns compiling off, said once, and the batch runs uncompiled."""
-    blocks = unwrapped_model(run.accelerator, run.module).blocks
+    blocks = unwrapped_model(accelerator, module).blocks
     if not blocks.compiled:
-        return run.module(batch)
+        return module(batch)
     try:
-        return run.module(batch)
+        return module(batch)
     except Exception as exc:  # noqa: BLE001 - only compile errors are handled; anything else is raised again
         if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
             raise
         blocks.give_up_compiling(exc)
-        run.status.update(compile=False, compile_reason=f"compiling failed: {type(exc).__name__}")
-        return run.module(batch)
+        status.update(compile=False, compile_reason=f"compiling failed: {type(exc).__name__}")
+        return module(batch)
 
 
-def forward_backward(run, batch, earlier_losses: list):
-    """One micro-batch; at the last of a step also the optimizer step, unless the step is non-finite.
+@dataclass(frozen=True)
+class MicroBatch:
+    loss: object                 # the micro-batch's loss (a 0-dim tensor)
+    step_done: bool = False      # the last micro-batch of an optimizer step: the rest is that step's
+    grad_norm: float | None = None
+    skipped: bool = False        # non-finite on some rank: the update was skipped on every rank
+    lr: float | None = None      # the learning rate the step trained at (before the schedule moved on)
 
-    Returns (loss, gradient norm or None, skipped). A step is skipped on every rank alike when any rank's
-    loss in it is inf/NaN (one small all-reduce) or the averaged gradients' norm is. Under fp16 the loss
-    scaler's own step still runs: it skips the update itself and lowers the scale. Under DeepSpeed the
-    engine has already stepped inside ``backward``; its fp16 scaler skips overflowed steps.
+
+def forward_backward(parts, batch, earlier_losses: list, loss_of, on_gradients) -> MicroBatch:
+    """One micro-batch; at the last of an optimizer step also the step itself, unless it is non-finite.
+
+    ``loss_of(batch)``: the forward. A step is skipped on every rank alike when any rank's loss in it is inf/NaN (one
+    small all-reduce) or the averaged gradients' norm is. Under fp16 the loss scaler's own step still runs: it skips
+    the update itself and lowers the scale. Under DeepSpeed the engine has already stepped inside ``backward``; its
+    fp16 scaler skips overflowed steps. ``on_gradients(grad_norm, max_norm)`` is told the clipped gradients' norm
+    while they are there. The learning-rate schedule steps after every optimizer step, skipped or not.
     """
     import math
 
     import torch
 
-    accelerator, options = run.accelerator, run.options
-    with accelerator.accumulate(run.module):
-        loss = forward(run, batch)
-        if run.position.step + 1 in run.injected_nonfinite:
-            loss = loss * float("nan")
+    accelerator, options, optimizer = parts.accelerator, parts.options, parts.optimizer
+    with accelerator.accumulate(parts.module):
+        loss = loss_of(batch)
         accelerator.backward(loss)
         if not accelerator.sync_gradients:
-            return loss, None, False
+            return MicroBatch(loss)
         losses = torch.stack([*earlier_losses, loss.detach()])
         local_bad = torch.tensor([0 if bool(torch.isfinite(losses).all()) else 1], device=accelerator.device)
-        any_bad = int(all_reduce_sum(accelerator, local_bad, run.status, "ranks in all-reduce (non-finite check)")
+        any_bad = int(all_reduce_sum(accelerator, local_bad, parts.status, "ranks in all-reduce (non-finite check)")
                       .item()) > 0
         max_norm = options.max_grad_norm if options.max_grad_norm > 0 else math.inf   # inf: measure only
-        grad_norm = accelerator.clip_grad_norm_(run.trainable, max_norm)
+        grad_norm = accelerator.clip_grad_norm_(parts.trainable, max_norm)
         grad_norm = None if grad_norm is None else float(grad_norm)
-        if run.health is not None:   # on a step that records the LoRA's health: its blocks' gradient norms
-            run.health.read_gradients(run.position.step + 1, grad_norm, max_norm)
+        on_gradients(grad_norm, max_norm)
         skipped = any_bad or (grad_norm is not None and not math.isfinite(grad_norm))
         if not skipped or accelerator.scaler is not None:
-            run.optimizer.step()
-        run.optimizer.zero_grad()
-    return loss, grad_norm, skipped
+            optimizer.step()
+        optimizer.zero_grad()
+    lr = optimizer.param_groups[0]["lr"]
+    parts.scheduler.step()
+    return MicroBatch(loss, step_done=True, grad_norm=grad_norm, skipped=skipped, lr=lr)
+
+
+def injected_nonfinite_steps(environ, rank: int) -> frozenset[int]:
+    """Fault injection for tests: ``MBC_FAULT_NONFINITE_LOSS=RANK:STEP,STEP,...`` makes that rank's loss NaN
+    at those optimizer steps (1-based), to show the non-finite guard on a real run. Unset in normal use."""
+    value = environ.get(environment.FAULT_NONFINITE_LOSS, "")
+    if not value:
+        return frozenset()
+    who, _, steps = value.partition(":")
+    if int(who) != rank:
+        return frozenset()
+    return frozenset(int(step) for step in steps.split(",") if step.strip())

@@ -1,4 +1,4 @@
-"""The LoRA health's norms (training/evaluation/lora_health.py): |BA|_F from r x r products, DoRA's exact |W' - W|_F,
+"""The LoRA health's norms (training/components/lora_health.py): |BA|_F from r x r products, DoRA's exact |W' - W|_F,
 per-block gradient norms before clipping, and the records, status and terminal lines of ``LoraHealth``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from diffsynth_mbc.training.evaluation import lora_health
-from diffsynth_mbc.training.evaluation.lora_health import (LoraHealth, dora_update_norm, grad_norms, lora_layers,
+from diffsynth_mbc.training.components.lora_health import (LoraHealth, dora_update_norm, grad_norms, lora_layers,
                                                           lora_update_norm, update_norms)
 from diffsynth_mbc.training.lora.variants import add_dora
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter

@@ -1,16 +1,22 @@
-"""The best validation so far and ``--early_stop N``: which validation is a new best (its LoRA is kept as
-``lora-best.safetensors``) and when the run has had N validations in a row without improving. Pure: no torch.
+"""The best LoRA and ``--early_stop N``, one component: which validation is a new best (its LoRA is kept as
+``lora-best.safetensors``, written as every LoRA file is, with its EMA twin when there is an EMA, and said in the
+status file's ``best``) and when the run has had N validations in a row without improving (every rank then ends
+the run at the same step: the validation's loss is every rank's, so they decide alike). Pure: no torch.
 
 The headline ``val_loss`` decides (the EMA's under ``--validate_with ema``). A new best is any validation lower than
 every earlier one. An improvement, for the early stop, is a validation at least ``min_delta`` (relative) below the
 loss the count was last reset at: a run creeping down by less than that is not learning anything a clip would show
 (docs/training.md, Best LoRA and early stop). The first validation sets that loss and counts for nothing, and so do
 validations in the warm-up (``--warmup_steps``), whose loss falls with the learning rate rising. The state goes into
-every checkpoint, so a resumed run knows its best and its count."""
+every checkpoint (the component's state), so a resumed run knows its best and its count."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+
+from diffsynth_mbc.training.components.protocol import Component, Decision, Stop, StepContext
 
 BEST_FILE = "lora-best.safetensors"
 DEFAULT_MIN_DELTA = 0.001
@@ -80,3 +86,48 @@ def early_stop_line(record: dict, total_steps: int, best_file: str) -> str:
     return (f"stopped early at step {record['step']} of {total_steps}: no better validation in "
             f"{record['validations_without_improvement']} evaluations since step {record['since_step']}; best: "
             f"{best_file} (step {record['best_step']})")
+
+
+class BestLora(Component):
+    """Keeps ``lora-best.safetensors`` at each new lowest validation and ends the run under ``--early_stop``.
+    ``save_lora(file_name, step)``: the run's LoRA file writer (every rank calls it; a collective)."""
+
+    name = "best_lora"
+
+    def __init__(self, options, status, save_lora, printer, is_main: bool):
+        self.options, self.status, self.save_lora = options, status, save_lora
+        self.printer, self.is_main = printer, is_main
+        self.best = BestSoFar.from_options(options)
+        self.file = os.path.join(options.output_path, BEST_FILE)
+
+    def at_start(self, context: StepContext) -> Decision | None:
+        """A resumed run says its best; one that had already stopped early (its count at N or more) trains no
+        further, and rank 0 says how to go on."""
+        record = self.best.best_record(self.file)
+        if record:
+            self.status.update(best=record)
+        if not self.best.stop_due:
+            return None
+        if self.is_main:
+            print(f"this run stopped early at step {context.step}: no better validation in {self.best.without} "
+                  f"evaluations since step {self.best.reference_step} (--early_stop {self.best.patience}); nothing "
+                  "more to train. To go on: a larger --early_stop N, or --early_stop off", file=sys.stderr)
+        return Decision(stop=Stop.EARLY)
+
+    def after_validation(self, context: StepContext) -> Decision | None:
+        validation = context.validation
+        if self.best.observe(context.step, validation.val_loss, validation.fields.get("val_loss_base")):
+            validation.mark(new_best=True)
+            self.save_lora(BEST_FILE, context.step)
+            self.status.update(best=self.best.best_record(self.file))
+        return Decision(stop=Stop.EARLY) if self.best.stop_due else None
+
+    def at_end(self, context: StepContext) -> None:
+        if context.stop is Stop.EARLY:   # the run's summary ends with it (``early_stop_line``)
+            self.status.update(early_stop=self.best.early_stop_record(context.step))
+
+    def state_dict(self) -> dict:
+        return self.best.as_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = BestSoFar.from_options(self.options, state)

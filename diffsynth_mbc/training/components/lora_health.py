@@ -1,4 +1,4 @@
-"""LoRA health (``--health_steps N``): how far the LoRA has moved each DiT block and how hard its gradients pull, at
+"""LoRA health (``--health_steps N``), a component: how far the LoRA has moved each DiT block and how hard its gradients pull, at
 the start of the run (step 0), every N optimizer steps and at the end, as ``{"kind": "lora_health"}`` history
 records with the flags of ``health_flags.py``; the status file's ``health`` holds the newest record's summary and
 rank 0's terminal says each flag, with what to do, the first time it appears.
@@ -28,10 +28,9 @@ import collections
 import time
 
 from diffsynth_mbc import run_files
-from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
+from diffsynth_mbc.training.components.protocol import Component, StepContext
 from diffsynth_mbc.training.evaluation.health_flags import (STEPS_KEPT, WHAT_TO_DO, health_flags, summary,
                                                            train_loss_average)
-from diffsynth_mbc.training.plan.evaluation_cost import health_cadence
 from diffsynth_mbc.values import finite_number
 
 ROW_CHUNK_ELEMENTS = 1 << 23   # DoRA: rows of W cast to fp64 at a time (64 MB)
@@ -172,23 +171,52 @@ def _rounded(value: float) -> float | None:
     return None if number is None else float(f"{number:.6g}")
 
 
-class LoraHealth:
-    """The run's health records: ``read_gradients`` (from the step, on recording steps), ``after_step`` and
-    ``at_end`` (from the loop). Off (every call does nothing) with ``every`` 0."""
+class LoraHealth(Component):
+    """The run's health records: at the start (step 0, or a resume's step, kept in memory only: its history, cut back
+    to that step, has its records), on the steps that record (their gradient norms read in ``on_gradients``),
+    and at the end (after the last validation), where a broken LoRA fails the run. Off (every call does nothing)
+    with ``every`` 0."""
+
+    name = "lora_health"
 
     def __init__(self, blocks, status, printer, *, every: int, total_steps: int, warmup_steps: int,
-                 read_grads: bool = True):
+                 read_grads: bool = True, accelerator=None, trainable=()):
         self.every, self.total_steps, self.warmup_steps = every, total_steps, warmup_steps
         self.status, self.printer, self.read_grads = status, printer, read_grads
+        self.accelerator, self.trainable = accelerator, list(trainable)
         self.steps: collections.deque[dict] = collections.deque(maxlen=STEPS_KEPT)
         self.vals: collections.deque[dict] = collections.deque(maxlen=16)
         self.records: list[dict] = []     # the first record, then the newest two (what the flags read back)
         self.pending: tuple[int, list | None, float] | None = None   # (step, gradient norms, seconds)
         self.shown: set[str] = set()
+        self.last_skipped = False         # the last step was skipped as non-finite
         self.layers = [lora_layers(block) for block in blocks] if every else []
         self.parameters = [[p for p in block.parameters() if p.requires_grad] for block in blocks] if every else []
         if every:
             status.history_listeners.append(self.saw)
+
+    def at_start(self, context: StepContext) -> None:
+        self.record(context.step, write=context.step == 0)
+
+    def on_gradients(self, step: int, grad_norm: float | None, max_norm: float) -> None:
+        self.read_gradients(step, grad_norm, max_norm)
+
+    def after_step(self, context: StepContext) -> None:
+        """Every ``every`` steps; the last step's record waits for ``at_end`` (after the last validation)."""
+        self.last_skipped = context.result.skipped
+        step = context.step
+        if self.every and step % self.every == 0 and step != self.total_steps:
+            self.record(step)
+
+    def at_end(self, context: StepContext) -> None:
+        """The last record (after the last validation: the overfitting flag reads it), then ``end_of_run``."""
+        self.record_last(context.step)
+        self.end_of_run(context.step)
+
+    def record_last(self, step: int) -> None:
+        """The record of the run's last step, unless it has one."""
+        if self.every and not (self.records and self.records[-1]["step"] == step):
+            self.record(step)
 
     def saw(self, record: dict) -> None:
         """Every history record as it is written: the steps' losses and gradient norms, the validations."""
@@ -208,15 +236,6 @@ class LoraHealth:
         if self.due(step) and self.read_grads:
             start = time.perf_counter()
             self.pending = (step, grad_norms(self.parameters, grad_norm, max_norm), time.perf_counter() - start)
-
-    def after_step(self, step: int) -> None:
-        """Every ``every`` steps; the last step's record waits for ``at_end`` (after the last validation)."""
-        if self.every and step % self.every == 0 and step != self.total_steps:
-            self.record(step)
-
-    def at_end(self, step: int) -> None:
-        if self.every and not (self.records and self.records[-1]["step"] == step):
-            self.record(step)
 
     def record(self, step: int, write: bool = True) -> dict | None:
         """The record at ``step``: flagged, appended to the history, summarised in the status file; without
@@ -244,49 +263,35 @@ class LoraHealth:
                                    f"What to do: {found['do']}")
         return record
 
+    def end_of_run(self, step: int) -> None:
+        """On every rank alike, the run fails, naming why, instead of publishing ``lora.safetensors``, when a LoRA
+        tensor holds inf/NaN (also with the records off), or the last record flags ``exploding``, or it flags
+        ``nonfinite`` and the last step was skipped as non-finite too (the LoRA no longer gives a finite loss).
+        Non-finite steps followed by finite ones changed no weight and fail nothing here (``--max_nonfinite_steps``
+        in a row stop the run)."""
+        import torch
+
+        from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
+
+        last = self.records[-1] if self.records else {}
+        broken = [found for found in last.get("flags") or [] if found["flag"] == "exploding"
+                  or (found["flag"] == "nonfinite" and self.last_skipped)]
+        nonfinite = sum(1 for parameter in self.trainable if not bool(torch.isfinite(parameter.detach()).all()))
+        local = torch.tensor([1 if broken or nonfinite else 0], device=self.accelerator.device)
+        if int(all_reduce_sum(self.accelerator, local, self.status,
+                              "ranks in all-reduce (the LoRA's health at the end)").item()) == 0:
+            return
+        if nonfinite:
+            why = f"{nonfinite} of the {len(self.trainable)} LoRA tensors hold inf or NaN at step {step}"
+        elif broken:
+            why = "; ".join(f"LoRA health at step {last['step']}: {found['flag']}: {found['what']}"
+                            for found in broken)
+        else:
+            why = "another rank found its LoRA broken (its status file says why)"
+        raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); lora.safetensors is not written "
+                                "(checkpoints and epoch files, if any, hold earlier weights). What to do: "
+                                f"{WHAT_TO_DO['exploding']}")
+
 
 class UnhealthyRunError(RuntimeError):
     """The run ended with a broken LoRA: its last health record flags it, or its weights hold inf/NaN."""
-
-
-def end_of_run(run) -> None:
-    """The last health record (after the last validation: the overfitting flag reads it); then, on every rank alike,
-    the run fails, naming why, instead of publishing ``lora.safetensors``, when a LoRA tensor holds inf/NaN (also
-    with the records off), or that record flags ``exploding``, or it flags ``nonfinite`` and the last step was
-    skipped as non-finite too (the LoRA no longer gives a finite loss). Non-finite steps followed by finite ones
-    changed no weight and fail nothing here (``--max_nonfinite_steps`` in a row stop the run)."""
-    import torch
-
-    from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
-
-    step = run.position.step
-    run.health.at_end(step)
-    last = run.health.records[-1] if run.health.records else {}
-    ends_nonfinite = run.nonfinite is not None and run.nonfinite.in_a_row > 0
-    broken = [found for found in last.get("flags") or [] if found["flag"] == "exploding"
-              or (found["flag"] == "nonfinite" and ends_nonfinite)]
-    nonfinite = sum(1 for parameter in run.trainable if not bool(torch.isfinite(parameter.detach()).all()))
-    local = torch.tensor([1 if broken or nonfinite else 0], device=run.accelerator.device)
-    if int(all_reduce_sum(run.accelerator, local, run.status, "ranks in all-reduce (the LoRA's health at the end)")
-           .item()) == 0:
-        return
-    if nonfinite:
-        why = f"{nonfinite} of the {len(run.trainable)} LoRA tensors hold inf or NaN at step {step}"
-    elif broken:
-        why = "; ".join(f"LoRA health at step {last['step']}: {found['flag']}: {found['what']}" for found in broken)
-    else:
-        why = "another rank found its LoRA broken (its status file says why)"
-    raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); lora.safetensors is not written (checkpoints "
-                            f"and epoch files, if any, hold earlier weights). What to do: {WHAT_TO_DO['exploding']}")
-
-
-def make_health(run) -> LoraHealth:
-    """The run's LoRA health (off with ``--health_steps 0``), and its first record: at step 0; a resumed run keeps
-    the one at the step it goes on from in memory only (its history, cut back to that step, has its records)."""
-    options = run.options
-    blocks = unwrapped_model(run.accelerator, run.module).pipe.dit.blocks
-    health = LoraHealth(blocks, run.status, run.logger.printer, every=health_cadence(options),
-                        total_steps=run.logger.total_steps, warmup_steps=options.warmup_steps,
-                        read_grads=run.accelerator.state.deepspeed_plugin is None)
-    health.record(run.position.step, write=run.position.step == 0)
-    return health

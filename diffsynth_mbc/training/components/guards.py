@@ -1,43 +1,73 @@
 """Guards against training on garbage: too many undecodable files; steps with an inf/NaN loss or gradient norm.
 
-Pure logic (no torch). Bad media: each undecodable file is replaced by the next row and counted over
-all ranks; past ``--max_bad_media_fraction`` the run stops. Non-finite steps: at the end of each
-optimizer step the loop asks every rank whether its losses were finite (one small all-reduce, so all
-ranks skip together) and looks at the gradient norm, the same on every rank once gradients are
-averaged; a skipped step discards its gradients. Under fp16 a step whose gradients overflow is skipped by
-the loss scaler, which then lowers the scale; a few in a row at the start are normal while it settles.
+Pure logic (no torch), each a component (``protocol.py``). Bad media: each undecodable file is replaced by the next
+row and counted over all ranks (the step's agreement sums every rank's); past ``--max_bad_media_fraction`` the run
+stops. Non-finite steps: at the end of each optimizer step every rank learns whether any rank's losses were finite
+(one small all-reduce in the step, so all ranks skip together) and looks at the gradient norm, the same on every
+rank once gradients are averaged; a skipped step discards its gradients. Under fp16 a step whose gradients overflow
+is skipped by the loss scaler, which then lowers the scale; a few in a row at the start are normal while it
+settles.
 """
 
 from __future__ import annotations
 
-from diffsynth_mbc import environment
+from diffsynth_mbc.training.components.protocol import Component, StepContext, StepResult
 from diffsynth_mbc.values import finite_number
 
 BAD_MEDIA_ALLOWANCE = 10  # bad files tolerated before --max_bad_media_fraction applies
+RECENT_SKIPS_SHOWN = 5    # the bad files a rank's status file names (its newest)
 
 
 class TooMuchBadMedia(RuntimeError):
     pass
 
 
-class BadMediaGuard:
-    """Counts undecodable files over all ranks; past the limit the run stops instead of training on what is left."""
+class BadMediaGuard(Component):
+    """Counts undecodable files over all ranks; past the limit the run stops instead of training on what is left.
+    Each rank keeps its own count and newest bad files (its status file says them; a checkpoint keeps them)."""
 
-    def __init__(self, max_fraction: float):
+    name = "bad_media"
+    per_rank = True
+
+    def __init__(self, max_fraction: float, status=None):
         self.max_fraction = max_fraction
-        self.bad_total = 0
+        self.status = status
+        self.bad_total = 0          # every rank's, since this process started
         self.seen_total = 0
+        self.skipped_samples = 0    # this rank's, over the whole run
+        self.recent_skips: list[dict] = []
 
-    def account(self, bad: int, seen: int, recent_skips: list) -> None:
+    def votes(self, result: StepResult) -> dict[str, int]:
+        return {"bad_media": len(result.bad_media), "samples": result.samples}
+
+    def at_start(self, context: StepContext) -> None:
+        self.status.update(skipped_samples=self.skipped_samples, skip_reasons=self.recent_skips)
+
+    def after_step(self, context: StepContext) -> None:
+        bad = context.result.bad_media
+        if bad:
+            self.skipped_samples += len(bad)
+            self.recent_skips = (self.recent_skips + bad)[-RECENT_SKIPS_SHOWN:]
+            self.status.update(skipped_samples=self.skipped_samples, skip_reasons=self.recent_skips)
+        self.account(context.agreed["bad_media"], context.agreed["samples"])
+
+    def account(self, bad: int, seen: int) -> None:
         self.bad_total += bad
         self.seen_total += seen
         if self.bad_total > max(BAD_MEDIA_ALLOWANCE, self.max_fraction * self.seen_total):
-            last = recent_skips[-1]["reason"] if recent_skips else "(on another rank)"
+            last = self.recent_skips[-1]["reason"] if self.recent_skips else "(on another rank)"
             raise TooMuchBadMedia(
                 f"{self.bad_total} of {self.seen_total} samples so far could not be decoded "
                 f"({100 * self.bad_total / max(1, self.seen_total):.1f}% > {100 * self.max_fraction:g}%); "
                 f"stopping instead of training on what is left. Last: {last}. Check the files, re-run the "
                 "converter with --probe, or raise --max_bad_media_fraction.")
+
+    def state_dict(self) -> dict:
+        return {"skipped_samples": self.skipped_samples, "recent_skips": self.recent_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_samples = int(state.get("skipped_samples") or 0)
+        self.recent_skips = list(state.get("recent_skips") or [])
 
 
 class NonFiniteError(RuntimeError):
@@ -48,13 +78,23 @@ def is_finite(value) -> bool:
     return value is None or finite_number(value) is not None
 
 
-class NonFiniteGuard:
-    def __init__(self, max_in_a_row: int, precision: str):
+class NonFiniteGuard(Component):
+    """Counts the steps skipped as non-finite; ``--max_nonfinite_steps`` of them in a row stop the run."""
+
+    name = "nonfinite"
+
+    def __init__(self, max_in_a_row: int, precision: str, status=None):
         self.max_in_a_row = max_in_a_row
         self.precision = precision
+        self.status = status
         self.total = 0
         self.in_a_row = 0
         self.first_of_run: int | None = None
+
+    def after_step(self, context: StepContext) -> None:
+        result = context.result
+        if self.check(context.step, result.loss, result.grad_norm, result.skipped) or self.total:
+            self.status.update(nonfinite_steps=self.total, nonfinite_in_a_row=self.in_a_row)
 
     def check(self, step: int, loss, grad_norm, skipped: bool | None = None) -> bool:
         """True when step ``step`` was non-finite (and so skipped); raises after too many in a row.
@@ -89,20 +129,3 @@ class NonFiniteGuard:
                 f"{what} ({loss!r} loss, {grad_norm!r} gradient norm) under {precision}; each was skipped, and the "
                 f"run stops here instead of training on garbage ({self.total} non-finite steps in all; "
                 f"--max_nonfinite_steps {self.max_in_a_row}). Remedies: " + "; ".join(remedy))
-
-    def status_fields(self) -> dict:
-        return {"nonfinite_steps": self.total, "nonfinite_in_a_row": self.in_a_row}
-
-
-
-
-def injected_steps(environ, rank: int) -> frozenset[int]:
-    """Fault injection for tests: ``MBC_FAULT_NONFINITE_LOSS=RANK:STEP,STEP,...`` makes that rank's loss NaN
-    at those optimizer steps (1-based), to show the guard on a real run. Unset in normal use."""
-    value = environ.get(environment.FAULT_NONFINITE_LOSS, "")
-    if not value:
-        return frozenset()
-    who, _, steps = value.partition(":")
-    if int(who) != rank:
-        return frozenset()
-    return frozenset(int(step) for step in steps.split(",") if step.strip())

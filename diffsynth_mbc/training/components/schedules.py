@@ -1,0 +1,74 @@
+"""What is saved when, and stop requests: the full checkpoint every ``--checkpoint_steps`` optimizer steps and/or
+every ``--checkpoint_minutes`` (whichever comes first; the clock is agreed over the ranks, so every rank saves at
+the same step), a LoRA file every ``--save_steps``, and a stop request (Ctrl-C, SIGTERM, ``stop.sh``) on any rank
+ending every rank at the same step. Pure: no torch."""
+
+from __future__ import annotations
+
+import time
+
+from diffsynth_mbc.training.components.protocol import Component, Decision, Stop, StepContext, StepResult
+
+
+class CheckpointSchedule(Component):
+    """Due every ``every_steps`` optimizer steps and/or every ``every_minutes``, whichever comes first."""
+
+    name = "checkpoint_schedule"
+
+    def __init__(self, every_steps: int | None, every_minutes: float | None, monotonic=time.monotonic):
+        self.every_steps = every_steps or None
+        self.every_seconds = every_minutes * 60 if every_minutes else None
+        self._monotonic = monotonic
+        self._last = monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every_steps or self.every_seconds)
+
+    def due_by_steps(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due_by_time(self) -> bool:
+        return bool(self.every_seconds) and self._monotonic() - self._last >= self.every_seconds
+
+    def saved(self) -> None:
+        self._last = self._monotonic()
+
+    def votes(self, result: StepResult) -> dict[str, int]:
+        return {"checkpoint_time": int(self.due_by_time())}
+
+    def after_step(self, context: StepContext) -> Decision | None:
+        if self.due_by_steps(context.step) or context.agreed["checkpoint_time"]:
+            self.saved()
+            return Decision(checkpoint=True)
+        return None
+
+
+class StepLoraFiles(Component):
+    """``--save_steps N``: ``step-N.safetensors`` every N optimizer steps (written after the step's checkpoint)."""
+
+    name = "step_lora_files"
+
+    def __init__(self, every: int | None):
+        self.every = every
+
+    def after_step(self, context: StepContext) -> Decision | None:
+        if self.every and context.step % self.every == 0:
+            return Decision(lora_file=f"step-{context.step}.safetensors")
+        return None
+
+
+class StopRequests(Component):
+    """A stop request on any rank (``signals.requested``) stops every rank after the same step, with a
+    checkpoint."""
+
+    name = "stop_requests"
+
+    def __init__(self, signals):
+        self.signals = signals
+
+    def votes(self, result: StepResult) -> dict[str, int]:
+        return {"stop": int(self.signals.requested.is_set())}
+
+    def after_step(self, context: StepContext) -> Decision | None:
+        return Decision(stop=Stop.REQUESTED) if context.agreed["stop"] else None

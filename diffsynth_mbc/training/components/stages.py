@@ -1,0 +1,47 @@
+"""``--resolution_stages``, what trains and what is said, from one list of boundaries: the optimizer step each stage
+ends after, computed once from the run's total (``data/media/stages.boundaries``). The batch sampler is given it,
+so each batch goes out with its stage (the dataset and the latent cache load that stage's size); the status file
+says every stage (``stages``) and the one the next optimizer step trains at (``stage``), and rank 0's terminal says
+when it changes. Without stages it does nothing."""
+
+from __future__ import annotations
+
+from diffsynth_mbc.training.components.protocol import Component, StepContext
+
+
+class ResolutionStages(Component):
+    name = "stages"
+
+    def __init__(self, plan, total_steps: int, batches, steps_per_epoch: int, accumulation: int, status, printer):
+        from diffsynth_mbc.data.media.stages import boundaries
+
+        self.status, self.printer = status, printer
+        self.ends: list[int] | None = boundaries(plan.stages, total_steps) if plan.stages else None
+        self.rows = plan.stage_dicts(total_steps) if plan.stages else []   # the same boundaries, said
+        self.said: int | None = None   # the stage said last
+        if self.ends:
+            batches.set_stages(self.ends, steps_per_epoch, accumulation)
+
+    def at_start(self, context: StepContext) -> None:
+        if self.ends:
+            self.status.update(stages=self.rows)
+            self.say(context.step)
+
+    def after_step(self, context: StepContext) -> None:
+        if self.ends:
+            self.say(context.step)
+
+    def say(self, step: int) -> None:
+        """The stage of the optimizer step after ``step``, when it is not the one said last."""
+        from diffsynth_mbc.data.media.stages import stage_at
+
+        index = stage_at(self.ends, step)
+        if index == self.said:
+            return
+        row, count = self.rows[index], len(self.rows)
+        final = index == count - 1
+        self.status.update(stage={**row, "of": count, "final": final})
+        if self.said is not None or step:   # a change, or a resume past the first stage's start
+            self.printer.event(f"stage {row['stage']}/{count} from step {row['from_step']:,}: {row['size']}"
+                               + (" (the final size)" if final else ""))
+        self.said = index
