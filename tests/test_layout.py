@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "diffsynth_mbc"
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 80
 # Pure logic: importable without torch (what it needs of torch, if anything, is imported inside functions).
 TORCH_FREE = [
     "atomic.py", "errors.py", "run_files.py", "gpu.py", "sample_prompts.py", "yaml_input.py", "values.py",
@@ -31,7 +29,10 @@ TORCH_FREE = [
     "training/plan/step_plan.py", "training/plan/batches.py", "training/plan/memory.py", "training/plan/speed.py",
     "training/plan/run_length.py", "training/plan/estimates.py", "training/plan/compile_policy.py",
     "training/plan/recompute.py", "training/plan/evaluation_cost.py",
-    "training/step/objective.py", "training/step/guards.py", "training/evaluation/health_flags.py",
+    "training/step/objective.py", "training/evaluation/health_flags.py",
+    "training/components/protocol.py", "training/components/guards.py", "training/components/best_lora.py",
+    "training/components/schedules.py", "training/components/stages.py", "training/components/ema.py",
+    "training/components/progress.py", "training/components/sample_clips.py",
     "training/lora/file_format.py", "training/lora/read.py",
     "training/checkpoints/state.py", "training/checkpoints/folder.py",
     "training/reporting/eta.py", "training/reporting/step_timing.py", "training/reporting/status_writer.py",
@@ -160,12 +161,6 @@ def test_a_planted_circle_is_found(tmp_path):
     assert import_circles(package) == [["diffsynth_mbc.stage.a", "diffsynth_mbc.stage.b", "diffsynth_mbc.stage.c"]]
 
 
-def test_no_folder_holds_more_than_20_modules():
-    crowded = {str(folder.relative_to(PACKAGE)): count for folder in [PACKAGE, *PACKAGE.rglob("*/")]
-               if folder.is_dir() and (count := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > 20}
-    assert crowded == {}
-
-
 def test_options_are_read_as_typed_attributes_never_with_getattr():
     reads = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in modules()
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
@@ -202,20 +197,6 @@ def test_light_modules_load_without_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
-
-
-def test_no_module_or_function_is_too_long():
-    too_long = []
-    for path in modules():
-        source = path.read_text()
-        if len(source.splitlines()) > MAX_MODULE_LINES:
-            too_long.append(f"{path.relative_to(PACKAGE)}: {len(source.splitlines())} lines")
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {length} lines")
-    assert too_long == []
 
 
 def test_every_module_says_what_it_owns():

@@ -33,7 +33,6 @@ class BestSoFar:
     reference: float | None = None    # the loss the count was last reset at
     reference_step: int | None = None
     without: int = 0                  # validations in a row since then without an improvement
-    last_new_best: bool = False       # the last validation observed was a new best
 
     @classmethod
     def from_options(cls, options, saved: dict | None = None) -> "BestSoFar":
@@ -51,8 +50,8 @@ class BestSoFar:
 
     def observe(self, step: int, val_loss: float, base: float | None = None) -> bool:
         """Take the validation of ``step``; whether it is a new best."""
-        self.last_new_best = self.best_loss is None or val_loss < self.best_loss
-        if self.last_new_best:
+        new_best = self.best_loss is None or val_loss < self.best_loss
+        if new_best:
             self.best_step, self.best_loss, self.best_base = step, val_loss, base
         if self.reference is None or step <= self.warmup_steps:
             if self.reference is None or val_loss < self.reference:
@@ -61,7 +60,7 @@ class BestSoFar:
             self.reference, self.reference_step, self.without = val_loss, step, 0
         else:
             self.without += 1
-        return self.last_new_best
+        return new_best
 
     @property
     def stop_due(self) -> bool:

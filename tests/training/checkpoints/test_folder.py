@@ -4,8 +4,8 @@ import pytest
 
 from diffsynth_mbc.training.checkpoints.folder import (checkpoint_name, complete_checkpoints, find_latest,
                                                        resolve_resume, temp_path)
-from diffsynth_mbc.training.checkpoints.state import (CheckpointSchedule, fingerprint_differences, prune, publish,
-                                                      truncate_history)
+from diffsynth_mbc.training.checkpoints.state import fingerprint_differences, prune, publish, truncate_history
+from diffsynth_mbc.training.components.schedules import CheckpointSchedule
 
 
 def make_checkpoint(root, step, complete=True):

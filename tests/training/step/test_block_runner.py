@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffsynth_mbc.training.step.batch_loss import batch_loss, draw_timestep_ids
 from diffsynth_mbc.training.step.block_runner import BlockRunner
-from diffsynth_mbc.training.step.guards import NonFiniteGuard
+from diffsynth_mbc.training.components.guards import NonFiniteGuard
 from tiny_step import make_module
 
 

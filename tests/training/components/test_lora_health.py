@@ -10,9 +10,10 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
-from diffsynth_mbc.training.evaluation import lora_health
+from diffsynth_mbc.training.components import lora_health
 from diffsynth_mbc.training.components.lora_health import (LoraHealth, dora_update_norm, grad_norms, lora_layers,
                                                           lora_update_norm, update_norms)
+from diffsynth_mbc.training.components.protocol import StepContext, StepResult
 from diffsynth_mbc.training.lora.variants import add_dora
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
@@ -117,12 +118,13 @@ def test_records_at_step_0_every_n_steps_and_at_the_end_with_flags_said_once(tmp
     blocks = [adapted("lora", torch.float32, seed) for seed in (0, 1, 2)]
     printer = Printer()
     health = LoraHealth(blocks, status, printer, every=3, total_steps=7, warmup_steps=0)
-    health.record(0)
+    health.at_start(StepContext(step=0, epoch=0, total_steps=7))
     for step in range(1, 8):
         status.append_history({"step": step, "loss": 1.0, "grad_norm": 1.0})
-        health.after_step(step)
-    health.at_end(7)
-    health.at_end(7)   # once
+        health.after_step(StepContext(step=step, epoch=0, total_steps=7, result=StepResult(
+            loss=1.0, lr=1e-4, grad_norm=1.0, skipped=False, samples=1, tokens=1)))
+    health.record_last(7)
+    health.record_last(7)   # once
     status.close()
     records = [json.loads(line) for line in status.history_file.read_text().splitlines()]
     health_records = [record for record in records if record.get("kind") == "lora_health"]
@@ -142,7 +144,8 @@ def test_off_with_health_steps_0(tmp_path):
     status = RankStatusWriter(tmp_path, "run", 0, 0, 1)
     health = LoraHealth([adapted("lora")], status, Printer(), every=0, total_steps=5, warmup_steps=0)
     assert health.record(0) is None and not health.due(5) and status.history_listeners == []
-    health.after_step(5)
-    health.at_end(5)
+    health.after_step(StepContext(step=5, epoch=0, total_steps=5, result=StepResult(
+        loss=1.0, lr=1e-4, grad_norm=1.0, skipped=False, samples=1, tokens=1)))
+    health.record_last(5)
     status.close()
     assert not status.history_file.exists() or status.history_file.read_text() == ""

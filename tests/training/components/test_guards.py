@@ -1,4 +1,5 @@
-"""The non-finite step guard (pure), and the fp16 loss-scaling behaviour it relies on."""
+"""The guards (pure components): the non-finite step guard and the fp16 loss-scaling behaviour it relies on, the bad
+media's count over all ranks, each rank's own kept in its checkpoint."""
 
 from __future__ import annotations
 
@@ -6,16 +7,34 @@ import math
 
 import pytest
 
-from diffsynth_mbc.training.step.guards import NonFiniteError, NonFiniteGuard, injected_steps
+from diffsynth_mbc.training.components.guards import BadMediaGuard, NonFiniteError, NonFiniteGuard, TooMuchBadMedia
+from diffsynth_mbc.training.components.protocol import StepContext, StepResult
+from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+from diffsynth_mbc.training.step.micro_batch import injected_nonfinite_steps
 
 
-def test_non_finite_steps_are_counted_and_a_finite_one_resets_the_run():
+def step(number, skipped=False, loss=0.5, bad=(), samples=1):
+    return StepContext(step=number, epoch=0, total_steps=100, agreed={"bad_media": len(bad), "samples": samples},
+                       result=StepResult(loss=loss, lr=1e-4, grad_norm=1.0, skipped=skipped, samples=samples,
+                                         tokens=1, bad_media=list(bad)))
+
+
+def test_non_finite_steps_are_counted_and_a_finite_one_resets_the_run(tmp_path):
     guard = NonFiniteGuard(max_in_a_row=3, precision="bf16")
     assert guard.check(1, 0.5, 1.0) is False
     assert guard.check(2, math.nan, 1.0) is True and guard.check(3, 0.4, math.inf) is True
-    assert guard.status_fields() == {"nonfinite_steps": 2, "nonfinite_in_a_row": 2}
     assert guard.check(4, 0.4, 0.9) is False and guard.in_a_row == 0 and guard.total == 2
     assert guard.check(5, 0.4, 0.9, skipped=True) is True   # another rank's loss was the bad one
+    status = RankStatusWriter(tmp_path, "run", 0, 0, 1, min_interval_s=0)
+    component = NonFiniteGuard(max_in_a_row=3, precision="bf16", status=status)
+    component.after_step(step(1))
+    assert status.state.get("nonfinite_steps") is None   # said once there is one
+    component.after_step(step(2, skipped=True))
+    component.after_step(step(3, skipped=True))
+    assert (status.state["nonfinite_steps"], status.state["nonfinite_in_a_row"]) == (2, 2)
+    component.after_step(step(4))
+    assert (status.state["nonfinite_steps"], status.state["nonfinite_in_a_row"]) == (2, 0)
+    status.close()
 
 
 def test_too_many_in_a_row_stop_the_run_naming_the_steps_the_precision_and_the_remedy():
@@ -31,9 +50,27 @@ def test_too_many_in_a_row_stop_the_run_naming_the_steps_the_precision_and_the_r
 
 
 def test_fault_injection_only_for_the_rank_named():
-    assert injected_steps({"MBC_FAULT_NONFINITE_LOSS": "1:3,4"}, 1) == {3, 4}
-    assert injected_steps({"MBC_FAULT_NONFINITE_LOSS": "1:3,4"}, 0) == frozenset()
-    assert injected_steps({}, 0) == frozenset()
+    assert injected_nonfinite_steps({"MBC_FAULT_NONFINITE_LOSS": "1:3,4"}, 1) == {3, 4}
+    assert injected_nonfinite_steps({"MBC_FAULT_NONFINITE_LOSS": "1:3,4"}, 0) == frozenset()
+    assert injected_nonfinite_steps({}, 0) == frozenset()
+
+
+def test_bad_media_are_counted_over_every_rank_and_each_rank_keeps_its_own(tmp_path):
+    status = RankStatusWriter(tmp_path, "run", 0, 0, 1, min_interval_s=0)
+    guard = BadMediaGuard(max_fraction=0.5, status=status)
+    bad = [{"row": row, "file": f"m/{row}.mp4", "reason": f"row {row} cannot be decoded"} for row in range(1, 8)]
+    assert guard.votes(step(1, bad=bad[:2], samples=4).result) == {"bad_media": 2, "samples": 4}
+    guard.after_step(step(1, bad=bad[:2], samples=4))
+    guard.after_step(step(2, bad=bad[2:7], samples=8))
+    assert guard.skipped_samples == 7 and guard.recent_skips == bad[2:7]   # the newest five
+    assert status.state["skipped_samples"] == 7 and status.state["skip_reasons"] == bad[2:7]
+    resumed = BadMediaGuard(max_fraction=0.5, status=status)
+    resumed.load_state_dict(guard.state_dict())
+    assert (resumed.skipped_samples, resumed.recent_skips) == (7, bad[2:7])
+    assert resumed.bad_total == 0   # the fraction counts what this process saw
+    with pytest.raises(TooMuchBadMedia, match="11 of 12 samples so far could not be decoded"):
+        guard.account(4, 0)
+    status.close()
 
 
 def test_fp16_loss_scaling_skips_an_overflowed_step_and_lowers_the_scale():
