@@ -22,11 +22,18 @@ training's rank 0 reads them and every rank takes rank 0's); a row's batch key t
 (``video@1280x704``), so a batch holds one shape.
 ``caption_prefix`` / ``caption_suffix`` (a trigger word) are joined to every caption when the metadata is read
 (``caption_rules.with_affixes``), so training, validation and the latent cache all see the same prompt.
+``stages`` (``--resolution_stages``, ``data/media/stages.py``): an index ``(index, stage)`` loads at that stage's
+size (and frames).
+
+DiffSynth's loaders read what they load by from the dataset's attributes (``num_frames``, ``get_height_width``), so
+each item is loaded by a view of the dataset that carries that item's settings (its stage, bucket and random-window
+draw: ``for_item``); the dataset itself never changes while it loads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import io
 import itertools
@@ -94,7 +101,7 @@ class MBCVideoDataset(VideoDataset):
         self.substitute_bad_media = substitute_bad_media
         self.decoder = decoder
         self.frames = frames or FrameSelection()
-        self._draw = (0, 0)   # (epoch, sample in epoch) of the row being loaded: random_window's draw
+        self.draw = (0, 0)   # an item's view: (epoch, sample in epoch) of the row it loads, random_window's draw
         self.epoch_span: int | None = None   # the loader's indices per epoch (the batch sampler's; default len)
         kinds = [shape_key(row.get("media_type"), row.get("video")) for row in self.data]
         self.buckets = buckets
@@ -104,9 +111,9 @@ class MBCVideoDataset(VideoDataset):
         self.row_buckets = (buckets_of_sizes(self.row_sizes, height, width) if buckets == "aspect"
                             else [None] * len(self.data))
         self._keys = [sample_key(kind, bucket) for kind, bucket in zip(kinds, self.row_buckets)]
-        self._loading_bucket = None   # the bucket of the row being loaded (get_height_width)
-        # --resolution_stages (data/media/stages.py): an index (row, stage) loads at that stage's size
-        self.stages, self.final_num_frames, self._stage = tuple(stages), num_frames, len(stages)
+        self.bucket = None   # an item's view: the bucket of the row it loads (get_height_width)
+        self.stages, self.final_num_frames = tuple(stages), num_frames
+        self.stage = len(self.stages)   # an item's view: its stage (len(stages): the final size)
         if caption_prefix or caption_suffix:   # the trigger word: what trains (and what the cache encodes)
             for row in self.data:
                 if isinstance(row.get("prompt"), str):
@@ -136,7 +143,7 @@ class MBCVideoDataset(VideoDataset):
     def _load_selected(self, file_path):
         """The frames ``self.frames`` picks, through the fast reader, or DiffSynth's reader (imageio) where the fast
         one cannot match it or ``decoder`` is ``diffsynth``: the same frame indices either way."""
-        epoch, sample = self._draw
+        epoch, sample = self.draw
         frames = None
         if self.decoder == "fast":
             try:
@@ -174,14 +181,13 @@ class MBCVideoDataset(VideoDataset):
     def get_height_width(self, image):
         """The size a frame is resized to cover and centre-cropped to: the row's bucket (at a lower stage, scaled
         to its area), else DiffSynth's."""
-        if self._stage < len(self.stages):
+        if self.stage < len(self.stages):
             from diffsynth_mbc.data.media.stages import stage_shape
 
-            bucket = self._loading_bucket
-            final = (bucket.height, bucket.width) if bucket is not None else (self.height, self.width)
-            return stage_shape(self.stages[self._stage], *final, self.buckets, (self.height, self.width))
-        if self._loading_bucket is not None:
-            return self._loading_bucket.height, self._loading_bucket.width
+            final = (self.bucket.height, self.bucket.width) if self.bucket is not None else (self.height, self.width)
+            return stage_shape(self.stages[self.stage], *final, self.buckets, (self.height, self.width))
+        if self.bucket is not None:
+            return self.bucket.height, self.bucket.width
         return super().get_height_width(image)
 
     @property
@@ -203,9 +209,19 @@ class MBCVideoDataset(VideoDataset):
         other = (r for r in ((row + offset) % rows for offset in range(rows)) if self._keys[r] != key)
         return itertools.islice(itertools.chain(same, other), MAX_CONSECUTIVE_BAD_ROWS)
 
+    def for_item(self, row: int, stage: int | None, draw: tuple[int, int]) -> "MBCVideoDataset":
+        """A view of this dataset that loads ``row`` at ``stage`` (None: the final size) with the random window's
+        ``draw``: a shallow copy (the metadata and everything else shared) with the item's settings."""
+        view = copy.copy(self)
+        view.bucket, view.draw = self.row_buckets[row], draw
+        view.stage = len(self.stages) if stage is None else stage
+        chosen = self.stages[view.stage] if view.stage < len(self.stages) else None
+        view.num_frames = chosen.num_frames if chosen is not None and chosen.num_frames else self.final_num_frames
+        return view
+
     def load_row(self, row: int) -> dict:
+        """Row ``row`` as a sample (on an item's view, ``for_item``: at its settings)."""
         file_name = self.data[row].get("video")
-        self._loading_bucket = self.row_buckets[row]
         try:
             sample = super().__getitem__(row)
         except ShortClip as exc:
@@ -220,20 +236,17 @@ class MBCVideoDataset(VideoDataset):
         return sample
 
     def __getitem__(self, index) -> dict:
-        index, self._stage = index if isinstance(index, tuple) else (index, len(self.stages))
-        stage = self.stages[self._stage] if self._stage < len(self.stages) else None
-        self.num_frames = stage.num_frames if stage is not None and stage.num_frames else self.final_num_frames
+        index, stage = index if isinstance(index, tuple) else (index, None)
         row = index % len(self.data)
         # which epoch and which copy of the row (--dataset_repeat x its catalogue's repeat): each its own draw
-        epoch, sample, copy = sample_place(index, self.epoch_span or len(self), len(self.data))
-        self._draw = (epoch, sample)
+        epoch, sample, copy_of_row = sample_place(index, self.epoch_span or len(self), len(self.data))
         if not self.substitute_bad_media:
-            return self.load_row(row)
+            return self.for_item(row, stage, (epoch, sample)).load_row(row)
         skipped = []
         for candidate in self._replacement_rows(row):
-            self._draw = (epoch, copy * len(self.data) + candidate)
+            draw = (epoch, copy_of_row * len(self.data) + candidate)
             try:
-                sample = self.load_row(candidate)
+                sample = self.for_item(candidate, stage, draw).load_row(candidate)
             except MediaDecodeError as exc:
                 skipped.append({"row": candidate + 1, "file": self.data[candidate].get("video"), "reason": str(exc)})
                 continue

@@ -189,7 +189,6 @@ class LoraHealth(Component):
         self.records: list[dict] = []     # the first record, then the newest two (what the flags read back)
         self.pending: tuple[int, list | None, float] | None = None   # (step, gradient norms, seconds)
         self.shown: set[str] = set()
-        self.last_skipped = False         # the last step was skipped as non-finite
         self.layers = [lora_layers(block) for block in blocks] if every else []
         self.parameters = [[p for p in block.parameters() if p.requires_grad] for block in blocks] if every else []
         if every:
@@ -203,7 +202,6 @@ class LoraHealth(Component):
 
     def after_step(self, context: StepContext) -> None:
         """Every ``every`` steps; the last step's record waits for ``at_end`` (after the last validation)."""
-        self.last_skipped = context.result.skipped
         step = context.step
         if self.every and step % self.every == 0 and step != self.total_steps:
             self.record(step)
@@ -274,8 +272,9 @@ class LoraHealth(Component):
         from diffsynth_mbc.training.distributed.collectives import all_reduce_sum
 
         last = self.records[-1] if self.records else {}
+        ends_skipped = bool(self.steps and self.steps[-1].get("nonfinite"))   # the last step's history record
         broken = [found for found in last.get("flags") or [] if found["flag"] == "exploding"
-                  or (found["flag"] == "nonfinite" and self.last_skipped)]
+                  or (found["flag"] == "nonfinite" and ends_skipped)]
         nonfinite = sum(1 for parameter in self.trainable if not bool(torch.isfinite(parameter.detach()).all()))
         local = torch.tensor([1 if broken or nonfinite else 0], device=self.accelerator.device)
         if int(all_reduce_sum(self.accelerator, local, self.status,

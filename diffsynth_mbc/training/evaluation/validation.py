@@ -61,7 +61,7 @@ class Validator:
         self.base: tuple[dict, dict, int] | None = None
         # The rows the last measure_losses() could not decode and took the next row for: (this rank's, every rank's count)
         self.substituted: tuple[list[dict], int] = ([], 0)
-        self.base_step = self.base_measurements = 0
+        self.base_step = 0
         self.every = options.val_steps
         self.ema = None   # the run's LoraEma (--validate_with ema|both measure it)
 
@@ -117,7 +117,7 @@ class Validator:
         if self.base is None:
             with unwrapped_model(self.accelerator, self.module).lora_disabled():
                 self.base = self.measure_losses()
-            self.base_step, self.base_measurements = step, self.base_measurements + 1
+            self.base_step = step
         by_quantile, by_mode, samples = self.base
         if not samples:
             return {}

@@ -47,7 +47,6 @@ class ProgressLogger(ModelLogger):
         self._summary_printed = False
         self.steps_per_epoch = steps_per_epoch
         self.num_epochs = num_epochs
-        self.total_steps = steps_per_epoch * num_epochs
         self.samples_per_step = samples_per_step
         self.step = start_step
         self.epoch = start_step // steps_per_epoch if steps_per_epoch else 0
@@ -61,6 +60,10 @@ class ProgressLogger(ModelLogger):
         self.status.gpu_reader = GpuReader()
         self.status.update(total_steps=self.total_steps, steps_per_epoch=steps_per_epoch, num_epochs=num_epochs,
                            step=start_step, epoch=self.epoch)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.num_epochs
 
     # -- hooks --------------------------------------------------------------------------------
     def on_train_begin(self, **kwargs) -> None:
