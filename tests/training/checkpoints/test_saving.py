@@ -142,7 +142,7 @@ def test_force_resume_applies_this_runs_settings_and_says_so(runs, capfd):
     trained_for(*runs("--learning_rate", "1e-3"), 3)
     checkpoints, optimizer = runs("--learning_rate", "1e-2", "--lr_scheduler", "cosine", "--weight_decay", "0",
                                   "--force_resume", "true")
-    assert checkpoints.load("latest").step == 3
+    assert checkpoints.load("latest")[0].step == 3
     expected = 1e-2 * lr_factor(3, TOTAL_STEPS, 0, "cosine")
     assert [group["lr"] for group in optimizer.param_groups] == [pytest.approx(expected)]
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.0]
@@ -159,7 +159,7 @@ def test_the_same_settings_resume_with_the_saved_optimizer_state(runs):
     trained_for(first, optimizer, 3)
     saved_lr = optimizer.param_groups[0]["lr"]
     checkpoints, resumed = runs("--learning_rate", "1e-3", "--lr_scheduler", "cosine")
-    assert checkpoints.load("latest").step == 3
+    assert checkpoints.load("latest")[0].step == 3
     assert resumed.param_groups[0]["lr"] == pytest.approx(saved_lr)
     assert checkpoints.status.state.get("resumed_with_changes") is None
 
