@@ -89,16 +89,17 @@ class BenchStatus:
 
 @dataclass
 class StepRun:
-    """The attributes of the training's ``Run`` that ``forward_backward`` reads."""
+    """The training's parts that ``forward_backward`` reads (``training.recipe.Parts``), the step count, and the LoRA
+    health whose gradient norms a step may read (none unless a benchmark sets it)."""
     accelerator: object
     module: object
     optimizer: object
+    scheduler: object
     trainable: list
     options: argparse.Namespace
     status: BenchStatus
     position: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(step=0))
-    injected_nonfinite: frozenset = frozenset()
-    health: object = None   # the run's LoRA health records: none here
+    health: object = None
 
 
 class PeakRSS:
@@ -182,9 +183,10 @@ def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=options.weight_decay)
     module, optimizer = accelerator.prepare(module, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)   # the constant schedule
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
-    run = StepRun(accelerator=accelerator, module=module, optimizer=optimizer, trainable=trainable,
-                  options=options, status=status)
+    run = StepRun(accelerator=accelerator, module=module, optimizer=optimizer, scheduler=scheduler,
+                  trainable=trainable, options=options, status=status)
     info = {"device": device_name(accelerator.device), "torch": torch.__version__,
             "mixed_precision": accelerator.mixed_precision, "model_dtype": str(dtype).replace("torch.", ""),
             "precision_reason": status.state.get("precision_reason"),
@@ -323,11 +325,16 @@ class Batches:
 
 def optimizer_step(run: StepRun, batch: list[dict]) -> bool:
     """One optimizer step through the training's ``forward_backward``; True when it was skipped (non-finite)."""
-    from diffsynth_mbc.training.step.micro_batch import forward_backward
+    from diffsynth_mbc.training.step.micro_batch import forward, forward_backward
 
-    _, _, skipped = forward_backward(run, batch, [])
+    def on_gradients(grad_norm, max_norm):
+        if run.health is not None:
+            run.health.on_gradients(run.position.step + 1, grad_norm, max_norm)
+
+    step = forward_backward(run, batch, [], lambda each: forward(run.module, run.accelerator, run.status, each),
+                            on_gradients)
     run.position.step += 1
-    return bool(skipped)
+    return step.skipped
 
 
 def time_feeds(run: StepRun, feeds: list[Feed], batches: Batches, warmup: int, runs: int, attention: str) -> dict:
