@@ -21,7 +21,8 @@ from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpo
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
                                                             watch_gradient_all_reduce)
-from diffsynth_mbc.training.evaluation.best_lora import keep_best, resume_best, say_early_stop, stopped_before
+from diffsynth_mbc.training.evaluation.best_lora import (best_file_said_on_failure, keep_best, resume_best,
+                                                         say_early_stop, stopped_before)
 from diffsynth_mbc.training.evaluation.lora_health import LoraHealth, end_of_run, make_health
 from diffsynth_mbc.training.evaluation.sample_clips import make_sampler, maybe_sample
 from diffsynth_mbc.training.evaluation.validation import Validator
@@ -85,9 +86,10 @@ class Run:
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     run = setup(options, status, signals)
     resume_collector()   # paused by `python -m diffsynth_mbc.train` while it imported and set up
-    outcome = "early_stop" if stopped_before(run) else train_epochs(run)
-    if outcome != "stopped":
-        finish(run, early_stop=outcome == "early_stop")
+    with best_file_said_on_failure(run):   # a broken LoRA's message says what became of lora-best
+        outcome = "early_stop" if stopped_before(run) else train_epochs(run)
+        if outcome != "stopped":
+            finish(run, early_stop=outcome == "early_stop")
     cleanup(run)
 
 

@@ -1,13 +1,17 @@
 """The loop's hook after a validation: keep the best LoRA (``lora-best.safetensors``, written as every LoRA file is,
 with its EMA twin when there is an EMA) and say it in the status file (``best``); and ``--early_stop``: whether the run
-ends here. Every rank calls it at the same step; the validation's loss is every rank's, so they decide alike."""
+ends here. Every rank calls it at the same step; the validation's loss is every rank's, so they decide alike. A run
+that fails with a broken LoRA says what became of ``lora-best`` (``best_file_said_on_failure``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
-from diffsynth_mbc.training.evaluation.best_so_far import BEST_FILE, BestSoFar
+from diffsynth_mbc.training.evaluation.best_so_far import BEST_FILE, BestSoFar, best_file_note
+from diffsynth_mbc.training.evaluation.lora_health import UnhealthyRunError
+from diffsynth_mbc.training.step.guards import NonFiniteError
 
 
 def best_file_path(options) -> str:
@@ -50,3 +54,16 @@ def stopped_before(run) -> bool:
 def say_early_stop(run) -> None:
     """The status file's ``early_stop`` on every rank (the run's summary ends with it: ``early_stop_line``)."""
     run.status.update(early_stop=run.validator.best.early_stop_record(run.position.step))
+
+
+@contextlib.contextmanager
+def best_file_said_on_failure(run):
+    """Around the training and its end: a run that fails with a broken LoRA (non-finite steps, a LoRA file refused
+    for NaN/inf, a broken LoRA at the end) ends its message with what became of ``lora-best.safetensors``."""
+    try:
+        yield
+    except (NonFiniteError, UnhealthyRunError) as error:
+        if run.validator is None:
+            raise
+        note = best_file_note(run.validator.best, best_file_path(run.options))
+        raise type(error)(f"{str(error).rstrip('.')}. Best LoRA: {note}") from None

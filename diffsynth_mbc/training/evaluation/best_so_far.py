@@ -1,8 +1,9 @@
 """The best validation so far and ``--early_stop N``: which validation is a new best (its LoRA is kept as
 ``lora-best.safetensors``) and when the run has had N validations in a row without improving. Pure: no torch.
 
-The headline ``val_loss`` decides (the EMA's under ``--validate_with ema``). A new best is any validation lower than
-every earlier one. An improvement, for the early stop, is a validation at least ``min_delta`` (relative) below the
+The headline ``val_loss`` decides (the EMA's under ``--validate_with ema``). A new best is any finite validation lower
+than every earlier one: a NaN or infinite one (a LoRA blown up, fp16 overflowing) is never the best, never the loss the
+count is reset at, and, once the count runs, a validation without an improvement. An improvement, for the early stop, is a validation at least ``min_delta`` (relative) below the
 loss the count was last reset at: a run creeping down by less than that is not learning anything a clip would show
 (docs/training.md, Best LoRA and early stop). The first validation sets that loss and counts for nothing, and so do
 validations in the warm-up (``--warmup_steps``), whose loss falls with the learning rate rising. The state goes into
@@ -11,6 +12,8 @@ every checkpoint, so a resumed run knows its best and its count."""
 from __future__ import annotations
 
 import dataclasses
+
+from diffsynth_mbc.values import finite_number
 
 BEST_FILE = "lora-best.safetensors"
 DEFAULT_MIN_DELTA = 0.001
@@ -37,6 +40,10 @@ class BestSoFar:
         for key in ("best_step", "best_loss", "best_base", "reference", "reference_step", "without"):
             if saved and saved.get(key) is not None:
                 setattr(tracker, key, saved[key])
+        if tracker.best_loss is not None and finite_number(tracker.best_loss) is None:   # saved by an earlier version
+            tracker.best_step = tracker.best_loss = tracker.best_base = None
+        if tracker.reference is not None and finite_number(tracker.reference) is None:
+            tracker.reference = tracker.reference_step = None
         return tracker
 
     def as_dict(self) -> dict:
@@ -44,11 +51,15 @@ class BestSoFar:
                                                     "reference_step", "without")}
 
     def observe(self, step: int, val_loss: float, base: float | None = None) -> bool:
-        """Take the validation of ``step``; whether it is a new best."""
-        self.last_new_best = self.best_loss is None or val_loss < self.best_loss
+        """Take the validation of ``step``; whether it is a new best (never when ``val_loss`` is not finite)."""
+        finite = finite_number(val_loss) is not None
+        self.last_new_best = finite and (self.best_loss is None or val_loss < self.best_loss)
         if self.last_new_best:
             self.best_step, self.best_loss, self.best_base = step, val_loss, base
-        if self.reference is None or step <= self.warmup_steps:
+        if not finite:   # no improvement once the count runs; nothing before
+            if self.reference is not None and step > self.warmup_steps:
+                self.without += 1
+        elif self.reference is None or step <= self.warmup_steps:
             if self.reference is None or val_loss < self.reference:
                 self.reference, self.reference_step = val_loss, step
         elif val_loss < self.reference * (1 - self.min_delta):
@@ -73,6 +84,14 @@ class BestSoFar:
     def early_stop_record(self, step: int) -> dict:
         return {"step": step, "best_step": self.best_step, "validations_without_improvement": self.without,
                 "since_step": self.reference_step, "patience": self.patience, "min_delta": self.min_delta}
+
+
+def best_file_note(best: BestSoFar, file: str) -> str:
+    """What became of the best LoRA, for the message of a run that fails with a broken LoRA."""
+    if best.best_step is None:
+        return f"no {BEST_FILE} was written: no validation of this run had a finite val_loss"
+    return (f"{file} holds the LoRA of step {best.best_step} (val_loss {best.best_loss:.4f}, the lowest finite "
+            "validation), kept")
 
 
 def early_stop_line(record: dict, total_steps: int, best_file: str) -> str:

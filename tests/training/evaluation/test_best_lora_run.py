@@ -2,7 +2,8 @@
 ``lora-best.safetensors`` is the LoRA of the lowest validation (the tensors of that step's checkpoint) and the status
 files name it; at a learning rate of 1e-12 ``--early_stop 2`` ends the run before its planned total on every rank, with
 a checkpoint of that step, and ``--resume latest`` trains nothing more; ZeRO-2 and two nodes stop at the same step;
-a SIGKILL and a resume keep the best."""
+a SIGKILL and a resume keep the best; at a learning rate of 1e30 no validation is finite: none is the best, no
+lora-best is written and the failed run's message says so."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ STOPS_AT = 6  # 1e-12: no change; the warm-up's validation (step 2) sets the los
 
 
 def flags(root, run, **more):
-    return demo_flags(root / "demo", run, num_epochs=4, val_metadata_path=root / "val" / "metadata" / "metadata.csv",
-                      val_base_path=root / "val" / "catalog", val_steps=2, val_samples=4, checkpoint_steps=2,
-                      keep_checkpoints=10, **more)
+    return demo_flags(root / "demo", run, **{"num_epochs": 4, "val_metadata_path": root / "val" / "metadata" /
+                                             "metadata.csv", "val_base_path": root / "val" / "catalog", "val_steps": 2,
+                                             "val_samples": 4, "checkpoint_steps": 2, "keep_checkpoints": 10, **more})
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,10 @@ def runs(tmp_path_factory):
     prepare(root / "demo", num_videos=3, num_images=2)
     prepare(root / "val", num_videos=2, num_images=2)
     outputs = {}
-    for name, more in (("learning", {}), ("still", {"learning_rate": 1e-12, "early_stop": 2})):
+    for name, more, code in (("learning", {}, 0), ("still", {"learning_rate": 1e-12, "early_stop": 2}, 0),
+                             ("exploding", {"learning_rate": 1e30, "num_epochs": 1}, 1)):
         result = run_training(root, flags(root, root / name, **more), timeout=400, OMP_NUM_THREADS=1)
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.returncode == code, result.stderr[-3000:]
         outputs[name] = result.stdout + result.stderr
     return root, outputs
 
@@ -72,6 +74,23 @@ def test_lora_best_is_the_lowest_validations_lora_and_every_rank_names_it(runs):
     assert f"validation at step {records[0]['step']}: val_loss" in outputs["learning"]
     assert ", new best" in outputs["learning"]
     assert f"best LoRA: {run / 'lora' / 'lora-best.safetensors'} (step {lowest['step']}" in outputs["learning"]
+
+
+def test_a_validation_that_is_not_finite_is_never_the_best_and_the_failure_says_so(runs):
+    root, outputs = runs
+    run = root / "exploding"
+    records = validations(run / "logs")
+    assert [record["step"] for record in records] == [2, 3] and not any(record.get("new_best") for record in records)
+    assert not (run / "lora" / "lora-best.safetensors").exists()
+    said = outputs["exploding"]
+    assert "validation at step 2: val_loss nan" in said and ", new best" not in said
+    assert "not finite: never the best LoRA (no lora-best.safetensors yet)" in said
+    for rank in (0, 1):
+        state = read_status(run / "logs", rank)
+        assert state["status"] == "failed" and state["best"] is None and state["new_best"] is False
+        assert state["error"]["message"].startswith("the run ended with a broken LoRA")
+        assert state["error"]["message"].endswith(
+            "Best LoRA: no lora-best.safetensors was written: no validation of this run had a finite val_loss")
 
 
 def test_early_stop_ends_every_rank_before_the_total_with_a_checkpoint(runs):

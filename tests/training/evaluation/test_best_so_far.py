@@ -1,9 +1,12 @@
 """The best validation so far and --early_stop's count: new bests, the relative improvement, the warm-up and the
-first validation counting for nothing, a checkpoint's state carried into a resume."""
+first validation counting for nothing, a non-finite validation never the best, a checkpoint's state carried into a
+resume."""
 
 from types import SimpleNamespace
 
-from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar, early_stop_line
+from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar, best_file_note, early_stop_line
+
+NAN, INF = float("nan"), float("inf")
 
 
 def options(**given):
@@ -51,3 +54,32 @@ def test_a_resume_goes_on_from_the_checkpoints_state_with_this_runs_patience():
     assert resumed.best_step == 10 and resumed.without == 2 and not resumed.stop_due
     assert resumed.best_record("f")["gain"] == (1.2 - 1.0) / 1.2
     assert BestSoFar.from_options(options(), tracker.as_dict()).stop_due
+
+
+def test_a_non_finite_validation_is_never_the_best_nor_stops_an_improving_run():
+    tracker = BestSoFar.from_options(options(early_stop=3, early_stop_min_delta=0.001))
+    assert not tracker.observe(10, NAN) and tracker.best_record("f") is None
+    for step, loss in ((20, 1.5), (30, 1.2), (40, 1.0)):   # improving: each a new best, the count never moves
+        assert tracker.observe(step, loss) and tracker.without == 0
+    assert not tracker.stop_due and tracker.best_record("f")["val_loss"] == 1.0
+    # once the count runs, a non-finite validation is one without an improvement, and never the best
+    assert not tracker.observe(50, INF) and tracker.without == 1 and tracker.best_step == 40
+    assert not tracker.observe(60, NAN) and tracker.without == 2 and tracker.reference == 1.0
+
+
+def test_a_checkpoint_that_saved_a_nan_best_is_read_without_it():
+    saved = {"best_step": 2, "best_loss": NAN, "best_base": 1.6, "reference": NAN, "reference_step": 2, "without": 0}
+    resumed = BestSoFar.from_options(options(), saved)
+    assert resumed.best_record("f") is None and resumed.reference is None
+    assert resumed.observe(4, 1.4) and resumed.best_record("f")["step"] == 4 and resumed.reference == 1.4
+
+
+def test_a_broken_runs_message_says_what_became_of_the_best_file():
+    tracker = BestSoFar.from_options(options())
+    tracker.observe(2, NAN)
+    assert best_file_note(tracker, "out/lora-best.safetensors") == (
+        "no lora-best.safetensors was written: no validation of this run had a finite val_loss")
+    tracker.observe(4, 1.25)
+    tracker.observe(6, NAN)
+    assert best_file_note(tracker, "out/lora-best.safetensors") == (
+        "out/lora-best.safetensors holds the LoRA of step 4 (val_loss 1.2500, the lowest finite validation), kept")
