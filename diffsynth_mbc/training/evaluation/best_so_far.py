@@ -1,13 +1,15 @@
 """The best validation so far and ``--early_stop N``: which validation is a new best (its LoRA is kept as
-``lora-best.safetensors``) and when the run has had N validations in a row without improving. Pure: no torch.
+``lora-best.safetensors``), where the early stop's count stands after each validation, and when the run has had N
+validations in a row without improving. Pure: no torch.
 
 The headline ``val_loss`` decides (the EMA's under ``--validate_with ema``). A new best is any finite validation lower
 than every earlier one: a NaN or infinite one (a LoRA blown up, fp16 overflowing) is never the best, never the loss the
-count is reset at, and, once the count runs, a validation without an improvement. An improvement, for the early stop, is a validation at least ``min_delta`` (relative) below the
-loss the count was last reset at: a run creeping down by less than that is not learning anything a clip would show
-(docs/training.md, Best LoRA and early stop). The first validation sets that loss and counts for nothing, and so do
-validations in the warm-up (``--warmup_steps``), whose loss falls with the learning rate rising. The state goes into
-every checkpoint, so a resumed run knows its best and its count."""
+count is reset at, and, once the count runs, a validation without an improvement. An improvement, for the early stop,
+is a validation at least ``min_delta`` (relative) below the loss the count was last reset at: a run creeping down by
+less than that is not learning anything a clip would show (docs/training.md, Best LoRA and early stop), so a new best
+by less still counts, and each validation line says so (``standing_text``). The first validation sets that loss and
+counts for nothing, and so do validations in the warm-up (``--warmup_steps``), whose loss falls with the learning rate
+rising. The state goes into every checkpoint, so a resumed run knows its best and its count."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class BestSoFar:
     reference_step: int | None = None
     without: int = 0                  # validations in a row since then without an improvement
     last_new_best: bool = False       # the last validation observed was a new best
+    standing: dict | None = None      # where the count stands after the last validation (with --early_stop)
 
     @classmethod
     def from_options(cls, options, saved: dict | None = None) -> "BestSoFar":
@@ -56,17 +59,32 @@ class BestSoFar:
         self.last_new_best = finite and (self.best_loss is None or val_loss < self.best_loss)
         if self.last_new_best:
             self.best_step, self.best_loss, self.best_base = step, val_loss, base
-        if not finite:   # no improvement once the count runs; nothing before
-            if self.reference is not None and step > self.warmup_steps:
-                self.without += 1
-        elif self.reference is None or step <= self.warmup_steps:
-            if self.reference is None or val_loss < self.reference:
+        compared_step, compared = self.reference_step, self.reference
+        not_counted = self.not_counted(step, finite)
+        if not_counted:
+            if finite and (self.reference is None or val_loss < self.reference):
                 self.reference, self.reference_step = val_loss, step
-        elif val_loss < self.reference * (1 - self.min_delta):
+        elif finite and val_loss < self.reference * (1 - self.min_delta):
             self.reference, self.reference_step, self.without = val_loss, step, 0
         else:
             self.without += 1
+        counted = not not_counted
+        self.standing = None if self.patience is None else {
+            "step": step, "count": self.without, "patience": self.patience, "min_delta": self.min_delta,
+            "not_counted": not_counted, "counts_from_step": self.warmup_steps + 1, "finite": finite,
+            "compared_with_step": compared_step if counted else None,
+            "change": (val_loss - compared) / compared if counted and finite and compared else None,
+            "reset": counted and self.reference_step == step, "since_step": self.reference_step}
         return self.last_new_best
+
+    def not_counted(self, step: int, finite: bool) -> str | None:
+        """Why the validation of ``step`` counts for nothing: ``warm-up``, ``first`` (it sets the loss the count
+        starts from), ``no finite one yet``; None when it counts."""
+        if step <= self.warmup_steps:
+            return "warm-up"
+        if self.reference is None:
+            return "first" if finite else "no finite one yet"
+        return None
 
     @property
     def stop_due(self) -> bool:
@@ -83,7 +101,8 @@ class BestSoFar:
 
     def early_stop_record(self, step: int) -> dict:
         return {"step": step, "best_step": self.best_step, "validations_without_improvement": self.without,
-                "since_step": self.reference_step, "patience": self.patience, "min_delta": self.min_delta}
+                "since_step": self.reference_step, "since_val_loss": self.reference, "patience": self.patience,
+                "min_delta": self.min_delta}
 
 
 def best_file_note(best: BestSoFar, file: str) -> str:
@@ -94,8 +113,46 @@ def best_file_note(best: BestSoFar, file: str) -> str:
             "validation), kept")
 
 
+def percent(share: float) -> str:
+    """``0.04%``, ``12%``: two significant digits."""
+    return f"{100 * share:.2g}%"
+
+
+def standing_text(standing: dict) -> str:
+    """Where the early stop's count stands after a validation (its line on the terminal):
+    ``early stop: 0.04% below step 203's (under the 0.10% that resets the count): 2 of 3``."""
+    count, patience, delta = standing["count"], standing["patience"], f"{standing['min_delta']:.2%}"
+    reason = standing["not_counted"]
+    if reason == "warm-up":
+        return f"early stop: in the warm-up, not counted (the count runs from step {standing['counts_from_step']:,})"
+    if reason == "first":
+        return f"early stop: the count starts from this one: 0 of {patience}"
+    if reason:
+        return "early stop: not finite, not counted (the count starts from the first finite validation)"
+    than = f"step {standing['compared_with_step']:,}'s"
+    change = standing["change"]
+    if change is None:
+        text = "not finite, no improvement"
+    elif standing["reset"]:
+        text = f"{percent(-change)} below {than}, at least the {delta} that resets the count"
+    elif change < 0:
+        text = f"{percent(-change)} below {than} (under the {delta} that resets the count)"
+    else:
+        text = f"{percent(change)} above {than}" if change > 0 else f"the same as {than}"
+    return f"early stop: {text}: {count} of {patience}" + (", the run stops here" if count >= patience else "")
+
+
+def early_stop_reason(record: dict) -> str:
+    """Why the run stopped early: ``3 validations in a row since step 203 (val_loss 1.2006) without the 0.10%
+    improvement that resets the count (--early_stop 3)``; as each validation line counted them."""
+    since = record.get("since_val_loss")
+    loss = f" (val_loss {since:.4f})" if finite_number(since) is not None else ""
+    return (f"{record['validations_without_improvement']} validations in a row since step {record['since_step']}"
+            f"{loss} without the {record['min_delta']:.2%} improvement that resets the count (--early_stop "
+            f"{record['patience']})")
+
+
 def early_stop_line(record: dict, total_steps: int, best_file: str) -> str:
     """The launcher's last line of an early-stopped run."""
-    return (f"stopped early at step {record['step']} of {total_steps}: no better validation in "
-            f"{record['validations_without_improvement']} evaluations since step {record['since_step']}; best: "
+    return (f"stopped early at step {record['step']} of {total_steps}: {early_stop_reason(record)}; best: "
             f"{best_file} (step {record['best_step']})")

@@ -87,7 +87,8 @@ class Validator:
                                     "val_samples": samples, "time": round(time.time(), 3), **extra,
                                     **(said if substituted else {}), **({"new_best": True} if new_best else {})})
         self.status.update(val_loss=val_loss, val_loss_by_quantile=by_quantile, val_loss_by_mode=by_mode,
-                           val_step=step, phase=f"validated at step {step}", new_best=new_best, **extra, **said)
+                           val_step=step, phase=f"validated at step {step}", new_best=new_best,
+                           early_stop_count=self.best.standing, **extra, **said)
         return val_loss
 
     def base_fields(self, step: int) -> dict:

@@ -7,6 +7,8 @@ lora-best is written and the failed run's message says so."""
 
 from __future__ import annotations
 
+import re
+
 import psutil
 import pytest
 import torch
@@ -99,13 +101,28 @@ def test_early_stop_ends_every_rank_before_the_total_with_a_checkpoint(runs):
     for rank in (0, 1):
         state = read_status(run / "logs", rank)
         assert state["status"] == "finished" and state["step"] == STOPS_AT and state["total_steps"] == TOTAL
+        first = validations(run / "logs")[0]["val_loss"]
         assert state["early_stop"] == {"step": STOPS_AT, "best_step": 2, "validations_without_improvement": 2,
-                                       "since_step": 2, "patience": 2, "min_delta": 0.001}
+                                       "since_step": 2, "since_val_loss": first, "patience": 2, "min_delta": 0.001}
     assert max(line["step"] for line in read_history(run / "logs", 0) if "step" in line) == STOPS_AT
     assert complete_checkpoints(run / "lora" / "checkpoints")[-1][0] == STOPS_AT
     last = outputs["still"].rstrip().splitlines()[-1]
-    assert last == (f"stopped early at step {STOPS_AT} of {TOTAL}: no better validation in 2 evaluations since step 2; "
-                    f"best: {run / 'lora' / 'lora-best.safetensors'} (step 2)")
+    assert last == (f"stopped early at step {STOPS_AT} of {TOTAL}: 2 validations in a row since step 2 (val_loss "
+                    f"{first:.4f}) without the 0.10% improvement that resets the count (--early_stop 2); best: "
+                    f"{run / 'lora' / 'lora-best.safetensors'} (step 2)")
+
+
+def test_each_validation_line_says_where_the_early_stop_count_stands(runs):
+    root, outputs = runs
+    lines = [line for line in outputs["still"].splitlines() if line.startswith("validation at step")]
+    assert len(lines) == 3
+    assert "early stop: in the warm-up, not counted (the count runs from step 3)" in lines[0]   # --warmup_steps 2
+    assert re.search(r"validation at step 4: .*; early stop: .*: 1 of 2(;|$)", lines[1]), lines[1]
+    assert re.search(r"validation at step 6: .*; early stop: .*: 2 of 2, the run stops here(;|$)", lines[2]), lines[2]
+    standing = read_status(root / "still" / "logs", 0)["early_stop_count"]
+    assert (standing["step"], standing["count"], standing["patience"], standing["since_step"]) == (6, 2, 2, 2)
+    learning = read_status(root / "learning" / "logs", 0)
+    assert learning["early_stop_count"] is None and "early stop:" not in outputs["learning"]   # off: nothing said
 
 
 def test_a_resume_of_an_early_stopped_run_trains_nothing_and_says_how_to_go_on(runs):
@@ -115,7 +132,9 @@ def test_a_resume_of_an_early_stopped_run_trains_nothing_and_says_how_to_go_on(r
                            OMP_NUM_THREADS=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     said = resumed.stdout + resumed.stderr
-    assert f"this run stopped early at step {STOPS_AT}: no better validation in 2 evaluations since step 2" in said
+    assert (f"this run stopped early at step {STOPS_AT}: 2 validations in a row since step 2 (val_loss "
+            f"{validations(run / 'logs')[0]['val_loss']:.4f}) without the 0.10% improvement that resets the count "
+            "(--early_stop 2); nothing more to train") in said
     assert "To go on: a larger --early_stop N, or --early_stop off" in said
     state = read_status(run / "logs", 0)
     assert state["status"] == "finished" and state["step"] == STOPS_AT and state["early_stop"]["step"] == STOPS_AT

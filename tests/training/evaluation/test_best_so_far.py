@@ -4,7 +4,8 @@ resume."""
 
 from types import SimpleNamespace
 
-from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar, best_file_note, early_stop_line
+from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar, best_file_note, early_stop_line, standing_text
+from diffsynth_mbc.training.reporting.run_summary import validation_event
 
 NAN, INF = float("nan"), float("inf")
 
@@ -25,10 +26,10 @@ def test_a_new_best_is_any_lower_loss_and_only_a_real_improvement_resets_the_cou
         "step": 30, "val_loss": 0.98, "val_loss_base": None, "gain": None, "file": "out/lora-best.safetensors"}
     record = tracker.early_stop_record(50)
     assert record == {"step": 50, "best_step": 30, "validations_without_improvement": 2, "since_step": 30,
-                      "patience": 2, "min_delta": 0.01}
+                      "since_val_loss": 0.98, "patience": 2, "min_delta": 0.01}
     assert early_stop_line(record, 100, "out/lora-best.safetensors") == (
-        "stopped early at step 50 of 100: no better validation in 2 evaluations since step 30; best: "
-        "out/lora-best.safetensors (step 30)")
+        "stopped early at step 50 of 100: 2 validations in a row since step 30 (val_loss 0.9800) without the 1.00% "
+        "improvement that resets the count (--early_stop 2); best: out/lora-best.safetensors (step 30)")
 
 
 def test_the_warm_up_never_counts_and_off_never_stops():
@@ -83,3 +84,55 @@ def test_a_broken_runs_message_says_what_became_of_the_best_file():
     tracker.observe(6, NAN)
     assert best_file_note(tracker, "out/lora-best.safetensors") == (
         "out/lora-best.safetensors holds the LoRA of step 4 (val_loss 1.2500, the lowest finite validation), kept")
+
+
+def test_each_validation_line_says_where_the_count_stands_and_the_summary_agrees():
+    tracker = BestSoFar.from_options(options(early_stop=3, early_stop_min_delta=0.001, warmup_steps=100))
+    lines = []
+    for step, loss in ((100, 1.3), (189, 1.2010), (196, 1.2006), (203, 1.2), (210, 1.1996), (217, 1.1995),
+                       (224, 1.1994)):
+        new_best = tracker.observe(step, loss)
+        lines.append(validation_event({"val_step": step, "val_loss": loss, "new_best": new_best,
+                                       "early_stop_count": tracker.standing}))
+    assert lines == [
+        "validation at step 100: val_loss 1.3000, new best; early stop: in the warm-up, not counted (the count runs "
+        "from step 101)",
+        "validation at step 189: val_loss 1.2010, new best; early stop: 7.6% below step 100's, at least the 0.10% "
+        "that resets the count: 0 of 3",
+        "validation at step 196: val_loss 1.2006, new best; early stop: 0.033% below step 189's (under the 0.10% that "
+        "resets the count): 1 of 3",
+        "validation at step 203: val_loss 1.2000, new best; early stop: 0.083% below step 189's (under the 0.10% that "
+        "resets the count): 2 of 3",
+        "validation at step 210: val_loss 1.1996, new best; early stop: 0.12% below step 189's, at least the 0.10% "
+        "that resets the count: 0 of 3",
+        "validation at step 217: val_loss 1.1995, new best; early stop: 0.0083% below step 210's (under the 0.10% "
+        "that resets the count): 1 of 3",
+        "validation at step 224: val_loss 1.1994, new best; early stop: 0.017% below step 210's (under the 0.10% "
+        "that resets the count): 2 of 3"]
+    # a new best again, by less than 0.1%: the third in a row; the run stops, and its summary says why in those words
+    assert validation_event({"val_step": 231, "val_loss": 1.1993, "new_best": tracker.observe(231, 1.1993),
+                             "early_stop_count": tracker.standing}) == (
+        "validation at step 231: val_loss 1.1993, new best; early stop: 0.025% below step 210's (under the 0.10% that "
+        "resets the count): 3 of 3, the run stops here")
+    assert tracker.stop_due
+    assert early_stop_line(tracker.early_stop_record(231), 280, "lora-best.safetensors") == (
+        "stopped early at step 231 of 280: 3 validations in a row since step 210 (val_loss 1.1996) without the 0.10% "
+        "improvement that resets the count (--early_stop 3); best: lora-best.safetensors (step 231)")
+
+
+def test_the_count_says_a_first_a_higher_and_a_non_finite_validation():
+    tracker = BestSoFar.from_options(options(early_stop=2, early_stop_min_delta=0.001))
+    tracker.observe(10, NAN)
+    assert standing_text(tracker.standing) == (
+        "early stop: not finite, not counted (the count starts from the first finite validation)")
+    tracker.observe(20, 1.0)
+    assert standing_text(tracker.standing) == "early stop: the count starts from this one: 0 of 2"
+    tracker.observe(30, 1.0)
+    assert standing_text(tracker.standing) == "early stop: the same as step 20's: 1 of 2"
+    tracker.observe(40, NAN)
+    assert standing_text(tracker.standing) == "early stop: not finite, no improvement: 2 of 2, the run stops here"
+    tracker = BestSoFar.from_options(options(early_stop=2))
+    tracker.observe(10, 1.0)
+    tracker.observe(20, 1.25)
+    assert standing_text(tracker.standing) == "early stop: 25% above step 10's: 1 of 2"
+    assert BestSoFar.from_options(options(early_stop=None)).standing is None
