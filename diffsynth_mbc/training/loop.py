@@ -247,11 +247,14 @@ def train_epochs(run: Run) -> str:
     run.signals.graceful = True
     for epoch in range(run.position.epoch, run.options.num_epochs):
         outcome = train_epoch(run, epoch)
-        if outcome != "done":   # a stop request, or --early_stop
+        # a stop request ends the run here; so does --early_stop, after the epoch's file when its last step stopped it
+        if outcome == "stopped" or (outcome == "early_stop" and run.position.epoch == epoch):
             return outcome
         run.logger.timed("lora", run.checkpoints.save_lora, epoch_file_name(epoch, run.options.num_epochs),
                         run.position.step)
         run.logger.on_epoch_end(save_epoch_file=False)
+        if outcome == "early_stop":
+            return outcome
     return "done"
 
 

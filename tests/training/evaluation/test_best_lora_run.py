@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints
+from diffsynth_mbc.training.lora.read import file_metadata_of
 from e2e_helpers import REPO, demo_flags, free_port, kill_tree, launch, read_history, read_status, wait_for
 from forked_ranks import run_training
 from multinode_helpers import finish, start_nodes
@@ -110,6 +111,22 @@ def test_early_stop_ends_every_rank_before_the_total_with_a_checkpoint(runs):
     assert last == (f"stopped early at step {STOPS_AT} of {TOTAL}: 2 validations in a row since step 2 (val_loss "
                     f"{first:.4f}) without the 0.10% improvement that resets the count (--early_stop 2); best: "
                     f"{run / 'lora' / 'lora-best.safetensors'} (step 2)")
+
+
+def test_an_early_stop_at_the_end_of_an_epoch_writes_that_epochs_file_and_the_counts_agree(runs):
+    root, outputs = runs
+    run = root / "still"   # 3 steps an epoch: step 6 ends epoch 2
+    lora = run / "lora"
+    assert sorted(path.name for path in lora.glob("epoch-*.safetensors")) == ["epoch-001.safetensors",
+                                                                               "epoch-002.safetensors"]
+    assert_same_tensors(lora / "epoch-002.safetensors", lora / "lora.safetensors")
+    assert file_metadata_of(lora / "epoch-002.safetensors")["step"] == str(STOPS_AT)
+    for rank in (0, 1):
+        state = read_status(run / "logs", rank)
+        assert (state["epoch"], state["num_epochs"], state["step"]) == (1, 4, STOPS_AT)   # epoch 2 (from 0: 1)
+    said = outputs["still"]
+    assert "epoch 2/4 done" in said and "epoch 3/4" not in said
+    assert f"also in {lora}: 2 epoch file(s) (epoch-001 .. epoch-002)" in said
 
 
 def test_each_validation_line_says_where_the_early_stop_count_stands(runs):
