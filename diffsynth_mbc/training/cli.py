@@ -9,7 +9,7 @@ Started by a launcher, each rank holds the run's folder locks itself and stops a
 launcher dies; started without one, the ranks take the locks themselves (``diffsynth_mbc.lifecycle.run_lock``).
 
 Exit codes: 0 finished, or stopped cleanly by Ctrl-C/SIGTERM (the step finished and a checkpoint
-was saved); 1 failed; 2 bad options, model files or checkpoint; 75 the folders belong to another run;
+was saved), or a resume of a run that has ended (nothing to train: nothing written); 1 failed; 2 bad options, model files or checkpoint; 75 the folders belong to another run;
 130/143 stopped by a signal before training began, or by a second signal.
 """
 
@@ -31,7 +31,7 @@ from diffsynth_mbc.lifecycle.signals import StopSignals
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
-from diffsynth_mbc.training.checkpoints.resume import refuse_early
+from diffsynth_mbc.training.checkpoints.resume import nothing_to_train, refuse_early
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
 from diffsynth_mbc.training.evaluation.lora_health import UnhealthyRunError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
@@ -83,12 +83,18 @@ def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
 
 def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_size: int) -> int:
     try:   # before any file is written: a refusal leaves the folders as they were
-        refuse_early(options, run_id, world_size, report=(lambda message: print(f"note: {message}", file=sys.stderr))
-                     if rank == 0 else None)
+        folder = refuse_early(options, run_id, world_size, report=(lambda message: print(f"note: {message}",
+                                                                                         file=sys.stderr))
+                              if rank == 0 else None)
     except OptionsError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    ended = nothing_to_train(options, folder)   # a resume of a run that has ended: it writes nothing either
+    if ended:
+        if rank == 0:
+            print(ended, file=sys.stderr)
+        return 0
     status = RankStatusWriter(options.log_dir, run_id, rank, local_rank, world_size,
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))

@@ -9,7 +9,7 @@ import contextlib
 import os
 import sys
 
-from diffsynth_mbc.training.evaluation.best_so_far import BEST_FILE, BestSoFar, best_file_note, early_stop_reason
+from diffsynth_mbc.training.evaluation.best_so_far import BEST_FILE, BestSoFar, best_file_note, stopped_early_note
 from diffsynth_mbc.training.evaluation.lora_health import UnhealthyRunError
 from diffsynth_mbc.training.step.guards import NonFiniteError
 
@@ -45,9 +45,7 @@ def stopped_before(run) -> bool:
         return False
     best = run.validator.best
     if run.accelerator.is_main_process:
-        print(f"this run stopped early at step {run.position.step}: "
-              f"{early_stop_reason(best.early_stop_record(run.position.step))}; nothing more to train. To go on: a "
-              "larger --early_stop N, or --early_stop off", file=sys.stderr)
+        print(stopped_early_note(best.early_stop_record(run.position.step)), file=sys.stderr)
     return True
 
 

@@ -152,6 +152,12 @@ def early_stop_reason(record: dict) -> str:
             f"{record['patience']})")
 
 
+def stopped_early_note(record: dict) -> str:
+    """What a resume of an early-stopped run says: why it stopped, that it trains no further, and how to go on."""
+    return (f"this run stopped early at step {record['step']}: {early_stop_reason(record)}; nothing more to train. "
+            "To go on: a larger --early_stop N, or --early_stop off")
+
+
 def early_stop_line(record: dict, total_steps: int, best_file: str) -> str:
     """The launcher's last line of an early-stopped run."""
     return (f"stopped early at step {record['step']} of {total_steps}: {early_stop_reason(record)}; best: "

@@ -8,6 +8,7 @@ lora-best is written and the failed run's message says so."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import psutil
 import pytest
@@ -142,19 +143,55 @@ def test_each_validation_line_says_where_the_early_stop_count_stands(runs):
     assert learning["early_stop_count"] is None and "early stop:" not in outputs["learning"]   # off: nothing said
 
 
-def test_a_resume_of_an_early_stopped_run_trains_nothing_and_says_how_to_go_on(runs):
+def files_of(run) -> dict:
+    """Every file under ``run``: its bytes and modification time (a file written again with the same bytes counts)."""
+    return {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(run.rglob("*")) if path.is_file()}
+
+
+def test_a_resume_of_an_early_stopped_run_trains_nothing_writes_nothing_and_says_how_to_go_on(runs):
     root, _ = runs
     run = root / "still"
+    before = files_of(run)
     resumed = run_training(root, flags(root, run, learning_rate=1e-12, early_stop=2, resume="latest"), timeout=400,
                            OMP_NUM_THREADS=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = files_of(run)
+    assert [path for path in before if after.get(path) != before[path]] == []   # status, history, LoRA files: as left
+    assert after.keys() == before.keys()
     said = resumed.stdout + resumed.stderr
     assert (f"this run stopped early at step {STOPS_AT}: 2 validations in a row since step 2 (val_loss "
             f"{validations(run / 'logs')[0]['val_loss']:.4f}) without the 0.10% improvement that resets the count "
             "(--early_stop 2); nothing more to train") in said
-    assert "To go on: a larger --early_stop N, or --early_stop off" in said
-    state = read_status(run / "logs", 0)
-    assert state["status"] == "finished" and state["step"] == STOPS_AT and state["early_stop"]["step"] == STOPS_AT
+    assert "To go on: a larger --early_stop N, or --early_stop off; nothing was written" in said
+
+
+def test_a_resume_of_a_finished_run_trains_nothing_and_writes_nothing(runs):
+    root, _ = runs
+    run = root / "learning"   # a checkpoint at its last step (--checkpoint_steps 2)
+    before = files_of(run)
+    resumed = run_training(root, flags(root, run, resume="latest"), timeout=400, OMP_NUM_THREADS=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = files_of(run)
+    assert [path for path in before if after.get(path) != before[path]] == [] and after.keys() == before.keys()
+    assert (f"this run finished at step {TOTAL} (4 of 4 epochs): nothing more to train; nothing was written (its "
+            f"files are as it left them). To train on from its LoRA: a new run with --init_lora "
+            f"{run / 'lora' / 'lora.safetensors'}") in resumed.stdout + resumed.stderr
+
+
+def test_a_resume_of_an_early_stopped_run_that_had_not_written_its_lora_writes_it(runs, tmp_path):
+    root, _ = runs
+    run = tmp_path / "cut"   # the early-stopped run as a kill before its lora.safetensors leaves it
+    shutil.copytree(root / "still", run)
+    (run / "lora" / "lora.safetensors").unlink()
+    resumed = run_training(root, flags(root, run, learning_rate=1e-12, early_stop=2, resume="latest"), timeout=400,
+                           OMP_NUM_THREADS=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"this run stopped early at step {STOPS_AT}" in resumed.stdout + resumed.stderr
+    assert_same_tensors(run / "lora" / "lora.safetensors", root / "still" / "lora" / "lora.safetensors")
+    for rank in (0, 1):
+        state = read_status(run / "logs", rank)
+        assert (state["status"], state["step"], state["epoch"]) == ("finished", STOPS_AT, 1)   # epoch 2 of 4, as run
+        assert state["early_stop"]["step"] == STOPS_AT
     assert max(line["step"] for line in read_history(run / "logs", 0) if "step" in line) == STOPS_AT
 
 
