@@ -9,7 +9,8 @@ Started by a launcher, each rank holds the run's folder locks itself and stops a
 launcher dies; started without one, the ranks take the locks themselves (``diffsynth_mbc.lifecycle.run_lock``).
 
 Exit codes: 0 finished, or stopped cleanly by Ctrl-C/SIGTERM (the step finished and a checkpoint
-was saved), or a resume of a run that has ended (nothing to train: nothing written); 1 failed; 2 bad options, model files or checkpoint; 75 the folders belong to another run;
+was saved), or a resume of a run that has ended (nothing to train: nothing written); 1 failed; 2 bad
+options, model files or checkpoint; 75 the folders belong to another run;
 130/143 stopped by a signal before training began, or by a second signal.
 """
 
