@@ -61,7 +61,8 @@ STATUS_FIELDS = (
     # None before the first record or with --health_steps 0
     "health",
     # the lowest validation so far: {"step", "val_loss", "val_loss_base", "gain" ((base - loss) / base), "file" (its
-    # LoRA, OUTPUT/lora-best.safetensors)}; new_best: the last validation was it
+    # LoRA, OUTPUT/lora-best.safetensors), under --resolution_stages "stage": {"stage", "of", "size", "final"} (the
+    # stage that trained it)}; new_best: the last validation was it
     "best", "new_best",
     # with --early_stop, where its count stands after the last validation (evaluation/best_so_far.py): {"step",
     # "count", "patience", "min_delta", "not_counted" (null, or why not: "warm-up", "first", ...), "counts_from_step",

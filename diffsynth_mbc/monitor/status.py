@@ -234,12 +234,13 @@ MAX_FILE_TEXT = 500   # characters of a path kept
 
 def normalize_best(value: Any) -> dict | None:
     """The status file's ``best`` (the lowest validation so far and its LoRA file): ``{"step", "val_loss",
-    "val_loss_base", "gain", "file"}``, typed; None when absent, not an object or without a step and loss."""
+    "val_loss_base", "gain", "file", "stage"}``, typed; None when absent, not an object or without a step and loss."""
     if not isinstance(value, dict) or to_int(value.get("step")) is None or to_float(value.get("val_loss")) is None:
         return None
     return {"step": to_int(value["step"]), "val_loss": to_float(value["val_loss"]),
             "val_loss_base": to_float(value.get("val_loss_base")), "gain": to_float(value.get("gain")),
-            "file": printable(value["file"])[:MAX_FILE_TEXT] if isinstance(value.get("file"), str) else None}
+            "file": printable(value["file"])[:MAX_FILE_TEXT] if isinstance(value.get("file"), str) else None,
+            "stage": normalize_stage(value.get("stage"))}   # --resolution_stages: the stage that trained it
 
 
 def normalize_early_stop(value: Any) -> dict | None:
@@ -251,7 +252,7 @@ def normalize_early_stop(value: Any) -> dict | None:
             "since_val_loss": to_float(value.get("since_val_loss")), "min_delta": to_float(value.get("min_delta"))}
 
 
-NOT_COUNTED = ("warm-up", "first", "no finite one yet")   # why a validation counts for nothing (best_so_far.py)
+NOT_COUNTED = ("earlier stage", "warm-up", "first", "no finite one yet")   # why a validation counted for nothing
 
 
 def normalize_early_stop_count(value: Any) -> dict | None:

@@ -21,8 +21,8 @@ from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpo
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
                                                             watch_gradient_all_reduce)
-from diffsynth_mbc.training.evaluation.best_lora import (best_file_said_on_failure, keep_best, resume_best,
-                                                         say_early_stop, stopped_before)
+from diffsynth_mbc.training.evaluation.best_lora import (best_file_said_on_failure, keep_best, say_early_stop,
+                                                         start_best, stopped_before)
 from diffsynth_mbc.training.evaluation.lora_health import LoraHealth, end_of_run, make_health
 from diffsynth_mbc.training.evaluation.sample_clips import make_sampler, maybe_sample
 from diffsynth_mbc.training.evaluation.validation import Validator
@@ -115,7 +115,6 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)
     if options.resume:
         resume(run)
-        resume_best(run)
     else:
         claim_checkpoint_folder(run)
     if options.report_to != "none":   # after a resume: the run id (the tracker's run name) goes on, so does its run
@@ -126,6 +125,7 @@ def setup(options, status: RankStatusWriter, signals: StopSignals) -> Run:
     run.first_step = run.position.step
     start_progress(run)
     run.stages = StageReport(run)   # --resolution_stages: each batch's stage, and the status file's
+    start_best(run)                 # the best and the early stop's count, knowing the stages (a resume's: its own)
     run.health = make_health(run)   # the LoRA health's first record, at step 0 (a resume's: kept, not written)
     return run
 

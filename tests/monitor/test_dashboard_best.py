@@ -35,7 +35,7 @@ def test_the_best_lora_has_a_card_and_a_ring_on_the_validation_chart(browser, tm
         card = browser.find_element("id", "best-card").text
         assert "step 90" in card and BEST["file"] in card
         assert f"({100 * BEST['gain']:.2f}% below the base)" in card
-        assert ("stopped early at step 120: 1 validations in a row since step 90 without the 0.10% improvement that "
+        assert ("stopped early at step 120: 1 validation in a row since step 90 without the 0.10% improvement that "
                 "resets the count (--early_stop 1)") in card
         box = chart(browser, "val_loss")["box"]
         wait_for(browser, lambda d: box.get_attribute("data-best"))
@@ -82,10 +82,14 @@ def test_resolution_stages_are_said_beside_the_step_and_marked_on_the_charts(bro
     for rank in (0, 1):
         path = log_dir / f"training_gpu{rank}.json"
         state = json.loads(path.read_text())
-        F.write_raw(path, json.dumps({**state, "stages": STAGES, "stage": {**STAGES[1], "of": 2, "final": True}}))
+        best = {**BEST, "stage": {"stage": 1, "of": 2, "size": "832x480x17", "final": False}}   # trained in stage 1
+        F.write_raw(path, json.dumps({**state, "stages": STAGES, "stage": {**STAGES[1], "of": 2, "final": True},
+                                      "best": best}))
     with served_dashboard(browser, log_dir):
         wait_for(browser, lambda d: d.find_element("id", "sum-stage").text)
         assert browser.find_element("id", "sum-stage").text == "stage 2/2: 1280x704x17"
+        wait_for(browser, lambda d: not d.find_element("id", "best-card").get_attribute("hidden"))
+        assert "trained at stage 1/2 (832x480x17), not the final size" in browser.find_element("id", "best-card").text
         for chart_id in ("loss", "val_loss"):
             box = chart(browser, chart_id)["box"]
             wait_for(browser, lambda d, box=box: box.get_attribute("data-stage-marks"))

@@ -29,10 +29,13 @@ def keep_best(run) -> bool:
     return best.stop_due
 
 
-def resume_best(run) -> None:
-    """A resumed run's best and count, from its checkpoint."""
+def start_best(run) -> None:
+    """The run's best and count: a resumed run's from its checkpoint; under ``--resolution_stages`` with the stages'
+    ends (``run.stages``: the count runs in the final stage, the best says its stage)."""
     if run.validator:
-        run.validator.best = BestSoFar.from_options(run.options, run.position.best_so_far)
+        ends = tuple(run.stages.ends or ())
+        sizes = tuple(row["size"] for row in run.plan.stage_dicts()) if ends else ()
+        run.validator.best = BestSoFar.from_options(run.options, run.position.best_so_far, ends, sizes)
         record = run.validator.best.best_record(best_file_path(run.options))
         if record:
             run.status.update(best=record)

@@ -9,12 +9,16 @@ is a validation at least ``min_delta`` (relative) below the loss the count was l
 less than that is not learning anything a clip would show (docs/training.md, Best LoRA and early stop), so a new best
 by less still counts, and each validation line says so (``standing_text``). The first validation sets that loss and
 counts for nothing, and so do validations in the warm-up (``--warmup_steps``), whose loss falls with the learning rate
-rising. The state goes into every checkpoint, so a resumed run knows its best and its count."""
+rising. Under ``--resolution_stages`` the count runs in the final stage only: the validations of earlier stages count
+for nothing and set nothing, the final stage's first sets the loss the count starts from, so the early stop never ends
+a run before its final size has trained; the best is any stage's, and its record says which stage trained it. The
+state goes into every checkpoint, so a resumed run knows its best and its count."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from diffsynth_mbc.data.media.stages import final_stage_start
 from diffsynth_mbc.values import finite_number
 
 BEST_FILE = "lora-best.safetensors"
@@ -34,12 +38,16 @@ class BestSoFar:
     without: int = 0                  # validations in a row since then without an improvement
     last_new_best: bool = False       # the last validation observed was a new best
     standing: dict | None = None      # where the count stands after the last validation (with --early_stop)
+    stage_ends: tuple[int, ...] = ()  # --resolution_stages: the step each stage ends after (stages.boundaries)
+    stage_sizes: tuple[str, ...] = ()  # and each stage's size ("64x64x9")
 
     @classmethod
-    def from_options(cls, options, saved: dict | None = None) -> "BestSoFar":
-        """This run's settings with a checkpoint's state (``as_dict``), when resuming."""
+    def from_options(cls, options, saved: dict | None = None, stage_ends: tuple[int, ...] = (),
+                     stage_sizes: tuple[str, ...] = ()) -> "BestSoFar":
+        """This run's settings (and stages, when it trains in stages) with a checkpoint's state (``as_dict``), when
+        resuming."""
         tracker = cls(patience=options.early_stop, min_delta=options.early_stop_min_delta,
-                      warmup_steps=options.warmup_steps)
+                      warmup_steps=options.warmup_steps, stage_ends=tuple(stage_ends), stage_sizes=tuple(stage_sizes))
         for key in ("best_step", "best_loss", "best_base", "reference", "reference_step", "without"):
             if saved and saved.get(key) is not None:
                 setattr(tracker, key, saved[key])
@@ -61,9 +69,11 @@ class BestSoFar:
             self.best_step, self.best_loss, self.best_base = step, val_loss, base
         compared_step, compared = self.reference_step, self.reference
         not_counted = self.not_counted(step, finite)
-        if not_counted:
-            if finite and (self.reference is None or val_loss < self.reference):
-                self.reference, self.reference_step = val_loss, step
+        if not_counted == "earlier stage":
+            pass   # neither counted nor the loss the count starts from
+        elif not_counted:
+            if finite and (not self.reference_in_final_stage or val_loss < self.reference):
+                self.reference, self.reference_step, self.without = val_loss, step, 0
         elif finite and val_loss < self.reference * (1 - self.min_delta):
             self.reference, self.reference_step, self.without = val_loss, step, 0
         else:
@@ -71,20 +81,41 @@ class BestSoFar:
         counted = not not_counted
         self.standing = None if self.patience is None else {
             "step": step, "count": self.without, "patience": self.patience, "min_delta": self.min_delta,
-            "not_counted": not_counted, "counts_from_step": self.warmup_steps + 1, "finite": finite,
-            "compared_with_step": compared_step if counted else None,
+            "not_counted": not_counted, "counts_from_step": max(self.warmup_steps + 1, self.final_stage_from),
+            "finite": finite, "compared_with_step": compared_step if counted else None,
             "change": (val_loss - compared) / compared if counted and finite and compared else None,
             "reset": counted and self.reference_step == step, "since_step": self.reference_step}
         return self.last_new_best
 
+    @property
+    def final_stage_from(self) -> int:
+        """The first step of the final stage (1 without stages): the count runs from there."""
+        return final_stage_start(self.stage_ends)
+
+    @property
+    def reference_in_final_stage(self) -> bool:
+        """The loss the count starts from was measured in the final stage (always so without stages)."""
+        return self.reference is not None and self.reference_step >= self.final_stage_from
+
     def not_counted(self, step: int, finite: bool) -> str | None:
-        """Why the validation of ``step`` counts for nothing: ``warm-up``, ``first`` (it sets the loss the count
-        starts from), ``no finite one yet``; None when it counts."""
+        """Why the validation of ``step`` counts for nothing: ``earlier stage`` (before the final stage), ``warm-up``,
+        ``first`` (it sets the loss the count starts from), ``no finite one yet``; None when it counts."""
+        if step < self.final_stage_from:
+            return "earlier stage"
         if step <= self.warmup_steps:
             return "warm-up"
-        if self.reference is None:
+        if not self.reference_in_final_stage:
             return "first" if finite else "no finite one yet"
         return None
+
+    def stage_of(self, step: int) -> dict | None:
+        """The stage that trained optimizer step ``step``: ``{"stage", "of", "size", "final"}``; None without
+        stages."""
+        if len(self.stage_ends) < 2:
+            return None
+        index = next((i for i, end in enumerate(self.stage_ends) if step <= end), len(self.stage_ends) - 1)
+        return {"stage": index + 1, "of": len(self.stage_ends), "size": self.stage_sizes[index],
+                "final": index == len(self.stage_ends) - 1}
 
     @property
     def stop_due(self) -> bool:
@@ -92,12 +123,15 @@ class BestSoFar:
         return self.patience is not None and self.without >= self.patience
 
     def best_record(self, file: str) -> dict | None:
-        """The status file's ``best``: step, val_loss, the base's, the gain ((base - best) / base) and the file."""
+        """The status file's ``best``: step, val_loss, the base's, the gain ((base - best) / base), the file and,
+        under ``--resolution_stages``, the stage that trained it."""
         if self.best_step is None:
             return None
         gain = (self.best_base - self.best_loss) / self.best_base if self.best_base else None
-        return {"step": self.best_step, "val_loss": self.best_loss, "val_loss_base": self.best_base, "gain": gain,
-                "file": file}
+        record = {"step": self.best_step, "val_loss": self.best_loss, "val_loss_base": self.best_base, "gain": gain,
+                  "file": file}
+        stage = self.stage_of(self.best_step)
+        return {**record, "stage": stage} if stage else record
 
     def early_stop_record(self, step: int) -> dict:
         return {"step": step, "best_step": self.best_step, "validations_without_improvement": self.without,
@@ -123,6 +157,9 @@ def standing_text(standing: dict) -> str:
     ``early stop: 0.04% below step 203's (under the 0.10% that resets the count): 2 of 3``."""
     count, patience, delta = standing["count"], standing["patience"], f"{standing['min_delta']:.2%}"
     reason = standing["not_counted"]
+    if reason == "earlier stage":
+        return (f"early stop: before the final stage, not counted (the count runs from step "
+                f"{standing['counts_from_step']:,})")
     if reason == "warm-up":
         return f"early stop: in the warm-up, not counted (the count runs from step {standing['counts_from_step']:,})"
     if reason == "first":
@@ -147,7 +184,8 @@ def early_stop_reason(record: dict) -> str:
     improvement that resets the count (--early_stop 3)``; as each validation line counted them."""
     since = record.get("since_val_loss")
     loss = f" (val_loss {since:.4f})" if finite_number(since) is not None else ""
-    return (f"{record['validations_without_improvement']} validations in a row since step {record['since_step']}"
+    count = record["validations_without_improvement"]
+    return (f"{count} validation{'s' if count != 1 else ''} in a row since step {record['since_step']}"
             f"{loss} without the {record['min_delta']:.2%} improvement that resets the count (--early_stop "
             f"{record['patience']})")
 
@@ -158,7 +196,15 @@ def stopped_early_note(record: dict) -> str:
             "To go on: a larger --early_stop N, or --early_stop off")
 
 
-def early_stop_line(record: dict, total_steps: int, best_file: str) -> str:
-    """The launcher's last line of an early-stopped run."""
+def stage_text(stage: dict | None) -> str:
+    """``, stage 1/2 64x64x9, not the final size`` for a best LoRA of a run in stages; nothing without stages."""
+    if not stage:
+        return ""
+    final = "" if stage["final"] else ", not the final size"
+    return f", stage {stage['stage']}/{stage['of']} {stage['size']}{final}"
+
+
+def early_stop_line(record: dict, total_steps: int, best_file: str, stage: dict | None = None) -> str:
+    """The launcher's last line of an early-stopped run (``stage``: the one that trained the best LoRA)."""
     return (f"stopped early at step {record['step']} of {total_steps}: {early_stop_reason(record)}; best: "
-            f"{best_file} (step {record['best_step']})")
+            f"{best_file} (step {record['best_step']}{stage_text(stage)})")

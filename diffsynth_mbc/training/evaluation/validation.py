@@ -50,7 +50,7 @@ class Validator:
         # The rows the last measure() could not decode and took the next row for: (this rank's, every rank's count)
         self.substituted: tuple[list[dict], int] = ([], 0)
         self.base_step = self.base_measurements = 0
-        self.best = BestSoFar.from_options(options)   # a resumed run takes its checkpoint's (loop.setup)
+        self.best = BestSoFar.from_options(options)   # the run sets its own up (best_lora.start_best): stages, resume
 
     def attach(self, accelerator, module) -> None:
         self.accelerator, self.module = accelerator, module

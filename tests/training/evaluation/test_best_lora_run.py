@@ -3,7 +3,8 @@
 files name it; at a learning rate of 1e-12 ``--early_stop 2`` ends the run before its planned total on every rank, with
 a checkpoint of that step, and ``--resume latest`` trains nothing more; ZeRO-2 and two nodes stop at the same step;
 a SIGKILL and a resume keep the best; at a learning rate of 1e30 no validation is finite: none is the best, no
-lora-best is written and the failed run's message says so."""
+lora-best is written and the failed run's message says so; in resolution stages the early stop counts in the final
+stage only, and the best LoRA says the stage that trained it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ from multinode_helpers import finish, start_nodes
 pytestmark = pytest.mark.slow
 TOTAL = 12   # the demo's catalogue below: 3 steps an epoch on 2 ranks, 4 epochs
 STOPS_AT = 6  # 1e-12: no change; the warm-up's validation (step 2) sets the loss, steps 4 and 6 count: 2 of 2
+# In stages (64x64 for steps 1-6, then 96x96 for 7-12), validating every step at 1e-12: the count starts from step 7's
+# validation, step 8's ends the run (it ended at step 3, in stage 1, when stage 1's validations counted)
+STAGED = {"learning_rate": 1e-12, "early_stop": 1, "val_steps": 1, "val_samples": 2, "height": 96, "width": 96,
+          "resolution_stages": "64x64:0.5"}
 
 
 def flags(root, run, **more):
@@ -40,7 +45,7 @@ def runs(tmp_path_factory):
     prepare(root / "val", num_videos=2, num_images=2)
     outputs = {}
     for name, more, code in (("learning", {}, 0), ("still", {"learning_rate": 1e-12, "early_stop": 2}, 0),
-                             ("exploding", {"learning_rate": 1e30, "num_epochs": 1}, 1)):
+                             ("exploding", {"learning_rate": 1e30, "num_epochs": 1}, 1), ("staged", STAGED, 0)):
         result = run_training(root, flags(root, root / name, **more), timeout=400, OMP_NUM_THREADS=1)
         assert result.returncode == code, result.stderr[-3000:]
         outputs[name] = result.stdout + result.stderr
@@ -128,6 +133,27 @@ def test_an_early_stop_at_the_end_of_an_epoch_writes_that_epochs_file_and_the_co
     said = outputs["still"]
     assert "epoch 2/4 done" in said and "epoch 3/4" not in said
     assert f"also in {lora}: 2 epoch file(s) (epoch-001 .. epoch-002)" in said
+
+
+def test_in_stages_the_early_stop_counts_in_the_final_stage_only_and_the_best_says_its_stage(runs):
+    root, outputs = runs
+    run = root / "staged"
+    stage_1 = {"stage": 1, "of": 2, "size": "64x64x9", "final": False}
+    for rank in (0, 1):
+        state = read_status(run / "logs", rank)
+        assert state["stages"][1]["from_step"] == 7 and state["total_steps"] == TOTAL
+        assert state["early_stop"]["step"] == 8 and state["early_stop"]["since_step"] == 7
+        assert state["best"]["step"] == 1 and state["best"]["stage"] == stage_1
+    trained = [record for record in read_history(run / "logs", 0) if record.get("kind") is None and "step" in record]
+    assert [record["step"] for record in trained] == list(range(1, 9))   # steps 7 and 8 at the final size
+    said = outputs["staged"]
+    lines = [line for line in said.splitlines() if line.startswith("validation at step")]
+    assert all("early stop: before the final stage, not counted (the count runs from step 7)" in line
+               for line in lines[:6])
+    assert "early stop: the count starts from this one: 0 of 1" in lines[6]
+    best = run / "lora" / "lora-best.safetensors"
+    assert f"  best LoRA: {best} (step 1, val_loss " in said
+    assert said.rstrip().endswith(f"; best: {best} (step 1, stage 1/2 64x64x9, not the final size)")
 
 
 def test_each_validation_line_says_where_the_early_stop_count_stands(runs):

@@ -1,6 +1,6 @@
 """The best validation so far and --early_stop's count: new bests, the relative improvement, the warm-up and the
-first validation counting for nothing, a non-finite validation never the best, a checkpoint's state carried into a
-resume."""
+first validation counting for nothing, a non-finite validation never the best, the count running in the final stage
+only and the best saying its stage, a checkpoint's state carried into a resume."""
 
 from types import SimpleNamespace
 
@@ -136,3 +136,43 @@ def test_the_count_says_a_first_a_higher_and_a_non_finite_validation():
     tracker.observe(20, 1.25)
     assert standing_text(tracker.standing) == "early stop: 25% above step 10's: 1 of 2"
     assert BestSoFar.from_options(options(early_stop=None)).standing is None
+
+
+STAGES = {"stage_ends": (9, 18), "stage_sizes": ("64x64x9", "96x96x9")}   # stage 1: steps 1-9, the final: 10-18
+
+
+def test_in_stages_the_count_runs_in_the_final_stage_only_and_the_best_says_its_stage():
+    tracker = BestSoFar.from_options(options(early_stop=2, early_stop_min_delta=0.001, warmup_steps=2), **STAGES)
+    for step in (2, 4, 6, 8):   # a flat validation in stage 1: counted for nothing, and no loss to count from
+        assert tracker.observe(step, 1.0) == (step == 2)
+        assert tracker.without == 0 and tracker.reference is None and not tracker.stop_due
+        assert tracker.standing["not_counted"] == "earlier stage"
+    assert standing_text(tracker.standing) == (
+        "early stop: before the final stage, not counted (the count runs from step 10)")
+    tracker.observe(10, 1.0)   # the final stage's first: the count starts from it
+    assert standing_text(tracker.standing) == "early stop: the count starts from this one: 0 of 2"
+    tracker.observe(12, 1.0)
+    assert not tracker.stop_due
+    tracker.observe(14, 1.0)
+    assert tracker.stop_due and tracker.early_stop_record(14)["since_step"] == 10
+    best = tracker.best_record("lora-best.safetensors")
+    assert best["step"] == 2 and best["stage"] == {"stage": 1, "of": 2, "size": "64x64x9", "final": False}
+    assert early_stop_line(tracker.early_stop_record(14), 18, "lora-best.safetensors", best["stage"]).endswith(
+        "; best: lora-best.safetensors (step 2, stage 1/2 64x64x9, not the final size)")
+    tracker.observe(16, 0.9)
+    assert tracker.best_record("f")["stage"] == {"stage": 2, "of": 2, "size": "96x96x9", "final": True}
+
+
+def test_a_checkpoint_counting_from_an_earlier_stage_starts_again_in_the_final_one():
+    saved = {"best_step": 4, "best_loss": 1.0, "reference": 1.0, "reference_step": 4, "without": 1}   # earlier rule
+    tracker = BestSoFar.from_options(options(early_stop=2, early_stop_min_delta=0.001), saved, **STAGES)
+    tracker.observe(8, 1.0)
+    assert tracker.without == 1 and not tracker.stop_due   # stage 1: nothing counted
+    tracker.observe(10, 1.0)
+    assert tracker.standing["not_counted"] == "first" and tracker.without == 0 and tracker.reference_step == 10
+
+
+def test_without_stages_the_best_has_no_stage():
+    tracker = BestSoFar.from_options(options())
+    tracker.observe(2, 1.0)
+    assert "stage" not in tracker.best_record("f") and tracker.standing["counts_from_step"] == 1
