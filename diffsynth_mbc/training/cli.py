@@ -32,7 +32,7 @@ from diffsynth_mbc.lifecycle.signals import StopSignals
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
-from diffsynth_mbc.training.checkpoints.resume import nothing_to_train, refuse_early
+from diffsynth_mbc.training.checkpoints.resume import ended_run_note, refuse_early
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
 from diffsynth_mbc.training.evaluation.lora_health import UnhealthyRunError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except OptionsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    ended = ended_resume(options, run_id, rank, world_size)   # before the locks: it writes nothing at all
+    if ended is not None:
+        return ended
     try:   # before any file is written: the folders may be another run's
         unlaunched = take_run_locks(options, run_id, local_rank)
     except RunLockError as exc:
@@ -69,6 +72,27 @@ def main(argv: list[str] | None = None) -> int:
         return train_under_lock(options, run_id, rank, local_rank, world_size)
     finally:
         release(unlaunched)
+
+
+def ended_resume(options, run_id: str, rank: int, world_size: int) -> int | None:
+    """The exit code of a ``--resume`` of a run that has ended (0, rank 0 saying there is nothing to train; 2 when
+    refused as under the locks), taking no lock and writing nothing; None for every other run."""
+    if not options.resume:
+        return None
+    try:
+        said, code = ended_run_note(options, run_id, world_size, report=note_on(rank)), 0
+    except OptionsError as exc:
+        said, code = f"error: {exc}", 2
+    if not said:
+        return None
+    if rank == 0:
+        print(said, file=sys.stderr)
+    return code
+
+
+def note_on(rank: int):
+    """Where the refusals' notes go: rank 0's stderr; the other ranks say nothing."""
+    return (lambda message: print(f"note: {message}", file=sys.stderr)) if rank == 0 else None
 
 
 def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
@@ -84,18 +108,11 @@ def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
 
 def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_size: int) -> int:
     try:   # before any file is written: a refusal leaves the folders as they were
-        folder = refuse_early(options, run_id, world_size, report=(lambda message: print(f"note: {message}",
-                                                                                         file=sys.stderr))
-                              if rank == 0 else None)
+        refuse_early(options, run_id, world_size, report=note_on(rank))
     except OptionsError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    ended = nothing_to_train(options, folder)   # a resume of a run that has ended: it writes nothing either
-    if ended:
-        if rank == 0:
-            print(ended, file=sys.stderr)
-        return 0
     status = RankStatusWriter(options.log_dir, run_id, rank, local_rank, world_size,
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))

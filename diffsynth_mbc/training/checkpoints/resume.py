@@ -56,6 +56,23 @@ def refuse_early(options, run_id: str, world_size: int, report=None) -> Path | N
     return folder
 
 
+def ended_run_note(options, run_id: str, world_size: int, report=None) -> str | None:
+    """For a ``--resume`` of a run that has ended (``nothing_to_train``): what rank 0 says, after the refusals of
+    ``refuse_early`` (OptionsError); None for every other resume. Every rank asks it before the folders' locks: it
+    only reads, and a rank that found nothing to train ends before any lock is taken (nor waits for one). The
+    checkpoint the resume names is looked at first without its files' digests, so another resume pays nothing."""
+    from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints
+
+    if options.resume == "latest":
+        found = complete_checkpoints(options.checkpoint_dir)
+        named = found[-1][1] if found else None
+    else:
+        named = Path(options.resume)
+    if nothing_to_train(options, named) is None:
+        return None
+    return nothing_to_train(options, refuse_early(options, run_id, world_size, report=report))
+
+
 def nothing_to_train(options, folder: Path | None) -> str | None:
     """What a resume says that has nothing to train, else None: its checkpoint ``folder`` is the run's end (every
     epoch trained, or ``--early_stop``'s count reached under this run's N) and ``lora.safetensors`` was written at
