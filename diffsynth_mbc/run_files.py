@@ -61,10 +61,15 @@ STATUS_FIELDS = (
     # None before the first record or with --health_steps 0
     "health",
     # the lowest validation so far: {"step", "val_loss", "val_loss_base", "gain" ((base - loss) / base), "file" (its
-    # LoRA, OUTPUT/lora-best.safetensors)}; new_best: the last validation was it
+    # LoRA, OUTPUT/lora-best.safetensors), under --resolution_stages "stage": {"stage", "of", "size", "final"} (the
+    # stage that trained it)}; new_best: the last validation was it
     "best", "new_best",
-    # a run --early_stop ended: {"step", "best_step", "validations_without_improvement", "since_step", "patience",
-    # "min_delta"}
+    # with --early_stop, where its count stands after the last validation (training/components/best_lora.py): {"step",
+    # "count", "patience", "min_delta", "not_counted" (null, or why not: "warm-up", "first", ...), "counts_from_step",
+    # "finite", "compared_with_step", "change" (relative to that step's val_loss), "reset", "since_step"}
+    "early_stop_count",
+    # a run --early_stop ended: {"step", "best_step", "validations_without_improvement", "since_step",
+    # "since_val_loss", "patience", "min_delta"}
     "early_stop",
     # --resolution_stages: every stage ({"stage", "size", "from_step", "to_step", "steps", "tokens"}) and the one the
     # next step trains at (the same, with "of" and "final")

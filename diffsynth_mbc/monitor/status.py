@@ -153,6 +153,7 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     out["health"] = normalize_health(raw.get("health"))
     out["best"] = normalize_best(raw.get("best"))
     out["early_stop"] = normalize_early_stop(raw.get("early_stop"))
+    out["early_stop_count"] = normalize_early_stop_count(raw.get("early_stop_count"))
     out["stages"] = normalize_stages(raw.get("stages"))
     out["stage"] = normalize_stage(raw.get("stage"))
     out["catalogue_progress"] = _normalize_catalogues(raw.get("catalogue_progress"))
@@ -233,12 +234,13 @@ MAX_FILE_TEXT = 500   # characters of a path kept
 
 def normalize_best(value: Any) -> dict | None:
     """The status file's ``best`` (the lowest validation so far and its LoRA file): ``{"step", "val_loss",
-    "val_loss_base", "gain", "file"}``, typed; None when absent, not an object or without a step and loss."""
+    "val_loss_base", "gain", "file", "stage"}``, typed; None when absent, not an object or without a step and loss."""
     if not isinstance(value, dict) or to_int(value.get("step")) is None or to_float(value.get("val_loss")) is None:
         return None
     return {"step": to_int(value["step"]), "val_loss": to_float(value["val_loss"]),
             "val_loss_base": to_float(value.get("val_loss_base")), "gain": to_float(value.get("gain")),
-            "file": printable(value["file"])[:MAX_FILE_TEXT] if isinstance(value.get("file"), str) else None}
+            "file": printable(value["file"])[:MAX_FILE_TEXT] if isinstance(value.get("file"), str) else None,
+            "stage": normalize_stage(value.get("stage"))}   # --resolution_stages: the stage that trained it
 
 
 def normalize_early_stop(value: Any) -> dict | None:
@@ -247,7 +249,23 @@ def normalize_early_stop(value: Any) -> dict | None:
         return None
     return {**{key: to_int(value.get(key)) for key in ("step", "best_step", "validations_without_improvement",
                                                          "since_step", "patience")},
-            "min_delta": to_float(value.get("min_delta"))}
+            "since_val_loss": to_float(value.get("since_val_loss")), "min_delta": to_float(value.get("min_delta"))}
+
+
+NOT_COUNTED = ("earlier stage", "warm-up", "first", "no finite one yet")   # why a validation counted for nothing
+
+
+def normalize_early_stop_count(value: Any) -> dict | None:
+    """``early_stop_count`` (``--early_stop``: where its count stands after the last validation), typed; None when
+    absent, not an object or without a count and patience."""
+    if not isinstance(value, dict) or to_int(value.get("count")) is None or to_int(value.get("patience")) is None:
+        return None
+    reason = value.get("not_counted")
+    return {**{key: to_int(value.get(key)) for key in ("step", "count", "patience", "counts_from_step",
+                                                         "compared_with_step", "since_step")},
+            "min_delta": to_float(value.get("min_delta")), "change": to_float(value.get("change")),
+            "not_counted": reason if reason in NOT_COUNTED else None,
+            "finite": value.get("finite") is not False, "reset": value.get("reset") is True}
 
 
 MAX_STAGES = 16

@@ -9,7 +9,8 @@ Started by a launcher, each rank holds the run's folder locks itself and stops a
 launcher dies; started without one, the ranks take the locks themselves (``diffsynth_mbc.lifecycle.run_lock``).
 
 Exit codes: 0 finished, or stopped cleanly by Ctrl-C/SIGTERM (the step finished and a checkpoint
-was saved); 1 failed; 2 bad options, model files or checkpoint; 75 the folders belong to another run;
+was saved), or a resume of a run that has ended (nothing to train: nothing written); 1 failed; 2 bad
+options, model files or checkpoint; 75 the folders belong to another run;
 130/143 stopped by a signal before training began, or by a second signal.
 """
 
@@ -31,7 +32,7 @@ from diffsynth_mbc.lifecycle.signals import StopSignals
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
-from diffsynth_mbc.training.checkpoints.resume import refuse_early
+from diffsynth_mbc.training.checkpoints.resume import ended_run_note, refuse_early
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
 from diffsynth_mbc.training.components.lora_health import UnhealthyRunError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except OptionsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    ended = ended_resume(options, run_id, rank, world_size)   # before the locks: it writes nothing at all
+    if ended is not None:
+        return ended
     try:   # before any file is written: the folders may be another run's
         unlaunched = take_run_locks(options, run_id, local_rank)
     except RunLockError as exc:
@@ -68,6 +72,27 @@ def main(argv: list[str] | None = None) -> int:
         return train_under_lock(options, run_id, rank, local_rank, world_size)
     finally:
         release(unlaunched)
+
+
+def ended_resume(options, run_id: str, rank: int, world_size: int) -> int | None:
+    """The exit code of a ``--resume`` of a run that has ended (0, rank 0 saying there is nothing to train; 2 when
+    refused as under the locks), taking no lock and writing nothing; None for every other run."""
+    if not options.resume:
+        return None
+    try:
+        said, code = ended_run_note(options, run_id, world_size, report=note_on(rank)), 0
+    except OptionsError as exc:
+        said, code = f"error: {exc}", 2
+    if not said:
+        return None
+    if rank == 0:
+        print(said, file=sys.stderr)
+    return code
+
+
+def note_on(rank: int):
+    """Where the refusals' notes go: rank 0's stderr; the other ranks say nothing."""
+    return (lambda message: print(f"note: {message}", file=sys.stderr)) if rank == 0 else None
 
 
 def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
@@ -83,8 +108,7 @@ def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
 
 def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_size: int) -> int:
     try:   # before any file is written: a refusal leaves the folders as they were
-        refuse_early(options, run_id, world_size, report=(lambda message: print(f"note: {message}", file=sys.stderr))
-                     if rank == 0 else None)
+        refuse_early(options, run_id, world_size, report=note_on(rank))
     except OptionsError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)

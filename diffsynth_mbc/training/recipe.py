@@ -286,18 +286,20 @@ class TrainingRecipe:
 
         parts, options, status, logger = self.parts, self.options, self.status, self.logger
         accelerator, main = parts.accelerator, parts.accelerator.is_main_process
+        stages = ResolutionStages(parts.plan, parts.total_steps, parts.batches, parts.steps_per_epoch,
+                                  accelerator.gradient_accumulation_steps, status, logger.printer) \
+            if parts.plan.stages else None
         components = [
             EmaUpdates(parts.ema, status, main) if parts.ema is not None else None,
             NonFiniteGuard(options.max_nonfinite_steps, accelerator.mixed_precision, status),
             StepProgress(logger, accelerator),
-            BestLora(options, status, self.write_lora, logger.printer, main) if self.validator else None,
+            BestLora(options, status, self.write_lora, main, stages.ends if stages else (),
+                     [row["size"] for row in stages.rows] if stages else ()) if self.validator else None,
             LoraHealth(parts.model.pipe.dit.blocks, status, logger.printer, every=health_cadence(options),
                        total_steps=parts.total_steps, warmup_steps=options.warmup_steps,
                        read_grads=accelerator.state.deepspeed_plugin is None, accelerator=accelerator,
                        trainable=parts.trainable),
-            ResolutionStages(parts.plan, parts.total_steps, parts.batches, parts.steps_per_epoch,
-                             accelerator.gradient_accumulation_steps, status, logger.printer)
-            if parts.plan.stages else None,
+            stages,
             BadMediaGuard(options.max_bad_media_fraction, status),
             SampleClips(make_sampler(options, status, accelerator, parts.module, parts.ema), logger,
                         first_step=self.position.step) if options.sample_prompts else None,
@@ -338,12 +340,22 @@ class TrainingRecipe:
     # train
 
     def train(self) -> None:
-        """Every remaining epoch, then ``finish`` (unless a stop request ended the run), then ``cleanup``."""
-        decision = run_hook(self.components, "at_start", self.context())
-        if decision.stop is None:
-            decision = self.train_epochs()
-        if decision.stop is not Stop.REQUESTED:
-            self.finish(decision.stop)
+        """Every remaining epoch, then ``finish`` (unless a stop request ended the run), then ``cleanup``. A run that
+        fails with a broken LoRA says what the components add (what became of ``lora-best``)."""
+        from diffsynth_mbc.training.components.guards import NonFiniteError
+        from diffsynth_mbc.training.components.lora_health import UnhealthyRunError
+
+        try:
+            decision = run_hook(self.components, "at_start", self.context())
+            if decision.stop is None:
+                decision = self.train_epochs()
+            if decision.stop is not Stop.REQUESTED:
+                self.finish(decision.stop)
+        except (NonFiniteError, UnhealthyRunError) as error:
+            notes = [note for component in self.components if (note := component.failure_note(error))]
+            if not notes:
+                raise
+            raise type(error)(". ".join([str(error).rstrip("."), *notes])) from None
         self.cleanup()
 
     def context(self, **fields) -> StepContext:
@@ -355,10 +367,13 @@ class TrainingRecipe:
         self.signals.graceful = True
         for epoch in range(self.position.epoch, self.options.num_epochs):
             decision = self.train_epoch(epoch)
-            if decision.stop is not None:   # a stop request, or --early_stop
+            # a stop request ends the run here; so does an early stop, after the epoch's file when its last step did
+            if decision.stop is Stop.REQUESTED or (decision.stop is Stop.EARLY and self.position.epoch == epoch):
                 return decision
             self.write_lora(epoch_file_name(epoch, self.options.num_epochs))
             self.logger.on_epoch_end(save_epoch_file=False)
+            if decision.stop is not None:
+                return decision
         return CONTINUE
 
     def train_epoch(self, epoch: int) -> Decision:

@@ -118,6 +118,17 @@ def test_the_status_types_health_and_catalogue_progress_and_the_run_says_each_fl
     assert none["health"] is None and none["catalogue_progress"] is None
 
 
+def test_the_status_types_the_early_stop_count_and_drops_what_is_not_one():
+    odd, _ = normalize_status({"status": "training", "early_stop_count": {
+        "step": "224", "count": 2, "patience": "3", "min_delta": "0.001", "not_counted": "\x1b[2J", "change": "nan",
+        "since_step": 203, "reset": "yes", "finite": False}}, 0)
+    assert odd["early_stop_count"] == {"step": 224, "count": 2, "patience": 3, "counts_from_step": None,
+                                       "compared_with_step": None, "since_step": 203, "min_delta": 0.001,
+                                       "change": None, "not_counted": None, "finite": False, "reset": False}
+    for bad in ([1], {"count": 2}, {"count": "x", "patience": 3}):
+        assert normalize_status({"status": "training", "early_stop_count": bad}, 0)[0]["early_stop_count"] is None
+
+
 def test_the_recipe_is_rank_0s_and_an_absurd_one_is_not_shown():
     assert recipe_of([{"rank": 1, "recipe": {"lora": 1}}, {"rank": 0, "recipe": {"lora": 0}}]) == {"lora": 0}
     assert recipe_of([{"rank": 1, "recipe": {"lora": 1}}, {"rank": 0, "recipe": "odd"}]) == {"lora": 1}

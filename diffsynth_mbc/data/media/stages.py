@@ -89,6 +89,11 @@ def boundaries(stages: tuple[Stage, ...], total_steps: int) -> list[int]:
     return ends + [total_steps]
 
 
+def final_stage_start(ends: list[int] | tuple[int, ...]) -> int:
+    """The first optimizer step (from 1) of the final size's stage, from ``boundaries``; 1 without stages."""
+    return ends[-2] + 1 if len(ends) > 1 else 1
+
+
 def stage_at(ends: list[int], step: int) -> int:
     """The stage (0-based; ``len(ends) - 1``: the final size) of optimizer step ``step`` (0-based: the step about to
     be taken)."""

@@ -200,19 +200,38 @@
   function bestOf(s) {
     // The best validation so far and the early stop, from rank 0's status (every rank says the same).
     const first = (s && s.ranks || []).find((r) => r.rank === 0) || (s && s.ranks || [])[0] || {};
-    return {best: first.best || null, earlyStop: first.early_stop || null};
+    return {best: first.best || null, earlyStop: first.early_stop || null, count: first.early_stop_count || null};
+  }
+
+  function earlyStopText(earlyStop, count) {
+    // Where --early_stop's count stands, in the words of the validation lines and the run's summary.
+    const delta = (e) => (num(e.min_delta) ? (100 * e.min_delta).toFixed(2) + "%" : "-");
+    const many = (n) => n + (n === 1 ? " validation" : " validations");
+    if (earlyStop) return "stopped early at step " + earlyStop.step + ": "
+      + many(earlyStop.validations_without_improvement) + " in a row since step " + earlyStop.since_step + " without the " + delta(earlyStop)
+      + " improvement that resets the count (--early_stop " + earlyStop.patience + ")";
+    if (!count) return null;
+    const why = {"earlier stage": "before the final stage, not counted: the count runs from step "
+                   + count.counts_from_step,
+                 "warm-up": "in the warm-up, not counted", "first": "the count starts from it",
+                 "no finite one yet": "not finite, not counted"}[count.not_counted];
+    if (why) return "early stop: " + count.count + " of " + count.patience + " (step " + count.step + ": " + why + ")";
+    return "early stop: " + count.count + " of " + many(count.patience) + " since step " + count.since_step
+      + " without the " + delta(count) + " improvement that resets the count";
   }
 
   function renderBest(s) {
-    const {best, earlyStop} = bestOf(s);
+    const {best, earlyStop, count} = bestOf(s);
     $("best-card").hidden = !best;
     if (!best) return;
     $("best-step").textContent = "step " + best.step;
     const lines = ["val_loss " + FORMATS.loss(best.val_loss) + (num(best.gain)
       ? " (" + (100 * best.gain).toFixed(2) + "% below the base)" : "")];
     if (best.file) lines.push(best.file);
-    if (earlyStop) lines.push("stopped early at step " + earlyStop.step + ": no better validation in "
-      + earlyStop.validations_without_improvement + " evaluations");
+    if (best.stage) lines.push("trained at stage " + best.stage.stage + "/" + best.stage.of + " (" + best.stage.size
+      + (best.stage.final ? ", the final size)" : "), not the final size"));
+    const said = earlyStopText(earlyStop, count);
+    if (said) lines.push(said);
     $("best-detail").replaceChildren(...lines.map((t) => el("div", null, t)));
   }
 

@@ -4,11 +4,13 @@ folder (another run's checkpoints and LoRA files there are refused, or set aside
 
 ``refuse_early`` makes every refusal that needs only files before anything is loaded or written: a refused
 ``--resume`` or a fresh run on another run's folders leaves every file as it was (the status files of a finished
-run still say finished)."""
+run still say finished). ``nothing_to_train`` likewise: a resume of a run that has ended (finished, or stopped
+early) trains nothing and writes nothing."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fingerprint_differences, run_fingerprint
@@ -23,25 +25,25 @@ from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
 KNOWN_LATE = ("mixed_precision", "gradient_accumulation_steps", "metadata_rows")
 
 
-def refuse_early(options, run_id: str, world_size: int, report=None) -> None:
+def refuse_early(options, run_id: str, world_size: int, report=None) -> Path | None:
     """OptionsError for what the files alone refuse: a ``--resume`` without an intact checkpoint or with other
     settings than the checkpoint's (``--force_resume`` aside); a fresh run on folders holding another run's
-    checkpoints or LoRA files without ``--start_over``."""
+    checkpoints or LoRA files without ``--start_over``. Returns the checkpoint folder a resume goes on from."""
     from diffsynth_mbc.training.checkpoints.owner import check_claim
 
     try:
         if not options.resume:
             check_claim(options.checkpoint_dir, options.output_path, run_id, options.start_over, options.log_dir)
-            return
+            return None
         folder = resolve_resume(options.resume, options.checkpoint_dir, world_size, report=report)
     except ValueError as exc:
         raise OptionsError(str(exc)) from None
     if options.force_resume:
-        return
+        return folder
     try:
         current = early_fingerprint(options, world_size)
     except OSError:   # the metadata cannot be read: opening the dataset says so, naming the file
-        return
+        return folder
     keys = [key for key in FINGERPRINT_KEYS if key not in KNOWN_LATE]
     manifest = read_manifest(folder) or {}
     differences = fingerprint_differences(manifest.get("fingerprint", {}), current, keys)
@@ -50,6 +52,51 @@ def refuse_early(options, run_id: str, world_size: int, report=None) -> None:
     resized = resized_since(options, folder, manifest)   # media files that changed shape since: the rows named
     if resized:
         raise OptionsError(resized)
+    return folder
+
+
+def ended_run_note(options, run_id: str, world_size: int, report=None) -> str | None:
+    """For a ``--resume`` of a run that has ended (``nothing_to_train``): what rank 0 says, after the refusals of
+    ``refuse_early`` (OptionsError); None for every other resume. Every rank asks it before the folders' locks: it
+    only reads, and a rank that found nothing to train ends before any lock is taken (nor waits for one). The
+    checkpoint the resume names is looked at first without its files' digests, so another resume pays nothing."""
+    from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints
+
+    if options.resume == "latest":
+        found = complete_checkpoints(options.checkpoint_dir)
+        named = found[-1][1] if found else None
+    else:
+        named = Path(options.resume)
+    if nothing_to_train(options, named) is None:
+        return None
+    return nothing_to_train(options, refuse_early(options, run_id, world_size, report=report))
+
+
+def nothing_to_train(options, folder: Path | None) -> str | None:
+    """What a resume says that has nothing to train, else None: its checkpoint ``folder`` is the run's end (every
+    epoch trained, or ``--early_stop``'s count reached under this run's N) and ``lora.safetensors`` was written at
+    that step by that run. Such a resume writes nothing (status, history and LoRA files stay as the run left them).
+    A run that ended before it wrote its LoRA is not ended: its resume finishes it (``recipe.finish``)."""
+    from diffsynth_mbc.training.checkpoints.state import component_states
+    from diffsynth_mbc.training.components.best_lora import BestSoFar, stopped_early_note
+    from diffsynth_mbc.training.lora.read import file_metadata_of
+
+    manifest = read_manifest(folder) if folder is not None else None
+    if manifest is None:
+        return None
+    step, lora = manifest["step"], Path(options.output_path) / "lora.safetensors"
+    written = file_metadata_of(lora)
+    if written.get("step") != str(step) or written.get("run_id") != manifest.get("run_id"):
+        return None
+    unchanged = "; nothing was written (its files are as it left them)"
+    best = BestSoFar.from_options(options, component_states(manifest, 0).get("best_lora"))
+    if best.stop_due:
+        return stopped_early_note(best.early_stop_record(step)) + unchanged
+    epoch = manifest.get("epoch")
+    if isinstance(epoch, int) and epoch >= options.num_epochs:
+        return (f"this run finished at step {step} ({options.num_epochs} of {options.num_epochs} epochs): nothing "
+                f"more to train{unchanged}. To train on from its LoRA: a new run with --init_lora {lora}")
+    return None
 
 
 def early_fingerprint(options, world_size: int) -> dict:

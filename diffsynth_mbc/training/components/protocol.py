@@ -13,6 +13,8 @@ hooks in that order on every rank alike:
 - ``after_validation(context) -> Decision``: after a validation was measured, before its record is written (a
   component may add to ``context.validation``);
 - ``at_end(context)``: once, when the run ends at its total or an early stop (after the last validation);
+- ``failure_note(error)``: what it adds to the message of a run failing with a broken LoRA (non-finite steps, a
+  LoRA that is not finite at the end), or None;
 - ``state_dict()`` / ``load_state_dict(state)``: what a checkpoint keeps of it, under its ``name``
   (``per_rank``: each rank's own, saved for every rank), JSON only; ``save_files(folder)`` / ``load_files(folder,
   step)`` for tensors (rank 0 writes into the checkpoint's folder, every rank reads it once its weights are back).
@@ -105,6 +107,9 @@ class Component:
 
     def at_end(self, context: StepContext) -> None:
         pass
+
+    def failure_note(self, error: BaseException) -> str | None:
+        return None
 
     def state_dict(self) -> dict[str, Any] | None:
         return None

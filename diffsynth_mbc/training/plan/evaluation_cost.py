@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from diffsynth_mbc.data.media.stages import boundaries, final_stage_start, parse_stages
 from diffsynth_mbc.training.plan import memory, speed
 
 # --health_steps when not given: a DoRA record (0.441 s) every 10 steps of 0.305 s would be 14% of an H100 run;
@@ -53,6 +54,7 @@ class EvaluationCost:
     val_every: int | None = None  # --val_steps
     early_stop: int | None = None     # --early_stop N: the run may end after N validations without improving
     min_delta: float = 0.0
+    counts_from: int = 1              # --resolution_stages: the final stage's first step, where the count starts
 
     @property
     def validation_total(self) -> float:
@@ -96,8 +98,11 @@ class EvaluationCost:
         if self.early_stop is None:
             return (f"validation {every} keeps the best LoRA (lora-best.safetensors); --early_stop N would end the "
                     "run after N validations without improving")
+        staged = (f", counted in the final stage only (from step {self.counts_from:,}: the validations before it "
+                  "count for nothing)" if self.counts_from > 1 else "")
         return (f"the run may end early: it stops after {self.early_stop} validation(s) in a row without a "
-                f"{self.min_delta:.2%} improvement, validating {every}; the best LoRA is kept (lora-best.safetensors)")
+                f"{self.min_delta:.2%} improvement, validating {every}{staged}; the best LoRA is kept "
+                "(lora-best.safetensors" + (", with the stage that trained it)" if self.counts_from > 1 else ")"))
 
     def line(self) -> str | None:
         from diffsynth_mbc.training.plan.run_length import duration
@@ -158,4 +163,6 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
     return EvaluationCost(validations, share, validation, base, records, record * max(1.0, bandwidth_ratio),
                           sets, clips, clip, base_clips, val_every=options.val_steps,
                           early_stop=options.early_stop if validations else None,
-                          min_delta=options.early_stop_min_delta)
+                          min_delta=options.early_stop_min_delta,
+                          counts_from=final_stage_start(boundaries(parse_stages(options.resolution_stages),
+                                                                   total_steps)))

@@ -49,7 +49,8 @@ class ProgressLogger(ModelLogger):
         self.num_epochs = num_epochs
         self.samples_per_step = samples_per_step
         self.step = start_step
-        self.epoch = start_step // steps_per_epoch if steps_per_epoch else 0
+        # the epoch of the last step done (at an epoch's end, the one that ended); a run that goes on begins its next
+        self.epoch = (start_step - 1) // steps_per_epoch if steps_per_epoch and start_step else 0
         self.timing = StepTiming(self.total_steps, steps_per_epoch, overhead_schedule, rate_window=rate_window,
                                  warmup_steps=warmup_steps, monotonic=monotonic)
         self._recent_losses: list[float] = []

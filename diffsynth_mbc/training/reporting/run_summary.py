@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 from diffsynth_mbc.training.checkpoints.owner import LORA_FILE, lora_file_owner
+from diffsynth_mbc.training.components.best_lora import standing_text
+from diffsynth_mbc.values import finite_number
 
 _NUMBERED = re.compile(r"^(epoch|step)-(\d+)(_ema)?\.safetensors$")
 
@@ -21,11 +23,18 @@ def against_base(loss: float, base: float) -> str:
 
 
 def validation_event(state: dict, took: str = "") -> str:
-    """The terminal's line after a validation: ``validation at step 6: val_loss 0.4123 (2.1 s); base ...``."""
+    """The terminal's line after a validation: ``validation at step 6: val_loss 0.4123 (2.1 s); base ...``; a
+    validation that is not finite says that it is never the best LoRA, and which one stays."""
     line = f"validation at step {state['val_step']}: val_loss {state['val_loss']:.4f}{took}" + (
         ", new best" if state.get("new_best") else "")
+    if finite_number(state["val_loss"]) is None:
+        best = state.get("best")
+        line += ", not finite: never the best LoRA (" + (
+            f"lora-best.safetensors stays step {best['step']}'s)" if best else "no lora-best.safetensors yet)")
     if state.get("val_loss_ema") is not None:
         line += f", EMA {state['val_loss_ema']:.4f}"
+    if state.get("early_stop_count"):   # where --early_stop's count stands, so that the lines and the summary agree
+        line += "; " + standing_text(state["early_stop_count"])
     base = state.get("val_loss_base")
     if base is not None:
         line += f"; base model {base:.4f}" + (" (measured now, once for the run)"

@@ -84,6 +84,14 @@ def test_the_plan_says_the_validation_keeps_the_best_and_may_end_the_run_early()
     assert evaluation_cost(options(), 245_000, 2, 1.0, 1.0).best_line() is None   # nothing validated
 
 
+def test_in_stages_the_plan_says_the_early_stop_counts_in_the_final_stage_only():
+    run = options(val_metadata_path="val.csv", val_steps=10, early_stop=3, resolution_stages="832x480:0.6")
+    assert evaluation_cost(run, 420, 2, 1.0, 1.0).best_line() == (   # stage 1: steps 1-252, the final: 253-420
+        "the run may end early: it stops after 3 validation(s) in a row without a 0.10% improvement, validating "
+        "every 10 steps, counted in the final stage only (from step 253: the validations before it count for "
+        "nothing); the best LoRA is kept (lora-best.safetensors, with the stage that trained it)")
+
+
 def test_the_full_preset_stops_early_and_its_projection_says_up_to(tmp_path):
     from diffsynth_mbc.training.options import resolve_options
     from diffsynth_mbc.training.plan import run_length
