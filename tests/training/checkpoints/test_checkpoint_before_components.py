@@ -44,12 +44,12 @@ def test_a_checkpoint_before_components_resumes_to_the_uninterrupted_run(tmp_pat
     root = moved_fixture(tmp_path / "moved")
     run = root / "run"
     manifest = json.loads((run / "lora" / "checkpoints" / "step-00000006" / "checkpoint.json").read_text())
-    assert "components" not in manifest and manifest["best_so_far"]["best_step"] == 6   # the layout before
+    assert "components" not in manifest and manifest["best_so_far"]["without"] == 2   # the layout before
     flags = demo_flags(root / "data" / "demo", run, num_epochs=4,
                        val_metadata_path=root / "data" / "val" / "metadata" / "metadata.csv",
                        val_base_path=root / "data" / "val" / "catalog", val_steps=2, val_samples=4,
-                       checkpoint_steps=2, keep_checkpoints=10, early_stop=3, resolution_stages="32x32:0.5",
-                       ema_decay=0.9, resume="latest")
+                       checkpoint_steps=2, keep_checkpoints=10, early_stop=3, early_stop_min_delta=0.05,
+                       resolution_stages="32x32:0.1", ema_decay=0.9, resume="latest")
     resumed = run_training(tmp_path, flags, timeout=400, OMP_NUM_THREADS=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected = json.loads((FIXTURE / "expected" / "summary.json").read_text())
