@@ -30,6 +30,7 @@ from diffsynth_mbc.lifecycle.run_lock import (RunLockError, follow_run_log, hold
 from diffsynth_mbc.lifecycle.signals import StopSignals
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
+from diffsynth_mbc.sample_prompts import run_sample_prompts
 from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
 from diffsynth_mbc.training.checkpoints.resume import refuse_early
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
@@ -85,6 +86,8 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
     try:   # before any file is written: a refusal leaves the folders as they were
         refuse_early(options, run_id, world_size, report=(lambda message: print(f"note: {message}", file=sys.stderr))
                      if rank == 0 else None)
+        if options.sample_prompts:   # every entry checked before the model loads
+            run_sample_prompts(options)
     except OptionsError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
