@@ -206,6 +206,8 @@ def nvidia_smi_device() -> tuple[GpuSpec, str | None, int] | None:
 # library scripts a function with torch.jit: they name packages torch chose, nothing a user of ours can act on.
 # The launchers filter the same two (launchers/common.sh, PYTHONWARNINGS).
 TORCH_NOTICES = ("The pynvml package is deprecated", "`torch.jit.script` is deprecated")
+# The same two as PYTHONWARNINGS says them, for a process this one starts (by message: a literal prefix there)
+TORCH_NOTICE_FILTERS = ",".join(f"ignore:{notice}:FutureWarning" for notice in TORCH_NOTICES)
 
 
 def quiet_torch_notices() -> None:

@@ -1,9 +1,12 @@
 """Sample prompts (``--sample_prompts FILE``) and when and where samples are written. Pure logic, no torch.
 
-The file is YAML (a list of entries, or ``{prompts: [...]}``) or JSON lines (one entry per line). Each
+The file is YAML (a list of entries, or ``{prompts: [...]}``) or JSON lines (one entry per line), in UTF-8. Each
 entry: ``prompt`` (required), optional ``image`` (the TI2V first frame, relative to the file's folder),
 ``seed``, ``height``, ``width``, ``num_frames``, ``steps``, ``cfg_scale``, ``negative_prompt``. Sizes
-default to the training's; a bad entry is refused naming the file and the entry.
+default to the training's. Every field is checked when the file is read, before any model loads (the training's
+``--sample_prompts`` and ``python -m diffsynth_mbc.sample`` alike): a text where text belongs, whole numbers in
+range, a finite ``cfg_scale``, an ``image`` that is a picture file PIL decodes; a bad entry is refused naming the
+file, the entry and the field.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import re
 import unicodedata
 from pathlib import Path
 
-from diffsynth_mbc.errors import OptionsError, clipped
+from diffsynth_mbc.errors import OptionsError, clipped, quoted
+from diffsynth_mbc.values import finite_number
 from diffsynth_mbc.yaml_input import parse_yaml
 
 DEFAULT_STEPS = 30
@@ -26,6 +30,13 @@ BASE_SUFFIX = "-base"           # 01-a-news-anchor-base.mp4
 EMA_SUFFIX = "-ema"             # rendered with the EMA of the LoRA: 01-a-news-anchor-ema.mp4
 MAX_STRENGTH = 10.0             # --sample_strengths: |s| at most this, with at most STRENGTH_DECIMALS decimals
 STRENGTH_DECIMALS = 3
+STRENGTHS_FLAG = "--sample_strengths"
+PROMPTS_FLAG = "--sample_prompts"
+MAX_SIDE = 4096                 # pixels, each side: of a sample, and of the training (training/options/checks.py)
+MAX_FRAMES = 257                # 16 s at the 16 fps the sample clips are written at
+MAX_STEPS = 1000                # denoising steps: the scheduler has 1000 timesteps, more would repeat them
+MAX_CFG = 100.0                 # cfg_scale from 0 to this (1: no guidance)
+MAX_SEED = 2**64 - 1            # the most torch's random generator takes
 _STRENGTH_SUFFIX = re.compile(r"-s(-?[0-9]{1,2}(?:\.[0-9]{1,3})?)")
 
 
@@ -53,8 +64,19 @@ class SamplePrompt:
 FIELDS = {field.name for field in dataclasses.fields(SamplePrompt)}
 
 
-def _entries(path: Path) -> list:
-    text = path.read_text(encoding="utf-8")
+def _entries(path: Path, source: str) -> list:
+    if not path.exists():
+        raise OptionsError(f"{source}: file not found: {path}")
+    if not path.is_file():   # a folder, or a FIFO that reading would wait on for ever
+        raise OptionsError(f"{source} {path}: {'a folder' if path.is_dir() else 'not a regular file'}, not a prompts "
+                           "file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OptionsError(f"{source} {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at position "
+                           f"{exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise OptionsError(f"{source} {path}: cannot be read ({exc.strerror or exc})") from None
     if path.suffix.lower() in (".jsonl", ".json"):
         entries = []
         for number, line in enumerate(text.splitlines(), 1):
@@ -62,68 +84,109 @@ def _entries(path: Path) -> list:
                 try:
                     entries.append(json.loads(line))
                 except ValueError as exc:
-                    raise OptionsError(f"--sample_prompts {path}: line {number} is not JSON ({exc})") from None
+                    raise OptionsError(f"{source} {path}: line {number} is not JSON ({exc})") from None
         return entries
-    data = parse_yaml(text, f"--sample_prompts {path}")   # refuses an alias bomb, naming the file
+    data = parse_yaml(text, f"{source} {path}")   # refuses an alias bomb, naming the file
     if isinstance(data, dict) and "prompts" in data:
         data = data["prompts"]
     if not isinstance(data, list):
-        raise OptionsError(f"--sample_prompts {path}: expected a list of prompts (or prompts: [...])")
+        raise OptionsError(f"{source} {path}: expected a list of prompts (or prompts: [...])")
     return data
 
 
-def load_sample_prompts(path: str | Path, *, height: int, width: int, num_frames: int, seed: int) -> list[SamplePrompt]:
+def load_sample_prompts(path: str | Path, *, height: int, width: int, num_frames: int, seed: int,
+                        source: str = PROMPTS_FLAG) -> list[SamplePrompt]:
+    """Every entry of the prompts file at ``path``, each field checked; OptionsError naming ``source`` (the flag or
+    argument that gave the file), the file and the entry. The sizes and ``seed`` (the first entry's; the next
+    entries count on from it) are the defaults."""
     path = Path(path)
-    try:
-        entries = _entries(path)
-    except FileNotFoundError:
-        raise OptionsError(f"--sample_prompts: file not found: {path}") from None
+    entries = _entries(path, source)
     prompts = []
     for number, entry in enumerate(entries, 1):
-        where = f"--sample_prompts {path}: entry {number}"
+        where = f"{source} {path}: entry {number}"
         if isinstance(entry, str):
             entry = {"prompt": entry}
-        if not isinstance(entry, dict) or not str(entry.get("prompt") or "").strip():
-            raise OptionsError(f"{where}: needs a non-empty 'prompt'")
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+            raise OptionsError(f"{where}: needs a non-empty 'prompt' (text)")
         unknown = sorted(map(str, set(entry) - FIELDS))
         if unknown:
             raise OptionsError(f"{where}: unknown key(s) {clipped(', '.join(unknown))} "
                                f"(known: {', '.join(sorted(FIELDS))})")
-        values = {"seed": seed + number - 1, "height": height, "width": width, "num_frames": num_frames, **entry}
-        try:
-            prompt = SamplePrompt(prompt=str(values["prompt"]), seed=int(values["seed"]), height=int(values["height"]),
-                                  width=int(values["width"]), num_frames=int(values["num_frames"]),
-                                  steps=int(values.get("steps", DEFAULT_STEPS)),
-                                  cfg_scale=float(values.get("cfg_scale", DEFAULT_CFG)),
-                                  negative_prompt=str(values.get("negative_prompt") or ""),
-                                  image=_image_path(path, values.get("image")))
-        except (TypeError, ValueError) as exc:
-            raise OptionsError(f"{where}: {exc}") from None
-        _check_sizes(prompt, where)
-        prompts.append(prompt)
+        defaults = {"seed": seed + number - 1, "height": height, "width": width, "num_frames": num_frames,
+                    "steps": DEFAULT_STEPS, "cfg_scale": DEFAULT_CFG}
+        prompts.append(_checked(path, {**defaults, **entry}, where))
     if not prompts:
-        raise OptionsError(f"--sample_prompts {path}: no prompts")
+        raise OptionsError(f"{source} {path}: no prompts")
     return prompts
 
 
-def _image_path(prompts_file: Path, image) -> str | None:
-    if not image:
+def run_sample_prompts(options) -> list[SamplePrompt]:
+    """A training run's ``--sample_prompts``, its size and seed the defaults: what it samples, read before the model
+    loads (``training/cli.py``) so that a bad entry costs no model load."""
+    return load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
+                               num_frames=options.num_frames, seed=options.seed)
+
+
+def _checked(prompts_file: Path, values: dict, where: str) -> SamplePrompt:
+    """The entry's ``values`` as a SamplePrompt, every field checked (OptionsError naming ``where`` and the field)."""
+    numbers = {}
+    for key, low, high in (("seed", 0, MAX_SEED), ("height", 32, MAX_SIDE), ("width", 32, MAX_SIDE),
+                           ("num_frames", 1, MAX_FRAMES), ("steps", 1, MAX_STEPS)):
+        number = _whole(values[key])
+        if number is None or not low <= number <= high:
+            raise OptionsError(f"{where}: {key} must be a whole number from {low:,} to {high:,}, got "
+                               f"{quoted(values[key])}")
+        numbers[key] = number
+    if numbers["height"] % 32 or numbers["width"] % 32:
+        raise OptionsError(f"{where}: height and width must be multiples of 32 (the Wan2.2 VAE x DiT patch), got "
+                           f"{numbers['width']}x{numbers['height']}")
+    if numbers["num_frames"] % 4 != 1:
+        raise OptionsError(f"{where}: num_frames must be 4k+1 (1, 5, 9, ...), got {numbers['num_frames']}")
+    cfg_scale = finite_number(values["cfg_scale"], text=True)
+    if cfg_scale is None or not 0 <= cfg_scale <= MAX_CFG:
+        raise OptionsError(f"{where}: cfg_scale must be a finite number from 0 to {MAX_CFG:g} (1: no guidance), got "
+                           f"{quoted(values['cfg_scale'])}")
+    negative = values.get("negative_prompt")
+    if negative is not None and not isinstance(negative, str):
+        raise OptionsError(f"{where}: negative_prompt must be text, got {quoted(negative)}")
+    return SamplePrompt(prompt=values["prompt"], cfg_scale=cfg_scale, negative_prompt=negative or "",
+                        image=_image_path(prompts_file, values.get("image"), where), **numbers)
+
+
+def _whole(value) -> int | None:
+    """``value`` as an int when it is a whole number (an int, a float without a fraction, or digits as text)."""
+    if isinstance(value, bool):
         return None
-    candidate = Path(str(image))
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]{1,40}\s*", value):
+        return int(value)
+    return None
+
+
+def _image_path(prompts_file: Path, image, where: str) -> str | None:
+    """The first frame's path (relative to the prompts file's folder), once PIL has decoded it."""
+    if image is None or image == "":
+        return None
+    if not isinstance(image, str):
+        raise OptionsError(f"{where}: image must be a file name, got {quoted(image)}")
+    candidate = Path(image)
     candidate = candidate if candidate.is_absolute() else prompts_file.parent / candidate
-    if not candidate.is_file():
-        raise ValueError(f"image not found: {candidate}")
+    if not candidate.exists():
+        raise OptionsError(f"{where}: image not found: {candidate}")
+    if not candidate.is_file():   # a FIFO would make the decode below wait for ever
+        raise OptionsError(f"{where}: image {candidate} is {'a folder' if candidate.is_dir() else 'not a regular file'}"
+                           ", not a picture file")
+    from PIL import Image
+
+    try:
+        with Image.open(candidate) as picture:
+            picture.load()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise OptionsError(f"{where}: image {candidate} cannot be read as a picture ({exc})") from None
     return str(candidate)
-
-
-def _check_sizes(prompt: SamplePrompt, where: str) -> None:
-    if prompt.height % 32 or prompt.width % 32 or prompt.height < 32 or prompt.width < 32:
-        raise OptionsError(f"{where}: height and width must be positive multiples of 32, got "
-                           f"{prompt.width}x{prompt.height}")
-    if prompt.num_frames < 1 or prompt.num_frames % 4 != 1:
-        raise OptionsError(f"{where}: num_frames must be 4k+1 (1, 5, 9, ...), got {prompt.num_frames}")
-    if prompt.steps < 1:
-        raise OptionsError(f"{where}: steps must be at least 1, got {prompt.steps}")
 
 
 def slug(text: str, limit: int = 40) -> str:
@@ -161,8 +224,8 @@ def sampling_due(step: int, every: int | None, total_steps: int, *, first_step: 
 # --sample_strengths: the LoRA's strengths each prompt renders at, and the clips' file names
 
 
-def parse_strengths(value) -> list[float]:
-    """``--sample_strengths 0,0.5,1`` -> [0.0, 0.5, 1.0]: ascending, each once; OptionsError naming the flag.
+def parse_strengths(value, flag: str = STRENGTHS_FLAG) -> list[float]:
+    """``--sample_strengths 0,0.5,1`` -> [0.0, 0.5, 1.0]: ascending, each once; OptionsError naming ``flag``.
 
     0 is the base model (no LoRA), 1 the LoRA as trained; values from -10 to 10 with at most 3 decimals (each
     names its clips' files)."""
@@ -171,11 +234,11 @@ def parse_strengths(value) -> list[float]:
     for part in text.split(","):
         number = _strength(part.strip())
         if number is None:
-            raise OptionsError(f"--sample_strengths must be comma-separated numbers from {-MAX_STRENGTH:g} to "
+            raise OptionsError(f"{flag} must be comma-separated numbers from {-MAX_STRENGTH:g} to "
                                f"{MAX_STRENGTH:g} with at most {STRENGTH_DECIMALS} decimals (0: the base model, 1: "
                                f"the LoRA as trained), e.g. 0,0.5,1; got {clipped(repr(text))}")
         if number in strengths:
-            raise OptionsError(f"--sample_strengths names {strength_text(number)} twice ({clipped(repr(text))})")
+            raise OptionsError(f"{flag} names {strength_text(number)} twice ({clipped(repr(text))})")
         strengths.append(number)
     return sorted(strengths)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+from PIL import Image
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.sample_prompts import (load_sample_prompts, prompts_file_record, sample_file_stem,
@@ -13,8 +15,13 @@ from diffsynth_mbc.sample_prompts import (load_sample_prompts, prompts_file_reco
 SIZE = dict(height=64, width=64, num_frames=9, seed=42)
 
 
+def a_picture(path):
+    Image.new("RGB", (48, 32), (200, 40, 40)).save(path)
+    return path
+
+
 def test_yaml_and_json_lines_give_the_same_prompts_with_defaults_from_training(tmp_path):
-    (tmp_path / "first.png").write_bytes(b"png")
+    a_picture(tmp_path / "first.png")
     (tmp_path / "p.yaml").write_text("- prompt: a news anchor speaks\n  image: first.png\n  steps: 4\n"
                                      "- prompt: 비 오는 거리\n  seed: 7\n  width: 96\n  cfg_scale: 1\n")
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(e) for e in (
@@ -31,7 +38,7 @@ def test_yaml_and_json_lines_give_the_same_prompts_with_defaults_from_training(t
 @pytest.mark.parametrize("text, message", [
     ("- prompt: ''\n", "entry 1: needs a non-empty 'prompt'"),
     ("- prompt: a\n- {prompt: b, colour: red}\n", "entry 2: unknown key(s) colour"),
-    ("- prompt: a\n  height: 70\n", "entry 1: height and width must be positive multiples of 32"),
+    ("- prompt: a\n  height: 70\n", "entry 1: height and width must be multiples of 32"),
     ("- prompt: a\n  num_frames: 8\n", "entry 1: num_frames must be 4k+1"),
     ("- prompt: a\n  image: missing.png\n", "entry 1: image not found"),
     ("- prompt: a\n  steps: many\n", "entry 1:"),
@@ -44,6 +51,90 @@ def test_bad_entries_are_refused_naming_the_file_and_entry(tmp_path, text, messa
     with pytest.raises(OptionsError) as caught:
         load_sample_prompts(path, **SIZE)
     assert message in str(caught.value) and str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("cfg_scale: .nan", "cfg_scale must be a finite number from 0 to 100 (1: no guidance), got nan"),
+    ("cfg_scale: -.inf", "cfg_scale must be a finite number"),
+    ("cfg_scale: 101", "cfg_scale must be a finite number from 0 to 100"),
+    ("cfg_scale: [1, 2]", "cfg_scale must be a finite number"),
+    ("num_frames: 100001", "num_frames must be a whole number from 1 to 257, got 100001"),
+    ("height: 32000", "height must be a whole number from 32 to 4,096, got 32000"),
+    ("width: 32000", "width must be a whole number from 32 to 4,096, got 32000"),
+    ("seed: 100000000000000000000000", "seed must be a whole number from 0 to 18,446,744,073,709,551,615"),
+    ("seed: -1", "seed must be a whole number from 0"),
+    ("seed: 1.5", "seed must be a whole number"),
+    ("seed: true", "seed must be a whole number"),
+    ("seed: 1.0e+30", "seed must be a whole number"),
+    ("steps: 0", "steps must be a whole number from 1 to 1,000"),
+    ("steps: 100000", "steps must be a whole number from 1 to 1,000"),
+    ("steps: .nan", "steps must be a whole number"),
+    ("negative_prompt: [blurry]", "negative_prompt must be text"),
+    ("image: 7", "image must be a file name"),
+])
+def test_every_field_is_checked_finite_and_in_range_naming_the_file_entry_and_field(tmp_path, entry, message):
+    path = tmp_path / "prompts.yaml"
+    path.write_text(f"- a first prompt\n- prompt: a second\n  {entry}\n")
+    with pytest.raises(OptionsError) as caught:
+        load_sample_prompts(path, **SIZE)
+    assert f"--sample_prompts {path}: entry 2: {message}" in str(caught.value)
+
+
+def test_a_default_out_of_range_is_refused_too_and_in_range_values_load(tmp_path):
+    path = tmp_path / "prompts.yaml"
+    path.write_text("- prompt: a\n  seed: 18446744073709551615\n  cfg_scale: 0\n  num_frames: 257\n"
+                    "  steps: 1000\n  height: 4096\n- prompt: b\n  seed: '7'\n  steps: 2.0\n")
+    first, second = load_sample_prompts(path, **SIZE)
+    assert (first.seed, first.cfg_scale, first.num_frames, first.steps) == (2**64 - 1, 0.0, 257, 1000)
+    assert (second.seed, second.steps) == (7, 2) and isinstance(second.steps, int)
+    with pytest.raises(OptionsError, match="entry 2: num_frames must be a whole number from 1 to 257, got 1001"):
+        load_sample_prompts(path, **{**SIZE, "num_frames": 1001})   # the run's own --num_frames, as the default
+
+
+def test_an_image_that_is_a_folder_a_fifo_or_no_picture_is_named_as_such(tmp_path):
+    (tmp_path / "folder.png").mkdir()
+    os.mkfifo(tmp_path / "fifo.png")   # reading it would wait for ever
+    (tmp_path / "text.png").write_text("not a picture")
+    for name, said in (("folder.png", "is a folder, not a picture file"),
+                       ("fifo.png", "is not a regular file, not a picture file"),
+                       ("text.png", "cannot be read as a picture"), ("gone.png", "image not found")):
+        path = tmp_path / "prompts.yaml"
+        path.write_text(f"- prompt: a\n  image: {name}\n")
+        with pytest.raises(OptionsError) as caught:
+            load_sample_prompts(path, **SIZE)
+        assert f"--sample_prompts {path}: entry 1: " in str(caught.value) and said in str(caught.value), name
+
+
+def test_a_prompts_file_that_is_not_utf8_or_not_a_file_is_named(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("- prompt: un caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(OptionsError, match=f"--sample_prompts {latin}: not UTF-8 text \\(byte 0xe9 at position 16\\); "
+                                           "save it as UTF-8"):
+        load_sample_prompts(latin, **SIZE)
+    (tmp_path / "folder.yaml").mkdir()
+    with pytest.raises(OptionsError, match="folder.yaml: a folder, not a prompts file"):
+        load_sample_prompts(tmp_path / "folder.yaml", **SIZE)
+    os.mkfifo(tmp_path / "fifo.yaml")
+    with pytest.raises(OptionsError, match="fifo.yaml: not a regular file, not a prompts file"):
+        load_sample_prompts(tmp_path / "fifo.yaml", **SIZE)
+    with pytest.raises(OptionsError, match=f"^prompts file {latin}: not UTF-8"):   # the sweep names its argument
+        load_sample_prompts(latin, **SIZE, source="prompts file")
+
+
+def test_the_training_refuses_a_bad_prompt_before_it_loads_the_model(tmp_path, monkeypatch, capsys):
+    from diffsynth_mbc.data.demo import prepare
+    from diffsynth_mbc.training.cli import main
+    from e2e_helpers import demo_flags
+
+    monkeypatch.chdir(tmp_path)
+    prepare(tmp_path / "demo", num_videos=1, num_images=1)
+    (tmp_path / "prompts.yaml").write_text("- prompt: a\n  steps: 2\n- prompt: b\n  cfg_scale: .nan\n")
+    flags = demo_flags(tmp_path / "demo", tmp_path / "run", sample_prompts=tmp_path / "prompts.yaml",
+                       run_id="bad-prompts")
+    assert main(flags) == 2
+    assert f"--sample_prompts {tmp_path / 'prompts.yaml'}: entry 2: cfg_scale must be a finite number" in \
+        capsys.readouterr().err
+    assert not list((tmp_path / "run" / "logs").glob("training_gpu*"))   # no status: nothing started, no model
 
 
 def test_names_and_schedule():
@@ -76,7 +167,7 @@ def test_the_prompts_file_keeps_every_prompt_whole(tmp_path):
 
 
 def test_the_prompts_file_says_which_clips_render_from_an_image(tmp_path):
-    (tmp_path / "first.png").write_bytes(b"not read here")
+    a_picture(tmp_path / "first.png")
     (tmp_path / "p.yaml").write_text("- prompt: a street\n  image: first.png\n- a field\n")
     record = prompts_file_record(load_sample_prompts(tmp_path / "p.yaml", **SIZE))
     assert [entry["mode"] for entry in record["prompts"]] == ["i2v", "t2v"]
@@ -92,6 +183,8 @@ def test_sample_strengths_are_read_once_each_in_order_and_bad_ones_refused():
             parse_strengths(bad)
     with pytest.raises(OptionsError, match="names 0.5 twice"):
         parse_strengths("0.5,1,0.50")
+    with pytest.raises(OptionsError, match="^--strengths must be comma-separated numbers"):   # the sweep's flag
+        parse_strengths("nan", flag="--strengths")
 
 
 def test_each_strength_and_weights_names_its_clip_and_the_name_reads_back():

@@ -20,6 +20,7 @@ import sys
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.gpu import TORCH_NOTICE_FILTERS, quiet_torch_notices
 
 
 def build_parser():
@@ -53,6 +54,7 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_torch_notices()   # before torch is imported: its notices would print above the sweep's lines
     args = build_parser().parse_args(argv)
     try:
         if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -84,6 +86,7 @@ def launch_processes(gpus: int, argv: list[str]) -> int:
         if not item.startswith("--gpus="):
             rest.append(item)
     environment = dict(os.environ)
+    environment.setdefault("PYTHONWARNINGS", TORCH_NOTICE_FILTERS)   # accelerate's launcher imports torch too
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(gpus),
                 "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
     launcher.append("--multi_gpu")   # on CPUs too: one process each, joined over gloo (render.start_accelerator)

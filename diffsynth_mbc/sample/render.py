@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from diffsynth_mbc.sample_prompts import SamplePrompt
-from diffsynth_mbc.training.lora.load_file import load_lora_file, lora_settings
+from diffsynth_mbc.training.lora.load_file import LoraFileError, load_lora_file, lora_settings, misfit
 
 
 class SweepStatus:
@@ -53,9 +53,41 @@ def start_accelerator(options):
     return Accelerator(mixed_precision=precision, kwargs_handlers=handlers)
 
 
+def rendering_settings(options, accelerator) -> dict:
+    """What renders a clip besides its prompt, file and strength: the model (the demo's, built from its seed, or the
+    release's folder or id), the precision and the device."""
+    folder = str(Path(options.model_dir).resolve()) if options.model_dir else None
+    model = {"demo_seed": options.seed} if options.demo else {"model_dir": folder, "model_id": options.model_id}
+    return {"model": model, "precision": accelerator.mixed_precision, "device": accelerator.device.type}
+
+
+def fitting_settings(files: list, demo: bool, model: str) -> dict[str, dict]:
+    """{path: ``lora_settings``} of every file, once each has been checked against the model's layers (their widths
+    from its config, on the meta device: no weights): LoraFileError naming the first file that does not fit, before
+    the model loads."""
+    import torch
+    from diffsynth.models.wan_video_dit import WanModel
+
+    from diffsynth_mbc.models.pipeline import TI2V_5B_DIT, TINY_DIT
+
+    with torch.device("meta"):
+        dit = WanModel(**(TINY_DIT if demo else TI2V_5B_DIT))
+    layers = {name: (layer.in_features, layer.out_features) if isinstance(layer, torch.nn.Linear) else None
+              for name, layer in dit.named_modules() if name}
+    found = {}
+    for item in files:
+        settings = lora_settings(item.path)
+        problem = misfit(settings, layers, model)
+        if problem:
+            raise LoraFileError(problem)
+        found[item.path] = settings
+    return found
+
+
 class Renderer:
-    def __init__(self, options, accelerator):
+    def __init__(self, options, accelerator, known: dict[str, dict] | None = None):
         self.options, self.accelerator = options, accelerator
+        self.known = known or {}   # path -> lora_settings, read when the files were checked (fitting_settings)
         self.module = None
         self.settings: tuple | None = None   # (rank, alpha, targets, variant) the module was built for
         self.file: str | None = None
@@ -69,15 +101,18 @@ class Renderer:
         """The LoRA file at ``path`` in the module (built again only for another rank, alpha, targets or variant)."""
         if self.file == path:
             return
-        found = lora_settings(path)
+        found = self.known.get(path) or lora_settings(path)
         settings = (found["rank"], found["alpha"], found["targets"], found["variant"])
         if settings != self.settings:
-            self.module = self._build(*settings)
+            self.module = self._build(path, *settings)
             self.settings = settings
-        load_lora_file(self.module, path)
+        try:
+            load_lora_file(self.module, path)
+        except LoraFileError as exc:
+            raise LoraFileError(str(exc) if path in str(exc) else f"{path}: {exc}") from None
         self.file = path
 
-    def _build(self, rank: int, alpha: float | None, targets: str, variant: str):
+    def _build(self, path: str, rank: int, alpha: float | None, targets: str, variant: str):
         import torch
 
         from diffsynth_mbc.models.pipeline import build_demo_pipeline, load_pipeline
@@ -91,8 +126,11 @@ class Renderer:
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision,
                                                                         torch.float32)
             pipe = load_pipeline(options.model_dir, options.model_id, device=device, torch_dtype=dtype)
-        module = WanTI2VLoraModule(pipe, lora_target_modules=targets, lora_rank=rank, lora_alpha=alpha,
-                                   use_gradient_checkpointing=False, lora_variant=variant)
+        try:
+            module = WanTI2VLoraModule(pipe, lora_target_modules=targets, lora_rank=rank, lora_alpha=alpha,
+                                       use_gradient_checkpointing=False, lora_variant=variant)
+        except ValueError as exc:   # peft refusing the file's targets on this model
+            raise LoraFileError(f"the LoRA of {path} cannot be put on the model ({exc})") from None
         module.to(self.accelerator.device)
         module.eval()
         self._encode_once(pipe)

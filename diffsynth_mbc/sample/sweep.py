@@ -11,10 +11,11 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.sample.lora_files import refuse_other_base, sweep_files
-from diffsynth_mbc.sample.render import Renderer, say, start_accelerator, validation_of
-from diffsynth_mbc.sample.sheet import sweep_page
-from diffsynth_mbc.sample.sweep_plan import best_file, plan_clips, read_records, rendered
+from diffsynth_mbc.sample.lora_files import refuse_other_base, sweep_files, with_digests
+from diffsynth_mbc.sample.render import (Renderer, fitting_settings, rendering_settings, say, start_accelerator,
+                                         validation_of)
+from diffsynth_mbc.sample.sheet import summary_lines, sweep_page
+from diffsynth_mbc.sample.sweep_plan import best_file, gain_words, judging_notes, plan_clips, read_records, rendered
 from diffsynth_mbc.sample_prompts import load_sample_prompts, parse_strengths
 from diffsynth_mbc.training.options.run_options import TrainOptions
 from diffsynth_mbc.training.options.run_record import read_run_options
@@ -24,10 +25,14 @@ RELEASE_BASE = "Wan2.2-TI2V-5B"
 RECORDS_FOLDER = ".sweep-records"   # each process's clip records while it renders, merged into sweep.json
 GIVEN_SETTINGS = ("seed", "height", "width", "num_frames", "mixed_precision", "val_metadata_path", "val_base_path",
                   "val_samples", "val_timestep_quantiles")
+# what a validation figure is measured with (besides the model, precision and device, and the file's bytes)
+VALIDATION_SETTINGS = ("val_metadata_path", "val_base_path", "val_cache", "val_samples", "val_timestep_quantiles",
+                       "seed", "height", "width", "num_frames", "buckets")
 
 
 def sweep_options(args, run: TrainOptions | None) -> TrainOptions:
-    """The settings a sweep renders and validates with: the run's (``run_options.json``), then what is given."""
+    """The settings a sweep renders and validates with: the first run's (``run_options.json``), then what is
+    given."""
     given = vars(args)
     changes = {key: given[key] for key in GIVEN_SETTINGS if given[key] is not None}
     if args.demo:
@@ -42,6 +47,18 @@ def sweep_options(args, run: TrainOptions | None) -> TrainOptions:
         raise OptionsError("--validate: " + ("the run validated nothing (no --val_metadata_path)" if run else
                                              "the files are not a run's") + "; pass --val_metadata_path")
     return options
+
+
+def runs_of(files: list) -> dict[str, TrainOptions]:
+    """Each run's options (its ``run_options.json``) by its output folder, in the order --lora named the runs."""
+    ordered = sorted((item for item in files if item.run_dir), key=lambda item: item.source)
+    runs = {run_dir: read_run_options(run_dir) for run_dir in dict.fromkeys(item.run_dir for item in ordered)}
+    return {run_dir: options for run_dir, options in runs.items() if options is not None}
+
+
+def validation_settings(options: TrainOptions) -> dict:
+    values = options.as_dict()
+    return {key: values[key] for key in VALIDATION_SETTINGS}
 
 
 def known_records(output: Path) -> dict[str, dict]:
@@ -59,33 +76,41 @@ def run_sweep(args) -> int:
     from diffsynth_mbc.training.distributed.collectives import gather_from_all, wait_for_everyone
 
     output = Path(args.output)
+    strengths = parse_strengths(args.strengths, flag="--strengths")
     files = sweep_files(args.lora, ema=args.ema)
-    runs = [item.run_dir for item in files if item.run_dir]
-    run = read_run_options(runs[0]) if runs else None
-    options = sweep_options(args, run)
-    refuse_other_base(files, DEMO_BASE if options.demo else RELEASE_BASE)
+    runs = runs_of(files)
+    options = sweep_options(args, next(iter(runs.values()), None))
+    model = DEMO_BASE if options.demo else RELEASE_BASE
+    refuse_other_base(files, model)
     prompts = load_sample_prompts(args.prompts, height=options.height, width=options.width,
-                                  num_frames=options.num_frames, seed=options.seed)
-    strengths = parse_strengths(args.strengths)
-    clips = plan_clips(prompts, files, strengths)
+                                  num_frames=options.num_frames, seed=options.seed, source="prompts file")
+    fitting = fitting_settings(files, options.demo, model)   # every file fits the model, checked before it loads
+    files = with_digests(files)
+    accelerator = start_accelerator(options)
+    rendering = rendering_settings(options, accelerator)
+    clips = plan_clips(prompts, files, strengths, rendering)
     output.mkdir(parents=True, exist_ok=True)
     records = known_records(output)
     todo = [clip for clip in clips if not rendered(clip, output, records)]
-    accelerator = start_accelerator(options)
     main = accelerator.is_main_process
+    notes = judging_notes(validation_settings(options), {run_dir: validation_settings(own) for run_dir, own
+                                                         in runs.items()}, files) if args.validate else []
     if main:
         say(f"sweep: {len(files)} file(s) x {len(prompts)} prompt(s) at strength {args.strengths}: {len(clips)} clips, "
             f"{len(todo)} to render" + (f" on {accelerator.num_processes} processes" if accelerator.num_processes > 1
                                         else ""))
-    renderer = Renderer(options, accelerator)
+        for note in notes:
+            say(note)
+    renderer = Renderer(options, accelerator, fitting)
     mine = render_share(renderer, todo[accelerator.process_index::accelerator.num_processes], files, prompts, output,
                         accelerator.process_index, main)
-    validated = validate_files(renderer, options, files, records_of_files(output)) if args.validate else None
+    validated = validate_files(renderer, options, files, records_of_files(output), rendering) if args.validate \
+        else None
     everyone = gather_from_all(accelerator, mine, None, "processes at the end of the sweep")
     if main:
         for share in everyone:
             records.update(share)
-        finish(output, files, prompts, strengths, clips, records, validated)
+        finish(output, files, prompts, strengths, clips, records, validated, notes)
     wait_for_everyone(accelerator)
     return 0
 
@@ -119,7 +144,7 @@ def render_share(renderer, share: list, files: list, prompts: list, output: Path
 
 
 def records_of_files(output: Path) -> dict[str, dict]:
-    """The validation figures an earlier invocation measured, by file path, with the file's size and mtime then."""
+    """The validation figures an earlier invocation measured, by file path, with what they were measured of."""
     try:
         saved = json.loads((output / "sweep.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -130,36 +155,29 @@ def records_of_files(output: Path) -> dict[str, dict]:
     return found
 
 
-def _stamp(path: str) -> list:
-    stat = Path(path).stat()
-    return [stat.st_size, stat.st_mtime_ns]
-
-
-def validate_files(renderer, options, files: list, earlier: dict) -> dict:
+def validate_files(renderer, options, files: list, earlier: dict, rendering: dict) -> dict:
     """{file path: its validation figures, "base": the base model's}: the training's validator on each file's weights
-    (figures an earlier invocation measured for the same file and settings are kept)."""
-    values = options.as_dict()
-    settings = {key: values[key] for key in ("val_metadata_path", "val_samples", "val_timestep_quantiles", "seed",
-                                             "height", "width", "num_frames", "buckets")}
+    (figures an earlier invocation measured of the same bytes, settings, model, precision and device are kept)."""
+    made_of = {"val_settings": validation_settings(options), "val_rendering": rendering}
     validator, results = None, {}
     for item in files:
         before = earlier.get(item.path) or {}
-        if before.get("val_loss") is not None and before.get("val_settings") == settings \
-                and before.get("val_file") == _stamp(item.path):
+        if before.get("val_loss") is not None and all(before.get(key) == value for key, value in made_of.items()) \
+                and before.get("val_file") == item.digest:
             results[item.path] = {key: value for key, value in before.items() if key.startswith("val_")}
             continue
         renderer.use(item.path)
         if validator is None or validator.module is not renderer.module:
             validator = renderer.validator(options)
-        results[item.path] = {**validation_of(validator), "val_settings": settings, "val_file": _stamp(item.path)}
+        results[item.path] = {**validation_of(validator), **made_of, "val_file": item.digest}
     base = earlier.get("base") or {}
-    if base.get("val_loss") is not None and base.get("val_settings") == settings:
+    if base.get("val_loss") is not None and all(base.get(key) == value for key, value in made_of.items()):
         results["base"] = base
     else:
         if validator is None:
             renderer.use(files[0].path)
             validator = renderer.validator(options)
-        results["base"] = {**validation_of(validator, base=True), "val_settings": settings}
+        results["base"] = {**validation_of(validator, base=True), **made_of}
     return results
 
 
@@ -168,18 +186,17 @@ def write_outputs(output: Path, record: dict, page: str) -> None:
     atomic_write_text(output / "sweep.html", page)
 
 
-def finish(output: Path, files, prompts, strengths, clips, records, validated) -> None:
+def finish(output: Path, files, prompts, strengths, clips, records, validated, notes: list[str]) -> None:
     """``sweep.json`` and ``sweep.html`` from every clip recorded; the best file said on the terminal."""
-    file_records = []
-    for item in files:
-        figures = (validated or {}).get(item.path) or {}
-        file_records.append({**item.as_dict(), **figures})
+    file_records = [{**item.as_dict(), **((validated or {}).get(item.path) or {})} for item in files]
     base = (validated or {}).get("base") or None
-    best = best_file(file_records, base.get("val_loss") if base else None)
-    clip_records = [records[clip.path] for clip in clips if clip.path in records]
     base_loss = base.get("val_loss") if base else None
-    # the sheet's columns: the base model (strength 0), then each file at each other strength
-    kinds = ([(None, 0.0)] if 0 in strengths else []) + [(index, strength) for index in range(len(files))
+    best = best_file(file_records, base_loss)
+    clip_records = [records[clip.path] for clip in clips if clip.path in records]
+    # the sheet's columns: the base model (strength 0), the best file's (on screen without scrolling), then each
+    # other file in step order, one column per strength
+    order = sorted(range(len(files)), key=lambda index: not best or file_records[index]["key"] != best["key"])
+    kinds = ([(None, 0.0)] if 0 in strengths else []) + [(index, strength) for index in order
                                                           for strength in strengths if strength != 0]
     columns = [{"file": None, "strength": 0.0, "val_loss": base_loss} if index is None else
                {"file": file_records[index], "strength": strength, "base_val_loss": base_loss}
@@ -188,14 +205,16 @@ def finish(output: Path, files, prompts, strengths, clips, records, validated) -
     cells = {(clip.prompt_index, column_of[(clip.file_index, clip.strength)]): clip.path
              for clip in clips if clip.path in records}
     record = {"prompts": [prompt.as_dict() for prompt in prompts], "strengths": strengths, "files": file_records,
-              "base": base, "clips": clip_records, "best": best}
-    page = sweep_page(prompts, columns, cells, best["key"] if best else None, f"LoRA sweep: {output.resolve().name}")
+              "base": base, "clips": clip_records, "best": best, "validation_notes": notes}
+    summary = summary_lines(best, file_records, notes, strengths, validated is not None)
+    page = sweep_page(prompts, columns, cells, best["key"] if best else None, f"LoRA sweep: {output.resolve().name}",
+                      summary)
     write_outputs(output, record, page)
     shutil.rmtree(output / RECORDS_FOLDER, ignore_errors=True)
     missing = len(clips) - len(clip_records)
     say(f"sweep: {len(clip_records)} of {len(clips)} clips in {output}" + (f" ({missing} not rendered)" if missing
                                                                            else "") + f"; open {output / 'sweep.html'}")
     if best:
-        gain = f", {best['gain']:.2%} below the base model's {best['val_loss_base']:.5g}" if best["gain"] is not None \
-            else ""
-        say(f"best: {best['label']} (step {best['step']}) val_loss {best['val_loss']:.5g}{gain}: {best['path']}")
+        gain = f", {gain_words(best['gain'])} model's {best['val_loss_base']:.5g}" if best["gain"] is not None else ""
+        run = f" of {best['run']}" if best["run"] else ""
+        say(f"best: {best['label']}{run} (step {best['step']}) val_loss {best['val_loss']:.5g}{gain}: {best['path']}")

@@ -31,6 +31,7 @@ from diffsynth_mbc.lifecycle.run_lock import (RunLockError, follow_run_log, hold
 from diffsynth_mbc.lifecycle.signals import StopSignals
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
+from diffsynth_mbc.sample_prompts import run_sample_prompts
 from diffsynth_mbc.training.checkpoints.folder import resumed_run_id
 from diffsynth_mbc.training.checkpoints.resume import ended_run_note, refuse_early
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
@@ -109,6 +110,8 @@ def take_run_locks(options, run_id: str, local_rank: int) -> list[int]:
 def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_size: int) -> int:
     try:   # before any file is written: a refusal leaves the folders as they were
         refuse_early(options, run_id, world_size, report=note_on(rank))
+        if options.sample_prompts:   # every entry checked before the model loads
+            run_sample_prompts(options)
     except OptionsError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ T2V, I2V = "01-a-news-anchor-in-the-studio", "02-a-city-street-at-night"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A LoRA run (samples, validation and a LoRA file every 2 steps, 6 steps, an epoch every 3) and a DoRA run
-    (3 steps)."""
+    (3 steps, validated on 3 samples: another run's validation settings)."""
     root = tmp_path_factory.mktemp("sweep")
     prepare(root / "demo", num_videos=3, num_images=2)
     prepare(root / "val", num_videos=2, num_images=2)
@@ -49,8 +50,8 @@ def runs(tmp_path_factory):
     every = {"sample_prompts": root / "prompts.yaml", "sample_steps": 2, "save_steps": 2,
              "val_metadata_path": root / "val" / "metadata" / "metadata.csv", "val_base_path": root / "val" / "catalog",
              "val_steps": 2, "val_samples": 4}
-    for name, extra in (("lora", {}), ("dora", {"lora_variant": "dora", "num_epochs": 1})):
-        result = run_training(root, demo_flags(root / "demo", root / name, **every, **extra), timeout=400,
+    for name, extra in (("lora", {}), ("dora", {"lora_variant": "dora", "num_epochs": 1, "val_samples": 3})):
+        result = run_training(root, demo_flags(root / "demo", root / name, **{**every, **extra}), timeout=400,
                               OMP_NUM_THREADS=1)
         assert result.returncode == 0, result.stderr[-3000:]
     return root
@@ -152,12 +153,16 @@ def test_ctrl_c_leaves_no_half_written_clip_and_a_rerun_renders_the_rest(runs, t
 
 def test_two_processes_share_the_clips_and_render_the_same_ones(swept, runs, tmp_path):
     output = tmp_path / "shared"
+    environment = isolated_env(tmp_path)
+    environment.pop("PYTHONWARNINGS", None)   # run as a user runs it, not by a launcher that filters warnings
     result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.sample", str(runs / "prompts.yaml"), "--lora",
                              str(runs / "lora" / "lora"), "--output", str(output), "--strengths", "0,1", "--validate",
-                             "--gpus", "2"], cwd=runs, env=isolated_env(tmp_path), capture_output=True, text=True,
+                             "--gpus", "2"], cwd=runs, env=environment, capture_output=True, text=True,
                             timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "10 clips, 10 to render on 2 processes" in result.stderr
+    # torch's deprecation notices, from accelerate's launcher and from each process, say nothing a user can act on
+    assert "pynvml" not in result.stderr and "torch.jit.script" not in result.stderr, result.stderr[-3000:]
     single = json.loads((swept[0] / "sweep.json").read_text())
     shared = json.loads((output / "sweep.json").read_text())
     assert [item["val_loss"] for item in shared["files"]] == pytest.approx(
@@ -208,7 +213,7 @@ def test_a_file_for_another_base_model_and_a_folder_without_loras_are_refused(ru
 def test_the_sheet_shows_every_clip_looping_with_the_best_file_marked(swept, tmp_path):
     output, _ = swept
     record = json.loads((output / "sweep.json").read_text())
-    driver = start_chromium(1600, 900)
+    driver = start_chromium(1400, 900)
     try:
         driver.get((output / "sweep.html").as_uri())
         deadline = time.monotonic() + 30
@@ -223,9 +228,81 @@ def test_the_sheet_shows_every_clip_looping_with_the_best_file_marked(swept, tmp
         heads = driver.execute_script("return Array.from(document.querySelectorAll('th')).map(t => t.innerText)")
         best = [head for head in heads if "best" in head]
         assert len(best) == 2 and all(head.startswith(record["best"]["label"]) for head in best)   # 2 strengths
+        # the best file's columns are on screen without scrolling, the summary above the table says it
+        script = "return [window.innerWidth, Array.from(document.querySelectorAll('th.best')).map(t => " \
+                 "t.getBoundingClientRect().right)]"
+        width, rights = driver.execute_script(script)
+        assert len(rights) == 2 and all(0 < right <= width for right in rights), (width, rights)
+        summary = driver.execute_script("return document.querySelector('.summary').innerText").splitlines()
+        best, base = record["best"], record["base"]["val_loss"]
+        assert summary[0] == (f"best: {best['label']} (step {best['step']}): val_loss {best['val_loss']:.5g}, "
+                              f"{100 * best['gain']:.2f}% below the base ({base:.5g}); {best['path']}")
+        assert summary[1] == f"run: {runs_folder(record)}" and summary[2].startswith("validation at 64x64x9: 4 samples")
+        assert summary[-1] == "only strength 1 is validated: the 0.5 columns show clips, not figures"
+        # only strength 1 is validated: a 0.5 column shows no figure as if measured; one wording for the gain
+        halves = [head for head in heads if "strength 0.5" in head]
+        assert len(halves) == 4 and all("val_loss" not in head and "not validated" in head for head in halves)
+        page = driver.execute_script("return document.body.innerText")
+        assert "vs the base" not in page and page.count("below the base") >= 4
         driver.save_screenshot(str(tmp_path / "sweep.png"))
     finally:
         driver.quit()
+
+
+def runs_folder(record) -> str:
+    (folder,) = {item["run_dir"] for item in record["files"]}
+    return folder
+
+
+def test_a_rewritten_file_and_another_model_render_again_and_every_clip_stays_in_the_output(swept, runs, tmp_path):
+    """A file rewritten at the same path (a resume, --start_over) and the demo's model of another --seed are
+    rendered again; a file named ``...safetensors`` (its stem ``..``) writes its clips inside --output."""
+    folder = tmp_path / "files"
+    folder.mkdir()
+    odd = folder / "...safetensors"
+    shutil.copyfile(runs / "lora" / "lora" / "step-2.safetensors", odd)
+    output = folder / "out"
+    flags = [runs / "prompts.yaml", "--lora", odd, "--output", output, "--strengths", "0,1", "--demo", "--height",
+             "64", "--width", "64", "--num_frames", "9"]
+    first = run_main(sample_main, flags, runs)
+    assert first.returncode == 0 and "4 clips, 4 to render" in first.stderr, first.stderr[-3000:]
+    assert sorted(path.name for path in folder.iterdir()) == ["...safetensors", "out"]   # nothing beside --output
+    assert [item["key"] for item in json.loads((output / "sweep.json").read_text())["files"]] == ["file"]
+    assert np.array_equal(clip_frames(output / "file" / f"{T2V}.mp4"),
+                          clip_frames(swept[0] / "step-00000002" / f"{T2V}.mp4"))
+    shutil.copyfile(runs / "lora" / "lora" / "step-4.safetensors", odd)   # rewritten at the same path
+    second = run_main(sample_main, flags, runs)
+    assert second.returncode == 0 and "4 clips, 2 to render" in second.stderr, second.stderr[-3000:]   # base kept
+    for stem in (T2V, I2V):
+        assert np.array_equal(clip_frames(output / "file" / f"{stem}.mp4"),
+                              clip_frames(swept[0] / "step-00000004" / f"{stem}.mp4")), stem
+    third = run_main(sample_main, [*flags, "--seed", "7"], runs)   # the demo's model of another seed
+    assert third.returncode == 0 and "4 clips, 4 to render" in third.stderr, third.stderr[-3000:]
+
+
+def test_two_runs_in_one_sweep_keep_their_clips_apart_and_say_which_settings_judged_them(swept, runs):
+    """The LoRA run's lora.safetensors and the DoRA run (validated on 3 samples) in one sweep: each run's clips under
+    its own folder and column, the LoRA run's clip the one its own sweep made, the best marked once, and the DoRA run
+    named as measured at the first run's settings, not its own."""
+    result = run_main(sample_main, [runs / "prompts.yaml", "--lora", runs / "lora" / "lora" / "lora.safetensors",
+                                    runs / "dora" / "lora", "--output", runs / "two-runs", "--strengths", "1",
+                                    "--validate"], runs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = runs / "two-runs"
+    record = json.loads((output / "sweep.json").read_text())
+    assert [(item["key"], item["run"]) for item in record["files"]] == [
+        ("dora-lora/step-00000002", "dora/lora"), ("dora-lora/lora", "dora/lora"), ("lora-lora/lora", "lora/lora")]
+    assert len({clip["path"] for clip in record["clips"]}) == len(record["clips"]) == 6
+    for stem in (T2V, I2V):
+        ours = clip_frames(output / "lora-lora" / "lora" / f"{stem}.mp4")
+        assert np.array_equal(ours, clip_frames(swept[0] / "lora" / f"{stem}.mp4")), stem
+        assert not np.array_equal(ours, clip_frames(output / "dora-lora" / "lora" / f"{stem}.mp4")), stem
+    single = {item["key"]: item["val_loss"] for item in json.loads((swept[0] / "sweep.json").read_text())["files"]}
+    assert record["files"][2]["val_loss"] == pytest.approx(single["lora"], rel=1e-9)   # the first run's settings
+    note = "dora/lora: its own validation is at val_samples 3; its figures here are measured at the settings above"
+    assert note in result.stderr and record["validation_notes"][1].startswith(note)
+    page = (output / "sweep.html").read_text()
+    assert page.count('<th class="best"') == 1 and "dora/lora" in page and note in page
 
 
 def test_a_file_in_diffsynths_layout_renders_as_the_comfyui_file_it_came_from(swept, runs):

@@ -258,10 +258,9 @@ def write_video(frames: list, path: str, fps: int, quality: int) -> None:
 
 
 def make_sampler(options, status, accelerator, module, ema=None):
-    from diffsynth_mbc.sample_prompts import load_sample_prompts
+    from diffsynth_mbc.sample_prompts import run_sample_prompts
 
-    prompts = load_sample_prompts(options.sample_prompts, height=options.height, width=options.width,
-                                  num_frames=options.num_frames, seed=options.seed)
+    prompts = run_sample_prompts(options)
     contexts = None
     if options.cache:   # no text encoder in a cached run: the cache holds the prompts' embeddings
         from diffsynth_mbc.data.cache.sample_texts import read_sample_texts, texts_of

@@ -9,15 +9,13 @@ from pathlib import Path
 from diffsynth_mbc.data.caption_rules import check_caption_options
 from diffsynth_mbc.data.dataset_list import MAX_REPEAT
 from diffsynth_mbc.errors import OptionsError, quoted
-from diffsynth_mbc.sample_prompts import parse_strengths
+from diffsynth_mbc.sample_prompts import MAX_SIDE, parse_strengths   # MAX_SIDE: pixels, each side
 from diffsynth_mbc.training.lora.ema import check_options as check_ema_options
 from diffsynth_mbc.training.lora.init_from_file import check_init_lora_option
 from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES, DEFAULTS
 from diffsynth_mbc.training.plan.recompute import parse_choice
 from diffsynth_mbc.data.media.stages import parse_stages
 from diffsynth_mbc.values import finite_number
-
-MAX_SIDE = 4096   # pixels, each of --height and --width
 
 # Every number the training reads, checked here and nowhere else: (lowest, highest, lowest allowed?, highest allowed?).
 # NaN and infinity are refused for every float: a NaN learning rate or alpha trains "fine" and writes a NaN LoRA.
