@@ -78,7 +78,7 @@ def nothing_to_train(options, folder: Path | None) -> str | None:
     that step by that run. Such a resume writes nothing (status, history and LoRA files stay as the run left them).
     A run that ended before it wrote its LoRA is not ended: its resume finishes it (``recipe.finish``)."""
     from diffsynth_mbc.training.checkpoints.state import component_states
-    from diffsynth_mbc.training.components.best_lora import BestSoFar, stopped_early_note
+    from diffsynth_mbc.training.components.best_lora import stopped_note
     from diffsynth_mbc.training.lora.read import file_metadata_of
 
     manifest = read_manifest(folder) if folder is not None else None
@@ -89,9 +89,9 @@ def nothing_to_train(options, folder: Path | None) -> str | None:
     if written.get("step") != str(step) or written.get("run_id") != manifest.get("run_id"):
         return None
     unchanged = "; nothing was written (its files are as it left them)"
-    best = BestSoFar.from_options(options, component_states(manifest, 0).get("best_lora"))
-    if best.stop_due:
-        return stopped_early_note(best.early_stop_record(step)) + unchanged
+    stopped = stopped_note(options, component_states(manifest, 0).get("best_lora"), step)
+    if stopped:
+        return stopped + unchanged
     epoch = manifest.get("epoch")
     if isinstance(epoch, int) and epoch >= options.num_epochs:
         return (f"this run finished at step {step} ({options.num_epochs} of {options.num_epochs} epochs): nothing "

@@ -214,6 +214,52 @@ def early_stop_line(record: dict, total_steps: int, best_file: str, stage: dict 
             f"{best_file} (step {record['best_step']}{stage_text(stage)})")
 
 
+def standing_note(state: dict) -> str:
+    """``; early stop: ...: 2 of 3`` for the terminal's validation line, from a status file's state (where the count
+    stands after that validation), so that the lines and the summary agree; '' without ``--early_stop``."""
+    return "; " + standing_text(state["early_stop_count"]) if state.get("early_stop_count") else ""
+
+
+def summary_lines(state: dict) -> list[str]:
+    """The run summary's lines of the best LoRA (with the stage that trained it, under ``--resolution_stages``) and,
+    as the launcher's last line, why an early stop ended the run before its total."""
+    best = state.get("best")
+    if not best or not best.get("file"):
+        return []
+    lines = [f"  best LoRA: {best['file']} (step {best['step']}, val_loss {best['val_loss']:.4f}"
+             f"{stage_text(best.get('stage'))})"]
+    if state.get("early_stop"):
+        lines.append(early_stop_line(state["early_stop"], state.get("total_steps"), best["file"], best.get("stage")))
+    return lines
+
+
+def stopped_note(options, saved: dict | None, step: int) -> str | None:
+    """What a resume says of a checkpoint (its component state ``saved``, at ``step``) whose run had stopped early
+    under this run's settings: why, and how to go on; None when it had not."""
+    best = BestSoFar.from_options(options, saved)
+    return stopped_early_note(best.early_stop_record(step)) if best.stop_due else None
+
+
+def may_end_early(options) -> bool:
+    """Whether ``--early_stop`` may end the run before its planned total."""
+    return options.early_stop is not None
+
+
+def plan_line(options, counts_from: int = 1) -> str:
+    """What validating does besides measuring, for the plan: keep the best LoRA, and with ``--early_stop`` end the
+    run sooner (``it stops after 3 validation(s) in a row without a 0.10% improvement, validating every 2,000
+    steps``); ``counts_from``: the final stage's first step under ``--resolution_stages``."""
+    every = f"every {options.val_steps:,} steps" if options.val_steps else "at the end"
+    if options.early_stop is None:
+        return (f"validation {every} keeps the best LoRA (lora-best.safetensors); --early_stop N would end the run "
+                "after N validations without improving")
+    staged = (f", counted in the final stage only (from step {counts_from:,}: the validations before it count for "
+              "nothing)" if counts_from > 1 else "")
+    return (f"the run may end early: it stops after {options.early_stop} validation(s) in a row without a "
+            f"{options.early_stop_min_delta:.2%} improvement, validating {every}{staged}; the best LoRA is kept "
+            "(lora-best.safetensors" + (", with the stage that trained it)" if counts_from > 1 else ")"))
+
+
 class BestLora(Component):
     """Keeps ``lora-best.safetensors`` at each new lowest validation and ends the run under ``--early_stop``.
     ``save_lora(file_name, step)``: the run's LoRA file writer (every rank calls it; a collective). ``stages``: the

@@ -240,7 +240,7 @@ def brief_lines(plan, run, unknown: str, width: int = 80) -> list[str]:
     if plan.stages:
         lines.append("  stages: " + ", then ".join(f"{row['size']} for steps {row['from_step']:,}-{row['to_step']:,}"
                                                    for row in plan.stage_dicts()))
-    if run is not None and run.evaluation is not None and run.evaluation.early_stop is not None:
+    if run is not None and run.evaluation is not None and run.evaluation.ends_early:
         lines.append(f"  {run.evaluation.best_line()}")
     if plan.bucket_samples:
         repeated = sum(row["repeated_samples"] for row in plan.bucket_dicts())

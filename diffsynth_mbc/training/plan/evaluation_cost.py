@@ -24,6 +24,7 @@ import dataclasses
 import math
 
 from diffsynth_mbc.data.media.stages import boundaries, final_stage_start, parse_stages
+from diffsynth_mbc.training.components.best_lora import may_end_early, plan_line
 from diffsynth_mbc.training.plan import memory, speed
 
 # --health_steps when not given: a DoRA record (0.441 s) every 10 steps of 0.305 s would be 14% of an H100 run;
@@ -52,9 +53,8 @@ class EvaluationCost:
     clip_seconds: float
     base_clips: int               # strength 0: once per prompt
     val_every: int | None = None  # --val_steps
-    early_stop: int | None = None     # --early_stop N: the run may end after N validations without improving
-    min_delta: float = 0.0
-    counts_from: int = 1              # --resolution_stages: the final stage's first step, where the count starts
+    best_rule: str | None = None  # what validating does besides measuring (components/best_lora.plan_line)
+    ends_early: bool = False      # the run may end before its total (an early stop)
 
     @property
     def validation_total(self) -> float:
@@ -90,19 +90,9 @@ class EvaluationCost:
         return parts
 
     def best_line(self) -> str | None:
-        """What the validation does besides measuring: keep the best LoRA, and with --early_stop end the run sooner
-        (``it stops after 3 validations without a 0.1% improvement, every 2,000 steps``)."""
-        if not self.validations:
-            return None
-        every = f"every {self.val_every:,} steps" if self.val_every else "at the end"
-        if self.early_stop is None:
-            return (f"validation {every} keeps the best LoRA (lora-best.safetensors); --early_stop N would end the "
-                    "run after N validations without improving")
-        staged = (f", counted in the final stage only (from step {self.counts_from:,}: the validations before it "
-                  "count for nothing)" if self.counts_from > 1 else "")
-        return (f"the run may end early: it stops after {self.early_stop} validation(s) in a row without a "
-                f"{self.min_delta:.2%} improvement, validating {every}{staged}; the best LoRA is kept "
-                "(lora-best.safetensors" + (", with the stage that trained it)" if self.counts_from > 1 else ")"))
+        """What the validation does besides measuring: keep the best LoRA, and with an early stop end the run sooner
+        (its rule in the best LoRA's words)."""
+        return self.best_rule if self.validations else None
 
     def line(self) -> str | None:
         from diffsynth_mbc.training.plan.run_length import duration
@@ -116,7 +106,7 @@ class EvaluationCost:
         return {"seconds": round(self.seconds), "validation_seconds": round(self.validation_total),
                 "health_seconds": round(self.health_total), "samples_seconds": round(self.samples_total),
                 "validations": self.validations, "health_records": self.health_records,
-                "sample_sets": self.sample_sets, "line": self.line(), "early_stop": self.early_stop,
+                "sample_sets": self.sample_sets, "line": self.line(), "ends_early": self.ends_early,
                 "best_line": self.best_line()}
 
 
@@ -162,7 +152,6 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
         clip *= tensor_ratio
     return EvaluationCost(validations, share, validation, base, records, record * max(1.0, bandwidth_ratio),
                           sets, clips, clip, base_clips, val_every=options.val_steps,
-                          early_stop=options.early_stop if validations else None,
-                          min_delta=options.early_stop_min_delta,
-                          counts_from=final_stage_start(boundaries(parse_stages(options.resolution_stages),
-                                                                   total_steps)))
+                          best_rule=plan_line(options, final_stage_start(boundaries(
+                              parse_stages(options.resolution_stages), total_steps))) if validations else None,
+                          ends_early=bool(validations) and may_end_early(options))

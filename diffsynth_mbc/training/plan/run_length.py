@@ -207,8 +207,8 @@ class Projection:
 
     @property
     def up_to(self) -> str:
-        """``up to `` when --early_stop may end the run before its planned total."""
-        return "up to " if self.evaluation is not None and self.evaluation.early_stop is not None else ""
+        """``up to `` when an early stop may end the run before its planned total."""
+        return "up to " if self.evaluation is not None and self.evaluation.ends_early else ""
 
     def line(self) -> str:
         shape, plan = self.shape, self.shape.plan

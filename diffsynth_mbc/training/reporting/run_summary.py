@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from diffsynth_mbc.training.checkpoints.owner import LORA_FILE, lora_file_owner
-from diffsynth_mbc.training.components.best_lora import standing_text
+from diffsynth_mbc.training.components.best_lora import standing_note
 from diffsynth_mbc.values import finite_number
 
 _NUMBERED = re.compile(r"^(epoch|step)-(\d+)(_ema)?\.safetensors$")
@@ -33,8 +33,7 @@ def validation_event(state: dict, took: str = "") -> str:
             f"lora-best.safetensors stays step {best['step']}'s)" if best else "no lora-best.safetensors yet)")
     if state.get("val_loss_ema") is not None:
         line += f", EMA {state['val_loss_ema']:.4f}"
-    if state.get("early_stop_count"):   # where --early_stop's count stands, so that the lines and the summary agree
-        line += "; " + standing_text(state["early_stop_count"])
+    line += standing_note(state)   # where the early stop's count stands
     base = state.get("val_loss_base")
     if base is not None:
         line += f"; base model {base:.4f}" + (" (measured now, once for the run)"

@@ -141,14 +141,9 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
                      + (f", {rate:.2f} samples/s per GPU" if rate is not None else "")
                      + (f"; between steps: {between}" if between else ""))
     lines.append(f"  watch or inspect: python -m diffsynth_mbc.monitor {log_dir}")
-    best = state.get("best")
-    from diffsynth_mbc.training.components.best_lora import early_stop_line, stage_text
+    from diffsynth_mbc.training.components.best_lora import summary_lines as best_lora_lines
 
-    if best and best.get("file"):   # under --resolution_stages: the stage that trained it
-        lines.append(f"  best LoRA: {best['file']} (step {best['step']}, val_loss {best['val_loss']:.4f}"
-                     f"{stage_text(best.get('stage'))})")
-    if state.get("early_stop") and best:   # the launcher's last line: why the run ended before its total
-        lines.append(early_stop_line(state["early_stop"], state.get("total_steps"), best["file"], best.get("stage")))
+    lines += best_lora_lines(state)   # the best LoRA, and why an early stop ended the run
     return lines
 
 

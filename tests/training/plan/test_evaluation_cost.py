@@ -80,7 +80,7 @@ def test_the_plan_says_the_validation_keeps_the_best_and_may_end_the_run_early()
     assert early.best_line() == ("the run may end early: it stops after 5 validation(s) in a row without a 0.10% "
                                  "improvement, validating every 2,000 steps; the best LoRA is kept "
                                  "(lora-best.safetensors)")
-    assert early.as_dict()["early_stop"] == 5
+    assert early.as_dict()["ends_early"] is True
     assert evaluation_cost(options(), 245_000, 2, 1.0, 1.0).best_line() is None   # nothing validated
 
 
