@@ -138,7 +138,7 @@ def _stamp(path: str) -> list:
 def validate_files(renderer, options, files: list, earlier: dict) -> dict:
     """{file path: its validation figures, "base": the base model's}: the training's validator on each file's weights
     (figures an earlier invocation measured for the same file and settings are kept)."""
-    values = options.as_dict()
+    values = options.recorded()
     settings = {key: values[key] for key in ("val_metadata_path", "val_samples", "val_timestep_quantiles", "seed",
                                              "height", "width", "num_frames", "buckets")}
     validator, results = None, {}

@@ -38,7 +38,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "world_size": world_size, "batch_size": options.batch_size, "gradient_accumulation_steps": accumulation,
         "dataset_repeat": options.dataset_repeat, "num_frames": options.num_frames, "height": options.height,
         "width": options.width, "lora_rank": options.lora_rank, "lora_alpha": options.lora_alpha,
-        "lora_target_modules": options.lora_target_modules, "metadata_rows": rows,
+        "lora_target_modules": options.lora_target_modules.text, "metadata_rows": rows,
         "metadata_sha256": metadata_sha256, "seed": options.seed, "num_epochs": options.num_epochs,
         "cache": bool(options.cache), "image_batch_size": image_batch,
         # The media the metadata's relative paths point at: the same metadata over other files is other data.
@@ -57,7 +57,7 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "ema": ema_fingerprint(options),
         "objective": {"objective": options.objective, "i2v_probability": options.i2v_probability},
         "buckets": options.buckets,   # which shape each sample trains at, and how batches are dealt
-        "resolution_stages": options.resolution_stages,   # which size each step trains at
+        "resolution_stages": options.resolution_stages.text,   # which size each step trains at
     }
 
 

@@ -41,7 +41,7 @@ class Validator:
         self.seed = options.seed + 7919
         self.dataset = open_validation_dataset(options, substitute_bad_media=True)
         self.indices = list(range(min(options.val_samples, self.dataset.rows)))
-        self.quantiles = [float(q) for q in options.val_timestep_quantiles.split(",")]
+        self.quantiles = list(options.val_timestep_quantiles)
         self.validate_with = options.validate_with
         self.objective, self.i2v_probability = options.objective, options.i2v_probability
         self.accelerator = self.module = None

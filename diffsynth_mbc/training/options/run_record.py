@@ -6,25 +6,20 @@ No torch."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json
-from diffsynth_mbc.training.options.run_options import TrainOptions
+from diffsynth_mbc.training.options.run_options import DECLARATIONS, TrainOptions
 
 RUN_OPTIONS = "run_options.json"
-PATH_OPTIONS = ("dataset_base_path", "dataset_metadata_path", "model_dir", "sample_prompts", "cache", "val_cache",
-                "val_metadata_path", "val_base_path", "output_path", "log_dir", "checkpoint_dir", "init_lora")
+PATH_OPTIONS = tuple(name for name, declaration in DECLARATIONS.items() if declaration.path)
 
 
 def write_run_options(options: TrainOptions) -> Path:
-    values = options.as_dict()
-    if values.get("datasets"):
-        values["datasets"] = [dataclasses.asdict(item) for item in values["datasets"]]
     path = Path(options.output_path) / RUN_OPTIONS
-    atomic_write_json(path, {"cwd": os.getcwd(), "options": values}, indent=1)
+    atomic_write_json(path, {"cwd": os.getcwd(), "options": options.recorded()}, indent=1)
     return path
 
 
@@ -37,8 +32,7 @@ def read_run_options(output_path: str | os.PathLike) -> TrainOptions | None:
     if not path.is_file():
         return None
     saved = json.loads(path.read_text(encoding="utf-8"))
-    values = {key: value for key, value in saved["options"].items()
-              if key in {field.name for field in dataclasses.fields(TrainOptions)}}
+    values = {key: value for key, value in saved["options"].items() if key in DECLARATIONS}
     started_in = Path(saved.get("cwd") or ".")
     for key in PATH_OPTIONS:
         if isinstance(values.get(key), str) and values[key] and not os.path.isabs(values[key]):
@@ -47,4 +41,4 @@ def read_run_options(output_path: str | os.PathLike) -> TrainOptions | None:
         values["datasets"] = [Catalogue(**{**item, "base_path": str(started_in / item["base_path"]),
                                            "metadata_path": str(started_in / item["metadata_path"])})
                               for item in values["datasets"]]
-    return TrainOptions(**values)
+    return TrainOptions(**values)   # its list options parsed from their text

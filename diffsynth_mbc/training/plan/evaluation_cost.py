@@ -136,7 +136,7 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
     validations = due_count(total_steps, options.val_steps, False) if options.val_metadata_path else 0
     tokens = memory.tokens(options.height, options.width, options.num_frames)
     per_sample = speed.work(tokens) * tensor_ratio
-    quantiles = len(str(options.val_timestep_quantiles).split(",")) / VAL_QUANTILES
+    quantiles = len(options.val_timestep_quantiles) / VAL_QUANTILES
     share = math.ceil(options.val_samples / max(1, gpus)) if validations else 0
     weight_sets = 2 if options.validate_with == "both" and options.ema_decay else 1
     validation = share * VAL_SAMPLE_LORA_S * quantiles * per_sample * weight_sets
@@ -146,9 +146,7 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
     record = HEALTH_RECORD_DORA_S if options.lora_variant == "dora" else HEALTH_RECORD_S
     sets, clips, base_clips, clip = 0, 0, 0, 0.0
     if prompts:
-        from diffsynth_mbc.sample_prompts import parse_strengths
-
-        strengths = parse_strengths(options.sample_strengths)
+        strengths = options.sample_strengths
         sets = due_count(total_steps, options.sample_steps, bool(options.sample_steps))
         clips = len(prompts) * len([s for s in strengths if s != 0]) * weight_sets
         base_clips = len(prompts) if 0 in strengths else 0

@@ -54,7 +54,7 @@ def recipe_of(options) -> dict:
         "loss_weighting": options.loss_weighting,
         "lora": {"variant": options.lora_variant, "rank": options.lora_rank,
                  "alpha": options.lora_rank if options.lora_alpha is None else options.lora_alpha,
-                 "target_modules": options.lora_target_modules, "loraplus_lr_ratio": options.loraplus_lr_ratio,
+                 "target_modules": options.lora_target_modules.text, "loraplus_lr_ratio": options.loraplus_lr_ratio,
                  "init_lora": options.init_lora},
         "learning_rate": options.learning_rate, "lr_scheduler": options.lr_scheduler,
         "ema": None if options.ema_decay is None else {"decay": options.ema_decay, "warmup": options.ema_warmup,
