@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from diffsynth_mbc.errors import OptionsError, quoted
+
 # The help's groups, in the order ``--help`` shows them.
 GROUPS = ("data", "model", "LoRA", "optimisation", "timesteps (docs/recipe/timestep-sampling.md)",
           "objective (docs/recipe/objective.md)", "output and logging", "checkpoints, resume and stopping",
@@ -92,10 +94,16 @@ class Declaration:
         return read
 
     def typed(self, value):
-        """A list option's ListValue from its text (None: unset); a value already typed as it is."""
+        """A list option's ListValue from its text (None: unset); a value already typed as it is. OptionsError naming
+        the flag and the value."""
         if isinstance(value, ListValue):
             return value
-        return ListValue(self.listed(value), value)
+        try:
+            return ListValue(self.listed(value), value)
+        except OptionsError:   # it names the flag itself
+            raise
+        except ValueError as exc:
+            raise OptionsError(f"{self.flag} {exc}, got {quoted(value)}") from None
 
     def recorded(self, value):
         """The value as a preset, ``run_options.json`` and a checkpoint's fingerprint hold it (a list option: text)."""

@@ -1,13 +1,12 @@
 """How a training flag's text (or a preset's value) becomes its value: true or false, a number of validations or
-off, and the list options' values (module names, timestep quantiles), each parsed once. Errors name the flag
-(argparse's ArgumentTypeError on the command line, OptionsError for a list option). No torch."""
+off, and the list options' values (module names, timestep quantiles), each parsed once. A bad value raises argparse's
+ArgumentTypeError on the command line; a list option's ValueError says what the value must be, and its declaration
+names the flag and the value (``Declaration.typed``). No torch."""
 
 from __future__ import annotations
 
 import argparse
 import re
-
-from diffsynth_mbc.errors import OptionsError, quoted
 
 _MODULE_NAME = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
@@ -35,19 +34,18 @@ def validations_or_off(text) -> int | None:
 
 
 def module_names(text) -> tuple[str, ...]:
-    """``--lora_target_modules q,k,v,o,ffn.0,ffn.2``: the names, in order."""
+    """``q,k,v,o,ffn.0,ffn.2`` (``--lora_target_modules``): the names, in order."""
     if not isinstance(text, str) or not all(_MODULE_NAME.match(name) for name in text.split(",")):
-        raise OptionsError(f"--lora_target_modules must be a comma-separated list of module names (q,k,v,o,ffn.0, "
-                           f"...), got {quoted(text)}")
+        raise ValueError("must be a comma-separated list of module names (q,k,v,o,ffn.0, ...)")
     return tuple(text.split(","))
 
 
 def quantiles(text) -> tuple[float, ...]:
-    """``--val_timestep_quantiles 0.1,0.5,0.9``: points of the noise schedule in [0, 1), in order."""
+    """``0.1,0.5,0.9`` (the validation's timestep quantiles): points of the noise schedule in [0, 1), in order."""
     try:
         points = tuple(float(point) for point in str(text).split(","))
     except ValueError:
         points = ()
     if not points or not all(0 <= point < 1 for point in points):
-        raise OptionsError(f"--val_timestep_quantiles must be comma-separated numbers in [0, 1), got {quoted(text)}")
+        raise ValueError("must be comma-separated numbers in [0, 1)")
     return points

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar
 from diffsynth_mbc.training.plan import memory, speed
 
 # --health_steps when not given: a DoRA record (0.441 s) every 10 steps of 0.305 s would be 14% of an H100 run;
@@ -141,6 +142,7 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
     weight_sets = 2 if options.validate_with == "both" and options.ema_decay else 1
     validation = share * VAL_SAMPLE_LORA_S * quantiles * per_sample * weight_sets
     base = share * VAL_SAMPLE_BASE_S * quantiles * per_sample
+    stopping = BestSoFar.from_options(options)   # --early_stop as the validation will decide it
     health = health_cadence(options)
     records = due_count(total_steps, health, True) if health else 0
     record = HEALTH_RECORD_DORA_S if options.lora_variant == "dora" else HEALTH_RECORD_S
@@ -155,5 +157,4 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
         clip *= tensor_ratio
     return EvaluationCost(validations, share, validation, base, records, record * max(1.0, bandwidth_ratio),
                           sets, clips, clip, base_clips, val_every=options.val_steps,
-                          early_stop=options.early_stop if validations else None,
-                          min_delta=options.early_stop_min_delta)
+                          early_stop=stopping.patience if validations else None, min_delta=stopping.min_delta)
