@@ -12,24 +12,23 @@ from pathlib import Path
 from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.sample.lora_files import refuse_other_base, sweep_files
-from diffsynth_mbc.sample.render import Renderer, say, start_accelerator, validation_of
+from diffsynth_mbc.sample.render import Renderer, say, validation_of
 from diffsynth_mbc.sample.sheet import sweep_page
 from diffsynth_mbc.sample.sweep_plan import best_file, plan_clips, read_records, rendered
 from diffsynth_mbc.sample_prompts import load_sample_prompts, parse_strengths
 from diffsynth_mbc.training.options.run_options import TrainOptions
+from diffsynth_mbc.training.evaluation.validation import validation_settings
 from diffsynth_mbc.training.options.run_record import read_run_options
 
 DEMO_BASE = "Wan2.2-TI2V-5B (demo)"
 RELEASE_BASE = "Wan2.2-TI2V-5B"
 RECORDS_FOLDER = ".sweep-records"   # each process's clip records while it renders, merged into sweep.json
-GIVEN_SETTINGS = ("seed", "height", "width", "num_frames", "mixed_precision", "val_metadata_path", "val_base_path",
-                  "val_samples", "val_timestep_quantiles")
 
 
-def sweep_options(args, run: TrainOptions | None) -> TrainOptions:
-    """The settings a sweep renders and validates with: the run's (``run_options.json``), then what is given."""
-    given = vars(args)
-    changes = {key: given[key] for key in GIVEN_SETTINGS if given[key] is not None}
+def sweep_options(args, given: dict, run: TrainOptions | None) -> TrainOptions:
+    """The settings a sweep renders and validates with: the run's (``run_options.json``), then what is ``given``
+    (the training's flags, typed and checked; the model's aside)."""
+    changes = dict(given)
     if args.demo:
         changes.update(demo=True, model_dir=None, model_id=None)
     elif args.model_dir or args.model_id:
@@ -55,14 +54,15 @@ def known_records(output: Path) -> dict[str, dict]:
     return records
 
 
-def run_sweep(args) -> int:
+def run_sweep(args, given: dict) -> int:
+    from diffsynth_mbc.training.distributed.accelerator import start_evaluation_accelerator
     from diffsynth_mbc.training.distributed.collectives import gather_from_all, wait_for_everyone
 
     output = Path(args.output)
     files = sweep_files(args.lora, ema=args.ema)
     runs = [item.run_dir for item in files if item.run_dir]
     run = read_run_options(runs[0]) if runs else None
-    options = sweep_options(args, run)
+    options = sweep_options(args, given, run)
     refuse_other_base(files, DEMO_BASE if options.demo else RELEASE_BASE)
     prompts = load_sample_prompts(args.prompts, height=options.height, width=options.width,
                                   num_frames=options.num_frames, seed=options.seed)
@@ -71,7 +71,7 @@ def run_sweep(args) -> int:
     output.mkdir(parents=True, exist_ok=True)
     records = known_records(output)
     todo = [clip for clip in clips if not rendered(clip, output, records)]
-    accelerator = start_accelerator(options)
+    accelerator = start_evaluation_accelerator(options)
     main = accelerator.is_main_process
     if main:
         say(f"sweep: {len(files)} file(s) x {len(prompts)} prompt(s) at strength {args.strengths}: {len(clips)} clips, "
@@ -138,9 +138,7 @@ def _stamp(path: str) -> list:
 def validate_files(renderer, options, files: list, earlier: dict) -> dict:
     """{file path: its validation figures, "base": the base model's}: the training's validator on each file's weights
     (figures an earlier invocation measured for the same file and settings are kept)."""
-    values = options.recorded()
-    settings = {key: values[key] for key in ("val_metadata_path", "val_samples", "val_timestep_quantiles", "seed",
-                                             "height", "width", "num_frames", "buckets")}
+    settings = validation_settings(options)
     validator, results = None, {}
     for item in files:
         before = earlier.get(item.path) or {}

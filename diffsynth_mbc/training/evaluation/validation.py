@@ -24,6 +24,16 @@ from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
 
 SUBSTITUTED_NAMED = 10   # rows a validation record names of those it could not decode
+# What a validation's figures depend on besides the weights: two measures made with the same of these compare.
+MEASURED_WITH = ("val_metadata_path", "val_samples", "val_timestep_quantiles", "seed", "height", "width", "num_frames",
+                 "buckets")
+
+
+def validation_settings(options) -> dict:
+    """``MEASURED_WITH`` of ``options``, as a run's record holds them (``python -m diffsynth_mbc.sample --validate``
+    keeps each file's figures with them, and measures again when they change)."""
+    values = options.recorded()
+    return {key: values[key] for key in MEASURED_WITH}
 
 
 class Validator:

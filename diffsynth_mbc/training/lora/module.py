@@ -28,6 +28,18 @@ from diffsynth_mbc.training.step.timestep_sampling import DrawLog, TimestepSampl
 DEFAULT_TARGETS = ("q", "k", "v", "o", "ffn.0", "ffn.2")
 
 
+def lora_module(pipe: WanVideoPipeline, options, **step) -> "WanTI2VLoraModule":
+    """The training's LoRA module over ``pipe`` as ``options`` (a ``TrainOptions``) set it: the adapter (rank, alpha,
+    targets, variant), checkpointing, timestep boundaries, loss weighting and objective. ``step``: how this process
+    runs a step (``recompute_blocks``, ``compile_blocks``, ``timestep_sampler``)."""
+    return WanTI2VLoraModule(
+        pipe, lora_target_modules=options.lora_target_modules, lora_rank=options.lora_rank,
+        lora_alpha=options.lora_alpha, use_gradient_checkpointing=options.use_gradient_checkpointing,
+        use_gradient_checkpointing_offload=options.use_gradient_checkpointing_offload,
+        max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
+        loss_weighting=options.loss_weighting, lora_variant=options.lora_variant, objective=options.objective, **step)
+
+
 class WanTI2VLoraModule(DiffusionTrainingModule):
     """Wraps a WanVideoPipeline; only the LoRA weights injected into its DiT are trainable.
 

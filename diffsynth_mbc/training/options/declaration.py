@@ -1,7 +1,7 @@
 """How an option of the training is declared, once: ``option(group, default, help, ...)`` is the ``TrainOptions``
 field (``run_options.py``) whose metadata carries the rest, and ``declared(TrainOptions)`` reads it back as one
 ``Declaration`` per option. Built from them: the command line (``parser.py``, and the flags ``python -m
-diffsynth_mbc.sample`` shares), the range and choice checks (``checks.py``), the path options of the run's record
+diffsynth_mbc.sample`` takes too: ``sample=True``), the range and choice checks (``checks.py``), the path options of the run's record
 (``run_record.py``), the fingerprint's plain keys (``training/checkpoints/fingerprint.py``) and the recipe panel
 (``training/reporting/recipe.py``). No torch.
 
@@ -62,6 +62,7 @@ class Declaration:
     path: bool = False                # a file or folder the run reads or writes (relative: to where it started)
     fingerprint: bool = False         # a key of what a checkpoint must share with the run resuming it, as it is
     recipe: str | None = None         # where the recipe panel shows it: "lora.rank" is its "rank" under "lora"
+    sample: bool = False              # ``python -m diffsynth_mbc.sample`` takes it too (default: the run's)
 
     @property
     def flag(self) -> str:

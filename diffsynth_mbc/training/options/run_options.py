@@ -37,11 +37,11 @@ class TrainOptions:
     dataset_metadata_path: str | None = option(DATA, None, "metadata.csv written by `python -m diffsynth_mbc.convert`",
                                                path=True, unset=REQUIRED)
     height: int = option(DATA, 704, "training height, a multiple of 32", parse=int, at_least=1, fingerprint=True,
-                         recipe="size.height")
+                         recipe="size.height", sample=True)
     width: int = option(DATA, 1280, "training width, a multiple of 32", parse=int, at_least=1, fingerprint=True,
-                        recipe="size.width")
+                        recipe="size.width", sample=True)
     num_frames: int = option(DATA, 17, "frames per clip, 4k+1", parse=int, at_least=1, fingerprint=True,
-                             recipe="size.num_frames")
+                             recipe="size.num_frames", sample=True)
     dataset_repeat: int = option(DATA, 1, "times each row is seen per epoch", parse=int, at_least=1, fingerprint=True)
     # several catalogues (data/dataset_list.py: Catalogue items once resolved)
     datasets: list | None = option(DATA, None, "YAML file listing several catalogues (base_path, metadata_path, "
@@ -79,9 +79,10 @@ class TrainOptions:
                                    optional=True, unset="none, validation from the media files")
     # model
     model_dir: str | None = option(MODEL, None, "local Wan2.2-TI2V-5B folder (DiT shards, T5, VAE, google/umt5-xxl)",
-                                   path=True, unset="none, the download of --model_id")
-    model_id: str | None = option(MODEL, None, "ModelScope id to download instead", unset=MODELSCOPE_ID)
-    demo: bool = option(MODEL, False, "tiny random model with the TI2V-5B architecture", parse=parse_bool, switch=True)
+                                   path=True, unset="none, the download of --model_id", sample=True)
+    model_id: str | None = option(MODEL, None, "ModelScope id to download instead", unset=MODELSCOPE_ID, sample=True)
+    demo: bool = option(MODEL, False, "tiny random model with the TI2V-5B architecture", parse=parse_bool,
+                        switch=True, sample=True)
     # LoRA (DiffSynth's names)
     lora_rank: int = option(LORA, 32, "the rank of each LoRA pair", parse=int, at_least=1, fingerprint=True,
                             recipe="lora.rank")
@@ -124,9 +125,10 @@ class TrainOptions:
     max_grad_norm: float = option(OPTIMISATION, 1.0, "gradient clipping; 0 disables", parse=float, at_least=0.0,
                                   fingerprint=True)
     seed: int = option(OPTIMISATION, 42, "base seed; each rank draws noise from seed + rank", parse=int, at_least=0,
-                       fingerprint=True)
+                       fingerprint=True, sample=True)
     mixed_precision: str = option(OPTIMISATION, "auto", "auto: bf16 where the GPU has it natively (sm80+), fp16 with "
-                                  "dynamic loss scaling otherwise (V100); fp32 on the CPU", choices=PRECISIONS)
+                                  "dynamic loss scaling otherwise (V100); fp32 on the CPU", choices=PRECISIONS,
+                                  sample=True)
     max_nonfinite_steps: int = option(OPTIMISATION, 20, "a step with an inf/NaN loss or gradient norm is skipped and "
                                       "counted; this many in a row stop the run", parse=int, at_least=1)
     use_gradient_checkpointing: bool = option(OPTIMISATION, True, "true/false; false is --gradient_checkpointing none",
@@ -208,12 +210,12 @@ class TrainOptions:
                                            "fail to decode; each bad one is replaced by the next row and reported",
                                            parse=float, at_least=0.0, at_most=1.0)
     val_metadata_path: str | None = option(VALIDATION, None, "metadata_val.csv for validation loss", path=True,
-                                           optional=True, unset="none, no validation")
+                                           optional=True, unset="none, no validation", sample=True)
     val_base_path: str | None = option(VALIDATION, None, "folder the validation metadata's paths are relative to",
-                                       path=True, optional=True, unset="--dataset_base_path")
+                                       path=True, optional=True, unset="--dataset_base_path", sample=True)
     val_steps: int | None = option(VALIDATION, None, "validation loss every N optimizer steps (and at the end)",
                                    parse=int, at_least=1, optional=True, unset="at the end only")
-    val_samples: int = option(VALIDATION, 16, "fixed validation subset size", parse=int, at_least=1)
+    val_samples: int = option(VALIDATION, 16, "fixed validation subset size", parse=int, at_least=1, sample=True)
     health_steps: int | None = option(
         VALIDATION, None, "LoRA health (update and gradient norms per DiT block, flags: still, exploding, nonfinite, "
         "overfitting) at step 0, every N optimizer steps and at the end (0: off; docs/training.md, LoRA health)",
@@ -228,7 +230,7 @@ class TrainOptions:
                                          parse=float, at_least=0.0, at_most=1.0)
     val_timestep_quantiles: tuple = option(VALIDATION, "0.1,0.3,0.5,0.7,0.9", "validation loss at these fixed points "
                                            "of the noise schedule, comma-separated in [0, 1); the headline val_loss is "
-                                           "their mean", listed=quantiles)
+                                           "their mean", listed=quantiles, sample=True)
     # sample clips
     sample_prompts: str | None = option(SAMPLES, None, "YAML or JSON lines of prompts (prompt, optional image, seed, "
                                         "height, width, num_frames, steps, cfg_scale, negative_prompt): rank 0 renders "
