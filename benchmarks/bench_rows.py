@@ -206,7 +206,7 @@ def validation_seconds(run, sample: dict, runs: int, sync) -> dict:
 
     validator = Validator.__new__(Validator)   # its dataset: this one sample (no catalogue to open here)
     validator.status, validator.seed, validator.dataset, validator.indices = run.status, 7919, [sample], [0]
-    validator.quantiles = [float(q) for q in DEFAULTS["val_timestep_quantiles"].split(",")]
+    validator.quantiles = list(DEFAULTS["val_timestep_quantiles"])
     validator.objective, validator.i2v_probability = DEFAULTS["objective"], DEFAULTS["i2v_probability"]
     validator.validate_with, validator.ema, validator.base = "raw", None, None
     validator.attach(run.accelerator, run.module)
@@ -261,7 +261,7 @@ def sample_clip_seconds(run, size: tuple[int, int, int], full_size: bool, sync) 
                 for text in ("a news anchor in a studio", "")}
     result = {"sample_size": f"{width}x{height}x{frames}", "sample_steps": DEFAULT_STEPS, "sample_cfg": DEFAULT_CFG}
     with tempfile.TemporaryDirectory(prefix="mbc-bench-samples-") as folder:
-        options = SimpleNamespace(**{**DEFAULTS, "sample_steps": 1, "sample_strengths": "1", "output_path": folder})
+        options = SimpleNamespace(**{**DEFAULTS, "sample_steps": 1, "output_path": folder})
         for steps, key in ((2, "sample_warmup_s"), (DEFAULT_STEPS, "sample_clip_s")):
             prompt = SamplePrompt("a news anchor in a studio", seed=1, height=height, width=width, num_frames=frames,
                                   steps=steps, cfg_scale=DEFAULT_CFG)
@@ -291,7 +291,7 @@ def dora_health(args, device: str) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with built_in(dtype, device):
         dit = WanModel(**(TI2V_5B_DIT if args.full_size else TINY_DIT))
-    add_dora(dit, DEFAULTS["lora_target_modules"].split(","), args.lora_rank, None, upcast_dtype=torch.float32)
+    add_dora(dit, list(DEFAULTS["lora_target_modules"]), args.lora_rank, None, upcast_dtype=torch.float32)
     health = LoraHealth(dit.blocks, SimpleNamespace(history_listeners=[]), None, every=1, total_steps=10 ** 9,
                         warmup_steps=0, read_grads=False)
     seconds = [health.record(0, write=False)["seconds"] for _ in range(args.runs + 1)]

@@ -156,6 +156,14 @@ def resolve_precision(choice: str, capability: tuple[int, int] | None) -> tuple[
     return choice, f"{choice} as asked" + (" (dynamic loss scaling)" if choice == "fp16" else "")
 
 
+def torch_dtype(precision: str):
+    """The weights' torch dtype for a precision: accelerate's ``bf16`` or ``fp16`` (a latent cache's ``--dtype`` too),
+    else float32 (``no``, ``fp32``)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
 def attention_kernel(capability: tuple[int, int] | None, precision: str, cudnn_version: int | None = None) -> str:
     """Which of PyTorch's SDPA kernels attention gets: 'cudnn', 'flash', 'mem_efficient' or 'math'.
 

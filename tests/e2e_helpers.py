@@ -90,8 +90,9 @@ def a_value_for(action: argparse.Action) -> list[str]:
     every flag of a command)."""
     if action.nargs == 0:
         return []
-    if action.choices:
-        return [next(str(c) for c in reversed(list(action.choices)) if c is not None and c != action.default)]
+    choices = action.choices or (action.metavar[1:-1].split(",") if str(action.metavar).startswith("{") else None)
+    if choices:   # argparse's, or the training's declared ones (checked by the options, shown as the metavar)
+        return [next(str(c) for c in reversed(list(choices)) if c is not None and c != action.default)]
     if action.type is int:
         return ["3"]
     if action.type is float or getattr(action.type, "__name__", "") == "_positive":

@@ -31,7 +31,7 @@ class Need:
 
 
 def checkpoint_bytes(options) -> int:
-    lora = memory.lora_params(options.lora_rank, options.lora_target_modules.split(","))
+    lora = memory.lora_params(options.lora_rank, options.lora_target_modules)
     return lora * 16 + 64 * 2**20   # LoRA + AdamW m, v + file for export, plus RNG/scheduler/manifest
 
 
@@ -39,13 +39,12 @@ def cache_bytes(options, videos: int, images: int) -> int:
     """The latent cache of ``videos`` clips and ``images`` images at the training size (each row encoded once), and
     at each of --resolution_stages' sizes (a latent each; the caption's embedding once)."""
     from diffsynth_mbc.data.cache.index import projected_bytes_per_sample
-    from diffsynth_mbc.data.media.stages import parse_stages
 
     dtype_bytes = 4 if options.mixed_precision == "no" else 2
     per = {frames: projected_bytes_per_sample(options.height, options.width, frames, text_tokens=TEXT_TOKENS,
                                               dtype_bytes=dtype_bytes)["bytes"] for frames in (options.num_frames, 1)}
     total = videos * per[options.num_frames] + images * per[1]
-    for stage in parse_stages(options.resolution_stages):
+    for stage in options.resolution_stages:
         frames = stage.num_frames or options.num_frames
         latent = {count: projected_bytes_per_sample(stage.height, stage.width, count, text_tokens=0,
                                                     dtype_bytes=dtype_bytes)["latent_bytes"] for count in (frames, 1)}

@@ -154,7 +154,7 @@ class ProbeError(RuntimeError):
 
 def train(options, kind: str, subset: Path, folder: Path, env: dict, cache_dir: str | None) -> dict:
     """One training run on the subset; its measured step times and peak memory."""
-    preset = {**options.as_dict(), **NEUTRAL, "dataset_metadata_path": str(subset), "output_path": str(folder / "out"),
+    preset = {**options.recorded(), **NEUTRAL, "dataset_metadata_path": str(subset), "output_path": str(folder / "out"),
               "log_dir": str(folder / "logs"), "checkpoint_dir": str(folder / "checkpoints"),
               "run_id": f"doctor-probe-{folder.name}", "cache": cache_dir}
     (folder / "probe.yaml").write_text(yaml.safe_dump(preset, sort_keys=True), encoding="utf-8")
@@ -219,15 +219,13 @@ def staged_probe(ours, options, result: dict) -> dict:
     """--resolution_stages: the final size and every stage probed apart (each its own runs), and the run's length as
     each stage's share of the steps at its measured rate, the rest at the final size's; the cache build adds each
     stage's latents."""
-    from diffsynth_mbc.data.media.stages import parse_stages
-
     final = probe_report(ours, options.replace(resolution_stages=None), result)
     if "error" in final or not final.get("projection"):
         return final
     parts, staged = [], dict(final["projection"])
-    rest = 1.0 - sum(stage.share for stage in parse_stages(options.resolution_stages))
+    rest = 1.0 - sum(stage.share for stage in options.resolution_stages)
     training, cache = final["projection"]["training_seconds"] * rest, final["projection"]["cache_build_seconds"]
-    for stage in parse_stages(options.resolution_stages):
+    for stage in options.resolution_stages:
         at = probe_report(ours, options.replace(width=stage.width, height=stage.height, resolution_stages=None,
                                                 num_frames=stage.num_frames or options.num_frames), result)
         if "error" in at:

@@ -9,11 +9,14 @@ run's output folder (every LoRA file of the run, ordered by step; ``--ema``: the
 into ``DIR/base/``; each file's clips go to ``DIR/<file>/`` under the names of the training's sample clips. Outputs:
 every clip as mp4 with its first frame as png, ``sweep.json`` and ``sweep.html``. A second invocation renders only
 what is missing; Ctrl-C leaves no half-written clip. ``--gpus N`` shares the clips out over N processes
-(``accelerate launch``), each loading the base once.
+(``accelerate launch``), each loading the base once. The flags it shares with the training (the model, sizes, seed,
+precision and validation settings) are the training's own declarations (``sample=True`` in
+``training/options/run_options.py``): the same names, help and checks, their default the run's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,6 +24,11 @@ import sys
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.gpu import TORCH_NOTICE_FILTERS, quiet_torch_notices
+from diffsynth_mbc.training.options.parser import add_flag
+from diffsynth_mbc.training.options.run_options import DECLARATIONS
+
+MODEL_SOURCE = ("demo", "model_dir", "model_id")   # one of them, else the run's model
+SHARED = tuple(declaration for declaration in DECLARATIONS.values() if declaration.sample)
 
 
 def build_parser():
@@ -34,23 +42,28 @@ def build_parser():
     parser.add_argument("--ema", action="store_true", help="also the EMA twins of a run's files")
     parser.add_argument("--validate", action="store_true", help="each file's validation loss and the base's: a "
                                                                 "run's own validation settings, else --val_*")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--demo", action="store_true", help="the demo's tiny random model")
-    source.add_argument("--model_dir", help="local Wan2.2-TI2V-5B folder (default: the run's)")
-    source.add_argument("--model_id", help="ModelScope id (default: the run's)")
     parser.add_argument("--gpus", type=int, default=1, help="processes to share the clips over (accelerate launch)")
-    parser.add_argument("--seed", type=int, help="prompts' first seed and the demo model's (default: the run's, "
-                                                 "else 42)")
-    parser.add_argument("--height", type=int, help="prompts' default height (default: the run's, else 704)")
-    parser.add_argument("--width", type=int, help="prompts' default width (default: the run's, else 1280)")
-    parser.add_argument("--num_frames", type=int, help="prompts' default frames (default: the run's, else 17)")
-    parser.add_argument("--mixed_precision", choices=("auto", "bf16", "fp16", "fp32"),
-                        help="default: the run's, else auto (bf16 from compute capability 8.0, fp16 below)")
-    parser.add_argument("--val_metadata_path", help="validation metadata for files without a run")
-    parser.add_argument("--val_base_path", help="folder its paths are relative to")
-    parser.add_argument("--val_samples", type=int, help="validation samples (default: the run's, else 16)")
-    parser.add_argument("--val_timestep_quantiles", help="default: the run's, else the training's default")
+    source = parser.add_mutually_exclusive_group()
+    for declaration in SHARED:   # the training's flags: a prompt's default size and seed, the model, the validation
+        model = declaration.name in MODEL_SOURCE
+        add_flag(source if model else parser, dataclasses.replace(declaration, optional=False),
+                 "default: the run's" + ("" if model else f", else {declaration.default_said.split(' ', 1)[1]}"))
     return parser
+
+
+def given_settings(args) -> dict:
+    """The shared training flags given (the model's aside), typed and checked as the training's: OptionsError naming
+    the flag."""
+    from diffsynth_mbc.training.options.checks import check_value
+
+    given = {}
+    for declaration in SHARED:
+        value = vars(args)[declaration.name]
+        if declaration.name in MODEL_SOURCE or value is None:
+            continue
+        given[declaration.name] = declaration.typed(value) if declaration.listed else value
+        check_value(declaration, given[declaration.name])
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return launch_processes(args.gpus, argv if argv is not None else sys.argv[1:])
+        given = given_settings(args)   # a bad value stops before anything loads
         from diffsynth_mbc.sample.sweep import run_sweep
 
-        return run_sweep(args)
+        return run_sweep(args, given)
     except KeyboardInterrupt:
         print(f"stopped: the clips rendered so far are kept in {args.output}; run the same command again to render "
               "the rest", file=sys.stderr)
@@ -89,7 +103,7 @@ def launch_processes(gpus: int, argv: list[str]) -> int:
     environment.setdefault("PYTHONWARNINGS", TORCH_NOTICE_FILTERS)   # accelerate's launcher imports torch too
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(gpus),
                 "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
-    launcher.append("--multi_gpu")   # on CPUs too: one process each, joined over gloo (render.start_accelerator)
+    launcher.append("--multi_gpu")   # on CPUs too: one process each, joined over gloo (start_evaluation_accelerator)
     if not torch.cuda.is_available():
         environment.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.call([*launcher, "-m", "diffsynth_mbc.sample", *rest], env=environment)

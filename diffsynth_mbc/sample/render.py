@@ -1,8 +1,8 @@
 """The models of a sweep, loaded once per invocation, and each LoRA file's weights swapped in without reloading them.
 
 The pipeline is the training's (the demo's seeded tiny model, or the release from ``--model_dir``/``--model_id``, in
-the dtype the run's precision gives), wrapped in the training's ``WanTI2VLoraModule`` with the file's rank, alpha,
-targets and variant; a file's weights load into its LoRA (or DoRA) layers (``training/lora/load_file.py``). Clips come
+the dtype the run's precision gives), wrapped in the training's LoRA module (``lora_module``: the run's options with the
+file's rank, alpha, targets and variant); a file's weights load into its LoRA (or DoRA) layers (``training/lora/load_file.py``). Clips come
 from the training's own sampler (``sample_clips.generate_clip``), at a strength by ``lora_strength`` (0: the base model,
 bit for bit). The validation is the training's ``Validator`` on the same module: the LoRA as loaded, and the base with
 the LoRA off.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -32,25 +31,6 @@ class SweepStatus:
 
     def waiting(self, _what: str):
         return contextlib.nullcontext()
-
-
-def start_accelerator(options):
-    """An ``Accelerator`` with the run's precision for this GPU (``gpu.resolve_precision``): one process, or each
-    process of ``accelerate launch`` (gloo on CPUs)."""
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
-    from diffsynth_mbc.gpu import require_supported_gpu, resolve_precision
-
-    require_supported_gpu()
-    capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
-    precision, _ = resolve_precision(options.mixed_precision, capability)
-    handlers = []
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
-        os.environ.setdefault("ACCELERATE_USE_CPU", "1")
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    return Accelerator(mixed_precision=precision, kwargs_handlers=handlers)
 
 
 def rendering_settings(options, accelerator) -> dict:
@@ -115,20 +95,20 @@ class Renderer:
     def _build(self, path: str, rank: int, alpha: float | None, targets: str, variant: str):
         import torch
 
+        from diffsynth_mbc.gpu import torch_dtype
         from diffsynth_mbc.models.pipeline import build_demo_pipeline, load_pipeline
-        from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
+        from diffsynth_mbc.training.lora.module import lora_module
 
         options, device = self.options, str(self.accelerator.device)
         self.module = None   # the previous model's memory first
         if options.demo:
             pipe = build_demo_pipeline(device=device, torch_dtype=torch.float32, seed=options.seed)
         else:
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision,
-                                                                        torch.float32)
-            pipe = load_pipeline(options.model_dir, options.model_id, device=device, torch_dtype=dtype)
+            pipe = load_pipeline(options.model_dir, options.model_id, device=device,
+                                 torch_dtype=torch_dtype(self.accelerator.mixed_precision))
         try:
-            module = WanTI2VLoraModule(pipe, lora_target_modules=targets, lora_rank=rank, lora_alpha=alpha,
-                                       use_gradient_checkpointing=False, lora_variant=variant)
+            module = lora_module(pipe, options.replace(lora_rank=rank, lora_alpha=alpha, lora_target_modules=targets,
+                                                       lora_variant=variant, use_gradient_checkpointing=False))
         except ValueError as exc:   # peft refusing the file's targets on this model
             raise LoraFileError(f"the LoRA of {path} cannot be put on the model ({exc})") from None
         module.to(self.accelerator.device)

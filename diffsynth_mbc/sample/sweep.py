@@ -12,29 +12,23 @@ from pathlib import Path
 from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.sample.lora_files import refuse_other_base, sweep_files, with_digests
-from diffsynth_mbc.sample.render import (Renderer, fitting_settings, rendering_settings, say, start_accelerator,
-                                         validation_of)
+from diffsynth_mbc.sample.render import Renderer, fitting_settings, rendering_settings, say, validation_of
 from diffsynth_mbc.sample.sheet import summary_lines, sweep_page
 from diffsynth_mbc.sample.sweep_plan import best_file, gain_words, judging_notes, plan_clips, read_records, rendered
 from diffsynth_mbc.sample_prompts import load_sample_prompts, parse_strengths
 from diffsynth_mbc.training.options.run_options import TrainOptions
+from diffsynth_mbc.training.evaluation.validation import validation_settings
 from diffsynth_mbc.training.options.run_record import read_run_options
 
 DEMO_BASE = "Wan2.2-TI2V-5B (demo)"
 RELEASE_BASE = "Wan2.2-TI2V-5B"
 RECORDS_FOLDER = ".sweep-records"   # each process's clip records while it renders, merged into sweep.json
-GIVEN_SETTINGS = ("seed", "height", "width", "num_frames", "mixed_precision", "val_metadata_path", "val_base_path",
-                  "val_samples", "val_timestep_quantiles")
-# what a validation figure is measured with (besides the model, precision and device, and the file's bytes)
-VALIDATION_SETTINGS = ("val_metadata_path", "val_base_path", "val_cache", "val_samples", "val_timestep_quantiles",
-                       "seed", "height", "width", "num_frames", "buckets")
 
 
-def sweep_options(args, run: TrainOptions | None) -> TrainOptions:
-    """The settings a sweep renders and validates with: the first run's (``run_options.json``), then what is
-    given."""
-    given = vars(args)
-    changes = {key: given[key] for key in GIVEN_SETTINGS if given[key] is not None}
+def sweep_options(args, given: dict, run: TrainOptions | None) -> TrainOptions:
+    """The settings a sweep renders and validates with: the run's (``run_options.json``), then what is ``given``
+    (the training's flags, typed and checked; the model's aside)."""
+    changes = dict(given)
     if args.demo:
         changes.update(demo=True, model_dir=None, model_id=None)
     elif args.model_dir or args.model_id:
@@ -56,11 +50,6 @@ def runs_of(files: list) -> dict[str, TrainOptions]:
     return {run_dir: options for run_dir, options in runs.items() if options is not None}
 
 
-def validation_settings(options: TrainOptions) -> dict:
-    values = options.as_dict()
-    return {key: values[key] for key in VALIDATION_SETTINGS}
-
-
 def known_records(output: Path) -> dict[str, dict]:
     """Clips recorded in ``sweep.json`` and, after an interrupted invocation, in each process's records."""
     records = read_records(output)
@@ -72,21 +61,22 @@ def known_records(output: Path) -> dict[str, dict]:
     return records
 
 
-def run_sweep(args) -> int:
+def run_sweep(args, given: dict) -> int:
+    from diffsynth_mbc.training.distributed.accelerator import start_evaluation_accelerator
     from diffsynth_mbc.training.distributed.collectives import gather_from_all, wait_for_everyone
 
     output = Path(args.output)
     strengths = parse_strengths(args.strengths, flag="--strengths")
     files = sweep_files(args.lora, ema=args.ema)
     runs = runs_of(files)
-    options = sweep_options(args, next(iter(runs.values()), None))
+    options = sweep_options(args, given, next(iter(runs.values()), None))
     model = DEMO_BASE if options.demo else RELEASE_BASE
     refuse_other_base(files, model)
     prompts = load_sample_prompts(args.prompts, height=options.height, width=options.width,
                                   num_frames=options.num_frames, seed=options.seed, source="prompts file")
     fitting = fitting_settings(files, options.demo, model)   # every file fits the model, checked before it loads
     files = with_digests(files)
-    accelerator = start_accelerator(options)
+    accelerator = start_evaluation_accelerator(options)
     rendering = rendering_settings(options, accelerator)
     clips = plan_clips(prompts, files, strengths, rendering)
     output.mkdir(parents=True, exist_ok=True)

@@ -104,9 +104,9 @@ def judging_notes(used: dict, own: dict[str, dict], files: list) -> list[str]:
     """What the sheet and the terminal say of the validation: the settings every file's figures are measured at
     (``used``: the first run's, then the flags given), and each run whose own validation settings (``own``, by its
     output folder) differ, whose figures here are then not its own records."""
-    source = used["val_metadata_path"] or used["val_cache"]
-    lines = [f"validation at {used['width']}x{used['height']}x{used['num_frames']}: {used['val_samples']} samples of "
-             f"{source}, timestep quantiles {used['val_timestep_quantiles']}, seed {used['seed']}"]
+    from diffsynth_mbc.training.evaluation.validation import settings_text
+
+    lines = [settings_text(used)]
     names = {item.run_dir: item.run or item.run_dir for item in files if item.run_dir}
     for run_dir, settings in own.items():
         changed = [key for key in used if settings.get(key) != used[key]]

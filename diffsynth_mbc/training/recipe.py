@@ -128,14 +128,13 @@ class TrainingRecipe:
         self.step_parts = self._step_parts(dataset)
 
     def _open_data_and_models(self, accelerator):
-        import torch
-
         from diffsynth_mbc.data.cache.dataset import open_training_dataset
+        from diffsynth_mbc.gpu import torch_dtype
         from diffsynth_mbc.models.pipeline import training_pipeline
         from diffsynth_mbc.training.distributed.agreed_sizes import rank_zero_sizes
         from diffsynth_mbc.training.evaluation.validation import Validator
         from diffsynth_mbc.training.lora.init_from_file import start_from_lora
-        from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
+        from diffsynth_mbc.training.lora.module import lora_module
         from diffsynth_mbc.training.plan.step_choices import step_choices
         from diffsynth_mbc.training.step.timestep_sampling import sampler_from_options
 
@@ -149,17 +148,11 @@ class TrainingRecipe:
         encoders = not options.cache   # with the cache only the DiT (plus LoRA) is needed
         status.update(phase="loading models" + (" (demo: tiny random TI2V-5B architecture)" if options.demo else "")
                       + ("" if encoders else " (DiT only: training from the latent cache)"))
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-        pipe = training_pipeline(options, str(accelerator.device), dtype, accelerator.process_index)
+        pipe = training_pipeline(options, str(accelerator.device), torch_dtype(accelerator.mixed_precision),
+                                 accelerator.process_index)
         recompute, compile_blocks = step_choices(options, status, accelerator, len(pipe.dit.blocks))
-        module = WanTI2VLoraModule(
-            pipe, lora_target_modules=options.lora_target_modules, lora_rank=options.lora_rank,
-            lora_alpha=options.lora_alpha, use_gradient_checkpointing=options.use_gradient_checkpointing,
-            use_gradient_checkpointing_offload=options.use_gradient_checkpointing_offload,
-            max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
-            recompute_blocks=recompute, compile_blocks=compile_blocks,
-            timestep_sampler=sampler_from_options(options, pipe.scheduler.shift),
-            loss_weighting=options.loss_weighting, lora_variant=options.lora_variant, objective=options.objective)
+        module = lora_module(pipe, options, recompute_blocks=recompute, compile_blocks=compile_blocks,
+                             timestep_sampler=sampler_from_options(options, pipe.scheduler.shift))
         start_from_lora(module, options, status)   # --init_lora: before accelerate wraps it (DDP, ZeRO-2 copy it then)
         return dataset, validator, module
 

@@ -228,7 +228,7 @@ def run(options, ranks: Ranks, status=None) -> int:
     from diffsynth_mbc.data.dataset import MBCVideoDataset
 
     started = time.monotonic()
-    from diffsynth_mbc.gpu import require_supported_gpu
+    from diffsynth_mbc.gpu import require_supported_gpu, torch_dtype as dtype_of
 
     require_supported_gpu()   # a torch build without this GPU's kernels: stop now, naming the fix
     sample_prompts = None
@@ -239,7 +239,7 @@ def run(options, ranks: Ranks, status=None) -> int:
     use_cuda = torch.cuda.is_available()
     device = f"cuda:{ranks.local_rank}" if use_cuda else "cpu"
     dtype_name = options.dtype or default_dtype(torch.cuda.get_device_capability(ranks.local_rank) if use_cuda else None)
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    torch_dtype = dtype_of(dtype_name)
     cache_dir = Path(options.cache_dir)
     ranks.start(use_cuda)
 

@@ -34,7 +34,7 @@ from diffsynth_mbc.data.cache.index import (
 from diffsynth_mbc.data.caption_rules import caption_affixes
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.data.media.size_table import table_path_in
-from diffsynth_mbc.data.media.stages import parse_stages, stage_names
+from diffsynth_mbc.data.media.stages import stage_names
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.models.wan_units import pad_context
 
@@ -139,14 +139,14 @@ class CachedLatentDataset(torch.utils.data.Dataset):
 
 def stage_problems(settings: dict, options) -> list[str]:
     """--resolution_stages: the stage sizes the run trains at that the cache holds no latents for, named."""
-    from diffsynth_mbc.data.media.stages import parse_stages, stage_names
+    from diffsynth_mbc.data.media.stages import stage_names
 
     built = settings.get("stages") or []
-    missing = [name for name in stage_names(parse_stages(options.resolution_stages)) if name not in built]
+    missing = [name for name in stage_names(options.resolution_stages) if name not in built]
     if not missing:
         return []
     return [f"it holds no latents for the stage(s) {', '.join(missing)} of --resolution_stages "
-            f"{options.resolution_stages} (built for: {', '.join(built) or 'no stages'}); build it with the same "
+            f"{options.resolution_stages.text} (built for: {', '.join(built) or 'no stages'}); build it with the same "
             "--resolution_stages (python -m diffsynth_mbc.cache ...; the launchers' --cached does)"]
 
 
@@ -252,7 +252,7 @@ def open_training_dataset(options, **media_options):
                                num_frames=options.num_frames, height=options.height, width=options.width,
                                repeat=options.dataset_repeat, buckets=options.buckets,
                                size_table=table_path_in(options.output_path),
-                               stages=parse_stages(options.resolution_stages), **media_options)
+                               stages=options.resolution_stages, **media_options)
     index = read_index(cache_dir)
     check_cache_matches(index, options, cache_dir)
     if options.model_id and not options.model_dir:
@@ -263,7 +263,7 @@ def open_training_dataset(options, **media_options):
               f"cache (they could not be decoded; see {Path(cache_dir) / 'failures.csv'}); training on "
               f"{len(index['rows'])} rows", file=sys.stderr)
     built = index["settings"].get("stages") or []
-    stages = [built.index(name) for name in stage_names(parse_stages(options.resolution_stages))]
+    stages = [built.index(name) for name in stage_names(options.resolution_stages)]
     return CachedLatentDataset(cache_dir, repeat=options.dataset_repeat, index=index, stages=stages)
 
 

@@ -14,15 +14,15 @@ import os
 
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.training.lora.ema import fingerprint as ema_fingerprint
+from diffsynth_mbc.training.options.run_options import DECLARATIONS
 
-# Settings a checkpoint must share with the run that resumes it (exact data position, weights and optimisation).
-FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
-                    "height", "width", "lora_rank", "lora_alpha", "lora_target_modules", "metadata_sha256",
-                    "metadata_rows", "seed", "num_epochs", "cache", "image_batch_size", "dataset_base_path",
-                    "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
-                    "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
-                    "caption_dropout", "caption_prefix", "caption_suffix", "lora_variant",
-                    "loraplus_lr_ratio", "ema", "objective", "buckets", "resolution_stages")
+# Settings a checkpoint must share with the run that resumes it (exact data position, weights and optimisation): the
+# options declared part of it (``fingerprint=True``, as a preset holds them), and what ``run_fingerprint`` works out.
+OPTION_KEYS = tuple(name for name, declaration in DECLARATIONS.items() if declaration.fingerprint)
+FINGERPRINT_KEYS = OPTION_KEYS + (
+    "world_size", "gradient_accumulation_steps", "metadata_sha256", "metadata_rows", "cache", "image_batch_size",
+    "dataset_base_path", "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
+    "ema", "objective")
 # What a checkpoint saved before a setting existed trained with: every sample conditioned on its first frame.
 # Before --buckets existed, everything trained at --height x --width.
 SAVED_BEFORE = {"objective": {"objective": "diffsynth", "i2v_probability": 1.0}, "buckets": "off"}
@@ -35,29 +35,18 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
     """This run's values of every FINGERPRINT_KEYS setting (JSON types, so a saved one compares equal)."""
     values = options.as_dict()
     return {
-        "world_size": world_size, "batch_size": options.batch_size, "gradient_accumulation_steps": accumulation,
-        "dataset_repeat": options.dataset_repeat, "num_frames": options.num_frames, "height": options.height,
-        "width": options.width, "lora_rank": options.lora_rank, "lora_alpha": options.lora_alpha,
-        "lora_target_modules": options.lora_target_modules, "metadata_rows": rows,
-        "metadata_sha256": metadata_sha256, "seed": options.seed, "num_epochs": options.num_epochs,
-        "cache": bool(options.cache), "image_batch_size": image_batch,
+        **{key: DECLARATIONS[key].recorded(values[key]) for key in OPTION_KEYS},   # a list option: as given
+        "world_size": world_size, "gradient_accumulation_steps": accumulation, "metadata_rows": rows,
+        "metadata_sha256": metadata_sha256, "cache": bool(options.cache), "image_batch_size": image_batch,
         # The media the metadata's relative paths point at: the same metadata over other files is other data.
-        "dataset_base_path": os.path.abspath(options.dataset_base_path),
-        "learning_rate": options.learning_rate, "lr_scheduler": options.lr_scheduler,
-        "warmup_steps": options.warmup_steps, "weight_decay": options.weight_decay,
-        "max_grad_norm": options.max_grad_norm, "mixed_precision": precision,
+        "dataset_base_path": os.path.abspath(options.dataset_base_path), "mixed_precision": precision,
         "timestep_boundaries": [options.min_timestep_boundary, options.max_timestep_boundary],
         # Several catalogues: each one's repeat (the combined metadata's sha256 covers the rest); None with one.
         "dataset_repeats": [c.repeat for c in options.datasets] if options.datasets else None,
         "frames": frame_selection_from(options).settings(),   # None: the first frames (checkpoints before it match)
         "timestep_sampling": {key: values[key] for key in TIMESTEP_SETTINGS},
-        "caption_dropout": options.caption_dropout, "caption_prefix": options.caption_prefix,
-        "caption_suffix": options.caption_suffix,
-        "lora_variant": options.lora_variant, "loraplus_lr_ratio": options.loraplus_lr_ratio,
         "ema": ema_fingerprint(options),
         "objective": {"objective": options.objective, "i2v_probability": options.i2v_probability},
-        "buckets": options.buckets,   # which shape each sample trains at, and how batches are dealt
-        "resolution_stages": options.resolution_stages,   # which size each step trains at
     }
 
 

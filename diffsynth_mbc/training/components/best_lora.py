@@ -27,13 +27,12 @@ from diffsynth_mbc.training.components.protocol import Component, Decision, Stop
 from diffsynth_mbc.values import finite_number
 
 BEST_FILE = "lora-best.safetensors"
-DEFAULT_MIN_DELTA = 0.001
 
 
 @dataclasses.dataclass
 class BestSoFar:
     patience: int | None = None       # --early_stop N; None: off
-    min_delta: float = DEFAULT_MIN_DELTA
+    min_delta: float = 0.0            # --early_stop_min_delta (from_options: the run's)
     warmup_steps: int = 0
     best_step: int | None = None
     best_loss: float | None = None

@@ -1,5 +1,7 @@
 """The run's ``Accelerator``: precision chosen for this GPU, the process group (gloo on CPU, NCCL's timeout),
-DeepSpeed's clipping from ``--max_grad_norm``, trackers, and one run id for every rank."""
+DeepSpeed's clipping from ``--max_grad_norm``, trackers, and one run id for every rank; and the plainer one of a
+command that only evaluates a run's LoRA files (``python -m diffsynth_mbc.sample``), with the same precision and
+process group."""
 
 from __future__ import annotations
 
@@ -10,22 +12,67 @@ from diffsynth_mbc.training.distributed.collectives import broadcast_from_main
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
 
-def start_accelerator(options, status: RankStatusWriter):
+def this_gpu() -> tuple[int, int] | None:
+    """This process's GPU's compute capability (None on the CPU); a torch build without its kernels is refused here,
+    naming the fix."""
+    import torch
+
+    from diffsynth_mbc.gpu import require_supported_gpu
+
+    require_supported_gpu()
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
+def run_precision(options, capability: tuple[int, int] | None) -> tuple[str, str]:
+    """(accelerate's precision, why) for ``--mixed_precision`` on a GPU of ``capability`` (None: the CPU)."""
+    from diffsynth_mbc.gpu import resolve_precision
+
+    try:
+        return resolve_precision(options.mixed_precision, capability)
+    except ValueError as exc:
+        raise OptionsError(str(exc)) from None
+
+
+def process_group_handlers(options, world_size: int) -> list:
+    """accelerate's kwargs for a process group of ``world_size`` processes: ``--dist_backend`` (else NCCL on GPUs,
+    gloo on CPUs) with NCCL_TIMEOUT as its timeout; none for one process."""
     import datetime
 
     import torch
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if (world_size > 1 and not torch.cuda.is_available()
+            and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true"):
+        # Without this, accelerate on a machine with no GPU shards the data over the processes but
+        # wraps nothing in DDP: every rank would silently train a model of its own.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+    if world_size <= 1:
+        return []
+    # NCCL_TIMEOUT is not read by NCCL itself; it becomes the process group's timeout here.
+    timeout = datetime.timedelta(seconds=int(os.environ.get("NCCL_TIMEOUT", "1800")))
+    backend = options.dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    return [InitProcessGroupKwargs(backend=backend, timeout=timeout)]
+
+
+def start_evaluation_accelerator(options):
+    """The ``Accelerator`` of a command that evaluates LoRA files with a run's options: the run's precision on this
+    GPU and the training's process group; one process, or each process of ``accelerate launch``."""
     from accelerate import Accelerator
-    from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
-                                  InitProcessGroupKwargs)
 
-    from diffsynth_mbc.gpu import attention_kernel, require_supported_gpu, resolve_precision
+    precision, _ = run_precision(options, this_gpu())
+    return Accelerator(mixed_precision=precision,
+                       kwargs_handlers=process_group_handlers(options, int(os.environ.get("WORLD_SIZE", "1"))))
 
-    require_supported_gpu()   # a torch build without this GPU's kernels: stop now, naming the fix
-    capability = tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
-    try:
-        precision, precision_why = resolve_precision(options.mixed_precision, capability)
-    except ValueError as exc:
-        raise OptionsError(str(exc)) from None
+
+def start_accelerator(options, status: RankStatusWriter):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType
+
+    from diffsynth_mbc.gpu import attention_kernel
+
+    capability = this_gpu()   # a torch build without this GPU's kernels: stop now, naming the fix
+    precision, precision_why = run_precision(options, capability)
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         # The engine clips, not us: hand it --max_grad_norm (0 disables) instead of the config's fixed value.
         os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(float(options.max_grad_norm))
@@ -33,17 +80,8 @@ def start_accelerator(options, status: RankStatusWriter):
             skip_deepspeed_cpu_inference_kernel()
     status.update(phase="joining the process group", mixed_precision=precision, precision_reason=precision_why,
                   attention_kernel=attention_kernel(capability, precision))
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=options.find_unused_parameters)]
-    if (status.state["world_size"] > 1 and not torch.cuda.is_available()
-            and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true"):
-        # Without this, accelerate on a machine with no GPU shards the data over the processes but
-        # wraps nothing in DDP: every rank would silently train a model of its own.
-        os.environ.setdefault("ACCELERATE_USE_CPU", "1")
-    if status.state["world_size"] > 1:
-        # NCCL_TIMEOUT is not read by NCCL itself; it becomes the process group's timeout here.
-        timeout = datetime.timedelta(seconds=int(os.environ.get("NCCL_TIMEOUT", "1800")))
-        backend = options.dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=options.find_unused_parameters),
+                *process_group_handlers(options, status.state["world_size"])]
     tracking = {} if options.report_to == "none" else {
         "log_with": options.report_to, "project_dir": os.path.join(options.output_path, "tracking")}
     accelerator = Accelerator(

@@ -25,7 +25,7 @@ from pathlib import Path
 from diffsynth_mbc.atomic import atomic_open, atomic_path, atomic_write_json
 from diffsynth_mbc.data.media.orientation import upright
 from diffsynth_mbc.sample_prompts import (BASE_FOLDER, BASE_SUFFIX, PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt,
-                                          clip_suffix, parse_strengths, prompts_file_record, sample_file_stem,
+                                          clip_suffix, prompts_file_record, sample_file_stem,
                                           sample_set_name, sampling_due, strength_text)
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.lora.ema import weights_for
@@ -39,7 +39,7 @@ class Sampler:
     def __init__(self, options, status, prompts: list[SamplePrompt], contexts: dict | None = None):
         self.options, self.status, self.prompts = options, status, prompts
         self.every = options.sample_steps
-        self.strengths = parse_strengths(options.sample_strengths)   # ascending; 0: the base model
+        self.strengths = list(options.sample_strengths)   # ascending; 0: the base model
         self.root = Path(options.output_path) / SAMPLES_FOLDER
         self.contexts = contexts    # prompt text -> embedding from the latent cache (no text encoder loaded)
         self.accelerator = self.module = None

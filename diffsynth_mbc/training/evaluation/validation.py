@@ -24,6 +24,25 @@ from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
 
 SUBSTITUTED_NAMED = 10   # rows a validation record names of those it could not decode
+# What a validation's figures depend on besides the weights: two measures made with the same of these compare.
+MEASURED_WITH = ("val_metadata_path", "val_base_path", "val_cache", "val_samples", "val_timestep_quantiles", "seed",
+                 "height", "width", "num_frames", "buckets")
+
+
+def validation_settings(options) -> dict:
+    """``MEASURED_WITH`` of ``options``, as a run's record holds them (``python -m diffsynth_mbc.sample --validate``
+    keeps each file's figures with them, and measures again when they change)."""
+    values = options.recorded()
+    return {key: values[key] for key in MEASURED_WITH}
+
+
+def settings_text(settings: dict) -> str:
+    """``validation at 64x64x9: 4 samples of val/metadata.csv, timestep quantiles 0.1,0.5,0.9, seed 42`` of
+    ``validation_settings``."""
+    source = settings["val_metadata_path"] or settings["val_cache"]
+    return (f"validation at {settings['width']}x{settings['height']}x{settings['num_frames']}: "
+            f"{settings['val_samples']} samples of {source}, timestep quantiles {settings['val_timestep_quantiles']}, "
+            f"seed {settings['seed']}")
 
 
 @dataclass
@@ -53,7 +72,7 @@ class Validator:
         self.seed = options.seed + 7919
         self.dataset = open_validation_dataset(options, substitute_bad_media=True)
         self.indices = list(range(min(options.val_samples, self.dataset.rows)))
-        self.quantiles = [float(q) for q in options.val_timestep_quantiles.split(",")]
+        self.quantiles = list(options.val_timestep_quantiles)
         self.validate_with = options.validate_with
         self.objective, self.i2v_probability = options.objective, options.i2v_probability
         self.accelerator = self.module = None

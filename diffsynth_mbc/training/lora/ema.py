@@ -23,9 +23,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from diffsynth_mbc.errors import OptionsError, quoted
+from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
-from diffsynth_mbc.values import finite_number
 
 STATE_FILE = "ema_state.safetensors"
 FILE_SUFFIX = "_ema"
@@ -34,14 +33,9 @@ WARMUP_OFFSET = 10
 
 
 def check_options(options: dict) -> None:
-    """--ema_decay, --ema_warmup and --validate_with; OptionsError naming the flag."""
-    decay = options["ema_decay"]
-    if decay is not None:
-        if finite_number(decay) is None or not 0 < decay < 1:
-            raise OptionsError(f"--ema_decay must be a number above 0 and below 1 (e.g. 0.999), got {quoted(decay)}")
-    if options["validate_with"] not in WEIGHTS:
-        raise OptionsError(f"--validate_with must be one of {', '.join(WEIGHTS)}, got {quoted(options['validate_with'])}")
-    if options["validate_with"] != "raw" and decay is None:
+    """--validate_with ema or both needs --ema_decay (each one's range and choices are declared with the options);
+    OptionsError naming the flags."""
+    if options["validate_with"] != "raw" and options["ema_decay"] is None:
         raise OptionsError(f"--validate_with {options['validate_with']} needs --ema_decay (there is no EMA without it)")
 
 

@@ -254,7 +254,7 @@ def start_from_lora(module, options, status=None) -> dict | None:
     if status is not None:
         status.update(phase=f"loading the LoRA to start from ({options.init_lora})")
     found = load_init_lora(module, options.init_lora, rank=options.lora_rank, alpha=options.lora_alpha,
-                           targets=options.lora_target_modules)
+                           targets=options.lora_target_modules.text)
     if status is not None:
         status.update(init_lora=found, phase=f"LoRA weights from {found['file']} ({found['layout']}); fresh optimizer "
                                             "at step 0")

@@ -8,6 +8,7 @@ step by the pipeline's units) and entries of the latent cache (``{"cached": True
 from __future__ import annotations
 
 import contextlib
+from typing import Sequence
 
 import torch
 from diffsynth.trainers.utils import DiffusionTrainingModule
@@ -22,6 +23,21 @@ from diffsynth_mbc.training.step.micro_batch import latent_frames, pixel_shape
 from diffsynth_mbc.training.step.objective import (check_mode, check_objective, default_mode, first_frame_in_loss,
                                                    is_conditioned)
 from diffsynth_mbc.training.step.timestep_sampling import DrawLog, TimestepSampler
+
+
+DEFAULT_TARGETS = ("q", "k", "v", "o", "ffn.0", "ffn.2")
+
+
+def lora_module(pipe: WanVideoPipeline, options, **step) -> "WanTI2VLoraModule":
+    """The training's LoRA module over ``pipe`` as ``options`` (a ``TrainOptions``) set it: the adapter (rank, alpha,
+    targets, variant), checkpointing, timestep boundaries, loss weighting and objective. ``step``: how this process
+    runs a step (``recompute_blocks``, ``compile_blocks``, ``timestep_sampler``)."""
+    return WanTI2VLoraModule(
+        pipe, lora_target_modules=options.lora_target_modules, lora_rank=options.lora_rank,
+        lora_alpha=options.lora_alpha, use_gradient_checkpointing=options.use_gradient_checkpointing,
+        use_gradient_checkpointing_offload=options.use_gradient_checkpointing_offload,
+        max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
+        loss_weighting=options.loss_weighting, lora_variant=options.lora_variant, objective=options.objective, **step)
 
 
 class WanTI2VLoraModule(DiffusionTrainingModule):
@@ -41,7 +57,7 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
     the stored latents and text embedding, so ``pipe.vae`` and ``pipe.text_encoder`` may be None.
     """
 
-    def __init__(self, pipe: WanVideoPipeline, lora_target_modules: str = "q,k,v,o,ffn.0,ffn.2",
+    def __init__(self, pipe: WanVideoPipeline, lora_target_modules: Sequence[str] = DEFAULT_TARGETS,
                  lora_rank: int = 32, lora_alpha: float | None = None, lora_dtype: torch.dtype = torch.float32,
                  use_gradient_checkpointing: bool = True, use_gradient_checkpointing_offload: bool = False,
                  max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0,
@@ -57,7 +73,9 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         if lora_variant not in ("lora", "dora"):
             raise ValueError(f"lora_variant must be 'lora' or 'dora', got {lora_variant!r}")
         inject = add_dora if lora_variant == "dora" else self.add_lora_to_model
-        pipe.dit = inject(pipe.dit, target_modules=lora_target_modules.split(","),
+        if isinstance(lora_target_modules, str):   # as a LoRA file's metadata names them: "q,k,v"
+            lora_target_modules = lora_target_modules.split(",")
+        pipe.dit = inject(pipe.dit, target_modules=list(lora_target_modules),
                           lora_rank=lora_rank, lora_alpha=lora_alpha, upcast_dtype=lora_dtype)
         if lora_compute == "base":
             compute_lora_in_base_dtype(pipe.dit)

@@ -81,7 +81,7 @@ class LoraFiles:
     def write_lora(self, target: Path, step: int, file_tensors: dict) -> None:
         options = self.options
         atomic_save_safetensors(target, file_tensors, metadata=file_metadata(
-            rank=options.lora_rank, alpha=options.lora_alpha, targets=options.lora_target_modules,
+            rank=options.lora_rank, alpha=options.lora_alpha, targets=options.lora_target_modules.text,
             base_model="Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""), step=step,
             run_id=str(self.status.state["run_id"]), layout=options.lora_format, variant=options.lora_variant))
 

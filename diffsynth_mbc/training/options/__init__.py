@@ -1,8 +1,9 @@
 """Options of ``python -m diffsynth_mbc.train``: defaults < preset file (--config) < command line, resolved once
 into a read-only ``TrainOptions`` that travels through the whole run. No torch.
 
-- ``run_options.py``: ``TrainOptions``, every option with its type and default;
-- ``parser.py``: the command line (flags in groups, with their help);
+- ``run_options.py``: ``TrainOptions``, every option declared once (``declaration.py``: type, default, help, range
+  or choices, kinds), and the list options' values parsed once (``flag_values.py``);
+- ``parser.py``: the command line, built from the declarations;
 - ``checks.py``: every value checked once, with errors that name the flag;
 - here: reading a preset (unknown keys are refused, naming the key and the file) and resolving all three.
 """
@@ -16,14 +17,12 @@ from diffsynth_mbc.data.dataset_list import apply_datasets
 from diffsynth_mbc.errors import OptionsError, clipped, quoted
 from diffsynth_mbc.training.options.checks import (MAX_SIDE, TRACKER_PACKAGES, check_frame_options, check_run_id,
                                                    check_tracker, validate)
-from diffsynth_mbc.training.options.parser import _parse_bool, build_parser
-from diffsynth_mbc.training.options.run_options import CHOICES, DEFAULTS, TrainOptions
+from diffsynth_mbc.training.options.parser import build_parser
+from diffsynth_mbc.training.options.run_options import DECLARATIONS, DEFAULTS, LISTED, TrainOptions
 from diffsynth_mbc.yaml_input import load_yaml
 
-__all__ = ["CHOICES", "DEFAULTS", "MAX_SIDE", "TRACKER_PACKAGES", "TrainOptions", "build_parser",
+__all__ = ["DECLARATIONS", "DEFAULTS", "MAX_SIDE", "TRACKER_PACKAGES", "TrainOptions", "build_parser",
            "check_frame_options", "check_run_id", "check_tracker", "load_preset", "resolve_options", "validate"]
-
-_BOOLEAN = {key for key, value in DEFAULTS.items() if isinstance(value, bool)}
 
 
 def load_preset(path: str | Path) -> dict:
@@ -37,14 +36,13 @@ def load_preset(path: str | Path) -> dict:
     unknown = sorted(map(str, set(data) - set(DEFAULTS)))
     if unknown:
         raise OptionsError(f"--config: unknown key(s) in {path}: {clipped(', '.join(unknown))}")
-    types = {action.dest: action.type for action in build_parser()._actions if action.type is not None}
     for key, value in data.items():
-        if value is not None and key in types and not isinstance(value, bool):
+        read = DECLARATIONS[key].reader   # as the flag reads its text
+        if value is not None and read is not None and not isinstance(value, bool):
             try:
-                data[key] = types[key](value)
+                data[key] = read(value)
             except (TypeError, ValueError, argparse.ArgumentTypeError):
-                raise OptionsError(f"--config: {path}: {key}: cannot read {quoted(value)} as "
-                                   f"{getattr(types[key], '__name__', 'a value')}") from None
+                raise OptionsError(f"--config: {path}: {key}: cannot read {quoted(value)} as {read.__name__}") from None
     return data
 
 
@@ -53,15 +51,14 @@ def resolve_options(argv: list[str] | None = None) -> TrainOptions:
     given = vars(build_parser().parse_args(argv))
     preset = load_preset(given.pop("config")) if "config" in given else {}
     options = {**DEFAULTS, **preset, **given}
-    for key in _BOOLEAN:
-        if not isinstance(options[key], bool):
-            options[key] = _parse_bool(options[key])
     if "use_gradient_checkpointing" in given and "gradient_checkpointing" not in given:
         options["gradient_checkpointing"] = None   # the command line's true/false beats a preset's auto
     if options["gradient_checkpointing"] is None:
         options["gradient_checkpointing"] = "all" if options["use_gradient_checkpointing"] else "none"
     options["gradient_checkpointing"] = str(options["gradient_checkpointing"]).strip().lower()
     apply_datasets(options, preset, given)
+    for key in LISTED:   # parsed once, here: refused naming the flag
+        options[key] = DECLARATIONS[key].typed(options[key])
     validate(options)
     # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other.
     if not options["log_dir"]:

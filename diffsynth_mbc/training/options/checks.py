@@ -1,55 +1,28 @@
-"""Every option checked once, here: ``validate`` raises OptionsError naming the flag and the value. No torch."""
+"""Every option checked once, here: ``validate`` raises OptionsError naming the flag and the value. Each option's
+choices or range come from its declaration (``run_options.py``); the rules between options are written here. The list
+options were parsed (and so checked) when they were typed. No torch."""
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
 from diffsynth_mbc.data.caption_rules import check_caption_options
 from diffsynth_mbc.data.dataset_list import MAX_REPEAT
 from diffsynth_mbc.errors import OptionsError, quoted
-from diffsynth_mbc.sample_prompts import MAX_SIDE, parse_strengths   # MAX_SIDE: pixels, each side
+from diffsynth_mbc.sample_prompts import MAX_SIDE   # MAX_SIDE: pixels, each side
 from diffsynth_mbc.training.lora.ema import check_options as check_ema_options
 from diffsynth_mbc.training.lora.init_from_file import check_init_lora_option
-from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES, DEFAULTS
+from diffsynth_mbc.training.options.declaration import Declaration
+from diffsynth_mbc.training.options.run_options import DECLARATIONS, DEFAULTS
 from diffsynth_mbc.training.plan.recompute import parse_choice
-from diffsynth_mbc.data.media.stages import parse_stages
 from diffsynth_mbc.values import finite_number
 
-# Every number the training reads, checked here and nowhere else: (lowest, highest, lowest allowed?, highest allowed?).
-# NaN and infinity are refused for every float: a NaN learning rate or alpha trains "fine" and writes a NaN LoRA.
-_INTEGERS = {   # key: (lowest, optional)
-    "height": (1, False), "width": (1, False), "num_frames": (1, False), "dataset_repeat": (1, False),
-    "lora_rank": (1, False), "num_epochs": (1, False), "batch_size": (1, False),
-    "gradient_accumulation_steps": (1, False), "max_nonfinite_steps": (1, False), "keep_checkpoints": (1, False),
-    "val_samples": (1, False), "dataset_num_workers": (0, False), "warmup_steps": (0, False),
-    "keep_old_histories": (0, False), "seed": (0, False), "image_batch_size": (1, True), "save_steps": (1, True),
-    "checkpoint_steps": (1, True), "val_steps": (1, True), "sample_steps": (1, True), "timestep_strata": (1, False),
-    "health_steps": (0, True),
-}
-_FLOATS = {     # key: (low, high, low included, optional)
-    "learning_rate": (0.0, None, False, False), "lora_alpha": (0.0, None, False, True),
-    "weight_decay": (0.0, None, True, False), "max_grad_norm": (0.0, None, True, False),
-    "status_interval_s": (0.0, None, False, False), "print_every_s": (0.0, None, False, False),
-    "stop_grace_s": (0.0, None, False, False), "checkpoint_minutes": (0.0, None, False, True),
-    "max_bad_media_fraction": (0.0, 1.0, True, False), "early_stop_min_delta": (0.0, 1.0, True, False),
-    "source_fps": (0.0, None, False, True),
-    "min_timestep_boundary": (0.0, 1.0, True, False), "max_timestep_boundary": (0.0, 1.0, True, False),
-    "timestep_shift": (0.0, None, False, False), "logit_mean": (-math.inf, None, False, False),
-    "logit_std": (0.0, None, False, False), "sigmoid_scale": (0.0, None, False, False),
-    "caption_dropout": (0.0, 1.0, True, False), "i2v_probability": (0.0, 1.0, True, False),
-    "loraplus_lr_ratio": (0.0, None, False, True),
-}
-# The numbers a run may leave unset (None: off, or the default the help names); a preset's value is cleared with none.
-OPTIONAL_NUMBERS = frozenset([key for key, (_, optional) in _INTEGERS.items() if optional]
-                             + [key for key, (*_, optional) in _FLOATS.items() if optional])
 # Parameters of one --timestep_sampling scheme: given with another scheme they would do nothing, so they are refused.
 _SCHEME_PARAMETERS = {"timestep_shift": "shift", "logit_mean": "logit_normal", "logit_std": "logit_normal",
                       "sigmoid_scale": "sigmoid"}
 # A run id names files and folders (checkpoint temp folders, tracker runs, log lines): one plain name.
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_TARGET_MODULE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
 
 # --report_to: the packages accelerate starts each tracker with (any one of them) and how to install them. A tracker
@@ -77,24 +50,45 @@ def check_run_id(value, source: str = "--run_id") -> None:
                            f"or digit, at most 128 characters; no '/' or '..'), got {quoted(value)}")
 
 
+def check_value(declaration: Declaration, value) -> None:
+    """One option's declared kind of value: one of its choices, or a whole number (never a bool) or a finite one
+    within its range; None where the default is None. NaN and infinity are refused for every float: a NaN learning
+    rate or alpha trains "fine" and writes a NaN LoRA. OptionsError naming the flag and the value."""
+    if value is None and declaration.default is None:
+        return
+    if declaration.choices:
+        if value not in declaration.choices:
+            raise OptionsError(f"{declaration.flag} must be one of {', '.join(declaration.choices)}, "
+                               f"got {quoted(value)}")
+    elif declaration.parse is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < declaration.low:
+            what = "a positive integer" if declaration.low == 1 else f"an integer of {declaration.low} or more"
+            raise OptionsError(f"{declaration.flag} must be {what}, got {quoted(value)}")
+    elif declaration.parse is float and not _in_range(declaration, value):
+        raise OptionsError(f"{declaration.flag} must be a finite number{_range_said(declaration)}, "
+                           f"got {quoted(value)}")
+
+
+def _in_range(declaration: Declaration, value) -> bool:
+    low, high = declaration.low, declaration.high
+    return finite_number(value) is not None and (
+        low is None or value > low or (value == low and declaration.low_included)) and (
+        high is None or value < high or (value == high and declaration.high_included))
+
+
+def _range_said(declaration: Declaration) -> str:
+    """`` between 0 and 1``, `` above 0``, `` at least 0 and below 1``; empty without a range."""
+    low, high = declaration.low, declaration.high
+    if low is not None and high is not None and declaration.low_included and declaration.high_included:
+        return f" between {low:g} and {high:g}"
+    parts = ([f"{'at least' if declaration.low_included else 'above'} {low:g}"] if low is not None else []) + (
+        [f"{'at most' if declaration.high_included else 'below'} {high:g}"] if high is not None else [])
+    return f" {' and '.join(parts)}" if parts else ""
+
+
 def _check_numbers(options: dict) -> None:
-    for key, (lowest, optional) in _INTEGERS.items():
-        value = options[key]
-        if value is None and optional:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-            what = "a positive integer" if lowest == 1 else "an integer of 0 or more"
-            raise OptionsError(f"--{key} must be {what}, got {quoted(value)}")
-    for key, (low, high, low_included, optional) in _FLOATS.items():
-        value = options[key]
-        if value is None and optional:
-            continue
-        below = finite_number(value) is None or value < low or (value == low and not low_included)
-        if below or (high is not None and value > high):
-            bound = f"{'at least' if low_included else 'above'} {low:g}"
-            if high is not None:
-                bound = f"between {low:g} and {high:g}"
-            raise OptionsError(f"--{key} must be a finite number {bound}, got {quoted(value)}")
+    for name, declaration in DECLARATIONS.items():
+        check_value(declaration, options[name])
     if options["dataset_repeat"] > MAX_REPEAT:
         catalogue = "each catalogue of --datasets" if options.get("datasets") else options["dataset_metadata_path"]
         raise OptionsError(f"--dataset_repeat {options['dataset_repeat']:,} is above {MAX_REPEAT:,}, the most a "
@@ -109,14 +103,6 @@ def _check_numbers(options: dict) -> None:
 def _check_names(options: dict) -> None:
     if options["run_id"] is not None:
         check_run_id(options["run_id"])
-    targets = options["lora_target_modules"]
-    if not isinstance(targets, str) or not all(_TARGET_MODULE.match(name) for name in targets.split(",")):
-        raise OptionsError(f"--lora_target_modules must be a comma-separated list of module names (q,k,v,o,ffn.0, "
-                           f"...), got {quoted(targets)}")
-    for key, allowed in _CHOICES.items():
-        if options[key] not in allowed:
-            raise OptionsError(f"--{key} must be one of {', '.join(str(a) for a in allowed if a)}, "
-                               f"got {quoted(options[key])}")
     for key in ("output_path", "log_dir", "checkpoint_dir"):
         if options[key] and Path(options[key]).exists() and not Path(options[key]).is_dir():
             raise OptionsError(f"--{key} {options[key]} is a file, not a folder")
@@ -169,16 +155,9 @@ def validate(options: dict) -> None:
         raise OptionsError("--dataset_metadata_path is required (metadata.csv from `python -m diffsynth_mbc.convert`)")
     if options["dataset_base_path"] is None:
         raise OptionsError("--dataset_base_path is required (the folder metadata paths are relative to)")
-    try:
-        quantiles = [float(q) for q in str(options["val_timestep_quantiles"]).split(",")]
-    except ValueError:
-        quantiles = []
-    if not quantiles or not all(0 <= q < 1 for q in quantiles):
-        raise OptionsError("--val_timestep_quantiles must be comma-separated numbers in [0, 1), got "
-                           f"{quoted(options['val_timestep_quantiles'])}")
     if options["sample_steps"] is not None and not options["sample_prompts"]:
         raise OptionsError("--sample_steps needs a positive number and --sample_prompts FILE")
-    if parse_strengths(options["sample_strengths"]) != [1.0] and not options["sample_prompts"]:
+    if options["sample_strengths"] != (1.0,) and not options["sample_prompts"]:
         raise OptionsError("--sample_strengths needs --sample_prompts FILE (the prompts it renders at each strength)")
     if options["val_steps"] and not options["val_metadata_path"]:
         raise OptionsError("--val_steps needs --val_metadata_path (metadata_val.csv from the converter); "
@@ -187,7 +166,6 @@ def validate(options: dict) -> None:
         raise OptionsError("--early_stop needs a validation to decide on: --val_metadata_path FILE and --val_steps N "
                            "(it stops after --early_stop of them in a row without improving), or --early_stop off")
     check_frame_options(options)
-    parse_stages(options["resolution_stages"])   # refused naming the stage that is wrong
     if options["lora_variant"] == "dora" and options["lora_format"] != "comfyui":
         raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "
                            f"magnitudes, so a {options['lora_format']} file would load at the wrong strength")

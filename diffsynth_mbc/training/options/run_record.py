@@ -14,19 +14,15 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json
 from diffsynth_mbc.errors import OptionsError, quoted
-from diffsynth_mbc.training.options.run_options import TrainOptions
+from diffsynth_mbc.training.options.run_options import DECLARATIONS, TrainOptions
 
 RUN_OPTIONS = "run_options.json"
-PATH_OPTIONS = ("dataset_base_path", "dataset_metadata_path", "model_dir", "sample_prompts", "cache", "val_cache",
-                "val_metadata_path", "val_base_path", "output_path", "log_dir", "checkpoint_dir", "init_lora")
+PATH_OPTIONS = tuple(name for name, declaration in DECLARATIONS.items() if declaration.path)
 
 
 def write_run_options(options: TrainOptions) -> Path:
-    values = options.as_dict()
-    if values.get("datasets"):
-        values["datasets"] = [dataclasses.asdict(item) for item in values["datasets"]]
     path = Path(options.output_path) / RUN_OPTIONS
-    atomic_write_json(path, {"cwd": os.getcwd(), "options": values}, indent=1)
+    atomic_write_json(path, {"cwd": os.getcwd(), "options": options.recorded()}, indent=1)
     return path
 
 
@@ -41,14 +37,14 @@ def read_run_options(output_path: str | os.PathLike) -> TrainOptions | None:
         return None
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
-        values = {key: value for key, value in saved["options"].items() if key in _TYPES}
+        values = {key: value for key, value in saved["options"].items() if key in DECLARATIONS}
         started_in = Path(saved.get("cwd") or ".")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise OptionsError(f"{path}: damaged, it is not the run's options as the training writes them ({exc}); a "
                            "resume of the run writes it again, or move it aside and give the sweep its settings "
                            "(--demo or --model_dir, --height, --width, ...)") from None
-    for key, value in values.items():
-        if not _of_type(value, _TYPES[key]):
+    for key, value in values.items():   # a list option is kept as its text (read by its declaration's parser)
+        if not (_of_type(value, "str | None") if DECLARATIONS[key].listed else _of_type(value, _TYPES[key])):
             raise OptionsError(f"{path}: option {key} is {quoted(value)}, not {_TYPES[key]}; the file is damaged")
     for key in PATH_OPTIONS:
         if isinstance(values.get(key), str) and values[key] and not os.path.isabs(values[key]):
@@ -60,7 +56,7 @@ def read_run_options(output_path: str | os.PathLike) -> TrainOptions | None:
                                   for item in values["datasets"]]
         except (KeyError, TypeError) as exc:
             raise OptionsError(f"{path}: option datasets is damaged ({exc})") from None
-    return TrainOptions(**values)
+    return TrainOptions(**values)   # its list options parsed from their text
 
 
 # Each option's type as TrainOptions declares it: "int", "float | None", ...

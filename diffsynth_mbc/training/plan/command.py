@@ -35,7 +35,7 @@ def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str)
     if options.buckets != "off":   # the cache stores each entry at its bucket's shape, sized as the run sizes it
         arguments += ["--buckets", options.buckets, "--size_table", table_path_in(options.output_path)]
     if options.resolution_stages and metadata_path == options.dataset_metadata_path:   # each stage's latents too
-        arguments += ["--resolution_stages", options.resolution_stages]
+        arguments += ["--resolution_stages", options.resolution_stages.text]
     if options.sample_prompts and metadata_path == options.dataset_metadata_path:
         arguments += ["--sample_prompts", options.sample_prompts]
     affixes = {"caption_prefix": options.caption_prefix, "caption_suffix": options.caption_suffix}

@@ -75,7 +75,7 @@ def run_plans(options, precision: str, attention: str, cached: bool, compiled: b
     ``--buckets aspect`` each at its kind's bucket of ``sizing`` (``sizing_buckets``; without it the largest of every
     bucket: what the training's ``--gradient_checkpointing auto`` sizes for before it has read its rows)."""
     base = memory.Plan(options.height, options.width, options.num_frames, options.batch_size, options.lora_rank,
-                       tuple(options.lora_target_modules.split(",")), precision, cached, memory.DIT["num_layers"],
+                       tuple(options.lora_target_modules), precision, cached, memory.DIT["num_layers"],
                        options.use_gradient_checkpointing_offload, attention, zero2_world_size, compiled)
     plans = {"video": base.but(conditioned=conditioned(options, "video")),
              "image": base.but(num_frames=1, batch_size=image_batch(options), conditioned=conditioned(options, "image"))}
@@ -229,30 +229,25 @@ def stage_latents_seconds(at_stage, at_sizes: dict) -> float:
 SUGGESTED_SHARE = 0.7   # a plain plan's staged alternative: 70% of the steps at the lower size (Wan's 480p for 720p)
 
 
-def suggested_stage(options) -> str:
-    """The staged alternative the doctor shows a plain plan: Wan2.2's 832x480 under 1280x704, else two thirds of each
-    side (multiples of 32), for 70% of the steps."""
-    from diffsynth_mbc.data.media.stages import side
+def suggested_stage(options):
+    """The staged alternative the doctor shows a plain plan (a ``Stage``): Wan2.2's 832x480 under 1280x704, else two
+    thirds of each side (multiples of 32), for 70% of the steps."""
+    from diffsynth_mbc.data.media.stages import Stage, side
 
     if (options.width, options.height) == (1280, 704):
-        size = "832x480"
-    else:
-        size = f"{side(options.width * 2 / 3)}x{side(options.height * 2 / 3)}"
-    return f"{size}:{SUGGESTED_SHARE:g}"
+        return Stage(832, 480, None, SUGGESTED_SHARE)
+    return Stage(side(options.width * 2 / 3), side(options.height * 2 / 3), None, SUGGESTED_SHARE)
 
 
 def staged(options, run, at_sizes: dict):
     """``run`` with each --resolution_stages stage's training (the whole run's seconds at its size and its cache
     build, from the same model), or, for a plain plan, the length ``suggested_stage`` would give it."""
-    from diffsynth_mbc.data.media.stages import parse_stages
-
-    stages = parse_stages(options.resolution_stages)
-    flag = None
+    stages, flag = options.resolution_stages, None
     if not stages:
-        flag = suggested_stage(options)
-        if flag.split(":")[0] == f"{options.width}x{options.height}":
+        suggested = suggested_stage(options)
+        if (suggested.width, suggested.height) == (options.width, options.height):
             return run
-        stages = parse_stages(flag)
+        stages, flag = (suggested,), f"{suggested.name}:{suggested.share:g}"
     measured = []
     for stage in stages:
         stage_options = options.replace(width=stage.width, height=stage.height, resolution_stages=None,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from diffsynth_mbc.data.media.stages import boundaries, final_stage_start, parse_stages
+from diffsynth_mbc.data.media.stages import boundaries, final_stage_start
 from diffsynth_mbc.training.components.best_lora import may_end_early, plan_line
 from diffsynth_mbc.training.plan import memory, speed
 
@@ -131,7 +131,7 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
     validations = due_count(total_steps, options.val_steps, False) if options.val_metadata_path else 0
     tokens = memory.tokens(options.height, options.width, options.num_frames)
     per_sample = speed.work(tokens) * tensor_ratio
-    quantiles = len(str(options.val_timestep_quantiles).split(",")) / VAL_QUANTILES
+    quantiles = len(options.val_timestep_quantiles) / VAL_QUANTILES
     share = math.ceil(options.val_samples / max(1, gpus)) if validations else 0
     weight_sets = 2 if options.validate_with == "both" and options.ema_decay else 1
     validation = share * VAL_SAMPLE_LORA_S * quantiles * per_sample * weight_sets
@@ -141,9 +141,7 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
     record = HEALTH_RECORD_DORA_S if options.lora_variant == "dora" else HEALTH_RECORD_S
     sets, clips, base_clips, clip = 0, 0, 0, 0.0
     if prompts:
-        from diffsynth_mbc.sample_prompts import parse_strengths
-
-        strengths = parse_strengths(options.sample_strengths)
+        strengths = options.sample_strengths
         sets = due_count(total_steps, options.sample_steps, bool(options.sample_steps))
         clips = len(prompts) * len([s for s in strengths if s != 0]) * weight_sets
         base_clips = len(prompts) if 0 in strengths else 0
@@ -152,6 +150,7 @@ def evaluation_cost(options, total_steps: int, gpus: int, tensor_ratio: float, b
         clip *= tensor_ratio
     return EvaluationCost(validations, share, validation, base, records, record * max(1.0, bandwidth_ratio),
                           sets, clips, clip, base_clips, val_every=options.val_steps,
-                          best_rule=plan_line(options, final_stage_start(boundaries(
-                              parse_stages(options.resolution_stages), total_steps))) if validations else None,
+                          best_rule=plan_line(options, final_stage_start(boundaries(options.resolution_stages,
+                                                                                   total_steps)))
+                          if validations else None,
                           ends_early=bool(validations) and may_end_early(options))

@@ -231,7 +231,6 @@ def plan_from_options(options, *, rows: int, images: int, world_size: int, datas
     above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit)."""
     from diffsynth_mbc.data.dataset_list import check_epoch_size
     from diffsynth_mbc.training.plan.batches import default_image_batch_size
-    from diffsynth_mbc.data.media.stages import parse_stages
 
     image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
     check_epoch_size([(f"datasets[{position}] ({count.name})", count.videos + count.images, count.repeat)
@@ -242,7 +241,7 @@ def plan_from_options(options, *, rows: int, images: int, world_size: int, datas
                     gradient_accumulation=gradient_accumulation or options.gradient_accumulation_steps,
                     num_epochs=options.num_epochs, images=images, image_batch_size=image_batch, datasets=datasets,
                     objective=options.objective, i2v_probability=options.i2v_probability,
-                    bucket_samples=tuple(bucket_samples), stages=parse_stages(options.resolution_stages),
+                    bucket_samples=tuple(bucket_samples), stages=tuple(options.resolution_stages),
                     final_size=(options.height, options.width, options.num_frames))
 
 

@@ -1,7 +1,9 @@
 """The run's recipe: the settings that change what is trained, as one record. Pure: no torch.
 
 ``recipe_of(options)`` picks them from the typed options (what each sample trains, its timesteps and loss weight,
-the adapter, the EMA, the captions, the frames, the catalogues and their repeats); the status file carries it once
+the adapter, the EMA, the captions, the frames, the catalogues and their repeats): each option declared with a place in
+the recipe (``recipe="lora.rank"``, ``training/options/run_options.py``) as it is, and what is worked out from several
+(the timestep scheme, the alpha, the catalogues) here; the status file carries it once
 as ``recipe`` and rank 0 prints it once at the start as ``recipe: ...`` lines (``recipe_lines``) beside the step
 plan. Settings of how fast or where the run goes (precision, compile, checkpoints, logging) are not in it.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+
+from diffsynth_mbc.training.options.run_options import DECLARATIONS
 
 WIDTH = 80   # the printed recipe's lines, for an 80-column terminal
 
@@ -44,25 +48,21 @@ def catalogues_of(options) -> list[dict]:
 
 def recipe_of(options) -> dict:
     """The settings of ``options`` (a ``TrainOptions``) that change what the LoRA learns."""
-    return {
-        "objective": options.objective, "i2v_probability": options.i2v_probability,
-        "size": {"height": options.height, "width": options.width, "num_frames": options.num_frames},
-        "buckets": options.buckets,
-        "frames": {"sampling": options.frame_sampling, "source_fps": options.source_fps,
-                   "short_clips": options.short_clips},
-        "timestep_sampling": timestep_sampling_of(options),
-        "loss_weighting": options.loss_weighting,
-        "lora": {"variant": options.lora_variant, "rank": options.lora_rank,
-                 "alpha": options.lora_rank if options.lora_alpha is None else options.lora_alpha,
-                 "target_modules": options.lora_target_modules, "loraplus_lr_ratio": options.loraplus_lr_ratio,
-                 "init_lora": options.init_lora},
-        "learning_rate": options.learning_rate, "lr_scheduler": options.lr_scheduler,
-        "ema": None if options.ema_decay is None else {"decay": options.ema_decay, "warmup": options.ema_warmup,
-                                                       "validate_with": options.validate_with},
-        "captions": {"dropout": options.caption_dropout, "prefix": options.caption_prefix,
-                     "suffix": options.caption_suffix},
-        "catalogues": catalogues_of(options),
-    }
+    recipe: dict = {}
+    values = options.as_dict()
+    for name, declaration in DECLARATIONS.items():
+        if declaration.recipe:   # "lora.rank": recipe["lora"]["rank"]
+            *within, key = declaration.recipe.split(".")
+            place = recipe
+            for part in within:
+                place = place.setdefault(part, {})
+            place[key] = declaration.recorded(values[name])
+    recipe["timestep_sampling"] = timestep_sampling_of(options)
+    recipe["lora"]["alpha"] = options.lora_rank if options.lora_alpha is None else options.lora_alpha
+    if options.ema_decay is None:
+        recipe["ema"] = None
+    recipe["catalogues"] = catalogues_of(options)
+    return recipe
 
 
 def _number(value) -> str:

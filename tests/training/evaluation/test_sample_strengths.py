@@ -15,17 +15,17 @@ from PIL import Image
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.sample_prompts import load_sample_prompts
 from diffsynth_mbc.training.evaluation.sample_clips import Sampler
-from diffsynth_mbc.training.options import load_preset, resolve_options
+from diffsynth_mbc.training.options import DECLARATIONS, load_preset, resolve_options
 
 REQUIRED = ["--dataset_base_path", "data", "--dataset_metadata_path", "data/metadata.csv"]
 
 
 def test_the_option_defaults_to_the_trained_strength_and_needs_sample_prompts(tmp_path):
-    assert resolve_options(REQUIRED).sample_strengths == "1"
+    assert resolve_options(REQUIRED).sample_strengths == (1.0,)
     (tmp_path / "prompts.yaml").write_text("- a prompt\n")
     given = resolve_options(REQUIRED + ["--sample_prompts", str(tmp_path / "prompts.yaml"),
                                         "--sample-strengths", "0,0.5,1"])
-    assert given.sample_strengths == "0,0.5,1"
+    assert given.sample_strengths == (0.0, 0.5, 1.0) and given.sample_strengths.text == "0,0.5,1"   # parsed once
     with pytest.raises(OptionsError, match="--sample_strengths needs --sample_prompts"):
         resolve_options(REQUIRED + ["--sample_strengths", "0,1"])
     with pytest.raises(OptionsError, match="--sample_strengths must be comma-separated numbers"):
@@ -71,7 +71,8 @@ class Ema:
 def sampler(tmp_path, text, strengths, validate_with="raw"):
     (tmp_path / "prompts.yaml").write_text(text, encoding="utf-8")
     prompts = load_sample_prompts(tmp_path / "prompts.yaml", height=32, width=32, num_frames=1, seed=5)
-    options = SimpleNamespace(sample_steps=2, sample_strengths=strengths, output_path=str(tmp_path / "lora"),
+    options = SimpleNamespace(sample_steps=2, sample_strengths=DECLARATIONS["sample_strengths"].typed(strengths),
+                              output_path=str(tmp_path / "lora"),
                               validate_with=validate_with)
     made = Sampler(options, Status(), prompts)
     made.attach(Accelerator(), SimpleNamespace(pipe=SimpleNamespace(dit=torch.nn.Linear(2, 2), scheduler=[])))

@@ -13,7 +13,7 @@ from diffsynth_mbc.training.evaluation.sample_clips import Sampler
 def test_a_sample_clip_is_written_whole_and_draws_no_progress_bar(tmp_path, capfd):
     """DiffSynth's save_video drew "Saving video: 0%|" on the launcher's terminal during sampling."""
     frames = [Image.new("RGB", (64, 32), (20 * i, 100, 200 - 20 * i)) for i in range(5)]
-    sampler = Sampler(SimpleNamespace(sample_steps=1, sample_strengths="1", output_path=str(tmp_path)), status=None,
+    sampler = Sampler(SimpleNamespace(sample_steps=1, sample_strengths=(1.0,), output_path=str(tmp_path)), status=None,
                       prompts=[])
     files = sampler._write(tmp_path, "00-a-prompt", frames)
     captured = capfd.readouterr()

@@ -11,7 +11,8 @@ REQUIRED = ["--dataset_base_path", "data", "--dataset_metadata_path", "data/meta
 def test_defaults_are_the_users_settings():
     options = resolve_options(REQUIRED)
     assert (options.width, options.height, options.num_frames) == (1280, 704, 17)
-    assert options.lora_rank == 32 and options.lora_target_modules == "q,k,v,o,ffn.0,ffn.2"
+    assert options.lora_rank == 32 and options.lora_target_modules == ("q", "k", "v", "o", "ffn.0", "ffn.2")
+    assert options.lora_target_modules.text == "q,k,v,o,ffn.0,ffn.2"   # as a LoRA file's metadata names them
     assert options.learning_rate == 1e-4 and options.batch_size == 1
 
 
@@ -132,7 +133,7 @@ def test_presets_hold_the_users_settings():
     for name, rows_note, epochs in (("train_test.yaml", "5000", 1), ("train_full.yaml", "170,180", 5)):
         options = resolve_options(["--config", str(REPO / "configs" / name)])
         assert (options.width, options.height, options.num_frames) == (1280, 704, 17)
-        assert options.lora_rank == 32 and options.lora_target_modules == "q,k,v,o,ffn.0,ffn.2"
+        assert options.lora_rank == 32 and options.lora_target_modules.text == "q,k,v,o,ffn.0,ffn.2"
         assert options.learning_rate == 1e-4 and options.batch_size == 1 and options.num_epochs == epochs
         assert rows_note in (REPO / "configs" / name).read_text()
 

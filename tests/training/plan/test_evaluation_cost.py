@@ -81,6 +81,8 @@ def test_the_plan_says_the_validation_keeps_the_best_and_may_end_the_run_early()
                                  "improvement, validating every 2,000 steps; the best LoRA is kept "
                                  "(lora-best.safetensors)")
     assert early.as_dict()["ends_early"] is True
+    stricter = evaluation_cost(run.replace(early_stop=5, early_stop_min_delta=0.01), 245_000, 2, 1.0, 1.0)
+    assert "without a 1.00% improvement" in stricter.best_line()   # --early_stop_min_delta, as the validation reads it
     assert evaluation_cost(options(), 245_000, 2, 1.0, 1.0).best_line() is None   # nothing validated
 
 

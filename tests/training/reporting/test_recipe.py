@@ -51,6 +51,15 @@ def test_the_recipe_holds_what_changes_what_is_trained():
 
 def test_a_default_run_s_recipe_names_its_one_catalogue_and_the_defaults():
     recipe = recipe_of(TrainOptions(dataset_metadata_path="runs/demo/metadata/metadata.csv", dataset_repeat=3))
+    assert recipe == {   # as the status file has carried it (the monitor and dashboard read it)
+        "objective": "modes", "i2v_probability": 1.0, "size": {"height": 704, "width": 1280, "num_frames": 17},
+        "buckets": "off", "frames": {"sampling": "head", "source_fps": None, "short_clips": "shorten"},
+        "timestep_sampling": {"method": "diffsynth"}, "loss_weighting": "diffsynth",
+        "lora": {"variant": "lora", "rank": 32, "alpha": 32, "target_modules": "q,k,v,o,ffn.0,ffn.2",
+                 "loraplus_lr_ratio": None, "init_lora": None},
+        "learning_rate": 0.0001, "lr_scheduler": "constant", "ema": None,
+        "captions": {"dropout": 0.0, "prefix": "", "suffix": ""},
+        "catalogues": [{"name": "metadata", "metadata_path": "runs/demo/metadata/metadata.csv", "repeat": 3}]}
     assert recipe["timestep_sampling"] == {"method": "diffsynth"} and recipe["ema"] is None
     assert recipe["catalogues"] == [{"name": "metadata", "metadata_path": "runs/demo/metadata/metadata.csv",
                                      "repeat": 3}]
