@@ -14,11 +14,8 @@ from typing import Sequence
 
 from diffsynth_mbc.data.media.buckets import Bucket, bucket_set, nearest_bucket, sample_key
 from diffsynth_mbc.data.media.shapes import shape_key
+from diffsynth_mbc.data.media.size_table import MAX_SIDE, file_sizes
 from diffsynth_mbc.errors import MetadataError
-
-
-
-MAX_SIDE = 1 << 16   # pixels: no image or clip the training reads is wider or taller
 
 
 def _column_size(row: dict, number: int) -> tuple[int, int] | None:
@@ -47,8 +44,6 @@ def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None,
     """(width, height) of every row as its file is displayed: from the run's size table at ``table_path``
     (``size_table``: each file's header read once per run), its ``width``/``height`` columns where the file cannot
     be read; None where neither gives one. Columns that disagree with the file are refused, naming the rows."""
-    from diffsynth_mbc.data.media.size_table import file_sizes
-
     columns = [_column_size(row, number) for number, row in enumerate(rows, 1)]
     items = [(os.path.join(base_path, str(row.get("video") or "")),
               shape_key(row.get("media_type"), row.get("video"))) for row in rows]
