@@ -134,6 +134,7 @@ class Position:
     samples_seen: int = 0       # this rank's, including replaced bad files
     skipped_samples: int = 0    # this rank's bad files
     recent_skips: list = field(default_factory=list)
+    replaced: dict = field(default_factory=dict)   # this rank's bad files: metadata row -> [file, times replaced]
     run_id: str | None = None   # the run a resumed position came from (its run id goes on)
     elapsed_s: float = 0.0      # training time before this position, so a resumed run's clock goes on
     checkpoint: str = ""        # the checkpoint folder it was loaded from
@@ -286,7 +287,8 @@ class Checkpoints(LoraFiles):
         """Every rank's own counters (collective: all ranks call it, each waiting as ``what``)."""
         return gather_from_all(self.accelerator, {"samples_seen": position.samples_seen,
                                                   "skipped_samples": position.skipped_samples,
-                                                  "recent_skips": position.recent_skips}, self.status, what)
+                                                  "recent_skips": position.recent_skips,
+                                                  "replaced": position.replaced}, self.status, what)
 
     def load(self, resume: str) -> Position:
         try:
@@ -320,6 +322,7 @@ class Checkpoints(LoraFiles):
         mine = rank_state[self.accelerator.process_index] if len(rank_state) > self.accelerator.process_index else {}
         return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],
                         samples_seen=mine.get("samples_seen", 0), skipped_samples=mine.get("skipped_samples", 0),
-                        recent_skips=mine.get("recent_skips", []), run_id=manifest.get("run_id"),
+                        recent_skips=mine.get("recent_skips", []), replaced=mine.get("replaced", {}),
+                        run_id=manifest.get("run_id"),
                         elapsed_s=float(manifest.get("elapsed_s") or 0.0), checkpoint=folder.name,
                         best_so_far=manifest.get("best_so_far"))

@@ -40,6 +40,13 @@ class BadMediaGuard:
                 "converter with --probe, or raise --max_bad_media_fraction.")
 
 
+def count_replaced(replaced: dict, skip: dict) -> None:
+    """One more replacement of the bad file ``skip`` (the dataset's record: its metadata row, file and reason) in
+    ``replaced``: metadata row (as text, as JSON keeps it) -> [file, times]."""
+    entry = replaced.setdefault(str(skip["row"]), [skip["file"], 0])
+    entry[1] += 1
+
+
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
 
