@@ -79,6 +79,6 @@ def test_every_rank_trains_rank_0s_buckets_and_a_resume_on_resized_media_is_refu
     resumed = run_training(node_0, flags(node_0, run_dir, resume="latest"), timeout=300, OMP_NUM_THREADS=1)
     assert resumed.returncode != 0
     said = resumed.stdout + resumed.stderr
-    assert ("trained on media of other sizes: metadata row 3 (media/land_1.mp4): 128x72 then, 72x128 now. Resuming "
-            "would put these rows in other buckets") in said, said[-3000:]
+    assert ("trained on other media: since it was saved,\n  1 file changed size: metadata row 3 (media/land_1.mp4): "
+            "128x72 then, 72x128 now\nResuming would train other rows, in other buckets") in said, said[-3000:]
     assert read_status(logs, 0)["step"] == states[0]["step"]
