@@ -81,6 +81,7 @@ class Run:
     ema: LoraEma | None = None              # the EMA of the LoRA weights (--ema_decay; training/lora/ema.py)
     health: LoraHealth | None = None        # --health_steps (training/evaluation/lora_health.py)
     stages: StageReport | None = None       # --resolution_stages (training/reporting/stage_report.py)
+    end_step: int | None = None             # a forced resume's last step, where its plan no longer ends at the total
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:

@@ -116,3 +116,28 @@ def resume(run) -> None:
     run.status.update(phase=f"resumed from {position.checkpoint} of run {run.status.state['run_id']} "
                             f"(history: {kept} lines kept)", resumed_from=lineage,
                       samples_seen=position.samples_seen, skipped_samples=position.skipped_samples)
+    if run.status.state.get("resumed_with_changes"):   # --force_resume on other settings or media
+        go_on_with_this_plan(run)
+
+
+def go_on_with_this_plan(run) -> None:
+    """After a forced resume: where this run's plan takes the checkpoint's position, said once; the run (its
+    status, ETA and learning-rate schedule) ends where that plan really ends."""
+    from diffsynth_mbc.training.checkpoints.fingerprint import schedule_to
+    from diffsynth_mbc.training.plan.step_plan import end_step
+
+    options, position = run.options, run.position
+    batches = len(run.loader)
+    planned = run.steps_per_epoch * options.num_epochs
+    run.end_step = end_step(position.step, position.epoch, position.batches_in_epoch, batches,
+                            run.accelerator.gradient_accumulation_steps, options.num_epochs)
+    if run.end_step != planned:
+        schedule_to(run.scheduler, options, run.end_step)
+    if run.accelerator.is_main_process:
+        ends = (f"step {run.end_step}" if run.end_step == planned else
+                f"step {run.end_step}, not this plan's {planned}: the checkpoint's {position.step} steps were counted "
+                f"under its own plan (the learning-rate schedule ends at step {run.end_step} too)")
+        steps = f"{run.steps_per_epoch} step{'s' if run.steps_per_epoch != 1 else ''}"
+        print(f"the run now uses this run's settings and media: {steps} per epoch ({batches} "
+              f"batches per GPU) x {options.num_epochs} epochs; from the checkpoint's step {position.step} (epoch "
+              f"{position.epoch + 1}, batch {position.batches_in_epoch}) it goes on to {ends}", file=sys.stderr)

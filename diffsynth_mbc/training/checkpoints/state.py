@@ -331,12 +331,13 @@ class Checkpoints(LoraFiles):
             self.accelerator.load_state(str(folder), strict=False)
         self.verify_lora(folder / "lora.safetensors")
         self.last_step = manifest["step"]   # this step has its checkpoint: finishing here saves none again
-        if differences:   # --force_resume: this run's settings, not the saved optimizer's, and said so
-            applied = apply_run_settings(self.scheduler, self.options)
+        if differences or changes:   # --force_resume: this run's settings and media, not the saved ones, said
+            applied = apply_run_settings(self.scheduler, self.options) if differences else []
             if self.accelerator.is_main_process:
-                print(f"resuming from {folder} with --force_resume true despite:\n  " + "\n  ".join(differences)
-                      + "\nthe optimizer now uses this run's " + ", ".join(applied), file=sys.stderr)
-            self.status.update(resumed_with_changes=differences)
+                print(f"resuming from {folder} with --force_resume true despite:\n  " + "\n  ".join(
+                    differences + changes) + ("\nthe optimizer now uses this run's " + ", ".join(applied)
+                                              if applied else ""), file=sys.stderr)
+            self.status.update(resumed_with_changes=differences + changes)
         rank_state = (manifest.get("per_rank") or [{}] * self.accelerator.num_processes)
         mine = rank_state[self.accelerator.process_index] if len(rank_state) > self.accelerator.process_index else {}
         return Position(step=manifest["step"], epoch=manifest["epoch"], batches_in_epoch=manifest["batches_in_epoch"],
