@@ -181,6 +181,7 @@ def test_the_demo_says_what_it_trains_on_and_writes_only_its_own_catalogue(tmp_p
     assert "runs/demo" in line and "would run" not in alone.stdout
     (tmp_path / "mine" / "catalog").mkdir(parents=True)
     (tmp_path / "mine" / "metadata.csv").write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 4)
+    (tmp_path / "mine" / "catalog" / "v.mp4").write_bytes(b"")   # there (a run whose files are all missing is refused)
     given = launcher(tmp_path, "--demo", "--dry-run", "--dataset_base_path", "mine/catalog",
                      "--dataset-metadata-path=mine/metadata.csv")
     assert given.returncode == 0, given.stderr
@@ -203,6 +204,7 @@ def test_the_reads_list_names_every_catalogue_of_a_datasets_list(tmp_path):
     for name in ("news", "drama"):
         (tmp_path / "data" / name / "media").mkdir(parents=True)
         (tmp_path / "data" / name / "metadata.csv").write_text("video,prompt,media_type\na.mp4,a clip,video\n")
+        (tmp_path / "data" / name / "media" / "a.mp4").write_bytes(b"")   # there: missing, the run is refused
     (tmp_path / "datasets.yaml").write_text(
         "- {base_path: data/news/media, metadata_path: data/news/metadata.csv}\n"
         "- {base_path: data/drama/media, metadata_path: data/drama/metadata.csv, repeat: 3}\n")

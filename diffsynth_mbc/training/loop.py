@@ -30,11 +30,12 @@ from diffsynth_mbc.training.lora.ema import make_ema
 from diffsynth_mbc.training.lora.init_from_file import start_from_lora
 from diffsynth_mbc.training.lora.saved_files import epoch_file_name
 from diffsynth_mbc.training.reporting.run_start import start_progress
+from diffsynth_mbc.training.reporting.run_summary import gather_replaced_media
 from diffsynth_mbc.training.reporting.stage_report import StageReport
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.block_runner import CompileTimer
 from diffsynth_mbc.training.step.caption_dropout import CaptionDropout
-from diffsynth_mbc.training.step.guards import BadMediaGuard, NonFiniteGuard
+from diffsynth_mbc.training.step.guards import BadMediaGuard, NonFiniteGuard, count_replaced
 from diffsynth_mbc.training.step.micro_batch import forward_backward, latent_frames, sample_tokens
 
 if TYPE_CHECKING:   # the types of Run's parts; importing them here would load torch before setup says so
@@ -81,6 +82,7 @@ class Run:
     ema: LoraEma | None = None              # the EMA of the LoRA weights (--ema_decay; training/lora/ema.py)
     health: LoraHealth | None = None        # --health_steps (training/evaluation/lora_health.py)
     stages: StageReport | None = None       # --resolution_stages (training/reporting/stage_report.py)
+    end_step: int | None = None             # a forced resume's last step, where its plan no longer ends at the total
 
 
 def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
@@ -88,6 +90,7 @@ def train(options, status: RankStatusWriter, signals: StopSignals) -> None:
     resume_collector()   # paused by `python -m diffsynth_mbc.train` while it imported and set up
     with best_file_said_on_failure(run):   # a broken LoRA's message says what became of lora-best
         outcome = "early_stop" if stopped_before(run) else train_epochs(run)
+        gather_replaced_media(run)   # every rank's replaced bad files, for the summary
         if outcome != "stopped":
             finish(run, early_stop=outcome == "early_stop")
     cleanup(run)
@@ -276,6 +279,7 @@ def train_epoch(run: Run, epoch: int) -> str:
             for bad in sample.pop("skipped", ()):
                 bad_in_step += 1
                 position.recent_skips = (position.recent_skips + [bad])[-RECENT_SKIPS_SHOWN:]
+                count_replaced(position.replaced, bad)
         if not losses:
             run.compile_timer.step_started()
         tokens_in_step += sum(sample_tokens(sample) for sample in batch)

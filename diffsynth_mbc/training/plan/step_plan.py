@@ -291,6 +291,17 @@ def steps_from_loader(batches_per_epoch: int, gradient_accumulation: int, num_ep
     return steps_per_epoch, steps_per_epoch * num_epochs
 
 
+def end_step(step: int, epoch: int, batches_in_epoch: int, batches_per_epoch: int, gradient_accumulation: int,
+             num_epochs: int) -> int:
+    """The optimizer step a run resumed at ``step`` (``batches_in_epoch`` batches into ``epoch``) ends at, with
+    ``batches_per_epoch`` batches per epoch now: the plan's total, unless a forced resume changed the plan (the
+    checkpoint's steps were counted under its own)."""
+    if epoch >= num_epochs:
+        return step
+    rest = _ceil_div(max(0, batches_per_epoch - batches_in_epoch), gradient_accumulation)
+    return step + rest + (num_epochs - epoch - 1) * _ceil_div(batches_per_epoch, gradient_accumulation)
+
+
 def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
               min_factor: float = 0.0) -> float:
     """Multiplier of the base learning rate before optimizer step ``step`` (0-based).

@@ -38,7 +38,8 @@ class ProgressLogger(ModelLogger):
                  samples_per_step: int, remove_prefix_in_ckpt: str | None = "pipe.dit.",
                  start_step: int = 0, rate_window: int = 50, warmup_steps: int = 2,
                  loss_average_window: int = 50, monotonic=time.monotonic, wall_clock=time.time,
-                 printer: TerminalProgress | None = None, overhead_schedule: OverheadSchedule | None = None):
+                 printer: TerminalProgress | None = None, overhead_schedule: OverheadSchedule | None = None,
+                 total_steps: int | None = None):
         super().__init__(output_path, remove_prefix_in_ckpt=remove_prefix_in_ckpt)
         self.status = status
         self.printer = printer or TerminalProgress(enabled=False)
@@ -47,7 +48,7 @@ class ProgressLogger(ModelLogger):
         self._summary_printed = False
         self.steps_per_epoch = steps_per_epoch
         self.num_epochs = num_epochs
-        self.total_steps = steps_per_epoch * num_epochs
+        self.total_steps = total_steps or steps_per_epoch * num_epochs   # a forced resume's own end, else the plan's
         self.samples_per_step = samples_per_step
         self.step = start_step
         # the epoch of the last step done (at an epoch's end, the one that ended); a run that goes on begins its next

@@ -28,7 +28,7 @@ def start_progress(run) -> None:
                                bar_stream=bar_stream)
     run.logger = ProgressLogger(options.output_path, run.status, steps_per_epoch=run.steps_per_epoch,
                                 num_epochs=options.num_epochs, samples_per_step=options.batch_size,
-                                start_step=position.step, printer=printer,
+                                start_step=position.step, printer=printer, total_steps=run.end_step,
                                 overhead_schedule=OverheadSchedule.from_options(
                                     options, validation=run.validator is not None, samples=run.sampler is not None))
     run.status.update(plan=run.plan.as_dict(), skipped_samples=position.skipped_samples,

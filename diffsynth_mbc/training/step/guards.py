@@ -1,7 +1,8 @@
 """Guards against training on garbage: too many undecodable files; steps with an inf/NaN loss or gradient norm.
 
 Pure logic (no torch). Bad media: each undecodable file is replaced by the next row and counted over
-all ranks; past ``--max_bad_media_fraction`` the run stops. Non-finite steps: at the end of each
+all ranks; past ``--max_bad_media_fraction`` the run stops, and a run whose missing files alone would go past it
+is refused before its first step (``missing_media_refusal``). Non-finite steps: at the end of each
 optimizer step the loop asks every rank whether its losses were finite (one small all-reduce, so all
 ranks skip together) and looks at the gradient norm, the same on every rank once gradients are
 averaged; a skipped step discards its gradients. Under fp16 a step whose gradients overflow is skipped by
@@ -10,10 +11,13 @@ the loss scaler, which then lowers the scale; a few in a row at the start are no
 
 from __future__ import annotations
 
+import math
+
 from diffsynth_mbc import environment
 from diffsynth_mbc.values import finite_number
 
 BAD_MEDIA_ALLOWANCE = 10  # bad files tolerated before --max_bad_media_fraction applies
+MISSING_ROWS_NAMED = 5    # rows named when missing files refuse a run
 
 
 class TooMuchBadMedia(RuntimeError):
@@ -38,6 +42,43 @@ class BadMediaGuard:
                 f"({100 * self.bad_total / max(1, self.seen_total):.1f}% > {100 * self.max_fraction:g}%); "
                 f"stopping instead of training on what is left. Last: {last}. Check the files, re-run the "
                 "converter with --probe, or raise --max_bad_media_fraction.")
+
+
+def missing_media_refusal(missing: list[tuple[int, str]], draws: list[int], draws_to_come: int,
+                          max_fraction: float) -> str | None:
+    """Why a run whose missing files alone would stop it part-way (``TooMuchBadMedia``) is refused before its first
+    step; None when they would not. ``missing``: (1-based metadata row, file) of each row whose file is not there;
+    ``draws``: each row's samples per epoch (its repeats); ``draws_to_come``: the samples the run has still to draw.
+    Each draw of a missing row is one bad file more, and its replacement one sample more, as ``account`` counts."""
+    per_epoch = sum(draws)
+    missing_draws = sum(draws[number - 1] for number, _ in missing)
+    if not missing_draws or not per_epoch:
+        return None
+    share = missing_draws / per_epoch
+    bad = share * draws_to_come
+    if bad <= max(BAD_MEDIA_ALLOWANCE, max_fraction * (draws_to_come + bad)):
+        return None
+    named = "; ".join(f"row {number}: {file}" for number, file in missing[:MISSING_ROWS_NAMED])
+    more = f"; and {len(missing) - MISSING_ROWS_NAMED:,} more" if len(missing) > MISSING_ROWS_NAMED else ""
+    return (f"{len(missing):,} of {len(draws):,} metadata rows' files are not found ({named}{more}): "
+            f"{missing_draws:,} of each epoch's {per_epoch:,} samples ({100 * share:.1f}%), past "
+            f"--max_bad_media_fraction {max_fraction:g}, so the run would replace about {bad:,.0f} of the "
+            f"{draws_to_come:,} samples it has still to draw and stop part-way. Put the files back, leave their rows "
+            f"out of the metadata (python -m diffsynth_mbc.convert leaves out rows whose file is missing), or raise "
+            f"--max_bad_media_fraction to {_rounded_up(share)}")
+
+
+def _rounded_up(share: float) -> str:
+    """``share`` rounded up to 3 significant digits: a limit the share is not past."""
+    digits = 3 - int(math.floor(math.log10(share))) - 1
+    return f"{math.ceil(share * 10 ** digits) / 10 ** digits:g}"
+
+
+def count_replaced(replaced: dict, skip: dict) -> None:
+    """One more replacement of the bad file ``skip`` (the dataset's record: its metadata row, file and reason) in
+    ``replaced``: metadata row (as text, as JSON keeps it) -> [file, times]."""
+    entry = replaced.setdefault(str(skip["row"]), [skip["file"], 0])
+    entry[1] += 1
 
 
 class NonFiniteError(RuntimeError):

@@ -164,6 +164,15 @@ def test_the_same_settings_resume_with_the_saved_optimizer_state(runs):
     assert checkpoints.status.state.get("resumed_with_changes") is None
 
 
+def test_a_resume_goes_on_counting_what_each_rank_replaced(runs):
+    """The summary counts and names the bad media of the whole run: a resume's counters come from the checkpoint."""
+    checkpoints, _optimizer = runs()
+    replaced = {"9": ["media/image_002.png", 3]}
+    checkpoints.save(Position(step=2, samples_seen=40, skipped_samples=3, replaced=replaced))
+    position = runs()[0].load("latest")
+    assert (position.samples_seen, position.skipped_samples, position.replaced) == (40, 3, replaced)
+
+
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 4 MiB tmpfs of this test's own: a disk that really fills up. Needs the right to mount."""
