@@ -14,7 +14,7 @@ from diffsynth_mbc.training.lora.ema import check_options as check_ema_options
 from diffsynth_mbc.training.lora.init_from_file import check_init_lora_option
 from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES, DEFAULTS
 from diffsynth_mbc.training.plan.recompute import parse_choice
-from diffsynth_mbc.data.media.stages import parse_stages
+from diffsynth_mbc.data.media.stages import check_below_final, parse_stages
 from diffsynth_mbc.values import finite_number
 
 MAX_SIDE = 4096   # pixels, each of --height and --width
@@ -189,7 +189,8 @@ def validate(options: dict) -> None:
         raise OptionsError("--early_stop needs a validation to decide on: --val_metadata_path FILE and --val_steps N "
                            "(it stops after --early_stop of them in a row without improving), or --early_stop off")
     check_frame_options(options)
-    parse_stages(options["resolution_stages"])   # refused naming the stage that is wrong
+    check_below_final(parse_stages(options["resolution_stages"]),   # refused naming the stage that is wrong
+                      options["width"], options["height"], options["num_frames"])
     if options["lora_variant"] == "dora" and options["lora_format"] != "comfyui":
         raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "
                            f"magnitudes, so a {options['lora_format']} file would load at the wrong strength")
