@@ -56,6 +56,8 @@ def resolve_options(argv: list[str] | None = None) -> TrainOptions:
     for key in _BOOLEAN:
         if not isinstance(options[key], bool):
             options[key] = _parse_bool(options[key])
+    if given.get("demo"):   # the command line's --demo beats a preset's model: the run trains the tiny one
+        options.update({key: None for key in ("model_dir", "model_id") if key not in given})
     if "use_gradient_checkpointing" in given and "gradient_checkpointing" not in given:
         options["gradient_checkpointing"] = None   # the command line's true/false beats a preset's auto
     if options["gradient_checkpointing"] is None:

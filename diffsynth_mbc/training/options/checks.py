@@ -197,4 +197,5 @@ def validate(options: dict) -> None:
     check_init_lora_option(options)
     check_ema_options(options)
     if options["demo"] and (options["model_dir"] or options["model_id"]):
-        raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
+        given = " and ".join(f"--{key} {options[key]}" for key in ("model_dir", "model_id") if options[key])
+        raise OptionsError(f"--demo builds a tiny random model; do not combine it with {given}")
