@@ -243,8 +243,9 @@ def _whole(value) -> str:
 
 
 def render_evaluation(snap: dict, theme: Theme) -> RenderableType | None:
-    """The last validation loss, the stage, the best LoRA and an early stop, a short line each, numbers first and
-    whole (a long file name is cut at its end); None when the run has none of them."""
+    """The last validation loss, the stage, the best LoRA and the early stop (where its count stands, or that it
+    ended the run), a short line each, numbers first and whole (a long file name is cut at its end); None when the
+    run has none of them."""
     first = Text(style=theme.label, no_wrap=True, overflow="ellipsis")
     val_loss, val_step = run_record(snap, "val_loss"), run_record(snap, "val_step")
     if val_loss is not None:
@@ -265,7 +266,13 @@ def render_evaluation(snap: dict, theme: Theme) -> RenderableType | None:
             line.append(f": {best['file']}")
         line.no_wrap, line.overflow = True, "ellipsis"
         lines.append(line)
-    stop = run_record(snap, "early_stop")
+    stop, count = run_record(snap, "early_stop"), run_record(snap, "early_stop_count")
+    if stop is None and isinstance(count, dict):   # --early_stop: where its count stands after the last validation
+        why = count.get("not_counted")
+        lines.append(Text(f"early stop: {_whole(count.get('count'))} of {_whole(count.get('patience'))} "
+                          + (f"(step {_whole(count.get('step'))}: {why}, not counted)" if why else
+                             f"validations without improvement since step {_whole(count.get('since_step'))}"),
+                          style=theme.label, no_wrap=True, overflow="ellipsis"))
     if stop is not None:
         lines.append(Text(f"stopped early at step {stop['step']}: no better validation in "
                           f"{_whole(stop['validations_without_improvement'])} evaluations since step "

@@ -110,3 +110,12 @@ def test_the_validation_best_lora_stage_and_early_stop_appear_whole(tmp_path, wi
                   "best LoRA 0.3912 at step 80 (2.20% below the base): runs/x/lora-best.safetensors",
                   "stopped early at step 100: no better validation in 3 evaluations since step 70"):
         assert whole in text, text
+
+
+def test_where_the_early_stops_count_stands_appears_while_the_run_trains(tmp_path):
+    """While the run trains, --early_stop's count (the status file's early_stop_count) is the early-stop state."""
+    count = {"step": 80, "count": 1, "patience": 3, "min_delta": 0.001, "not_counted": None, "counts_from_step": 1,
+             "finite": True, "compared_with_step": 60, "change": -0.0004, "reset": False, "since_step": 60}
+    F.make_run(tmp_path / "logs", world_size=2, steps=100, val_loss=0.4021, val_step=80, early_stop_count=count)
+    text = screen(tmp_path, 100, 30)
+    assert "early stop: 1 of 3 validations without improvement since step 60" in text, text
