@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     out = parser.add_argument_group("output and logging")
     out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
     out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default OUTPUT_PATH/training_logs, "
-                                       "so two runs never share one by default)")
+                                       "so two runs never share one by default; a preset's follows an "
+                                       "--output_path given without it)")
     out.add_argument("--run_id", help="names this run in the logs (default: time-based)")
     out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
     out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
@@ -230,7 +231,8 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     ckpt.add_argument("--checkpoint_steps", type=int, help="full training state every N optimizer steps")
     ckpt.add_argument("--checkpoint_minutes", type=float, help="... and/or every M minutes, whichever comes first")
     ckpt.add_argument("--keep_checkpoints", type=int, help="keep the newest K (default 3) plus any with a KEEP file")
-    ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes)")
+    ckpt.add_argument("--checkpoint_dir", help="default: OUTPUT_PATH/checkpoints (shared by all nodes; a preset's "
+                                               "follows an --output_path given without it)")
     ckpt.add_argument("--resume", help="'latest' or a checkpoint folder: continue at its exact step and data position")
     ckpt.add_argument("--force_resume", type=_parse_bool, help="resume even if the configuration differs")
     ckpt.add_argument("--start_over", type=_parse_bool,

@@ -231,22 +231,25 @@ def plan_from_options(options, *, rows: int, images: int, world_size: int, datas
                       gradient_accumulation: int | None = None, bucket_samples: tuple = ()) -> StepPlan:
     """The run's step plan from its options and its catalogue's counts: what the training, the launcher's plan and
     the status files all print (images batched by ``--image_batch_size``, by default one video's tokens). An epoch
-    above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit)."""
+    above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit), and so is
+    a ``--resolution_stages`` stage that gets no optimizer step of the plan's total (naming it)."""
     from diffsynth_mbc.data.dataset_list import check_epoch_size
     from diffsynth_mbc.training.plan.batches import default_image_batch_size
-    from diffsynth_mbc.data.media.stages import parse_stages
+    from diffsynth_mbc.data.media.stages import check_steps, parse_stages
 
     image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
     check_epoch_size([(f"datasets[{position}] ({count.name})", count.videos + count.images, count.repeat)
                       for position, count in enumerate(datasets)] if datasets else
                      [(f"--dataset_metadata_path {options.dataset_metadata_path}", rows, 1)],
                      options.dataset_repeat)
-    return StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=world_size, batch_size=options.batch_size,
+    plan = StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=world_size, batch_size=options.batch_size,
                     gradient_accumulation=gradient_accumulation or options.gradient_accumulation_steps,
                     num_epochs=options.num_epochs, images=images, image_batch_size=image_batch, datasets=datasets,
                     objective=options.objective, i2v_probability=options.i2v_probability,
                     bucket_samples=tuple(bucket_samples), stages=parse_stages(options.resolution_stages),
                     final_size=(options.height, options.width, options.num_frames))
+    check_steps(plan.stages, plan.total_steps, f"{options.width}x{options.height}x{options.num_frames}")
+    return plan
 
 
 def bucket_samples_of_metadata(options) -> tuple:
