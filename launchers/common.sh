@@ -32,6 +32,10 @@ export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning:torch.cuda,ignore:
 
 mbc_die() { echo "error: $*" >&2; exit 2; }
 
+# stop.sh beside the launcher as it was typed (MBC_LAUNCHER, set by train_test.sh and train_full.sh; a relative
+# path is taken from the folder the launch was started in): the commands a launch prints work where it was started.
+mbc_stop_command() { printf 'bash %q\n' "$(dirname "$MBC_LAUNCHER")/stop.sh"; }
+
 # The launcher's own flags, as mbc_canonical spells them: anything else must be a training flag.
 MBC_LAUNCHER_FLAGS=(--demo --deepspeed --multinode --gpus --cached --detach --dry_run --skip_doctor --help)
 
@@ -110,7 +114,7 @@ mbc_lock() {
   if ! flock -n -x "$fd"; then
     echo "error: a training is already running on $folder (its $what): run $(sed -n 2p "$pid_file" 2>/dev/null || echo '?')," \
          "$("$PYTHON" -c 'import sys; from diffsynth_mbc.lifecycle.stop_command import describe_holders as d; print(d(sys.argv[1]))' "$folder")." \
-         "Not starting another; stop it with: bash launchers/stop.sh $folder" >&2
+         "Not starting another; stop it with: $(mbc_stop_command) $(printf '%q' "$folder")" >&2
     exit 75
   fi
   if [[ -s $pid_file ]]; then
@@ -207,7 +211,7 @@ mbc_dry_run_plan() {
 mbc_launch() {
   local preset=$1; shift
   # The command that resumes this run, shown when it is stopped: these flags without --resume/--detach.
-  local resume_command="bash ${MBC_LAUNCHER:-launchers/train_test.sh}" arg drop=0
+  local resume_command="bash $(printf '%q' "$MBC_LAUNCHER")" arg drop=0
   for arg in "$@"; do
     if ((drop)); then drop=0; continue; fi
     case $(mbc_canonical "$arg") in --resume) drop=1; continue ;; --resume=*|--detach|--dry_run) continue ;; esac
@@ -226,14 +230,14 @@ mbc_launch() {
       --skip_doctor) skip_doctor=1 ;;
       --gpus) [[ $# -ge 2 ]] || mbc_die "--gpus needs a number"; gpus=$2; shift ;;
       --gpus=*) gpus=${1#--gpus=} ;;
-      -h|--help) mbc_usage "${MBC_LAUNCHER:-launchers/train_test.sh}"; exit 0 ;;
+      -h|--help) mbc_usage "$(printf '%q' "$MBC_LAUNCHER")"; exit 0 ;;
       *) train_args+=("$1") ;;
     esac
     shift
   done
   # A flag neither the launcher nor the training knows: one line with the closest real ones, before anything starts.
   "$PYTHON" -c 'import sys; from diffsynth_mbc.training.options.parser import check_launcher_args as c; sys.exit(c(sys.argv[1:]))' \
-    "${MBC_LAUNCHER:-launchers/train_test.sh}" "${MBC_LAUNCHER_FLAGS[@]}" -- "${train_args[@]+"${train_args[@]}"}" || exit 2
+    "$(printf '%q' "$MBC_LAUNCHER")" "${MBC_LAUNCHER_FLAGS[@]}" -- "${train_args[@]+"${train_args[@]}"}" || exit 2
   # Relative paths (in the presets too: data/..., models/..., runs/...) are taken from the folder the launcher is
   # started in, as every flag's; the launch lists what each resolved to and refuses a missing one.
   [[ -f $preset ]] || preset=$MBC_ROOT/$preset
@@ -410,7 +414,7 @@ mbc_launch() {
     # In a session of its own, writing to the log file only; it holds the locks after this shell returns.
     trap - EXIT   # the detached supervisor owns the records now
     setsid "${supervise[@]}" -- "${cmd[@]}" >>"$log_file" 2>&1 < /dev/null &
-    echo "started in the background: pid $!   stop: bash launchers/stop.sh $OUTPUT_PATH" >&2
+    echo "started in the background: pid $!   stop: $(mbc_stop_command) $(printf '%q' "$OUTPUT_PATH")" >&2
     return 0
   fi
   local terminal

@@ -6,5 +6,5 @@
 # Exit codes: 0 stopped, 1 had to be killed, 2 usage or a lock that is not a regular file, 3 nothing was running there.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # finds the project's Python
-# Its usage and errors name this script, as typed.
-MBC_STOP_PROG="bash launchers/stop.sh" exec "$PYTHON" -m diffsynth_mbc.stop "$@"
+# Its usage and errors name this script, as typed (from another folder too).
+MBC_STOP_PROG="bash $(printf '%q' "${BASH_SOURCE[0]}")" exec "$PYTHON" -m diffsynth_mbc.stop "$@"

@@ -226,7 +226,7 @@ def test_the_launcher_refuses_an_unknown_flag_in_one_line_before_anything_starts
     result = launcher(tmp_path, "--demo", typed, "3")
     assert result.returncode == 2
     assert result.stderr == (f"error: unknown flag {typed}: did you mean {suggestion}? "
-                             f"(full list: bash launchers/train_test.sh --help)\n")
+                             f"(full list: bash {LAUNCHER} --help)\n")   # the launcher as typed
     assert not (tmp_path / "runs").exists()   # nothing locked, prepared or started
 
 

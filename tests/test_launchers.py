@@ -181,6 +181,7 @@ def test_the_demo_says_what_it_trains_on_and_writes_only_its_own_catalogue(tmp_p
     assert "runs/demo" in line and "would run" not in alone.stdout
     (tmp_path / "mine" / "catalog").mkdir(parents=True)
     (tmp_path / "mine" / "metadata.csv").write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 4)
+    (tmp_path / "mine" / "catalog" / "v.mp4").write_bytes(b"")   # there (a run whose files are all missing is refused)
     given = launcher(tmp_path, "--demo", "--dry-run", "--dataset_base_path", "mine/catalog",
                      "--dataset-metadata-path=mine/metadata.csv")
     assert given.returncode == 0, given.stderr
@@ -203,6 +204,7 @@ def test_the_reads_list_names_every_catalogue_of_a_datasets_list(tmp_path):
     for name in ("news", "drama"):
         (tmp_path / "data" / name / "media").mkdir(parents=True)
         (tmp_path / "data" / name / "metadata.csv").write_text("video,prompt,media_type\na.mp4,a clip,video\n")
+        (tmp_path / "data" / name / "media" / "a.mp4").write_bytes(b"")   # there: missing, the run is refused
     (tmp_path / "datasets.yaml").write_text(
         "- {base_path: data/news/media, metadata_path: data/news/metadata.csv}\n"
         "- {base_path: data/drama/media, metadata_path: data/drama/metadata.csv, repeat: 3}\n")
@@ -225,10 +227,37 @@ def test_stop_sh_help_names_stop_sh(tmp_path):
     result = subprocess.run(["bash", str(REPO / "launchers" / "stop.sh"), "--help"], cwd=tmp_path,
                             env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: bash launchers/stop.sh "), result.stdout
+    assert result.stdout.startswith(f"usage: bash {REPO}/launchers/stop.sh "), result.stdout   # as typed
     typo = subprocess.run(["bash", str(REPO / "launchers" / "stop.sh"), "runs/x", "--grce", "3"], cwd=tmp_path,
                           env=isolated_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert typo.returncode == 2 and "(full list: bash launchers/stop.sh --help)" in typo.stderr, typo.stderr
+    assert typo.returncode == 2 and f"(full list: bash {REPO}/launchers/stop.sh --help)" in typo.stderr, typo.stderr
+
+
+def test_the_commands_a_launch_from_another_folder_prints_work_there(tmp_path):
+    """`bash main/launchers/train_test.sh ...` printed `bash launchers/train_test.sh ...` commands, which fail in the
+    folder it was started in: each names the launcher (and stop.sh beside it) as it was typed."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    typed = os.path.relpath(LAUNCHER, elsewhere)
+    stop = os.path.join(os.path.dirname(typed), "stop.sh")
+    typo = subprocess.run(["bash", typed, "--demo", "--lr", "3"], cwd=elsewhere, env=isolated_env(tmp_path),
+                          capture_output=True, text=True, timeout=60)
+    assert typo.returncode == 2 and f"(full list: bash {typed} --help)" in typo.stderr, typo.stderr
+    shown = subprocess.run(["bash", typed, "--help"], cwd=elsewhere, env=isolated_env(tmp_path),
+                           capture_output=True, text=True, timeout=120)   # the command it printed, run there
+    assert shown.returncode == 0 and shown.stdout.startswith(f"usage: bash {typed} "), shown.stderr
+    folder = tmp_path / "shared"
+    holder = hold_lock(folder, "run-A")
+    try:
+        refused = subprocess.run(["bash", typed, "--demo", "--output_path", str(folder)], cwd=elsewhere,
+                                 env=isolated_env(tmp_path), capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert refused.returncode == 75 and f"stop it with: bash {stop} {folder}" in refused.stderr, refused.stderr
+    usage = subprocess.run(["bash", stop, "--help"], cwd=elsewhere, env=isolated_env(tmp_path),
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and usage.stdout.startswith(f"usage: bash {stop}"), usage.stderr
 
 
 def hold_lock(folder, run_id):

@@ -119,11 +119,10 @@ class MBCVideoDataset(VideoDataset):
                 if isinstance(row.get("prompt"), str):
                     row["prompt"] = with_affixes(row["prompt"], caption_prefix, caption_suffix)
 
-    def sized_rows(self) -> list | None:
-        """(video, size) of every row under aspect buckets (a checkpoint keeps them); None with ``off``."""
-        if self.row_sizes is None:
-            return None
-        return [(str(row.get("video")), size) for row, size in zip(self.data, self.row_sizes)]
+    def sized_rows(self) -> list:
+        """(video, size) of every row (a checkpoint keeps them); each size None under ``--buckets off``."""
+        sizes = self.row_sizes if self.row_sizes is not None else [None] * len(self.data)
+        return [(str(row.get("video")), size) for row, size in zip(self.data, sizes)]
 
     def load_video(self, file_path):
         """``fast``: only the frames that train, decoded in-process (clip_reader); the same frames, resized

@@ -6,7 +6,8 @@ pandas stops with a raw ``ParserError`` on a quote that is never closed ("EOF in
 a row counted its own way) and on a row with more cells than the header ("Expected 3 fields in line 9, saw 4"; on the
 first data row it instead takes the first cell as an index and shifts every column, silently). Python's csv module
 reads the first into one long last value without a word, so every reader of a metadata file (the plan, the doctor,
-the latent cache, the training's dataset, ``datasets:``) reads it here: ``read_metadata``.
+the latent cache, the training's dataset, ``datasets:``) reads it here: ``read_metadata``. ``missing_files`` says
+which rows' files are not where the training will look.
 """
 
 from __future__ import annotations
@@ -72,3 +73,13 @@ def read_metadata(path: str | os.PathLike, flag: str | None = None) -> list[dict
         raise MetadataError(f"{where}: line {start}: malformed CSV ({error}); check the quotes in that row") from None
     _check_closed(text, last_start, where)
     return records
+
+
+def missing_files(rows: list[dict], base_path: str) -> list[int]:
+    """The 1-based metadata rows whose file (``video``, under ``base_path``) is not a file there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = [os.path.join(base_path or "", str(row.get("video") or "")) for row in rows]
+    with ThreadPoolExecutor(max_workers=16) as pool:   # a network file system answers each look-up slowly
+        found = list(pool.map(os.path.isfile, paths, chunksize=256))
+    return [number for number, there in enumerate(found, 1) if not there]

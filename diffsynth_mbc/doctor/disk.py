@@ -1,9 +1,9 @@
 """The doctor's disk check: what the run writes, per disk, against that disk's free space. No torch.
 
-The run writes its checkpoints (``--keep_checkpoints`` + 1 of them at a time) and, when it builds a latent cache
-(the launchers' ``--cached``) or reads one (``--cache DIR``, which it builds first when it is not finished), the
-cache: every row's latent and its caption's embedding, a clip at the training size, an image at one frame (the
-validation set's cache too). A finished cache (its index written) adds nothing; an unfinished one adds what is
+The run writes its checkpoints (``--keep_checkpoints`` + 1 of them at a time, each sized from the model it trains:
+the demo's tiny one with ``--demo``) and, when it builds a latent cache (the launchers' ``--cached``) or reads one
+(``--cache DIR``, which it builds first when it is not finished), the cache: every row's latent and its caption's
+embedding, a clip at the training size, an image at one frame (the validation set's cache too). A finished cache (its index written) adds nothing; an unfinished one adds what is
 not on disk yet, since a build skips the entries it finds. Folders on the same disk share its free space, so
 their needs are added up: ``disk_check`` is the verdict on one disk, a pure function of the numbers.
 """
@@ -15,10 +15,15 @@ import os
 import shutil
 from pathlib import Path
 
-from diffsynth_mbc.doctor.checks import FAIL, GIB, OK, WARN, Check
+from diffsynth_mbc.doctor.checks import FAIL, OK, WARN, Check
+from diffsynth_mbc.training.checkpoints.space import human
 from diffsynth_mbc.training.plan import memory
 
 TEXT_TOKENS = 120   # a caption's tokens, as the cache's own projection takes them
+# A checkpoint's files besides the LoRA and the optimizer (RNG states, scheduler, sampler, manifest): allowed for at
+# full size; on the demo's tiny model they are about 65 KB and 15 KB a rank (measured: 245 KB a checkpoint, 1 rank)
+STATE_BYTES = 64 * 2**20
+DEMO_STATE_BYTES = 256 * 2**10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +35,18 @@ class Need:
     note: str = ""
 
 
+def trained_dit(options) -> dict:
+    """The widths of the DiT the run trains: Wan2.2-TI2V-5B's, or the demo's tiny model's with --demo."""
+    return memory.DEMO_DIT if options.demo else memory.DIT
+
+
 def checkpoint_bytes(options) -> int:
-    lora = memory.lora_params(options.lora_rank, options.lora_target_modules)
-    return lora * 16 + 64 * 2**20   # LoRA + AdamW m, v + file for export, plus RNG/scheduler/manifest
+    """One checkpoint of the LoRA on the model the run trains: the LoRA, AdamW's m and v and the file for export
+    (16 bytes a parameter), and the RNG, scheduler and manifest files."""
+    dit = trained_dit(options)
+    lora = memory.lora_params(options.lora_rank, list(options.lora_target_modules), dit["dim"], dit["ffn_dim"],
+                              dit["num_layers"])
+    return lora * 16 + (DEMO_STATE_BYTES if options.demo else STATE_BYTES)
 
 
 def cache_bytes(options, videos: int, images: int) -> int:
@@ -41,7 +55,9 @@ def cache_bytes(options, videos: int, images: int) -> int:
     from diffsynth_mbc.data.cache.index import projected_bytes_per_sample
 
     dtype_bytes = 4 if options.mixed_precision == "no" else 2
-    per = {frames: projected_bytes_per_sample(options.height, options.width, frames, text_tokens=TEXT_TOKENS,
+    text_tokens = min(TEXT_TOKENS, memory.DEMO_TEXT_TOKENS) if options.demo else TEXT_TOKENS
+    per = {frames: projected_bytes_per_sample(options.height, options.width, frames, text_tokens=text_tokens,
+                                              text_dim=trained_dit(options)["text_dim"],
                                               dtype_bytes=dtype_bytes)["bytes"] for frames in (options.num_frames, 1)}
     total = videos * per[options.num_frames] + images * per[1]
     for stage in options.resolution_stages:
@@ -66,7 +82,7 @@ def cache_need(folder: str, options, media: tuple[int, int], how: str) -> Need:
     if (Path(folder) / INDEX_FILE).is_file():
         return Need(folder, "latent cache", 0, f"{how}: finished already, read as it is, nothing more to write")
     projected, there = cache_bytes(options, *media), _bytes_in(Path(folder))
-    written = f"; {there / GIB:.1f} of its {projected / GIB:.1f} GiB written already" if there else ""
+    written = f"; {human(there)} of its {human(projected)} written already" if there else ""
     return Need(folder, "latent cache", max(0, projected - there),
                 f"{media[0]:,} clips + {media[1]:,} images, {how}{written}")
 
@@ -97,9 +113,9 @@ def nearest_existing(path: str) -> Path:
 def disk_check(free: int, needs: list[Need]) -> Check:
     """The verdict on one disk: ``free`` bytes against the sum of ``needs`` (fail below it, warn below 1.5x)."""
     needed = sum(need.bytes for need in needs)
-    parts = " + ".join(f"{need.what} {need.bytes / GIB:.1f} GiB in {need.path}"
+    parts = " + ".join(f"{need.what} {human(need.bytes)} in {need.path}"
                        + (f" ({need.note})" if need.note else "") for need in needs)
-    detail = f"{free / GIB:.1f} GiB free, needs about {needed / GIB:.1f} GiB: {parts}"
+    detail = f"{human(free)} free, needs about {human(needed)}: {parts}"
     status = FAIL if free < needed else WARN if free < 1.5 * needed else OK
     return Check("disk", status, detail, "" if status == OK else
                  "free space, or point " + (" / ".join(need.path for need in needs)) + " at a larger disk")

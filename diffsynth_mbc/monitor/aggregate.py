@@ -7,9 +7,10 @@ Aggregates
     rank's; ``eta_s``: the largest among active ranks (their own ``eta_s``, else remaining
     steps x median step time); ``samples_per_s``: the sum over training ranks (when none trains any
     more, e.g. a finished run, the sum of the rates the ranks last trained at); ``loss``: the
-    mean of the ranks' last losses; ``elapsed_s``: now - earliest ``started_at`` while active,
-    else the largest ``elapsed_s``; ``recipe``: rank 0's recipe; ``health_flags``: the newest LoRA health flags of
-    every rank, each distinct one once with its ``ranks``.
+    mean of the ranks' last losses; ``elapsed_s``: the largest of the ranks' ``elapsed_s``, an active rank's
+    carried on to now from its ``updated_at`` (``elapsed_of``: a resumed run's time before its checkpoint
+    counts); ``recipe``: rank 0's recipe; ``health_flags``: the newest LoRA health flags of every rank, each
+    distinct one once with its ``ranks``.
 
 The latent cache build (``python -m diffsynth_mbc.cache``) writes the same files with status ``caching``
 and rows for steps: ``caching`` sums the ranks' rows done and in all, rows/s and failures, and while no
@@ -104,6 +105,21 @@ def values_of(ranks: Iterable[dict], key: str) -> list[float]:
     return [r[key] for r in ranks if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
 
 
+def elapsed_of(ranks: list[dict], now: float) -> float | None:
+    """The run's training time: the largest of the ranks' own ``elapsed_s`` (a resumed run's time before its
+    checkpoint included), an active rank's carried on from its ``updated_at`` to ``now``; a rank whose file gives
+    no ``elapsed_s``, while active: ``now`` - its ``started_at``."""
+    figures = []
+    for rank in ranks:
+        active = rank.get("status") in run_files.ACTIVE_STATUSES
+        elapsed, updated, started = (values_of([rank], key) for key in ("elapsed_s", "updated_at", "started_at"))
+        if elapsed:
+            figures.append(elapsed[0] + (max(0.0, now - updated[0]) if active and updated else 0.0))
+        elif active and started:
+            figures.append(max(0.0, now - started[0]))
+    return max(figures) if figures else None
+
+
 def aggregate(ranks: list[dict], status: str, now: float) -> dict:
     if not ranks:
         return {"step": None, "total_steps": None, "progress": None, "elapsed_s": None, "eta_s": None,
@@ -136,11 +152,7 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
     else:
         eta_s = max(etas) if etas else None
     started = values_of(ranks, "started_at")
-    if active and started:
-        elapsed = max(0.0, now - min(started))
-    else:
-        elapsed_values = values_of(ranks, "elapsed_s")
-        elapsed = max(elapsed_values) if elapsed_values else None
+    elapsed = elapsed_of(ranks, now)
     rated = [r for r in ranks if isinstance(r.get("samples_per_s"), float)]
     working = [r for r in rated if r.get("status") in ("training", "caching")]
     if working or active:   # a rank still loading or starting has no rate of its own yet: no stale one either

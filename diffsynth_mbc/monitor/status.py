@@ -29,9 +29,9 @@ EXIT_CODES = {
 }
 
 _INT_FIELDS = ("schema_version", "rank", "local_rank", "world_size", "pid", "epoch", "num_epochs", "step",
-               "total_steps", "steps_per_epoch", "samples_seen")
+               "total_steps", "steps_per_epoch", "samples_seen", "val_step")
 _FLOAT_FIELDS = ("loss", "loss_avg", "lr", "grad_norm", "step_time_s", "step_time_avg_s", "samples_per_s", "elapsed_s",
-                 "eta_s", "eta_overheads_s", "progress", "started_at", "updated_at")
+                 "eta_s", "eta_overheads_s", "progress", "started_at", "updated_at", "val_loss")
 _GPU_NUMBERS = ("util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb",
                 "run_peak_allocated_mb", "run_peak_reserved_mb")
 MAX_OVERHEAD_KINDS = 16   # kinds of overhead kept from one status file (the training writes 4)

@@ -5,10 +5,7 @@ The view is fed a snapshot and never reads files itself; styles live in one Them
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_UP, Decimal
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -18,6 +15,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from diffsynth_mbc.monitor.formats import (fmt_clock, fmt_duration, fmt_loss, fmt_lr, fmt_num, fmt_rate,
+                                           fmt_seconds)
 from diffsynth_mbc.monitor.modes import RECENT_STEPS, ordered
 from diffsynth_mbc.values import printable
 from diffsynth_mbc.run_files import overheads_text
@@ -53,75 +52,6 @@ def sparkline(values, width: int = 24) -> str:
         return SPARK_CHARS[3] * len(values)
     top = len(SPARK_CHARS) - 1
     return "".join(SPARK_CHARS[min(top, int((v - lo) / (hi - lo) * top + 0.5))] for v in values)
-
-
-def fmt_duration(seconds) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(round(max(0.0, float(seconds))))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d{hours:02d}h{minutes:02d}m"
-    if hours:
-        return f"{hours}h{minutes:02d}m{secs:02d}s"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
-
-
-def fmt_num(value, spec: str = ".4g") -> str:
-    if value is None:
-        return "-"
-    try:
-        return format(value, spec)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def fmt_loss(value) -> str:
-    """Every loss the view shows (the mean, each rank's, each mode's), as the dashboard writes it: 4 significant
-    digits with their zeros (``0.4100`` beside ``0.4123``, never ``0.41``); 0.001 <= |v| < 10000 plain, else
-    ``4.123e-5``."""
-    try:
-        value = float(value) if type(value) in (int, float) else math.nan
-    except OverflowError:   # an int too large for a float
-        value = math.nan
-    if not math.isfinite(value):
-        return "-"
-    if value == 0:
-        return "0"
-    exact = Decimal(value)   # rounded half away from zero, as the page's toFixed / toExponential round
-    power = exact.adjusted()
-    rounded = exact.quantize(Decimal(1).scaleb(power - 3), ROUND_HALF_UP)
-    if rounded.adjusted() > power:   # 9999.6 is 1.000e4
-        power += 1
-        rounded = exact.quantize(Decimal(1).scaleb(power - 3), ROUND_HALF_UP)
-    return f"{rounded:f}" if -3 <= power < 4 else f"{rounded.scaleb(-power):f}e{power}"
-
-
-def fmt_lr(value) -> str:
-    return fmt_num(value, ".3g")
-
-
-def fmt_seconds(value) -> str:
-    """A step time: seconds with 2 decimals."""
-    return "-" if value is None else fmt_num(value, ".2f")
-
-
-def fmt_rate(value) -> str:
-    """Samples (or cache rows) per second."""
-    return fmt_num(value, ".3g")
-
-
-def fmt_clock(ts) -> str:
-    if ts is None:
-        return "-"
-    try:
-        return time.strftime("%H:%M:%S", time.localtime(float(ts)))
-    except (OverflowError, ValueError, OSError):
-        return "-"
 
 
 def _gpu_cells(gpu) -> tuple[str, str]:
@@ -299,6 +229,58 @@ def render_notes(snap: dict, theme: Theme, limit: int = 12) -> RenderableType | 
 COMPACT_BELOW = 110   # columns: below this, one short line per rank and a two-column header
 
 
+def run_record(snap: dict, key: str):
+    """What the lowest rank that has it says of ``key`` (the validation, the best LoRA, the stage and the early stop
+    are the same on every rank)."""
+    for rank in sorted(snap.get("ranks") or [], key=lambda r: r["rank"]):
+        if rank.get(key) is not None:
+            return rank[key]
+    return None
+
+
+def _whole(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def render_evaluation(snap: dict, theme: Theme) -> RenderableType | None:
+    """The last validation loss, the stage, the best LoRA and the early stop (where its count stands, or that it
+    ended the run), a short line each, numbers first and whole (a long file name is cut at its end); None when the
+    run has none of them."""
+    first = Text(style=theme.label, no_wrap=True, overflow="ellipsis")
+    val_loss, val_step = run_record(snap, "val_loss"), run_record(snap, "val_step")
+    if val_loss is not None:
+        first.append_text(Text.assemble("validation ", (fmt_loss(val_loss), theme.value),
+                                        f" at step {_whole(val_step)}"))
+    stage = run_record(snap, "stage")
+    if stage is not None:
+        first.append("  " if first else "")
+        first.append_text(Text.assemble("stage ", (f"{_whole(stage['stage'])}/{_whole(stage['of'])}: {stage['size']}", theme.value),
+                                        " (the final size)" if stage["final"] else ""))
+    lines = [first] if first else []
+    best = run_record(snap, "best")
+    if best is not None:
+        gain = best.get("gain")
+        line = Text.assemble("best LoRA ", (fmt_loss(best["val_loss"]), theme.value), f" at step {best['step']}",
+                             f" ({100 * gain:.2f}% below the base)" if gain is not None else "", style=theme.label)
+        if best.get("file"):
+            line.append(f": {best['file']}")
+        line.no_wrap, line.overflow = True, "ellipsis"
+        lines.append(line)
+    stop, count = run_record(snap, "early_stop"), run_record(snap, "early_stop_count")
+    if stop is None and isinstance(count, dict):   # --early_stop: where its count stands after the last validation
+        why = count.get("not_counted")
+        lines.append(Text(f"early stop: {_whole(count.get('count'))} of {_whole(count.get('patience'))} "
+                          + (f"(step {_whole(count.get('step'))}: {why}, not counted)" if why else
+                             f"validations without improvement since step {_whole(count.get('since_step'))}"),
+                          style=theme.label, no_wrap=True, overflow="ellipsis"))
+    if stop is not None:
+        lines.append(Text(f"stopped early at step {stop['step']}: no better validation in "
+                          f"{_whole(stop['validations_without_improvement'])} evaluations since step "
+                          f"{_whole(stop['since_step'])}",
+                          style=theme.note, no_wrap=True, overflow="ellipsis"))
+    return Group(*lines) if lines else None
+
+
 def cache_of(snap: dict) -> dict | None:
     """The latent cache build's figures while it is what the run does (no rank loading or training yet)."""
     return snap.get("caching") if snap.get("status") not in ("training", "loading") else None
@@ -370,6 +352,9 @@ def render(snap: dict, *, log_dir: str | None = None, theme: Theme = THEME, foot
     compact = width is not None and width < COMPACT_BELOW
     parts: list[RenderableType] = [render_compact_header(snap, theme) if compact
                                    else render_header(snap, log_dir, theme)]
+    evaluation = render_evaluation(snap, theme)
+    if evaluation is not None:
+        parts.append(evaluation)
     if snap.get("ranks") or snap.get("missing_ranks"):
         parts.append(render_compact_ranks(snap, theme) if compact else render_ranks(snap, theme))
         by_mode = render_mode_losses(snap, theme)

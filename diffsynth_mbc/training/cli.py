@@ -38,7 +38,7 @@ from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError
 from diffsynth_mbc.training.components.lora_health import UnhealthyRunError
 from diffsynth_mbc.training.options import check_run_id, resolve_options
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
-from diffsynth_mbc.training.components.guards import NonFiniteError
+from diffsynth_mbc.training.components.guards import NonFiniteError, TooMuchBadMedia
 
 
 def default_run_id() -> str:
@@ -138,7 +138,7 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
         status.fail(exc)
         print(f"[rank {rank}] error: {exc}", file=sys.stderr)
         return 2
-    except (NonFiniteError, CheckpointWriteError, UnhealthyRunError) as exc:
+    except (NonFiniteError, TooMuchBadMedia, CheckpointWriteError, UnhealthyRunError) as exc:
         status.fail(exc)
         print(f"[rank {rank}] failed: {exc}", file=sys.stderr)
         return 1

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from diffsynth_mbc import run_files
 from diffsynth_mbc.lifecycle.signals import StopSignals, unblock_in_child
 from diffsynth_mbc.lifecycle.startup import resume_collector
-from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, resume
+from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, go_on_with_this_plan, resume
 from diffsynth_mbc.training.checkpoints.state import Checkpoints, Position
 from diffsynth_mbc.training.components.protocol import CONTINUE, Decision, Stop, StepContext, StepResult, run_hook
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
@@ -93,6 +93,7 @@ class TrainingRecipe:
         self.validator: Validator | None = None
         self.logger: ProgressLogger | None = None
         self.components: list[Component] = []
+        self.end_step = 0        # the run's last step: its plan's total (a forced resume's own end, where they differ)
         self.step_parts = None   # what a step needs besides the parts: caption dropout, compile timer, the forward
 
     # -----------------------------------------------------------------------------------------
@@ -113,8 +114,11 @@ class TrainingRecipe:
         self.parts = parts = self._prepare(accelerator, dataset, module)
         # Different noise and timesteps on every rank (DiffSynth alone draws identical ones everywhere).
         torch.manual_seed(options.seed + 1000 * accelerator.process_index)
+        self.end_step = parts.total_steps
         if options.resume:
             self.position, saved = resume(parts.checkpoints, options, status, accelerator)
+            if status.state.get("resumed_with_changes"):   # --force_resume on other settings or media
+                self.end_step = go_on_with_this_plan(parts, self.position)
         else:
             claim_checkpoint_folder(parts.checkpoints, options, status, accelerator)
             saved = {}
@@ -246,7 +250,7 @@ class TrainingRecipe:
                                    bar_stream=bar_stream)
         logger = ProgressLogger(options.output_path, status, steps_per_epoch=parts.steps_per_epoch,
                                 num_epochs=options.num_epochs, samples_per_step=options.batch_size,
-                                start_step=self.position.step, printer=printer,
+                                start_step=self.position.step, printer=printer, total_steps=self.end_step,
                                 overhead_schedule=OverheadSchedule.from_options(
                                     options, validation=self.validator is not None,
                                     samples=bool(options.sample_prompts)))
@@ -289,11 +293,11 @@ class TrainingRecipe:
             BestLora(options, status, self.write_lora, main, stages.ends if stages else (),
                      [row["size"] for row in stages.rows] if stages else ()) if self.validator else None,
             LoraHealth(parts.model.pipe.dit.blocks, status, logger.printer, every=health_cadence(options),
-                       total_steps=parts.total_steps, warmup_steps=options.warmup_steps,
+                       total_steps=self.end_step, warmup_steps=options.warmup_steps,
                        read_grads=accelerator.state.deepspeed_plugin is None, accelerator=accelerator,
                        trainable=parts.trainable),
             stages,
-            BadMediaGuard(options.max_bad_media_fraction, status),
+            BadMediaGuard(options.max_bad_media_fraction, status, accelerator),
             SampleClips(make_sampler(options, status, accelerator, parts.module, parts.ema), logger,
                         first_step=self.position.step) if options.sample_prompts else None,
             StopRequests(self.signals),
@@ -342,6 +346,7 @@ class TrainingRecipe:
             decision = run_hook(self.components, "at_start", self.context())
             if decision.stop is None:
                 decision = self.train_epochs()
+            run_hook(self.components, "after_training", self.context(samples_seen=self.position.samples_seen))
             if decision.stop is not Stop.REQUESTED:
                 self.finish(decision.stop)
         except (NonFiniteError, UnhealthyRunError) as error:
@@ -352,8 +357,7 @@ class TrainingRecipe:
         self.cleanup()
 
     def context(self, **fields) -> StepContext:
-        return StepContext(step=self.position.step, epoch=self.position.epoch, total_steps=self.parts.total_steps,
-                           **fields)
+        return StepContext(step=self.position.step, epoch=self.position.epoch, total_steps=self.end_step, **fields)
 
     def train_epochs(self) -> Decision:
         self.logger.on_train_begin()

@@ -13,6 +13,7 @@ import pytest
 from diffsynth_mbc.doctor import disk
 from diffsynth_mbc.doctor.checks import FAIL, GIB, OK, WARN
 from diffsynth_mbc.doctor.cli import main as doctor_main
+from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.options import resolve_options
 from catalog_helpers import write_media_metadata
 from e2e_helpers import REPO, run_main
@@ -88,3 +89,29 @@ def test_doctor_cached_counts_the_cache_in_the_disk_check(tmp_path):
         assert f"latent cache {cache_gib:.1f} GiB in " in detail, (name, detail)
         assert "80,000 clips + 90,180 images" in detail
     assert str(tmp_path / "out" / "latent_cache") in " ".join(c["detail"] for c in reports["cached"])
+
+
+def test_the_doctor_on_the_demo_takes_a_presets_config_and_sizes_the_tiny_models_checkpoints(tmp_path):
+    """`doctor --config configs/train_test.yaml --demo` was refused ("do not combine it with --model_dir/--model_id",
+    which came from the preset), and without --config the disk check asked for 5.1 GiB of checkpoints where a demo
+    checkpoint is about 276 KB."""
+    metadata = write_media_metadata(tmp_path / "metadata.csv", 6, 5)
+    data = ["--dataset_base_path", str(tmp_path), "--dataset_metadata_path", str(metadata)]
+    preset = resolve_options(["--config", str(REPO / "configs" / "train_test.yaml"), "--demo", *data])
+    assert preset.demo and preset.model_dir is None and preset.model_id is None   # the command line's --demo wins
+    with pytest.raises(OptionsError, match="do not combine it with --model_dir elsewhere$"):
+        resolve_options(["--config", str(REPO / "configs" / "train_test.yaml"), "--demo", "--model_dir", "elsewhere",
+                         *data])
+    demo = resolve_options(["--demo", *data, "--output_path", str(tmp_path / "runs" / "lora")])
+    full = resolve_options([*data, "--model_dir", "models/Wan2.2-TI2V-5B"])
+    assert disk.checkpoint_bytes(demo) < 2 * 2**20 < GIB < disk.checkpoint_bytes(full)   # the same rank and targets
+    # the same latents; each caption's embedding 32 tokens x 32 wide instead of 120 x 4096 (2 bytes a value)
+    assert disk.cache_bytes(full, 6, 5) - disk.cache_bytes(demo, 6, 5) == 11 * (120 * 4096 - 32 * 32) * 2
+    report = run_main(doctor_main, ["--demo", *data, "--output_path", tmp_path / "runs" / "lora", "--quick", "--json"],
+                      tmp_path)
+    detail, = [c["detail"] for c in json.loads(report.stdout)["checks"] if c["name"] == "disk"]
+    needed = disk.checkpoint_bytes(demo) * (demo.keep_checkpoints + 1)
+    assert f"checkpoints {needed / 2**20:.1f} MiB in {tmp_path / 'runs' / 'lora' / 'checkpoints'}" in detail, detail
+    refused = run_main(doctor_main, ["--config", REPO / "configs" / "train_test.yaml", "--demo", *data, "--quick",
+                                     "--json"], tmp_path)
+    assert "do not combine" not in refused.stderr and json.loads(refused.stdout)["checks"], refused.stderr

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.slow
 LAUNCHER = str(REPO / "launchers" / "train_test.sh")
 
 
-def start_launcher(work, *args):
+def start_launcher(work, *args, launcher=LAUNCHER):
     """The demo launcher in a process group of its own (as a shell starts a job), its output in a file."""
     out = open(work / "launcher-output.txt", "w")
-    process = subprocess.Popen(["bash", LAUNCHER, "--demo", *args], cwd=work, env=isolated_env(work, OMP_NUM_THREADS=1),
+    process = subprocess.Popen(["bash", launcher, "--demo", *args], cwd=work, env=isolated_env(work, OMP_NUM_THREADS=1),
                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     out.close()
     return process
@@ -95,7 +95,8 @@ def test_ranks_hold_the_lock_and_stop_cleanly_when_their_launcher_is_killed(tmp_
 
 
 def test_ctrl_c_exits_0_with_the_summary_last_naming_the_checkpoint_and_the_resume_command(tmp_path):
-    launcher = start_launcher(tmp_path, "--num_epochs", "5000")
+    typed = os.path.relpath(LAUNCHER, tmp_path)   # launched from another folder than the project's
+    launcher = start_launcher(tmp_path, "--num_epochs", "5000", launcher=typed)
     log_dir = tmp_path / "runs/demo/training_logs"
     try:
         wait_until(ranks_training(log_dir, min_step=2), 180, "both ranks training", tmp_path)
@@ -113,7 +114,8 @@ def test_ctrl_c_exits_0_with_the_summary_last_naming_the_checkpoint_and_the_resu
     assert checkpoint and (tmp_path / checkpoint).is_dir()
     last = text.strip().splitlines()[-2:]
     assert last[0].startswith("stopped at step") and f"resume from {checkpoint}" in last[0], last
-    assert last[1] == f"  resume: bash launchers/train_test.sh --demo --num_epochs 5000 --resume latest", last
+    # the launcher as typed: `bash launchers/train_test.sh` failed in the folder the run was started from
+    assert last[1] == f"  resume: bash {typed} --demo --num_epochs 5000 --resume latest", last
 
 
 def test_a_failed_run_ends_with_its_cause(tmp_path):

@@ -515,3 +515,25 @@ def test_a_resumed_runs_cut_back_history_reads_as_the_resume_it_is(tmp_path):
     notes = state.refresh()["notes"]
     assert "training_gpu0.jsonl: resumed at step 4 (the history was cut back to it and read again)" in notes
     assert not any("replaced or truncated" in note for note in notes)
+
+
+def test_a_resumed_run_shows_its_whole_training_time_while_it_trains(tmp_path):
+    """While a resumed run trained, `monitor --json` said 4.9 s where its status file said 16.8 s: the time since
+    the resumed processes started, without the training before the checkpoint. The status file is the real
+    writer's, with the time before the checkpoint set as a resume sets it."""
+    from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+
+    wall, monotonic = FakeClock(F.NOW), FakeClock(500.0)
+    writer = RankStatusWriter(tmp_path, "run-a", 0, 0, 1, min_interval_s=0.0, wall_clock=wall, monotonic=monotonic)
+    writer.elapsed_before_s = 12.0   # trained before the checkpoint it resumed from
+    wall.now += 4.9
+    monotonic.now += 4.9
+    writer.set_status("training", step=7, total_steps=12)
+    state, clock = state_for(tmp_path, now=wall.now)
+    assert state.refresh()["elapsed_s"] == pytest.approx(16.9)
+    clock.now += 3.0   # between two writes the time still runs
+    assert state.refresh()["elapsed_s"] == pytest.approx(19.9)
+    wall.now += 3.0
+    monotonic.now += 3.0
+    writer.set_status("finished", step=12)
+    assert state.refresh()["elapsed_s"] == pytest.approx(19.9)   # and the finished run's own figure, as before

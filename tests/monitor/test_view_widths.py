@@ -90,3 +90,32 @@ def test_a_loss_reads_the_same_wherever_the_terminal_shows_it(tmp_path, width, h
     assert sorted(shown) == ["0.4100"] * 5 + ["0.4123"] * 2, text
     for rank in (0, 1):
         assert f"rank {rank}  t2i 0.4100  i2v 0.4123" in text, text
+
+
+@pytest.mark.parametrize("width,height", [(100, 30), (200, 50)])
+def test_the_validation_best_lora_stage_and_early_stop_appear_whole(tmp_path, width, height):
+    """At 100 columns the terminal monitor showed no validation loss, best LoRA, stage or early stop, all of which
+    the status files say (and the dashboard shows)."""
+    best = {"step": 80, "val_loss": 0.3912, "val_loss_base": 0.4, "gain": 0.022, "file": "runs/x/lora-best.safetensors"}
+    stage = {"stage": 2, "size": "96x96x9", "from_step": 61, "to_step": 100, "steps": 40, "tokens": 27, "of": 2,
+             "final": True}
+    early_stop = {"step": 100, "best_step": 80, "validations_without_improvement": 3, "since_step": 70,
+                  "patience": 3, "min_delta": 0.001}
+    F.make_run(tmp_path / "logs", world_size=2, steps=100, val_loss=0.4021, val_step=100, best=best, stage=stage,
+               early_stop=early_stop)
+    text = screen(tmp_path, width, height)
+    lines = text.splitlines()
+    assert lines and max(len(line) for line in lines) <= width
+    for whole in ("validation 0.4021 at step 100", "stage 2/2: 96x96x9 (the final size)",
+                  "best LoRA 0.3912 at step 80 (2.20% below the base): runs/x/lora-best.safetensors",
+                  "stopped early at step 100: no better validation in 3 evaluations since step 70"):
+        assert whole in text, text
+
+
+def test_where_the_early_stops_count_stands_appears_while_the_run_trains(tmp_path):
+    """While the run trains, --early_stop's count (the status file's early_stop_count) is the early-stop state."""
+    count = {"step": 80, "count": 1, "patience": 3, "min_delta": 0.001, "not_counted": None, "counts_from_step": 1,
+             "finite": True, "compared_with_step": 60, "change": -0.0004, "reset": False, "since_step": 60}
+    F.make_run(tmp_path / "logs", world_size=2, steps=100, val_loss=0.4021, val_step=80, early_stop_count=count)
+    text = screen(tmp_path, 100, 30)
+    assert "early stop: 1 of 3 validations without improvement since step 60" in text, text

@@ -79,6 +79,45 @@ def test_every_rank_trains_rank_0s_buckets_and_a_resume_on_resized_media_is_refu
     resumed = run_training(node_0, flags(node_0, run_dir, resume="latest"), timeout=300, OMP_NUM_THREADS=1)
     assert resumed.returncode != 0
     said = resumed.stdout + resumed.stderr
-    assert ("trained on media of other sizes: metadata row 3 (media/land_1.mp4): 128x72 then, 72x128 now. Resuming "
-            "would put these rows in other buckets") in said, said[-3000:]
+    assert ("trained on other media: since it was saved,\n  1 file changed size: metadata row 3 (media/land_1.mp4): "
+            "128x72 then, 72x128 now\nResuming would train other rows, in other buckets") in said, said[-3000:]
     assert read_status(logs, 0)["step"] == states[0]["step"]
+
+
+def test_a_forced_resume_on_resized_media_says_what_changed_and_ends_where_its_plan_does(tmp_path):
+    """``--force_resume true`` after sizes changed ended ``finished: 5/4 steps``, with no line saying what changed
+    and what the run now used (and its last steps trained past the end of the learning-rate schedule, at rate 0)."""
+    from forked_ranks import run_training
+
+    node, run_dir = tmp_path / "node", tmp_path / "run"
+    media = node / "catalog" / "media"
+    media.mkdir(parents=True)
+    write_video(media / "land.mp4", 9, 128, 72, seed=1)
+    write_video(media / "port.mp4", 9, 72, 128, seed=2)
+    write_image(media / "square.png", 64, 64, seed=3)
+    with open(node / "metadata.csv", "w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([("video", "prompt", "media_type"), ("media/land.mp4", "a street", "video"),
+                                      ("media/port.mp4", "a tower", "video"), ("media/square.png", "a desk", "image")])
+    more = {"num_epochs": 3, "keep_checkpoints": 100}
+    first = run_training(node, flags(node, run_dir, **more), timeout=300, OMP_NUM_THREADS=1)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert read_status(run_dir / "logs", 0)["total_steps"] == 6   # one bucket each: 3 batches, 2 steps an epoch
+
+    # the landscape clip turns portrait: both clips share a bucket, an epoch is 1 step now
+    shutil.copy(media / "port.mp4", media / "land.mp4")
+    forced = run_training(node, flags(node, run_dir, resume=str(run_dir / "lora" / "checkpoints" / "step-00000002"),
+                                      force_resume="true", **more), timeout=300, OMP_NUM_THREADS=1)
+    said = forced.stdout + forced.stderr
+    assert forced.returncode == 0, said[-3000:]
+    assert ("with --force_resume true despite:\n  1 file changed size: metadata row 1 (media/land.mp4): 128x72 then, "
+            "72x128 now\n") in said, said[-3000:]
+    assert ("the run now uses this run's settings and media: 1 step per epoch (2 batches per GPU) x 3 epochs; from "
+            "the checkpoint's step 2 (epoch 2, batch 0) it goes on to step 4, not this plan's 3: the checkpoint's 2 "
+            "steps were counted under its own plan (the learning-rate schedule ends at step 4 too)") in said
+    assert "finished: 4/4 steps" in said
+    state = read_status(run_dir / "logs", 0)
+    assert state["resumed_with_changes"] == [
+        "1 file changed size: metadata row 1 (media/land.mp4): 128x72 then, 72x128 now"]
+    assert (state["step"], state["total_steps"], state["progress"]) == (4, 4, 100.0)
+    steps = step_records(run_dir / "logs", 0)
+    assert [record["step"] for record in steps][-2:] == [3, 4] and steps[-1]["lr"] > 0

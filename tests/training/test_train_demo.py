@@ -247,3 +247,40 @@ def test_monitor_reads_the_real_run(demo):
     assert summary["status"] == "finished" and summary["world_size"] == 2
     assert summary["step"] == summary["total_steps"] == 12
     assert summary["missing_ranks"] == [] and summary["stalled_ranks"] == []
+
+
+def test_the_doctor_sizes_a_demo_checkpoint_as_the_run_writes_it(demo):
+    """The doctor's disk check sized the demo's checkpoints as the full model's (1.3 GiB at the default rank, 0.2 GiB
+    at the demo's); a checkpoint of the demo's tiny model is about 276 KB."""
+    from diffsynth_mbc.doctor import disk
+    from diffsynth_mbc.training.options import resolve_options
+
+    written = [sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+               for folder in (demo["output"] / "checkpoints").glob("step-*")]
+    estimate = disk.checkpoint_bytes(resolve_options(["--config", str(REPO / "configs" / "train_demo.yaml")]))
+    assert written and max(written) <= estimate <= 3 * max(written), (written, estimate)
+
+
+def test_each_lora_file_says_what_trained_it(demo):
+    """A LoRA file found later is judged without its run folder: the demo's (rank 4, lr 0.001, 2 epochs of 6 steps,
+    11 rows x 3 at 64x64x9) say so in kohya-style ss_* keys and the project's own plan and recipe."""
+    from safetensors import safe_open
+
+    def metadata(path):
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.metadata()
+
+    checkpoint = sorted((demo["output"] / "checkpoints").glob("step-*"))[-1] / "lora.safetensors"
+    for path, step, epoch in ((demo["output"] / "lora.safetensors", 12, 2),
+                              (demo["output"] / "epoch-001.safetensors", 6, 1), (checkpoint, 12, 2)):
+        facts = metadata(path)
+        assert {key: facts.get(key) for key in ("ss_network_dim", "ss_network_alpha", "ss_learning_rate",
+                                                "ss_num_epochs", "ss_epoch", "ss_steps", "ss_max_train_steps",
+                                                "ss_num_train_images", "ss_resolution")} == {
+            "ss_network_dim": "4", "ss_network_alpha": "4", "ss_learning_rate": "0.001", "ss_num_epochs": "2",
+            "ss_epoch": str(epoch), "ss_steps": str(step), "ss_max_train_steps": "12", "ss_num_train_images": "33",
+            "ss_resolution": "(64, 64)"}, path
+        plan = json.loads(facts["plan"])
+        assert (plan["rows"], plan["images"], plan["world_size"], plan["steps_per_epoch"], plan["size"]) == \
+            (11, 5, 2, 6, "64x64x9"), path
+        assert json.loads(facts["recipe"])["lora"]["target_modules"] == "q,k,v,o,ffn.0,ffn.2"

@@ -21,6 +21,7 @@ KEEP_AT_LEAST = 0.9   # a crop that keeps less of the frame is flagged (under --
 # within 1 dB of it (benchmarks/bench_upscale.py; docs/convert.md).
 UPSCALE_FLAGGED_ABOVE = 1.1
 ORIENTATIONS = ("landscape", "portrait", "square")
+PRESETS_SIZE = Bucket(704, 1280)   # --height x --width unless given: the presets' (Wan2.2-TI2V-5B's) size
 
 
 def orientation(width: int, height: int) -> str:
@@ -68,6 +69,14 @@ class TrainingShapes:
             return None
         kind = "clip" if media_type == "video" else "image"
         return f"{orientation(info.width, info.height)} {kind}, cropping to {target.name} keeps {round(100 * kept)}%"
+
+    def sized_for(self) -> str:
+        """The training size the flags are measured against, and how to measure against another."""
+        size = f"--width {self.training.width} --height {self.training.height}"
+        if self.training != PRESETS_SIZE:
+            return f"sized for {size}"
+        return (f"sized for {size}, assumed (the default: the presets' size); for a run at another size give its "
+                "--width and --height")
 
     def describe(self) -> str:
         """What "the size it trains at" means, for a warning line."""

@@ -34,6 +34,7 @@ from rich.markup import escape
 
 from diffsynth_mbc.data.convert import catalogue_rows as cat
 from diffsynth_mbc.data.convert import selection
+from diffsynth_mbc.data.convert.aspect_mix import PRESETS_SIZE
 from diffsynth_mbc.data.convert.caption_lengths import TokenizerError, long_captions
 from diffsynth_mbc.data.convert.console import PrintableConsole
 from diffsynth_mbc.data.convert.output_set import OutputError, publish_output_set
@@ -113,10 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--exclude", metavar="REASONS",
                         help="with --inspect: move the rows flagged for these reasons to rejects.csv: a comma list "
                              f"of {', '.join(REASONS)}, or all")
-    parser.add_argument("--height", type=int, default=704,
-                        help="with --probe: the training's --height (default 704, as the presets)")
-    parser.add_argument("--width", type=int, default=1280,
-                        help="with --probe: the training's --width (default 1280, as the presets)")
+    parser.add_argument("--height", type=int, default=PRESETS_SIZE.height,
+                        help=f"with --probe: the training's --height (default {PRESETS_SIZE.height}, as the presets)")
+    parser.add_argument("--width", type=int, default=PRESETS_SIZE.width,
+                        help=f"with --probe: the training's --width (default {PRESETS_SIZE.width}, as the presets)")
     parser.add_argument("--buckets", choices=BUCKET_MODES, default="aspect",
                         help="with --probe: the training's --buckets, for the report only (default aspect, the "
                              "presets' choice): aspect trains each row at the bucket nearest its aspect, off at "
@@ -135,10 +136,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     if args.min_frames < 0:
         raise UsageError("--min_frames must not be negative")
-    for name in ("height", "width"):
-        if getattr(args, name) < STEP or getattr(args, name) % STEP:
-            raise UsageError(f"--{name} must be a positive multiple of {STEP}, as the training's, "
-                             f"got {getattr(args, name)}")
+    for name, value in (("height", args.height), ("width", args.width)):
+        if value < STEP or value % STEP:
+            raise UsageError(f"--{name} must be a positive multiple of {STEP}, as the training's, got {value}")
     if (args.reject_short or args.source_fps is not None or args.inspect) and not args.probe:
         raise UsageError("--reject_short, --source_fps and --inspect need --probe (the frame counts come from probing)")
     if (args.exclude is not None or args.frame_sampling != "head") and not args.inspect:

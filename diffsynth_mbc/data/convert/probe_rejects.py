@@ -78,7 +78,7 @@ def short_video_reason(info: MediaInfo, args: argparse.Namespace) -> str | None:
     """Why a probed video is shorter than the --min_frames that train (at --source_fps when given), or None."""
     from diffsynth_mbc.data.media.frame_selection import timeline
 
-    source_fps = getattr(args, "source_fps", None)
+    source_fps = args.source_fps
     frames = len(timeline(info.num_frames, info.fps, source_fps))
     if frames >= args.min_frames:
         return None

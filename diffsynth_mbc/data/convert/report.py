@@ -61,6 +61,7 @@ def summarise_probe(entries: list[cat.Entry], outcome: ProbeOutcome, args: argpa
         "workers": args.workers,
         "min_frames": args.min_frames,
         "trains_at": shapes.describe(),
+        "sized_for": shapes.sized_for(),
         "unreadable": sum(1 for r in outcome.unreadable if r.code != SHORT_VIDEO),
         "rejected_short_videos": sum(1 for r in outcome.unreadable if r.code == SHORT_VIDEO),
         "flagged_short_videos": len(outcome.flagged(SHORT_VIDEO)),
@@ -185,6 +186,7 @@ def _print_probe(console: Console, probe: dict) -> None:
         console.print("  they train blurrier than the rest: re-export them from a larger source, or leave their rows "
                       "out of the catalogue if it has enough without them (docs/convert.md, Small media)",
                       highlight=False)
+        console.print(f"  {probe['sized_for']}", highlight=False)
     if probe["flagged_cropped_media"]:
         _print_flagged(console, f"{probe['flagged_cropped_media']} files lose more than 10% of their frame to "
                                 f"cropping (--buckets {probe['aspect']['buckets']})", probe["named_cropped_media"],

@@ -4,9 +4,11 @@
 so a 720x1280 phone clip keeps 31% of its height at 1280x704. ``--buckets aspect`` builds a set of shapes at about
 the area of ``--height x --width`` (``bucket_set``): every height that is a multiple of 32 (the VAE's 16 x the DiT's
 patch 2) paired with the multiple of 32 that brings the area closest, from aspect 1:2.5 to 2.5:1, plus the
-configured shape and its transpose. Each sample goes to the bucket nearest its own aspect (``nearest_bucket``,
-its displayed size: a clip's rotation metadata applied), is resized to cover it and centre-cropped; neighbouring
-buckets differ by one 32-pixel step, so the crop takes no more than that rounding from a sample inside the range.
+configured shape, its transpose and a square, its side the area's square root rounded to 32 (at small sizes its
+area may differ by a quarter or more: at 128x96 it is 96x96, where a square picture would otherwise lose a quarter
+to 128x96's crop). Each sample goes to the bucket nearest its own aspect (``nearest_bucket``, its displayed size: a
+clip's rotation metadata applied), is resized to cover it and centre-cropped; neighbouring buckets differ by one
+32-pixel step, so the crop takes no more than that rounding from a sample inside the range.
 
 A bucket is named as people name sizes, width x height (``1280x704``); records carry ``[frames, height, width]``.
 """
@@ -20,7 +22,6 @@ from typing import Iterable, Sequence
 BUCKET_MODES = ("off", "aspect")
 STEP = 32   # sides divisible by 32: the VAE downsamples by 16, the DiT's patch is 2
 MAX_ASPECT = 2.5   # widest bucket 2.5:1 (a 2.39:1 film fits), tallest 1:2.5
-SQUARE_AREA_TOLERANCE = 0.15   # a square bucket joins when its area is within 15% of the target's
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -57,9 +58,8 @@ def bucket_set(height: int, width: int, step: int = STEP, max_aspect: float = MA
         raise ValueError(f"--height {height} and --width {width} must be multiples of {step} for buckets")
     area = height * width
     buckets = {Bucket(height, width), Bucket(width, height)}
-    square = max(step, round(math.sqrt(area) / step) * step)
-    if abs(square * square - area) <= SQUARE_AREA_TOLERANCE * area:
-        buckets.add(Bucket(square, square))
+    square = max(step, round(math.sqrt(area) / step) * step)   # at every size, however far (128x96: 96x96)
+    buckets.add(Bucket(square, square))
     for side in range(step, int(math.sqrt(area * max_aspect)) + step, step):
         other = max(step, round(area / side / step) * step)
         for bucket in (Bucket(side, other), Bucket(other, side)):

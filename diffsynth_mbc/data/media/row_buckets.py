@@ -14,11 +14,8 @@ from typing import Sequence
 
 from diffsynth_mbc.data.media.buckets import Bucket, bucket_set, nearest_bucket, sample_key
 from diffsynth_mbc.data.media.shapes import shape_key
+from diffsynth_mbc.data.media.size_table import MAX_SIDE, file_sizes
 from diffsynth_mbc.errors import MetadataError
-
-
-
-MAX_SIDE = 1 << 16   # pixels: no image or clip the training reads is wider or taller
 
 
 def _column_size(row: dict, number: int) -> tuple[int, int] | None:
@@ -47,18 +44,23 @@ def row_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None,
     """(width, height) of every row as its file is displayed: from the run's size table at ``table_path``
     (``size_table``: each file's header read once per run), its ``width``/``height`` columns where the file cannot
     be read; None where neither gives one. Columns that disagree with the file are refused, naming the rows."""
-    from diffsynth_mbc.data.media.size_table import file_sizes
-
-    columns = [_column_size(row, number) for number, row in enumerate(rows, 1)]
-    items = [(os.path.join(base_path, str(row.get("video") or "")),
-              shape_key(row.get("media_type"), row.get("video"))) for row in rows]
-    headers = file_sizes(items, table_path, workers)
+    headers, columns = file_and_column_sizes(rows, base_path, workers, table_path)
     disagreeing = [(number, row, column, header)
                    for number, (row, column, header) in enumerate(zip(rows, columns, headers), 1)
                    if column and header and column != header]
     if disagreeing:
         raise MetadataError(columns_disagree(disagreeing))
     return [header or column for header, column in zip(headers, columns)]
+
+
+def file_and_column_sizes(rows: Sequence[dict], base_path: str, workers: int | None = None,
+                          table_path: str | None = None) -> tuple[list, list]:
+    """(each row's file size as displayed, from the size table; its ``width``/``height`` columns), None where there
+    is none, whether they agree or not. A cell that is no size is refused, naming the row and the column."""
+    columns = [_column_size(row, number) for number, row in enumerate(rows, 1)]
+    items = [(os.path.join(base_path, str(row.get("video") or "")),
+              shape_key(row.get("media_type"), row.get("video"))) for row in rows]
+    return file_sizes(items, table_path, workers), columns
 
 
 def columns_disagree(disagreeing: list[tuple]) -> str:

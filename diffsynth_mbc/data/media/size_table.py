@@ -1,5 +1,6 @@
 """The run's size table: each media file's displayed size, read from its header once and kept beside the run
-(``OUTPUT/size_table.json``), keyed by the file's fingerprint (resolved path, byte size, mtime). The plan, the
+(``OUTPUT/size_table.json``), keyed by the file's fingerprint (resolved path, byte size, mtime and inode change
+time: ``cp -p`` or ``touch -r`` set a swapped file's size and mtime back, never its change time). The plan, the
 doctor, the launch, the latent cache and the training's rank 0 look a file up by a ``stat``; only a file that is
 new or changed since (another fingerprint) has its header read again, in parallel, with a progress bar and ETA on a
 terminal (a line every 30 s in a log). No torch.
@@ -7,11 +8,15 @@ terminal (a line every 30 s in a log). No torch.
 A file whose header cannot be read is kept as ``null`` (its row fails to decode later, named, like any bad file);
 a missing file is not looked up at all. The table is written atomically, by one process (rank 0, or a command run
 outside the training), and only into a folder that exists: a dry run or a plan before the first launch reads
-without writing. A table that cannot be read (damaged, another version) is read again from the files, said once.
+without writing. It is not trusted as written: a table that cannot be read (damaged, another version) or whose
+checksum says it changed since it was written (edited by hand) is read again from the files, and so is an entry
+that is no size (``[10**30, 1]``, ``[true, true]``); each said once. A table of version 1 (fingerprints without the
+change time) is no error: its files are read again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -21,7 +26,10 @@ from typing import Sequence
 from diffsynth_mbc.atomic import atomic_write_text
 
 TABLE_NAME = "size_table.json"
-VERSION = 1
+VERSION = 2
+WITHOUT_CHANGE_TIME = 1   # the version before: its fingerprints never match a file now, so every entry is read again
+MAX_SIDE = 1 << 16   # pixels: no image or clip the training reads is wider or taller
+SIZES_KEY = '"sizes":'   # written last: the table's checksum is that of the text after it
 Size = tuple[int, int]
 LONG_READ = 100   # files: a read of this many or more shows its progress
 _READ_HERE: dict = {}   # fingerprint key: size, every header this process read (a plan reads the rows twice)
@@ -33,7 +41,7 @@ def table_path_in(folder: str | os.PathLike | None) -> str | None:
 
 
 def fingerprint_key(path: str) -> str | None:
-    """``size:mtime_ns:resolved path`` of a regular file; None when it is missing or not a file."""
+    """``size:mtime_ns:ctime_ns:resolved path`` of a regular file; None when it is missing or not a file."""
     try:
         resolved = os.path.realpath(path)
         info = os.stat(resolved)
@@ -41,42 +49,71 @@ def fingerprint_key(path: str) -> str | None:
         return None
     if not stat.S_ISREG(info.st_mode):
         return None
-    return f"{info.st_size}:{info.st_mtime_ns}:{resolved}"
+    return f"{info.st_size}:{info.st_mtime_ns}:{info.st_ctime_ns}:{resolved}"
 
 
 def _path_of(key: str) -> str:
-    return key.split(":", 2)[2]
+    return key.split(":", 3)[-1]
+
+
+def _checksum(sizes_text: str) -> str:
+    return hashlib.sha256(sizes_text.encode()).hexdigest()
+
+
+def _sizes_text(text: str) -> str:
+    """The ``sizes`` object of a table's text as it was written (last, after the version and checksum)."""
+    start = text.find(SIZES_KEY)
+    return text[start + len(SIZES_KEY):text.rstrip().rfind("}")] if start >= 0 else ""
 
 
 def load_table(path: str | None) -> dict[str, Size | None]:
-    """The table at ``path``; {} when there is none, or when it cannot be used (said once, then read again)."""
+    """The table at ``path``; {} when there is none, or when it cannot be used or was changed since it was written
+    (said once, then read again). Entries that are no size are left out (said once): their files are read again."""
     if not path or not os.path.isfile(path):
         return {}
     try:
         with open(path, encoding="utf-8") as handle:
-            saved = json.load(handle)
+            text = handle.read()
+        saved = json.loads(text)
+        if saved.get("version") == WITHOUT_CHANGE_TIME:
+            _note(f"the size table {path} was written before a file's fingerprint held its inode change time")
+            return {}
         if saved.get("version") != VERSION:
             raise ValueError(f"version {saved.get('version')!r}, not {VERSION}")
-        return {str(key): _size_or_none(value) for key, value in saved["sizes"].items()}
+        sizes = dict(saved["sizes"])
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        if _is_main():
-            print(f"note: the size table {path} cannot be used ({type(exc).__name__}: {exc}); reading the media "
-                  "sizes from the files again", file=sys.stderr)
+        _note(f"the size table {path} cannot be used ({type(exc).__name__}: {exc})")
         return {}
+    if saved.get("sha256") != _checksum(_sizes_text(text)):
+        _note(f"the size table {path} was changed since it was written (its checksum does not match)")
+        return {}
+    table, no_sizes = {}, []
+    for key, value in sizes.items():
+        if value is None or is_size(value):   # None: a file whose header could not be read
+            table[key] = (value[0], value[1]) if value else None
+        else:
+            no_sizes.append(key)
+    if no_sizes:
+        first, one = no_sizes[0], len(no_sizes) == 1
+        _note(f"{len(no_sizes):,} {'entry' if one else 'entries'} of the size table {path} {'is' if one else 'are'} "
+              f"no size (first: {_path_of(first)}: {sizes[first]!r})", "those files")
+    return table
 
 
-def _size_or_none(value) -> Size | None:
-    if value is None:
-        return None
-    width, height = value
-    if not all(isinstance(side, int) and side > 0 for side in (width, height)):
-        raise ValueError(f"{value!r} is no size")
-    return width, height
+def _note(problem: str, what: str = "the media sizes") -> None:
+    if _is_main():
+        print(f"note: {problem}; reading {what} from the files again", file=sys.stderr)
+
+
+def is_size(value) -> bool:
+    """Two whole numbers of pixels from 1 to MAX_SIDE (a bool is no number)."""
+    return (isinstance(value, list) and len(value) == 2
+            and all(type(side) is int and 1 <= side <= MAX_SIDE for side in value))
 
 
 def save_table(path: str, table: dict[str, Size | None]) -> None:
-    atomic_write_text(path, json.dumps({"version": VERSION, "sizes": {
-        key: list(size) if size else None for key, size in table.items()}}, separators=(",", ":")) + "\n")
+    sizes = json.dumps({key: list(size) if size else None for key, size in table.items()}, separators=(",", ":"))
+    atomic_write_text(path, f'{{"version":{VERSION},"sha256":"{_checksum(sizes)}",{SIZES_KEY}{sizes}}}\n')
 
 
 def _is_main() -> bool:

@@ -8,6 +8,10 @@ across the stages as one and a resume anywhere knows its stage from its step. A 
 (``stage_shape``): under ``--buckets aspect`` its bucket (the nearest aspect at the configured area) scaled to the
 stage's area, each side to a multiple of 32, so every stage has the same aspect set and a batch one shape; under
 ``off`` the stage's W x H.
+
+A stage trains below the final size (``check_below_final``: a smaller pixel area, or the same area at fewer frames)
+and every stage, and the final size after them, trains at least one optimizer step (``check_steps``: known once the
+plan's total is).
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ class Stage:
     def name(self) -> str:
         return f"{self.width}x{self.height}" + (f"x{self.num_frames}" if self.num_frames else "")
 
+    @property
+    def text(self) -> str:
+        """The stage as ``--resolution_stages`` writes it."""
+        return f"{self.name}:{self.share:g}"
+
 
 def parse_stages(text: str | None) -> tuple[Stage, ...]:
     """The stages of ``--resolution_stages`` (() when unset); OptionsError naming the value that is wrong."""
@@ -59,6 +68,43 @@ def parse_stages(text: str | None) -> tuple[Stage, ...]:
         raise OptionsError(f"{FLAG} {text}: the shares add up to {total:g}; they must leave some of the run "
                            "(below 1) for the last steps at --width x --height")
     return tuple(stages)
+
+
+def check_below_final(stages: tuple[Stage, ...], width: int, height: int, num_frames: int) -> None:
+    """OptionsError naming the first stage that is not below the final size ``width x height x num_frames``: one with
+    a larger pixel area or more frames (the final size is the largest: the memory is sized for it), or with the
+    final size's area and frames (it would train the final size under another name)."""
+    final = f"{width}x{height}x{num_frames}"
+    for stage in stages:
+        area, frames = stage.width * stage.height, stage.num_frames or num_frames
+        if area > width * height or frames > num_frames:
+            raise OptionsError(f"{FLAG}: the stage {stage.text} ({stage.width}x{stage.height}x{frames}) is larger "
+                               f"than the final size {final} (--width x --height x --num_frames); the final size is "
+                               "the largest, and the memory is sized for it: give the stage a smaller area or fewer "
+                               "frames")
+        if area == width * height and frames == num_frames:
+            raise OptionsError(f"{FLAG}: the stage {stage.text} ({stage.width}x{stage.height}x{frames}) trains the "
+                               f"final size's area and frames ({final}); a stage trains below it (a smaller area or "
+                               "fewer frames), and the steps after the stages train at the final size")
+
+
+def check_steps(stages: tuple[Stage, ...], total_steps: int, final: str) -> None:
+    """OptionsError naming the first stage (or the final size ``final`` after them) that gets none of the run's
+    ``total_steps`` optimizer steps. A run of no steps at all is refused where its rows are counted."""
+    if not stages or total_steps < 1:
+        return
+    start = 0
+    for index, end in enumerate(boundaries(stages, total_steps)):
+        if end > start:
+            start = end
+            continue
+        if index < len(stages):
+            what, remedy = f"the stage {stages[index].text}", "give it a larger share, or use fewer stages"
+        else:
+            what = f"the final size {final}, after stages whose shares add up to {sum(s.share for s in stages):g},"
+            remedy = "give the stages smaller shares"
+        raise OptionsError(f"{FLAG}: {what} gets none of this run's {total_steps:,} optimizer steps (a step is "
+                           f"{1 / total_steps:.3g} of the run): {remedy}")
 
 
 def stage_names(stages: tuple[Stage, ...]) -> list[str]:

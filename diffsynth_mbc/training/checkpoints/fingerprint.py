@@ -5,7 +5,9 @@ Every checkpoint records the run's settings (``run_fingerprint``). A resume comp
 (``fingerprint_differences``) and is refused, listing each difference, unless ``--force_resume true``. Some of
 them (the learning rate, weight decay, schedule) would otherwise come back from the checkpoint's saved optimizer
 and scheduler state and silently beat the flags given now; under ``--force_resume`` they are set from this run's
-options after loading (``apply_run_settings``), so what the run says it uses is what it uses.
+options after loading (``apply_run_settings``), so what the run says it uses is what it uses; when the plan then
+ends at another step than this run's total (the checkpoint's steps were counted under its plan), the schedule runs
+to that step (``schedule_to``).
 """
 
 from __future__ import annotations
@@ -83,3 +85,17 @@ def apply_run_settings(scheduler, options) -> list[str]:
             f"{options.warmup_steps} warm-up steps (at step {step}: {scheduler._last_lr[0]:g})",
             f"weight_decay {options.weight_decay:g}", f"max_grad_norm {options.max_grad_norm:g}"] + (
         [f"loraplus_lr_ratio {options.loraplus_lr_ratio:g}"] if options.loraplus_lr_ratio else [])
+
+
+def schedule_to(scheduler, options, total_steps: int) -> None:
+    """A forced resume whose plan now ends at another step: the learning-rate schedule runs to ``total_steps``, and
+    the rate at the restored step is that schedule's."""
+    from diffsynth_mbc.training.plan.step_plan import lr_factor
+
+    def factor(step: int) -> float:
+        return lr_factor(step, total_steps, options.warmup_steps, options.lr_scheduler)
+
+    scheduler.lr_lambdas = [factor] * len(scheduler.optimizer.param_groups)
+    for base, group in zip(scheduler.base_lrs, scheduler.optimizer.param_groups):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

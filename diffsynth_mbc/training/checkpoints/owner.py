@@ -68,8 +68,8 @@ def refusal(root: str | Path, foreign: list[tuple[Path, str | None]], output: st
     return (f"the run's folders hold {len(foreign)} checkpoint(s) or LoRA file(s) of {', '.join(runs)} ({names}); "
             "a new run there would replace, overwrite or prune them. Resume that run with --resume latest, start "
             f"over with --start_over true (they are moved into {Path(root) / (REPLACED_PREFIX + '<run id>')}/, not "
-            "deleted), or give this run folders of its own: --output_path, --checkpoint_dir and --log_dir together "
-            f"(a preset's log folder stays where it was when only --output_path changes{'; ' + now if now else ''})")
+            "deleted), or give this run folders of its own: --output_path (its checkpoint and log folders follow it "
+            f"unless --checkpoint_dir or --log_dir is given{'; ' + now if now else ''})")
 
 
 def set_aside(foreign: list[tuple[Path, str | None]], root: str | Path | None = None) -> list[Path]:

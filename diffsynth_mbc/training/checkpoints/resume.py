@@ -14,9 +14,8 @@ from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fingerprint_differences, run_fingerprint
-from diffsynth_mbc.training.checkpoints.folder import (different_configuration, read_manifest, resolve_resume,
-                                                       set_aside_unreadable)
-from diffsynth_mbc.training.checkpoints.row_sizes import resized_since
+from diffsynth_mbc.training.checkpoints.folder import read_manifest, resolve_resume, set_aside_unreadable
+from diffsynth_mbc.training.checkpoints.row_sizes import changes_since, media_now, resume_refusal, rows_of
 from diffsynth_mbc.training.checkpoints.state import truncate_history
 from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
 
@@ -26,33 +25,60 @@ KNOWN_LATE = ("mixed_precision", "gradient_accumulation_steps", "metadata_rows")
 
 
 def refuse_early(options, run_id: str, world_size: int, report=None) -> Path | None:
-    """OptionsError for what the files alone refuse: a ``--resume`` without an intact checkpoint or with other
-    settings than the checkpoint's (``--force_resume`` aside); a fresh run on folders holding another run's
-    checkpoints or LoRA files without ``--start_over``. Returns the checkpoint folder a resume goes on from."""
+    """OptionsError for what the files alone refuse: a ``--resume`` without an intact checkpoint, or with other
+    settings or media than the checkpoint's (``--force_resume`` aside; every row that changed named at once); a
+    fresh run on folders holding another run's checkpoints or LoRA files without ``--start_over``; a run whose
+    missing media files alone would stop it past ``--max_bad_media_fraction``. Returns the checkpoint folder a resume
+    goes on from."""
     from diffsynth_mbc.training.checkpoints.owner import check_claim
 
+    folder = None
     try:
-        if not options.resume:
+        if options.resume:
+            folder = resolve_resume(options.resume, options.checkpoint_dir, world_size, report=report)
+        else:
             check_claim(options.checkpoint_dir, options.output_path, run_id, options.start_over, options.log_dir)
-            return None
-        folder = resolve_resume(options.resume, options.checkpoint_dir, world_size, report=report)
     except ValueError as exc:
         raise OptionsError(str(exc)) from None
-    if options.force_resume:
-        return folder
+    manifest = (read_manifest(folder) or {}) if folder else {}
+    compare = bool(folder) and not options.force_resume   # the checkpoint's rows and sizes with these
+    rows = rows_of(options)
+    now = media_now(options, rows, with_sizes=compare) if rows is not None else None
+    missing_media = too_many_missing(options, rows, now, manifest)
+    if compare:
+        refusal = other_checkpoint(options, world_size, folder, manifest, now, missing_media)
+        if refusal:
+            raise OptionsError(refusal)
+    if missing_media:
+        raise OptionsError(f"{missing_media}. Nothing was trained or written.")
+    return folder
+
+
+def other_checkpoint(options, world_size: int, folder, manifest: dict, now, missing_media: str | None) -> str | None:
+    """The refusal of resuming ``folder`` with other settings or media (``KNOWN_LATE`` aside), None when it matches."""
     try:
         current = early_fingerprint(options, world_size)
     except OSError:   # the metadata cannot be read: opening the dataset says so, naming the file
-        return folder
+        return None
     keys = [key for key in FINGERPRINT_KEYS if key not in KNOWN_LATE]
-    manifest = read_manifest(folder) or {}
     differences = fingerprint_differences(manifest.get("fingerprint", {}), current, keys)
-    if differences:
-        raise OptionsError(different_configuration(folder, differences))
-    resized = resized_since(options, folder, manifest)   # media files that changed shape since: the rows named
-    if resized:
-        raise OptionsError(resized)
-    return folder
+    return resume_refusal(folder, differences, changes_since(folder, manifest, now), now, missing_media)
+
+
+def too_many_missing(options, rows: list[dict] | None, now, manifest: dict) -> str | None:
+    """``missing_media_refusal`` for this run: each row's samples per epoch from the repeats, the samples to come
+    from ``--num_epochs`` less those a resumed checkpoint's ranks have seen."""
+    from diffsynth_mbc.data.dataset_list import row_repeats
+    from diffsynth_mbc.training.components.guards import missing_media_refusal
+
+    if now is None or not now.missing:
+        return None
+    catalogues = row_repeats(options.datasets, [int(row.get("dataset") or 0) for row in rows]) if options.datasets \
+        else None
+    draws = [options.dataset_repeat * (catalogues[index] if catalogues else 1) for index in range(len(rows))]
+    seen = sum(int(rank.get("samples_seen") or 0) for rank in manifest.get("per_rank") or [] if isinstance(rank, dict))
+    return missing_media_refusal([(number, now.videos[number - 1]) for number in now.missing], draws,
+                                 max(0, sum(draws) * options.num_epochs - seen), options.max_bad_media_fraction)
 
 
 def ended_run_note(options, run_id: str, world_size: int, report=None) -> str | None:
@@ -139,3 +165,27 @@ def resume(checkpoints, options, status, accelerator):
     status.update(phase=f"resumed from {position.checkpoint} of run {status.state['run_id']} "
                         f"(history: {kept} lines kept)", resumed_from=lineage, samples_seen=position.samples_seen)
     return position, states
+
+
+def go_on_with_this_plan(parts, position) -> int:
+    """After a forced resume: where this run's plan takes the checkpoint's ``position``, said once; the run's last
+    step (its status, ETA and learning-rate schedule end there: where that plan really ends)."""
+    from diffsynth_mbc.training.checkpoints.fingerprint import schedule_to
+    from diffsynth_mbc.training.plan.step_plan import end_step
+
+    options = parts.options
+    batches = len(parts.loader)
+    planned = parts.total_steps
+    last = end_step(position.step, position.epoch, position.batches_in_epoch, batches,
+                    parts.accelerator.gradient_accumulation_steps, options.num_epochs)
+    if last != planned:
+        schedule_to(parts.scheduler, options, last)
+    if parts.accelerator.is_main_process:
+        ends = (f"step {last}" if last == planned else
+                f"step {last}, not this plan's {planned}: the checkpoint's {position.step} steps were counted "
+                f"under its own plan (the learning-rate schedule ends at step {last} too)")
+        steps = f"{parts.steps_per_epoch} step{'s' if parts.steps_per_epoch != 1 else ''}"
+        print(f"the run now uses this run's settings and media: {steps} per epoch ({batches} "
+              f"batches per GPU) x {options.num_epochs} epochs; from the checkpoint's step {position.step} (epoch "
+              f"{position.epoch + 1}, batch {position.batches_in_epoch}) it goes on to {ends}", file=sys.stderr)
+    return last

@@ -30,7 +30,6 @@ from diffsynth_mbc.training.checkpoints.folder import (
     TEMP_PREFIX,
     checkpoint_name,
     complete_checkpoints,
-    different_configuration,
     find_latest,
     resolve_resume,
     temp_path,
@@ -40,7 +39,8 @@ from diffsynth_mbc.training.checkpoints.integrity import (
     inventory,
     missing_rank_files,
 )
-from diffsynth_mbc.training.checkpoints.row_sizes import changed_sizes, sizes_digest, write_row_sizes
+from diffsynth_mbc.training.checkpoints.row_sizes import (MediaNow, changes_since, resume_refusal, sizes_digest,
+                                                          write_row_sizes)
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import broadcast_from_main, gather_from_all, wait_for_everyone
@@ -125,7 +125,7 @@ def component_states(manifest: dict, rank: int) -> dict[str, dict]:
     if "components" in manifest:
         return {**(manifest.get("components") or {}), **(mine.get("components") or {})}
     states = {"bad_media": {"skipped_samples": mine.get("skipped_samples", 0),
-                            "recent_skips": mine.get("recent_skips", [])}}
+                            "recent_skips": mine.get("recent_skips", []), "replaced": mine.get("replaced", {})}}
     if manifest.get("best_so_far"):
         states["best_lora"] = manifest["best_so_far"]
     return states
@@ -166,8 +166,9 @@ class Checkpoints(LoraFiles):
         self.options = options
         self.status = status
         self.fingerprint = fingerprint
-        self.sized_rows = sized_rows   # (video, size) of every row under aspect buckets: a resume compares them
-        self.sizes_digest = sizes_digest(sized_rows)
+        self.sized_rows = sized_rows   # (video, size or None) of every row (none from a cache): a resume compares
+        self.sizes_digest = sizes_digest(sized_rows) if options.buckets == "aspect" else None
+        self.missing_rows = self.rows_without_files() if sized_rows is not None else None
         self.ema = ema   # the run's LoraEma: its twin beside every LoRA file (``LoraFiles``)
         self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -184,6 +185,24 @@ class Checkpoints(LoraFiles):
 
         accelerator.register_save_state_pre_hook(keep_only_trainable)
         accelerator.register_for_checkpointing(scheduler)
+
+    def rows_without_files(self) -> list[int]:
+        """The 1-based rows whose file is not there, as rank 0 finds them (every rank takes rank 0's)."""
+        from diffsynth_mbc.data.media.size_table import first_rank_reads
+        from diffsynth_mbc.data.metadata_csv import missing_files
+
+        return first_rank_reads(
+            lambda: missing_files([{"video": video} for video, _ in self.sized_rows], self.options.dataset_base_path),
+            self.accelerator.is_main_process, lambda value: broadcast_from_main(
+                self.accelerator, value, self.status, "rank 0 looking for the media files"))
+
+    def media_now(self) -> MediaNow | None:
+        """This run's rows and files (the dataset's, rank 0's sizes) as a resume compares them; None from a cache."""
+        if self.sized_rows is None:
+            return None
+        sizes = [size for _, size in self.sized_rows] if self.options.buckets == "aspect" else None
+        return MediaNow([video for video, _ in self.sized_rows], sizes, self.missing_rows, [],
+                        self.options.dataset_base_path)
 
     # -- full training state --------------------------------------------------------------------
     def save(self, position: Position, components=()) -> Path:
@@ -236,7 +255,7 @@ class Checkpoints(LoraFiles):
         for component in components:
             component.save_files(temporary)
         if self.sized_rows is not None:
-            write_row_sizes(temporary, self.sized_rows)
+            write_row_sizes(temporary, self.sized_rows, self.missing_rows)
         files = inventory(temporary)
         missing = missing_rank_files(files, self.accelerator.num_processes)
         if missing:   # published only when every rank's state is in it
@@ -296,11 +315,11 @@ class Checkpoints(LoraFiles):
         manifest = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
         differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
         check_adapter_shape(manifest.get("fingerprint", {}), self.fingerprint)   # DoRA / LoRA+ on or off
-        if differences and not self.options.force_resume:
-            raise OptionsError(different_configuration(folder, differences))
-        resized = changed_sizes(folder, manifest, self.sized_rows)   # media that changed shape since: rows named
-        if resized and not self.options.force_resume:
-            raise OptionsError(resized)
+        now = self.media_now()
+        changes = changes_since(folder, manifest, now)   # rows that changed size, vanished, left or are new
+        refusal = resume_refusal(folder, differences, changes, now)
+        if refusal and not self.options.force_resume:
+            raise OptionsError(refusal)
         self.status.update(phase=f"loading checkpoint {folder.name}")
         if self.deepspeed:
             self.accelerator.load_state(str(folder), load_module_strict=False)
@@ -308,12 +327,13 @@ class Checkpoints(LoraFiles):
             self.accelerator.load_state(str(folder), strict=False)
         self.verify_lora(folder / "lora.safetensors")
         self.last_step = manifest["step"]   # this step has its checkpoint: finishing here saves none again
-        if differences:   # --force_resume: this run's settings, not the saved optimizer's, and said so
-            applied = apply_run_settings(self.scheduler, self.options)
+        if differences or changes:   # --force_resume: this run's settings and media, not the saved ones, said
+            applied = apply_run_settings(self.scheduler, self.options) if differences else []
             if self.accelerator.is_main_process:
-                print(f"resuming from {folder} with --force_resume true despite:\n  " + "\n  ".join(differences)
-                      + "\nthe optimizer now uses this run's " + ", ".join(applied), file=sys.stderr)
-            self.status.update(resumed_with_changes=differences)
+                print(f"resuming from {folder} with --force_resume true despite:\n  " + "\n  ".join(
+                    differences + changes) + ("\nthe optimizer now uses this run's " + ", ".join(applied)
+                                              if applied else ""), file=sys.stderr)
+            self.status.update(resumed_with_changes=differences + changes)
         rank = self.accelerator.process_index
         rank_state = manifest.get("per_rank") or []
         mine = rank_state[rank] if len(rank_state) > rank else {}

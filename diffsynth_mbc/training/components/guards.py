@@ -2,20 +2,24 @@
 
 Pure logic (no torch), each a component (``protocol.py``). Bad media: each undecodable file is replaced by the next
 row and counted over all ranks (the step's agreement sums every rank's); past ``--max_bad_media_fraction`` the run
-stops. Non-finite steps: at the end of each optimizer step every rank learns whether any rank's losses were finite
-(one small all-reduce in the step, so all ranks skip together) and looks at the gradient norm, the same on every
-rank once gradients are averaged; a skipped step discards its gradients. Under fp16 a step whose gradients overflow
-is skipped by the loss scaler, which then lowers the scale; a few in a row at the start are normal while it
-settles.
+stops, and a run whose missing files alone would go past it is refused before its first step
+(``missing_media_refusal``). Non-finite steps: at the end of each optimizer step every rank learns whether any rank's
+losses were finite (one small all-reduce in the step, so all ranks skip together) and looks at the gradient norm, the
+same on every rank once gradients are averaged; a skipped step discards its gradients. Under fp16 a step whose
+gradients overflow is skipped by the loss scaler, which then lowers the scale; a few in a row at the start are normal
+while it settles.
 """
 
 from __future__ import annotations
+
+import math
 
 from diffsynth_mbc.training.components.protocol import Component, StepContext, StepResult
 from diffsynth_mbc.values import finite_number
 
 BAD_MEDIA_ALLOWANCE = 10  # bad files tolerated before --max_bad_media_fraction applies
 RECENT_SKIPS_SHOWN = 5    # the bad files a rank's status file names (its newest)
+MISSING_ROWS_NAMED = 5    # rows named when missing files refuse a run
 
 
 class TooMuchBadMedia(RuntimeError):
@@ -29,13 +33,14 @@ class BadMediaGuard(Component):
     name = "bad_media"
     per_rank = True
 
-    def __init__(self, max_fraction: float, status=None):
+    def __init__(self, max_fraction: float, status=None, accelerator=None):
         self.max_fraction = max_fraction
-        self.status = status
+        self.status, self.accelerator = status, accelerator
         self.bad_total = 0          # every rank's, since this process started
         self.seen_total = 0
         self.skipped_samples = 0    # this rank's, over the whole run
         self.recent_skips: list[dict] = []
+        self.replaced: dict = {}    # this rank's bad files: metadata row -> [file, times replaced] (the summary's)
 
     def votes(self, result: StepResult) -> dict[str, int]:
         return {"bad_media": len(result.bad_media), "samples": result.samples}
@@ -46,10 +51,22 @@ class BadMediaGuard(Component):
     def after_step(self, context: StepContext) -> None:
         bad = context.result.bad_media
         if bad:
+            for skip in bad:
+                count_replaced(self.replaced, skip)
             self.skipped_samples += len(bad)
             self.recent_skips = (self.recent_skips + bad)[-RECENT_SKIPS_SHOWN:]
             self.status.update(skipped_samples=self.skipped_samples, skip_reasons=self.recent_skips)
         self.account(context.agreed["bad_media"], context.agreed["samples"])
+
+    def after_training(self, context: StepContext) -> None:
+        """Rank 0's status gets ``replaced_media``: what every rank replaced (a collective), for the summary."""
+        from diffsynth_mbc.training.distributed.collectives import gather_from_all
+        from diffsynth_mbc.training.reporting.run_summary import replaced_media
+
+        said = gather_from_all(self.accelerator, (context.samples_seen, self.skipped_samples, self.replaced),
+                               self.status, "ranks counting the media they replaced")
+        if self.accelerator.is_main_process:
+            self.status.update(replaced_media=replaced_media(said))
 
     def account(self, bad: int, seen: int) -> None:
         self.bad_total += bad
@@ -63,11 +80,49 @@ class BadMediaGuard(Component):
                 "converter with --probe, or raise --max_bad_media_fraction.")
 
     def state_dict(self) -> dict:
-        return {"skipped_samples": self.skipped_samples, "recent_skips": self.recent_skips}
+        return {"skipped_samples": self.skipped_samples, "recent_skips": self.recent_skips, "replaced": self.replaced}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_samples = int(state.get("skipped_samples") or 0)
         self.recent_skips = list(state.get("recent_skips") or [])
+        self.replaced = dict(state.get("replaced") or {})
+
+
+def missing_media_refusal(missing: list[tuple[int, str]], draws: list[int], draws_to_come: int,
+                          max_fraction: float) -> str | None:
+    """Why a run whose missing files alone would stop it part-way (``TooMuchBadMedia``) is refused before its first
+    step; None when they would not. ``missing``: (1-based metadata row, file) of each row whose file is not there;
+    ``draws``: each row's samples per epoch (its repeats); ``draws_to_come``: the samples the run has still to draw.
+    Each draw of a missing row is one bad file more, and its replacement one sample more, as ``account`` counts."""
+    per_epoch = sum(draws)
+    missing_draws = sum(draws[number - 1] for number, _ in missing)
+    if not missing_draws or not per_epoch:
+        return None
+    share = missing_draws / per_epoch
+    bad = share * draws_to_come
+    if bad <= max(BAD_MEDIA_ALLOWANCE, max_fraction * (draws_to_come + bad)):
+        return None
+    named = "; ".join(f"row {number}: {file}" for number, file in missing[:MISSING_ROWS_NAMED])
+    more = f"; and {len(missing) - MISSING_ROWS_NAMED:,} more" if len(missing) > MISSING_ROWS_NAMED else ""
+    return (f"{len(missing):,} of {len(draws):,} metadata rows' files are not found ({named}{more}): "
+            f"{missing_draws:,} of each epoch's {per_epoch:,} samples ({100 * share:.1f}%), past "
+            f"--max_bad_media_fraction {max_fraction:g}, so the run would replace about {bad:,.0f} of the "
+            f"{draws_to_come:,} samples it has still to draw and stop part-way. Put the files back, leave their rows "
+            f"out of the metadata (python -m diffsynth_mbc.convert leaves out rows whose file is missing), or raise "
+            f"--max_bad_media_fraction to {_rounded_up(share)}")
+
+
+def _rounded_up(share: float) -> str:
+    """``share`` rounded up to 3 significant digits: a limit the share is not past."""
+    digits = 3 - int(math.floor(math.log10(share))) - 1
+    return f"{math.ceil(share * 10 ** digits) / 10 ** digits:g}"
+
+
+def count_replaced(replaced: dict, skip: dict) -> None:
+    """One more replacement of the bad file ``skip`` (the dataset's record: its metadata row, file and reason) in
+    ``replaced``: metadata row (as text, as JSON keeps it) -> [file, times]."""
+    entry = replaced.setdefault(str(skip["row"]), [skip["file"], 0])
+    entry[1] += 1
 
 
 class NonFiniteError(RuntimeError):

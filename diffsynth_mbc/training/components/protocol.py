@@ -12,6 +12,8 @@ hooks in that order on every rank alike:
 - ``after_step(context) -> Decision``: after every optimizer step;
 - ``after_validation(context) -> Decision``: after a validation was measured, before its record is written (a
   component may add to ``context.validation``);
+- ``after_training(context)``: once, when the steps end (at the total, an early stop or a stop request), before the
+  end's work;
 - ``at_end(context)``: once, when the run ends at its total or an early stop (after the last validation);
 - ``failure_note(error)``: what it adds to the message of a run failing with a broken LoRA (non-finite steps, a
   LoRA that is not finite at the end), or None;
@@ -82,6 +84,7 @@ class StepContext:
     agreed: dict[str, int] = field(default_factory=dict)
     validation: dict | None = None
     stop: Stop | None = None     # a stop decided so far (at the end: why the run ended before its total)
+    samples_seen: int = 0        # this rank's samples over the run so far
 
 
 class Component:
@@ -104,6 +107,9 @@ class Component:
 
     def after_validation(self, context: StepContext) -> Decision | None:
         return None
+
+    def after_training(self, context: StepContext) -> None:
+        pass
 
     def at_end(self, context: StepContext) -> None:
         pass

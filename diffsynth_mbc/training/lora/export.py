@@ -27,6 +27,7 @@ from diffsynth_mbc.training.lora.file_format import (
     lora_pairs,
     nonfinite_tensors,
     split_magnitudes,
+    training_keys,
     training_scale,
 )
 from diffsynth_mbc.training.lora.read import LoraReadError, alpha_of, file_metadata_of, rank_of, read_lora
@@ -135,6 +136,8 @@ def export(source: str | Path, target_format: str, output: str | Path, overwrite
                       base_model=str(facts.get("base_model", BASE_MODEL)),
                       step=int(step) if str(step or "").isdigit() else None,
                       run_id=facts.get("run_id"), layout=target_format, variant=variant)
+    # what trained it goes along (kohya-style ss_* and the project's recipe and plan)
+    metadata = {**training_keys(file_metadata_of(read_from), lora=target_format != MERGED), **metadata}
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(output, converted, metadata=metadata)
     return {"input": str(read_from), "output": str(output), "format": target_format, "tensors": len(converted),

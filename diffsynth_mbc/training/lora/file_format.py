@@ -228,3 +228,57 @@ def file_metadata(*, rank: int, alpha: float | None, targets: str, base_model: s
             "lora_alpha": str(alpha if alpha is not None else rank), "lora_target_modules": targets,
             "base_model": base_model, "step": "" if step is None else str(step), "run_id": run_id or "",
             "lora_variant": variant}
+
+
+KOHYA_PREFIX = "ss_"            # the training facts kohya's sd-scripts write, which LoRA browsers and UIs read
+OWN_TRAINING_KEYS = ("recipe", "plan")   # the project's own, as JSON
+PLAN_FACTS = ("rows", "images", "repeat", "world_size", "batch_size", "image_batch_size", "gradient_accumulation",
+              "effective_batch", "samples_per_epoch", "batches_per_epoch", "steps_per_epoch", "num_epochs",
+              "total_steps")
+
+
+def training_metadata(options, plan: dict | None, step: int | None) -> dict:
+    """What trained a LoRA file, so that a file found later is judged without its run folder (strings only):
+    kohya-style ``ss_*`` keys (rank and alpha, targets, learning rate and schedule, epochs and steps, the samples
+    of an epoch, the final resolution, buckets, seed) beside the project's own ``recipe`` (``recipe_of``: what
+    each sample trains, the LoRA, the schedule, the catalogues) and ``plan`` (rows, repeats, GPUs, batches, steps
+    per epoch and in all, each --resolution_stages stage's size and steps), JSON. ``plan``: the step plan as the
+    status file holds it (``StepPlan.as_dict``); None leaves its figures out."""
+    import json
+    import math
+
+    from diffsynth_mbc.training.reporting.recipe import recipe_of
+
+    plan = plan or {}
+    per_epoch, total = plan.get("steps_per_epoch"), plan.get("total_steps")
+    alpha = options.lora_rank if options.lora_alpha is None else options.lora_alpha
+    kohya = {
+        "network_module": f"diffsynth_mbc.{options.lora_variant}", "network_dim": options.lora_rank,
+        "network_alpha": alpha, "network_args": json.dumps({"target_modules": options.lora_target_modules.text,
+                                                            "variant": options.lora_variant}),
+        "learning_rate": options.learning_rate, "lr_scheduler": options.lr_scheduler,
+        "lr_warmup_steps": options.warmup_steps, "num_epochs": options.num_epochs,
+        "epoch": math.ceil(step / per_epoch) if step is not None and per_epoch else None,   # from 1; 0: none yet
+        "steps": step, "max_train_steps": total, "num_train_images": plan.get("samples_per_epoch"),
+        "num_batches_per_epoch": plan.get("batches_per_epoch"), "batch_size_per_device": options.batch_size,
+        "gradient_accumulation_steps": options.gradient_accumulation_steps,
+        "total_batch_size": plan.get("effective_batch"), "resolution": f"({options.width}, {options.height})",
+        "num_frames": options.num_frames, "enable_bucket": options.buckets == "aspect", "seed": options.seed,
+        "mixed_precision": options.mixed_precision, "max_grad_norm": options.max_grad_norm,
+        "caption_dropout_rate": options.caption_dropout,
+    }
+    facts = {key: plan[key] for key in PLAN_FACTS if key in plan}
+    facts["size"] = f"{options.width}x{options.height}x{options.num_frames}"
+    if plan.get("stages"):
+        facts["stages"] = [{key: row.get(key) for key in ("size", "from_step", "to_step")} for row in plan["stages"]]
+    if plan.get("datasets"):
+        facts["datasets"] = [{key: row.get(key) for key in ("name", "rows", "repeat")} for row in plan["datasets"]]
+    return {**{KOHYA_PREFIX + key: str(value) for key, value in kohya.items() if value is not None},
+            "recipe": json.dumps(recipe_of(options)), "plan": json.dumps(facts)}
+
+
+def training_keys(metadata: dict, lora: bool = True) -> dict:
+    """The training facts of a file's metadata (``training_metadata``), to carry into a file made from it: all of
+    them for a LoRA layout, the project's own for a merged file (it is no LoRA network: no ``ss_network_*``)."""
+    return {key: value for key, value in metadata.items()
+            if key in OWN_TRAINING_KEYS or (lora and key.startswith(KOHYA_PREFIX))}

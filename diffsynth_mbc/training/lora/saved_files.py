@@ -18,6 +18,7 @@ from diffsynth_mbc.training.lora.file_format import (
     describe_nonfinite,
     file_metadata,
     nonfinite_tensors,
+    training_metadata,
     training_scale,
 )
 
@@ -79,11 +80,14 @@ class LoraFiles:
         return converted
 
     def write_lora(self, target: Path, step: int, file_tensors: dict) -> None:
+        """``target`` with what the file is (layout, rank, alpha, base model, step, run) and what trained it
+        (``training_metadata``: the step plan the status file holds) in its metadata."""
         options = self.options
-        atomic_save_safetensors(target, file_tensors, metadata=file_metadata(
+        atomic_save_safetensors(target, file_tensors, metadata={**file_metadata(
             rank=options.lora_rank, alpha=options.lora_alpha, targets=options.lora_target_modules.text,
             base_model="Wan2.2-TI2V-5B" + (" (demo)" if options.demo else ""), step=step,
-            run_id=str(self.status.state["run_id"]), layout=options.lora_format, variant=options.lora_variant))
+            run_id=str(self.status.state["run_id"]), layout=options.lora_format, variant=options.lora_variant),
+            **training_metadata(options, self.status.state.get("plan"), step)})
 
     def save_lora(self, file_name: str, step: int) -> None:
         """Rank 0 writes the LoRA (``--lora_format``, loadable by DiffSynth and ComfyUI): temp file, then rename.

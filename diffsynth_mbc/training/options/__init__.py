@@ -51,6 +51,8 @@ def resolve_options(argv: list[str] | None = None) -> TrainOptions:
     given = vars(build_parser().parse_args(argv))
     preset = load_preset(given.pop("config")) if "config" in given else {}
     options = {**DEFAULTS, **preset, **given}
+    if given.get("demo"):   # the command line's --demo beats a preset's model: the run trains the tiny one
+        options.update({key: None for key in ("model_dir", "model_id") if key not in given})
     if "use_gradient_checkpointing" in given and "gradient_checkpointing" not in given:
         options["gradient_checkpointing"] = None   # the command line's true/false beats a preset's auto
     if options["gradient_checkpointing"] is None:
@@ -60,9 +62,10 @@ def resolve_options(argv: list[str] | None = None) -> TrainOptions:
     for key in LISTED:   # parsed once, here: refused naming the flag
         options[key] = DECLARATIONS[key].typed(options[key])
     validate(options)
-    # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other.
-    if not options["log_dir"]:
-        options["log_dir"] = str(Path(options["output_path"]) / "training_logs")
-    if not options["checkpoint_dir"]:
-        options["checkpoint_dir"] = str(Path(options["output_path"]) / "checkpoints")
+    # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other. A preset's
+    # log or checkpoint folder belongs to its output folder: an --output_path given without them takes them along.
+    moved_output = "output_path" in given and given["output_path"] != preset.get("output_path")
+    for key, folder in (("log_dir", "training_logs"), ("checkpoint_dir", "checkpoints")):
+        if not options[key] or (moved_output and key not in given):
+            options[key] = str(Path(options["output_path"]) / folder)
     return TrainOptions(**options)

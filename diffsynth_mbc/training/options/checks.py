@@ -16,6 +16,7 @@ from diffsynth_mbc.training.lora.init_from_file import check_init_lora_option
 from diffsynth_mbc.training.options.declaration import Declaration
 from diffsynth_mbc.training.options.run_options import DECLARATIONS, DEFAULTS
 from diffsynth_mbc.training.plan.recompute import parse_choice
+from diffsynth_mbc.data.media.stages import check_below_final
 from diffsynth_mbc.values import finite_number
 
 # Parameters of one --timestep_sampling scheme: given with another scheme they would do nothing, so they are refused.
@@ -166,10 +167,13 @@ def validate(options: dict) -> None:
         raise OptionsError("--early_stop needs a validation to decide on: --val_metadata_path FILE and --val_steps N "
                            "(it stops after --early_stop of them in a row without improving), or --early_stop off")
     check_frame_options(options)
+    check_below_final(options["resolution_stages"],   # refused naming the stage that is wrong
+                      options["width"], options["height"], options["num_frames"])
     if options["lora_variant"] == "dora" and options["lora_format"] != "comfyui":
         raise OptionsError("--lora_variant dora needs --lora_format comfyui: DiffSynth's LoRA loader reads no DoRA "
                            f"magnitudes, so a {options['lora_format']} file would load at the wrong strength")
     check_init_lora_option(options)
     check_ema_options(options)
     if options["demo"] and (options["model_dir"] or options["model_id"]):
-        raise OptionsError("--demo builds a tiny random model; do not combine it with --model_dir/--model_id")
+        given = " and ".join(f"--{key} {options[key]}" for key in ("model_dir", "model_id") if options[key])
+        raise OptionsError(f"--demo builds a tiny random model; do not combine it with {given}")

@@ -174,7 +174,8 @@ class TrainOptions:
     # output and logging
     output_path: str = option(OUTPUT, "./runs/lora", "where the LoRA safetensors go", path=True)
     log_dir: str | None = option(OUTPUT, None, "per-rank training_gpu{rank}.json/.jsonl", path=True,
-                                 unset="OUTPUT_PATH/training_logs, so two runs never share one")
+                                 unset="OUTPUT_PATH/training_logs, so two runs never share one; a preset's follows "
+                                       "an --output_path given without it")
     run_id: str | None = option(OUTPUT, None, "names this run in the logs", unset="time-based")
     save_steps: int | None = option(OUTPUT, None, "also save the LoRA every N optimizer steps", parse=int, at_least=1,
                                     optional=True, unset="off")
@@ -196,7 +197,8 @@ class TrainOptions:
     keep_checkpoints: int = option(CHECKPOINTS, 3, "keep the newest K plus any with a KEEP file", parse=int,
                                    at_least=1)
     checkpoint_dir: str | None = option(CHECKPOINTS, None, "where the checkpoints go (shared by all nodes)", path=True,
-                                        unset="OUTPUT_PATH/checkpoints")
+                                        unset="OUTPUT_PATH/checkpoints; a preset's follows an --output_path given "
+                                              "without it")
     resume: str | None = option(CHECKPOINTS, None, "'latest' or a checkpoint folder: continue at its exact step and "
                                 "data position", unset="none, a new run")
     force_resume: bool = option(CHECKPOINTS, False, "resume even if the configuration differs", parse=parse_bool)

@@ -153,8 +153,9 @@ def resumed_id(options) -> str:
 
 def refusal_of_the_files(options, world_size: int) -> str | None:
     """What the training would refuse from the files alone (another run's checkpoints or LoRA files in a fresh
-    run's folders, a --resume without a usable checkpoint), said before anything starts: the launch stops here, and
-    --dry_run finds it too. None when the files allow the run."""
+    run's folders, a --resume without a usable checkpoint or on other settings or media, missing media files that
+    alone would stop the run), said before anything starts: the launch stops here, and --dry_run finds it too. None
+    when the files allow the run."""
     from diffsynth_mbc.training.checkpoints.resume import refuse_early
 
     run_id = options.run_id or resumed_id(options) or "a-new-run"
@@ -298,20 +299,16 @@ def world_size_of(known) -> tuple[int, int]:
 def files_not_found(options) -> str | None:
     """A line naming how many of the metadata's files are not where the training will look (a wrong
     --dataset_base_path, a moved archive), with the first of them; None when every file is there."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from diffsynth_mbc.data.metadata_csv import read_metadata
+    from diffsynth_mbc.data.metadata_csv import missing_files, read_metadata
 
     rows = list(read_metadata(options.dataset_metadata_path))
-    paths = [os.path.join(options.dataset_base_path or "", str(row.get("video") or "")) for row in rows]
-    with ThreadPoolExecutor(max_workers=16) as pool:   # a network file system answers each look-up slowly
-        found = list(pool.map(os.path.isfile, paths, chunksize=256))
-    missing = [index for index, there in enumerate(found) if not there]
+    missing = missing_files(rows, options.dataset_base_path)
     if not missing:
         return None
-    first = missing[0]
+    first = missing[0] - 1
+    path = os.path.join(options.dataset_base_path or "", str(rows[first].get("video") or ""))
     return (f"warning: {len(missing):,} of {len(rows):,} files were not found (row {first + 1}: "
-            f"{rows[first].get('video')}, looked for at {paths[first]}): the training replaces each as bad media and "
+            f"{rows[first].get('video')}, looked for at {path}): the training replaces each as bad media and "
             f"stops past --max_bad_media_fraction {options.max_bad_media_fraction:g}; is --dataset_base_path "
             f"({options.dataset_base_path}) right?")
 

@@ -39,6 +39,9 @@ GIB = 1024 ** 3
 
 DIT = dict(dim=3072, ffn_dim=14336, num_layers=30, num_heads=24, in_dim=48, out_dim=48, text_dim=4096,
            freq_dim=256, patch=(1, 2, 2))
+# --demo's tiny model (models/pipeline.py TINY_DIT; its text encoder's width is text_dim, its text 32 tokens long)
+DEMO_DIT = dict(DIT, dim=64, ffn_dim=128, num_layers=2, num_heads=2, text_dim=32, freq_dim=32)
+DEMO_TEXT_TOKENS = 32
 TEXT_ENCODER_PARAMS = 5_680_910_336   # UMT5-XXL encoder (models_t5_umt5-xxl-enc-bf16.pth)
 VAE_PARAMS = 704_688_668              # Wan2.2 VAE (Wan2.2_VAE.pth)
 TEXT_TOKENS = 512                     # DiffSynth pads every prompt to 512 tokens

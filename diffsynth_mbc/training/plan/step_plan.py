@@ -228,21 +228,25 @@ def plan_from_options(options, *, rows: int, images: int, world_size: int, datas
                       gradient_accumulation: int | None = None, bucket_samples: tuple = ()) -> StepPlan:
     """The run's step plan from its options and its catalogue's counts: what the training, the launcher's plan and
     the status files all print (images batched by ``--image_batch_size``, by default one video's tokens). An epoch
-    above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit)."""
+    above ``MAX_SAMPLES_PER_EPOCH`` samples is refused (OptionsError naming the catalogue and the limit), and so is
+    a ``--resolution_stages`` stage that gets no optimizer step of the plan's total (naming it)."""
     from diffsynth_mbc.data.dataset_list import check_epoch_size
     from diffsynth_mbc.training.plan.batches import default_image_batch_size
+    from diffsynth_mbc.data.media.stages import check_steps
 
     image_batch = options.image_batch_size or default_image_batch_size(options.batch_size, options.num_frames)
     check_epoch_size([(f"datasets[{position}] ({count.name})", count.videos + count.images, count.repeat)
                       for position, count in enumerate(datasets)] if datasets else
                      [(f"--dataset_metadata_path {options.dataset_metadata_path}", rows, 1)],
                      options.dataset_repeat)
-    return StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=world_size, batch_size=options.batch_size,
+    plan = StepPlan(rows=rows, repeat=options.dataset_repeat, world_size=world_size, batch_size=options.batch_size,
                     gradient_accumulation=gradient_accumulation or options.gradient_accumulation_steps,
                     num_epochs=options.num_epochs, images=images, image_batch_size=image_batch, datasets=datasets,
                     objective=options.objective, i2v_probability=options.i2v_probability,
                     bucket_samples=tuple(bucket_samples), stages=tuple(options.resolution_stages),
                     final_size=(options.height, options.width, options.num_frames))
+    check_steps(plan.stages, plan.total_steps, f"{options.width}x{options.height}x{options.num_frames}")
+    return plan
 
 
 def bucket_samples_of_metadata(options) -> tuple:
@@ -285,6 +289,17 @@ def steps_from_loader(batches_per_epoch: int, gradient_accumulation: int, num_ep
     """(steps_per_epoch, total_steps) from the length of the already-sharded data loader."""
     steps_per_epoch = _ceil_div(batches_per_epoch, gradient_accumulation)
     return steps_per_epoch, steps_per_epoch * num_epochs
+
+
+def end_step(step: int, epoch: int, batches_in_epoch: int, batches_per_epoch: int, gradient_accumulation: int,
+             num_epochs: int) -> int:
+    """The optimizer step a run resumed at ``step`` (``batches_in_epoch`` batches into ``epoch``) ends at, with
+    ``batches_per_epoch`` batches per epoch now: the plan's total, unless a forced resume changed the plan (the
+    checkpoint's steps were counted under its own)."""
+    if epoch >= num_epochs:
+        return step
+    rest = _ceil_div(max(0, batches_per_epoch - batches_in_epoch), gradient_accumulation)
+    return step + rest + (num_epochs - epoch - 1) * _ceil_div(batches_per_epoch, gradient_accumulation)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",

@@ -10,6 +10,7 @@ as keyword arguments, and wraps what it does between steps (checkpoints, LoRA fi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ class ProgressLogger(ModelLogger):
                  samples_per_step: int, remove_prefix_in_ckpt: str | None = "pipe.dit.",
                  start_step: int = 0, rate_window: int = 50, warmup_steps: int = 2,
                  loss_average_window: int = 50, monotonic=time.monotonic, wall_clock=time.time,
-                 printer: TerminalProgress | None = None, overhead_schedule: OverheadSchedule | None = None):
+                 printer: TerminalProgress | None = None, overhead_schedule: OverheadSchedule | None = None,
+                 total_steps: int | None = None):
         super().__init__(output_path, remove_prefix_in_ckpt=remove_prefix_in_ckpt)
         self.status = status
         self.printer = printer or TerminalProgress(enabled=False)
@@ -47,24 +49,20 @@ class ProgressLogger(ModelLogger):
         self._summary_printed = False
         self.steps_per_epoch = steps_per_epoch
         self.num_epochs = num_epochs
+        self.total_steps = total_steps or steps_per_epoch * num_epochs   # a forced resume's own end, else the plan's
         self.samples_per_step = samples_per_step
         self.step = start_step
         # the epoch of the last step done (at an epoch's end, the one that ended); a run that goes on begins its next
         self.epoch = (start_step - 1) // steps_per_epoch if steps_per_epoch and start_step else 0
         self.timing = StepTiming(self.total_steps, steps_per_epoch, overhead_schedule, rate_window=rate_window,
                                  warmup_steps=warmup_steps, monotonic=monotonic)
-        self._recent_losses: list[float] = []
-        self._loss_average_window = loss_average_window
+        self._recent_losses: collections.deque[float] = collections.deque(maxlen=loss_average_window)
         self._wall_clock = wall_clock
         self.catalogues: CatalogueProgress | None = None   # several catalogues: each one's samples this epoch
         # GPU name, utilisation and memory (with the allocator's peak since the previous write) in every write.
         self.status.gpu_reader = GpuReader()
         self.status.update(total_steps=self.total_steps, steps_per_epoch=steps_per_epoch, num_epochs=num_epochs,
                            step=start_step, epoch=self.epoch)
-
-    @property
-    def total_steps(self) -> int:
-        return self.steps_per_epoch * self.num_epochs
 
     # -- hooks --------------------------------------------------------------------------------
     def on_train_begin(self, **kwargs) -> None:
@@ -99,7 +97,6 @@ class ProgressLogger(ModelLogger):
         samples = self.samples_per_step if samples is None else samples
         if loss is not None:
             self._recent_losses.append(float(loss))
-            del self._recent_losses[:-self._loss_average_window]
         seconds_per_step = times.step_time_avg_s
         record = {"step": self.step, "epoch": self.epoch, "loss": _maybe_float(loss), "lr": _maybe_float(lr),
                   "step_time_s": round(times.step_time_s, 4), "samples": samples, "time": round(self._wall_clock(), 3)}

@@ -1,6 +1,8 @@
 """What the end of a run says it achieved and wrote: the validation loss against the base model (the LoRA off, see
-``training/evaluation/validation.py``) and every LoRA file this run wrote in its output folder. Pure formatting
-from the status file's fields and the files' own metadata (their run id); no torch.
+``training/evaluation/validation.py``), every LoRA file this run wrote in its output folder, and the bad media files
+replaced by other rows (counted and named over every rank and the whole run, a resume's checkpoint included). Pure
+formatting from the status file's fields and the files' own metadata (their run id), and the one gather that brings
+every rank's replaced files to rank 0's status; no torch.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from diffsynth_mbc.training.components.best_lora import standing_note
 from diffsynth_mbc.values import finite_number
 
 _NUMBERED = re.compile(r"^(epoch|step)-(\d+)(_ema)?\.safetensors$")
+REPLACED_ROWS_KEPT = 100   # rows named in the status file (every one is counted)
+REPLACED_ROWS_SAID = 5     # rows named in the summary
 
 
 def against_base(loss: float, base: float) -> str:
@@ -84,3 +88,30 @@ def files_lines(output_path: str, run_id: str | None) -> list[str]:
                                                     for name in names) else ""
         lines.append(f"  also in {output_path}: {', '.join(numbered)}{twins}")
     return lines
+
+
+def replaced_media(per_rank: list[tuple[int, int, dict]]) -> dict:
+    """The ranks' (samples seen, samples replaced, replaced rows: row -> [file, times]) as one record: the samples
+    seen and replaced, how many rows, and the first REPLACED_ROWS_KEPT of them ([row, file, times], by row)."""
+    rows: dict[int, list] = {}
+    for _seen, _skipped, replaced in per_rank:
+        for row, (file, times) in replaced.items():
+            rows.setdefault(int(row), [int(row), file, 0])[2] += times
+    ordered = [rows[row] for row in sorted(rows)]
+    return {"samples": sum(skipped for _, skipped, _ in per_rank), "seen": sum(seen for seen, _, _ in per_rank),
+            "row_count": len(ordered), "rows": ordered[:REPLACED_ROWS_KEPT]}
+
+
+def replaced_lines(state: dict) -> list[str]:
+    """``  replaced as bad media: 3 of 255 samples (1.2%), from 1 row: row 9 (media/photo.png) 3 times``; nothing
+    when no file was replaced."""
+    record = state.get("replaced_media") or {}
+    if not record.get("samples"):
+        return []
+    samples, seen, count = record["samples"], record.get("seen") or 0, record.get("row_count") or 0
+    share = f" ({100 * samples / seen:.1f}%)" if seen else ""
+    named = ", ".join(f"row {row} ({file}) {times} time{'s' if times != 1 else ''}"
+                      for row, file, times in record.get("rows", [])[:REPLACED_ROWS_SAID])
+    more = f" and {count - REPLACED_ROWS_SAID:,} more" if count > REPLACED_ROWS_SAID else ""
+    return [f"  replaced as bad media: {samples:,} of {seen:,} samples{share}, from {count:,} "
+            f"row{'s' if count != 1 else ''}: {named}{more} (the last reasons: skip_reasons in each rank's status file)"]

@@ -20,7 +20,7 @@ import time
 from diffsynth_mbc import environment
 from diffsynth_mbc.run_files import overheads_text
 from diffsynth_mbc.training.reporting.catalogue_progress import catalogues_text
-from diffsynth_mbc.training.reporting.run_summary import files_lines, validation_lines
+from diffsynth_mbc.training.reporting.run_summary import files_lines, replaced_lines, validation_lines
 
 
 def clock(seconds) -> str:
@@ -121,6 +121,7 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
         lines.append(f"  validation loss: last {state['val_loss']:.4f} at step {state.get('val_step')}, "
                      f"best {best_val_loss:.4f}")
     lines += validation_lines(state)   # against the base model, once it was measured
+    lines += replaced_lines(state)     # bad media files replaced by other rows, over every rank
     if state.get("status") == "stopped":   # no LoRA file yet: the checkpoint is what the run left
         if state.get("last_checkpoint"):
             lines.append(f"  resume from: {state['last_checkpoint']} (--resume latest)")

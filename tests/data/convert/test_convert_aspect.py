@@ -91,6 +91,18 @@ def test_off_flags_every_crop_that_keeps_under_90_percent_and_shows_what_buckets
     assert "portrait.mp4 (portrait clip, cropping to 288x160 keeps 31%)" in err
     assert err.count("2 files would train upscaled by more than 1.1x to 288x160 in their orientation") == 1
     assert err.count("they train blurrier than the rest: re-export them from a larger source") == 1
+    assert "sized for --width 288 --height 160 " in err and "assumed" not in err   # the size it was given
+
+
+def test_small_media_says_the_size_it_assumed_and_the_flags_that_change_it(catalogue, tmp_path, capsys):
+    """Without --width/--height "small media" measured against 1280x704 without saying so."""
+    assert main([str(catalogue / "c.csv"), "--base-path", str(catalogue), "--output", str(tmp_path / "out"),
+                 "--probe", "--workers", "2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    said = ("sized for --width 1280 --height 704, assumed (the default: the presets' size); for a run at another size "
+            "give its --width and --height")
+    assert "files would train upscaled by more than 1.1x to their bucket" in err and said in err, err
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["probe"]["sized_for"] == said
 
 
 def test_only_an_upscale_of_more_than_a_tenth_is_small():

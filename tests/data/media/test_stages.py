@@ -1,6 +1,8 @@
 """--resolution_stages: what a stage is, where the boundaries fall, the shape a batch trains at in a stage, the
 batches carrying their stage, and the doctor's projection of the team's run with and without stages."""
 
+import re
+
 import pytest
 
 from diffsynth_mbc.data.media.stages import Stage, boundaries, parse_stages, stage_at, stage_shape
@@ -78,3 +80,55 @@ def test_the_disk_check_counts_every_stages_latents():
     # a latent is 48 x frames' latents x (H/16) x (W/16) values: 832x480's are 0.44 of 1280x704's, captions once
     latent = 48 * 2 * ((80_000 * 5 * 30 * 52) + 90_180 * 30 * 52)
     assert staged - plain == latent
+
+
+def demo_options(tmp_path, *flags):
+    from diffsynth_mbc.training.options import resolve_options
+
+    from e2e_helpers import REPO
+
+    return resolve_options(["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path",
+                            str(tmp_path), "--height", "96", "--width", "96", *flags])   # 9 frames
+
+
+def test_a_stage_not_below_the_final_size_is_refused_naming_it(tmp_path):
+    """128x128:0.5 at 96x96 trained a stage larger than the size the memory is sized for, and 96x96:0.5 the final
+    size under another name; both were taken."""
+    for stage, said in (("128x128:0.5", r"the stage 128x128:0.5 \(128x128x9\) is larger than the final size 96x96x9"),
+                        ("64x64x17:0.5", r"the stage 64x64x17:0.5 \(64x64x17\) is larger than the final size"),
+                        ("32x32:0.3,96x96:0.3", r"the stage 96x96:0.3 \(96x96x9\) trains the final size's area and "
+                                                r"frames \(96x96x9\)"),
+                        ("288x32:0.5", r"the stage 288x32:0.5 \(288x32x9\) trains the final size's area")):
+        with pytest.raises(OptionsError, match=f"^--resolution_stages: {said}"):
+            demo_options(tmp_path, "--resolution_stages", stage)
+    for stage in ("64x64:0.5", "96x96x5:0.5", "128x64:0.5"):   # a smaller area, or the same at fewer frames
+        assert demo_options(tmp_path, "--resolution_stages", stage).resolution_stages.text == stage
+
+
+def test_a_stage_without_an_optimizer_step_is_refused_where_the_plan_is_made(tmp_path):
+    """``32x32:0.0000001`` printed ``steps 1-0`` and 100 stages of 0.001 got none; shares leaving the final size no
+    step were taken too. The plan (12 steps here) refuses each, naming it, and the plan command says the same."""
+    from catalog_helpers import write_media_metadata
+    from diffsynth_mbc.training.plan.command import main as plan_main
+    from diffsynth_mbc.training.plan.step_plan import plan_from_options
+
+    from e2e_helpers import REPO, run_main
+
+    metadata = write_media_metadata(tmp_path / "metadata.csv", 6, 5)
+    many = ",".join(["32x32:0.001"] * 100)
+    for stages, said in (("32x32:0.0000001", "the stage 32x32:1e-07 gets none of this run's 12 optimizer steps"),
+                         (many, "the stage 32x32:0.001 gets none of this run's 12 optimizer steps"),
+                         ("64x64:0.5,32x32:0.01", "the stage 32x32:0.01 gets none"),
+                         ("32x32:0.99", "the final size 96x96x9, after stages whose shares add up to 0.99, gets "
+                                        "none of this run's 12 optimizer steps")):
+        options = demo_options(tmp_path, "--dataset_metadata_path", str(metadata), "--resolution_stages", stages)
+        with pytest.raises(OptionsError, match=f"^--resolution_stages: {re.escape(said)}"):
+            plan_from_options(options, rows=11, images=5, world_size=2)
+        printed = run_main(plan_main, ["--gpus", "2", "--brief", "--config", str(REPO / "configs" / "train_demo.yaml"),
+                                       "--dataset_base_path", tmp_path, "--dataset_metadata_path", metadata,
+                                       "--output_path", tmp_path / "out", "--height", "96", "--width", "96",
+                                       "--resolution_stages", stages], tmp_path)
+        assert printed.returncode == 2 and f"error: --resolution_stages: {said}" in printed.stderr, printed.stderr
+    plan = plan_from_options(demo_options(tmp_path, "--resolution_stages", "32x32:0.95"), rows=11, images=5,
+                             world_size=2)
+    assert [(row["from_step"], row["to_step"]) for row in plan.stage_dicts()] == [(1, 11), (12, 12)]

@@ -36,9 +36,10 @@ def test_another_runs_checkpoints_are_found_named_and_set_aside_not_deleted(tmp_
     message = refusal(tmp_path, foreign)
     assert "2 checkpoint(s) or LoRA file(s) of run-a (step-00000004, step-00000008)" in message
     assert "--resume latest" in message and "--start_over true" in message
-    # the advice names every folder of the run: a preset's log folder stays behind when only --output_path changes
+    # the advice names every folder of the run, and that the others follow an --output_path given alone
     named = refusal(tmp_path, foreign, "runs/demo/lora", "runs/demo/training_logs")
-    assert "--output_path, --checkpoint_dir and --log_dir together" in named
+    assert "--output_path (its checkpoint and log folders follow it unless --checkpoint_dir or --log_dir is " \
+           "given" in named
     assert f"--output_path is now runs/demo/lora; --checkpoint_dir is now {tmp_path}; --log_dir is now " \
            "runs/demo/training_logs" in named
     moved = set_aside(foreign)

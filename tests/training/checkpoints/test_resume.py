@@ -148,20 +148,26 @@ def test_sigterm_on_one_rank_stops_all_ranks_with_a_resumable_checkpoint(tmp_pat
         assert read_status(run_dir / "logs", rank)["status"] == "finished"
 
 
-def test_a_corrupt_clip_is_skipped_counted_and_named(tmp_path, demo_data):
+def test_a_corrupt_clip_and_a_deleted_photo_are_skipped_counted_and_named(tmp_path, demo_data):
+    """Also: the summary counts and names what was replaced (it said nothing of it)."""
     data_root, _ = demo_data
     broken_root = tmp_path / "broken"
     prepare(broken_root, num_videos=6, num_images=5)
     (broken_root / "catalog" / "media" / "video_003.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video" * 10)
+    next((broken_root / "catalog" / "media").glob("image_002.*")).unlink()   # metadata row 9
     run_dir = tmp_path / "run"
     code, output = run(tmp_path, train_flags(broken_root, run_dir, checkpoint_steps=100, dataset_repeat=1,
                                              num_epochs=1))
     assert code == 0, output[-3000:]
     states = [read_status(run_dir / "logs", rank) for rank in (0, 1)]
     assert all(s["status"] == "finished" for s in states)
-    assert sum(s["skipped_samples"] for s in states) == 1
-    reasons = [r for s in states for r in s["skip_reasons"]]
-    assert reasons[0]["file"] == "media/video_003.mp4" and "cannot decode" in reasons[0]["reason"]
+    assert sum(s["skipped_samples"] for s in states) == 2
+    reasons = sorted((r for s in states for r in s["skip_reasons"]), key=lambda reason: reason["row"])
+    assert [reason["file"] for reason in reasons] == ["media/video_003.mp4", "media/image_002.png"]
+    assert "cannot decode" in reasons[0]["reason"] and "No such file" in reasons[1]["reason"]
+    seen = sum(s["samples_seen"] for s in states)
+    assert (f"replaced as bad media: 2 of {seen} samples ({100 * 2 / seen:.1f}%), from 2 rows: row 4 "
+            "(media/video_003.mp4) 1 time, row 9 (media/image_002.png) 1 time") in output, output[-3000:]
 
 
 def test_mostly_corrupt_media_stops_with_a_clear_error(tmp_path):

@@ -17,6 +17,7 @@ from diffsynth_mbc.training.checkpoints.folder import find_latest, read_manifest
 from diffsynth_mbc.training.checkpoints.integrity import damage
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, human, write_failure
 from diffsynth_mbc.training.checkpoints.state import Checkpoints, Position
+from diffsynth_mbc.training.components.guards import BadMediaGuard
 from diffsynth_mbc.training.lora.file_format import NonFiniteLoraError
 from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
 from diffsynth_mbc.training.options import resolve_options
@@ -162,6 +163,19 @@ def test_the_same_settings_resume_with_the_saved_optimizer_state(runs):
     assert checkpoints.load("latest")[0].step == 3
     assert resumed.param_groups[0]["lr"] == pytest.approx(saved_lr)
     assert checkpoints.status.state.get("resumed_with_changes") is None
+
+
+def test_a_resume_goes_on_counting_what_each_rank_replaced(runs):
+    """The summary counts and names the bad media of the whole run: a resume's counters come from the checkpoint."""
+    checkpoints, _optimizer = runs()
+    replaced = {"9": ["media/image_002.png", 3]}
+    guard = BadMediaGuard(0.01)
+    guard.load_state_dict({"skipped_samples": 3, "recent_skips": [], "replaced": replaced})
+    checkpoints.save(Position(step=2, samples_seen=40), [guard])
+    position, states = runs()[0].load("latest")
+    resumed = BadMediaGuard(0.01)
+    resumed.load_state_dict(states["bad_media"])
+    assert (position.samples_seen, resumed.skipped_samples, resumed.replaced) == (40, 3, replaced)
 
 
 @pytest.fixture

@@ -115,3 +115,23 @@ def test_stop_signal_handling_gives_the_signals_back_when_the_run_is_over():
             "print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_missing_files_that_alone_would_stop_the_run_refuse_it_before_it_starts():
+    """One missing row of 28 at repeat 3 is 3.6% of every epoch: the run trained 36 steps, then failed with
+    TooMuchBadMedia (4.7% > 1%)."""
+    from diffsynth_mbc.training.components.guards import missing_media_refusal
+
+    draws = [3] * 28
+    refusal = missing_media_refusal([(9, "media/image_002.png")], draws, 28 * 3 * 4, 0.01)
+    assert refusal.startswith("1 of 28 metadata rows' files are not found (row 9: media/image_002.png): 3 of each "
+                              "epoch's 84 samples (3.6%), past --max_bad_media_fraction 0.01, so the run would "
+                              "replace about 12 of the 336 samples it has still to draw and stop part-way.")
+    assert refusal.endswith("or raise --max_bad_media_fraction to 0.0358")
+    # the run goes on where it would not stop: too few bad samples to come, a limit above the share, none missing
+    assert missing_media_refusal([(9, "media/image_002.png")], draws, 28 * 3 * 3, 0.01) is None
+    assert missing_media_refusal([(9, "media/image_002.png")], draws, 28 * 3 * 40, 0.0358) is None
+    assert missing_media_refusal([], draws, 28 * 3 * 40, 0.01) is None
+    many = missing_media_refusal([(row, f"media/{row}.png") for row in range(1, 9)], [1] * 20, 200, 0.01)
+    assert "8 of 20 metadata rows' files are not found (row 1: media/1.png; row 2" in many
+    assert "row 5: media/5.png; and 3 more)" in many

@@ -75,5 +75,7 @@ def test_component_states_of_a_manifest_and_of_one_written_before_components():
     before = {"best_so_far": {"best_step": 6, "without": 1},
               "per_rank": [{"samples_seen": 9, "skipped_samples": 3, "recent_skips": [{"row": 2}]}]}
     assert component_states(before, 0) == {"best_lora": {"best_step": 6, "without": 1},
-                                           "bad_media": {"skipped_samples": 3, "recent_skips": [{"row": 2}]}}
-    assert component_states({"per_rank": []}, 0) == {"bad_media": {"skipped_samples": 0, "recent_skips": []}}
+                                           "bad_media": {"skipped_samples": 3, "recent_skips": [{"row": 2}],
+                                                         "replaced": {}}}
+    assert component_states({"per_rank": []}, 0) == {"bad_media": {"skipped_samples": 0, "recent_skips": [],
+                                                                   "replaced": {}}}

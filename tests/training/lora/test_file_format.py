@@ -310,3 +310,46 @@ def test_a_dora_file_exports_again_as_comfyui_and_never_as_diffsynth(tmp_path, t
     save_file(trained_dora["tensors"], str(raw), metadata=META)
     assert export_main([str(raw), "--output", str(tmp_path / "raw-out.safetensors")]) == 2
     assert "blocks.0.cross_attn.k: a DoRA magnitude (lora_magnitude_vector)" in capsys.readouterr().err
+
+
+def test_a_lora_file_says_what_trained_it_and_export_carries_it(tmp_path, trained):
+    """A LoRA file found later could not be judged without its run folder: its metadata said rank, alpha, targets,
+    step and run only. It now says the sizes and stages, steps, epochs, samples, learning rate and the rest, in the
+    kohya-style ss_* keys that LoRA browsers read, beside the project's own recipe and plan; export keeps them."""
+    import json
+
+    from diffsynth_mbc.training.lora.file_format import training_metadata
+    from diffsynth_mbc.training.options import resolve_options
+    from diffsynth_mbc.training.plan.step_plan import plan_from_options
+
+    from e2e_helpers import REPO
+
+    options = resolve_options(["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path",
+                               str(tmp_path), "--height", "96", "--width", "96", "--resolution_stages", "64x64:0.5",
+                               "--lora_alpha", str(ALPHA)])
+    plan = plan_from_options(options, rows=11, images=5, world_size=2).as_dict()   # 6 steps an epoch, 2 epochs
+    facts = training_metadata(options, plan, 9)
+    assert {key: facts[key] for key in ("ss_network_dim", "ss_network_alpha", "ss_learning_rate", "ss_lr_scheduler",
+                                        "ss_num_epochs", "ss_epoch", "ss_steps", "ss_max_train_steps",
+                                        "ss_num_train_images", "ss_resolution", "ss_enable_bucket")} == {
+        "ss_network_dim": "4", "ss_network_alpha": "12.0", "ss_learning_rate": "0.001", "ss_lr_scheduler": "cosine",
+        "ss_num_epochs": "2", "ss_epoch": "2", "ss_steps": "9", "ss_max_train_steps": "12",
+        "ss_num_train_images": "33", "ss_resolution": "(96, 96)", "ss_enable_bucket": "False"}
+    assert json.loads(facts["ss_network_args"]) == {"target_modules": "q,k,v,o,ffn.0,ffn.2", "variant": "lora"}
+    written_plan = json.loads(facts["plan"])
+    assert (written_plan["rows"], written_plan["images"], written_plan["repeat"], written_plan["total_steps"]) == \
+        (11, 5, 3, 12)
+    assert written_plan["size"] == "96x96x9" and written_plan["stages"] == [
+        {"size": "64x64x9", "from_step": 1, "to_step": 6}, {"size": "96x96x9", "from_step": 7, "to_step": 12}]
+    assert json.loads(facts["recipe"])["lora"] == {"variant": "lora", "rank": 4, "alpha": ALPHA,
+                                                   "target_modules": "q,k,v,o,ffn.0,ffn.2", "loraplus_lr_ratio": None,
+                                                   "init_lora": None}
+    source = tmp_path / "trained.safetensors"
+    save_file(trained["tensors"], str(source), metadata={**META, **facts})
+    export(source, "diffsynth", tmp_path / "ds.safetensors")
+    exported = safe_open(str(tmp_path / "ds.safetensors"), framework="pt").metadata()
+    assert {key: exported.get(key) for key in facts} == facts and exported["lora_layout"] == "diffsynth"
+    export(source, "merged", tmp_path / "merged.safetensors", demo_seed=42)   # DiT weights: no LoRA network keys
+    merged = safe_open(str(tmp_path / "merged.safetensors"), framework="pt").metadata()
+    assert merged["plan"] == facts["plan"] and merged["recipe"] == facts["recipe"]
+    assert not [key for key in merged if key.startswith("ss_")]

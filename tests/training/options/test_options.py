@@ -173,3 +173,27 @@ def test_none_clears_a_file_the_preset_names_that_a_run_may_go_without():
         resolve_options([*full, "--val_metadata_path", "none", "--val_steps", "none"])
     assert options.val_metadata_path is None and options.sample_prompts is None and options.cache is None
     assert resolve_options([*full, "--val_metadata_path", "nonesuch.csv"]).val_metadata_path == "nonesuch.csv"
+
+
+def test_a_presets_log_and_checkpoint_folders_follow_an_output_folder_given_alone(tmp_path, capsys):
+    """Changing only --output_path left the demo's logs in the preset's runs/demo/training_logs, where another run
+    writes its own. The folders follow the output folder unless given; the launcher reads them from the plan."""
+    from diffsynth_mbc.training.plan.command import main as plan_main
+
+    demo = ["--config", str(REPO / "configs" / "train_demo.yaml")]
+    preset = resolve_options(demo)
+    assert (preset.log_dir, preset.checkpoint_dir) == ("runs/demo/training_logs", "runs/demo/lora/checkpoints")
+    moved = resolve_options([*demo, "--output_path", "runs/x/lora"])
+    assert (moved.log_dir, moved.checkpoint_dir) == ("runs/x/lora/training_logs", "runs/x/lora/checkpoints")
+    given = resolve_options([*demo, "--output_path", "runs/x/lora", "--log_dir", "logs/x", "--checkpoint_dir", "c"])
+    assert (given.log_dir, given.checkpoint_dir) == ("logs/x", "c")
+    same = resolve_options([*demo, "--output_path", "runs/demo/lora"])   # the preset's own output: its folders
+    assert same.log_dir == "runs/demo/training_logs"
+    preset_file = tmp_path / "mine.yaml"
+    preset_file.write_text("dataset_base_path: media\ndataset_metadata_path: m.csv\noutput_path: out/a\n"
+                           "log_dir: out/a-logs\ncheckpoint_dir: out/a-checkpoints\n")
+    assert resolve_options(["--config", str(preset_file), "--output_path", "out/b"]).checkpoint_dir == \
+        "out/b/checkpoints"
+    assert plan_main(["--paths-only", "--gpus", "2", *demo, "--output_path", "runs/x/lora"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "LOG_DIR=runs/x/lora/training_logs" in printed and "CHECKPOINT_DIR=runs/x/lora/checkpoints" in printed

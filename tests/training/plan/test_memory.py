@@ -40,6 +40,24 @@ def test_counts_equal_diffsynths_classes_built_on_the_meta_device():
     assert sum(p.numel() for n, p in dit.named_parameters() if "lora_" in n) == memory.lora_params(32, TARGETS)
 
 
+@pytest.mark.slow
+def test_the_demo_models_widths_and_lora_are_the_tiny_dits():
+    """The doctor sizes a demo run's checkpoints and cache by ``DEMO_DIT``: the tiny model the demo builds."""
+    import torch
+    from diffsynth.models.wan_video_dit import WanModel
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from diffsynth_mbc.models.pipeline import TINY_DIT, TINY_TEXT_ENCODER, TINY_TEXT_LEN
+
+    assert {key: TINY_DIT[key] for key in ("dim", "ffn_dim", "num_layers", "num_heads", "text_dim", "freq_dim")} == \
+        {key: memory.DEMO_DIT[key] for key in ("dim", "ffn_dim", "num_layers", "num_heads", "text_dim", "freq_dim")}
+    assert TINY_TEXT_ENCODER["dim"] == memory.DEMO_DIT["text_dim"] and TINY_TEXT_LEN == memory.DEMO_TEXT_TOKENS
+    dims = {key: memory.DEMO_DIT[key] for key in ("dim", "ffn_dim", "num_layers")}
+    with torch.device("meta"):
+        dit = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS), WanModel(**TINY_DIT))
+    assert sum(p.numel() for n, p in dit.named_parameters() if "lora_" in n) == memory.lora_params(4, TARGETS, **dims)
+
+
 def v100_plan(**changes):
     return Plan(704, 1280, 17, precision="fp16", attention=attention_kernel((7, 0), "fp16")).but(**changes)
 

@@ -92,3 +92,17 @@ def test_at_an_area_whose_buckets_are_one_shape_the_plan_says_every_sample_is_cr
     assert plan.describe_buckets()[-1] == ("  note: at 64x64 the aspect buckets hold this one shape: every sample, "
                                            "portrait and landscape alike, is cropped to it (a larger --height x "
                                            "--width has a bucket per aspect)")
+
+
+def test_a_resumed_run_ends_at_the_plans_total_unless_a_forced_resume_changed_the_plan():
+    """``--force_resume true`` after the media changed size ended ``finished: 5/4 steps``: the checkpoint's 3 steps
+    were counted under a plan of 3 steps per epoch, this plan has 2."""
+    from diffsynth_mbc.training.plan.step_plan import end_step
+
+    # the same plan: 5 batches per epoch, accumulation 2 (3 steps per epoch), 2 epochs
+    assert end_step(0, 0, 0, 5, 2, 2) == 6
+    assert end_step(2, 0, 4, 5, 2, 2) == 6 and end_step(3, 1, 0, 5, 2, 2) == 6 and end_step(6, 2, 0, 5, 2, 2) == 6
+    # the checkpoint's plan had 3 steps per epoch; this one has 2 (4 batches): from step 3 (epoch 2) to step 5
+    assert end_step(3, 1, 0, 4, 2, 2) == 5
+    # mid-epoch, more batches done than this plan's epoch holds: the epoch is over
+    assert end_step(2, 0, 4, 3, 2, 2) == 4

@@ -135,3 +135,22 @@ def test_the_live_bar_is_drawn_on_its_terminal_stream():
     printer.finish({**STATE, "status": "finished"}, output_path="out", log_dir="logs")
     shown = terminal.getvalue()   # not a terminal: rich draws the bar's last state once, when it stops
     assert shown.index("step 6/12 (50.0%) ETA 0:01:01") < shown.index("finished: 6/12 steps")
+
+
+def test_the_summary_counts_and_names_the_media_replaced_on_every_rank():
+    """3 samples were replaced during a run (``skipped_samples`` in the status files) and the summary said nothing."""
+    from diffsynth_mbc.training.reporting.run_summary import replaced_media
+
+    ranks = [(120, 2, {"9": ["media/photo.png", 2]}), (124, 1, {"9": ["media/photo.png", 1]})]
+    state = {**STATE, "status": "finished", "step": 12, "replaced_media": replaced_media(ranks)}
+    lines = summary_lines(state, output_path="out", log_dir="logs", best_val_loss=None)
+    assert ("  replaced as bad media: 3 of 244 samples (1.2%), from 1 row: row 9 (media/photo.png) 3 times (the last "
+            "reasons: skip_reasons in each rank's status file)") in lines
+    many = [(500, 7, {str(row): [f"media/{row}.mp4", 1] for row in (30, 2, 11, 4, 7, 5, 6)})]
+    line = next(line for line in summary_lines({**state, "replaced_media": replaced_media(many)}, output_path="out",
+                                               log_dir="logs", best_val_loss=None) if "replaced" in line)
+    assert "from 7 rows: row 2 (media/2.mp4) 1 time, row 4 (media/4.mp4) 1 time, row 5" in line
+    assert "row 7 (media/7.mp4) 1 time and 2 more" in line
+    nothing = replaced_media([(120, 0, {}), (124, 0, {})])
+    assert not [line for line in summary_lines({**state, "replaced_media": nothing}, output_path="out",
+                                               log_dir="logs", best_val_loss=None) if "replaced" in line]
