@@ -1,6 +1,8 @@
-"""The per-rank run files: names and fields shared by the writer (training) and the readers (monitor).
+"""The per-rank run files' contents: the statuses, the fields and the records shared by the writer (training, latent
+cache) and the readers (monitor, stop, doctor).
 
-Every rank writes two files into the log directory, named by its *global* rank:
+Every rank writes two files into the log directory, named by its *global* rank (their names are the run layout's:
+``run_layout.status_file_name`` and ``history_file_name``):
 
 - ``training_gpu{rank}.json``: the current state, replaced atomically (temp file + rename);
 - ``training_gpu{rank}.jsonl``: one appended, flushed line per optimizer step.
@@ -11,8 +13,9 @@ This module imports neither torch nor diffsynth.
 from __future__ import annotations
 
 import os
-import re
-from pathlib import Path
+
+# the files' names, here for the writers and readers of their contents
+from diffsynth_mbc.run_layout import history_path, rank_of_status_file, status_path  # noqa: F401
 
 SCHEMA_VERSION = 1
 
@@ -111,22 +114,6 @@ def overheads_text(overheads) -> str:
         mean_text = f"{mean:.1f} s" if isinstance(mean, (int, float)) else "-"
         parts.append(f"{OVERHEAD_LABELS.get(kind, kind)} {tally['count']} x {mean_text}")
     return ", ".join(parts)
-
-_STATUS_NAME = re.compile(r"^training_gpu(\d+)\.json$")
-
-
-def status_path(log_dir: str | Path, rank: int) -> Path:
-    return Path(log_dir) / f"training_gpu{int(rank)}.json"
-
-
-def history_path(log_dir: str | Path, rank: int) -> Path:
-    return Path(log_dir) / f"training_gpu{int(rank)}.jsonl"
-
-
-def rank_of_status_file(name: str) -> int | None:
-    """Global rank encoded in a status file name, or None for any other file."""
-    match = _STATUS_NAME.match(name)
-    return int(match.group(1)) if match else None
 
 
 def rank_from_environment(environ=os.environ) -> tuple[int, int, int]:

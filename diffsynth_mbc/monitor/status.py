@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from diffsynth_mbc import run_files
+from diffsynth_mbc import run_files, run_layout
 from diffsynth_mbc.values import printable
 
 STALL_MIN_S = 120.0
@@ -107,7 +107,7 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
     unknown fields are kept as they are (made JSON-safe).
     """
     notes: list[str] = []
-    name = f"training_gpu{file_rank}.json"
+    name = run_layout.status_file_name(file_rank)
     out: dict[str, Any] = {}
     for key, value in raw.items():
         if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in _TYPED_OBJECTS:

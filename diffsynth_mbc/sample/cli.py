@@ -20,6 +20,7 @@ import sys
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.run_layout import SWEEP_HTML, SWEEP_JSON
 
 
 def build_parser():
@@ -27,7 +28,7 @@ def build_parser():
     parser.add_argument("prompts", help="prompts file, the format of the training's --sample_prompts")
     parser.add_argument("--lora", nargs="+", required=True, help="LoRA files, checkpoint folders or a run's output "
                                                                   "folder (every LoRA file of the run)")
-    parser.add_argument("--output", required=True, help="where the clips, sweep.json and sweep.html go")
+    parser.add_argument("--output", required=True, help=f"where the clips, {SWEEP_JSON} and {SWEEP_HTML} go")
     parser.add_argument("--strengths", default="1", help="comma-separated LoRA strengths (default 1; 0: the base "
                                                          "model, rendered once per prompt)")
     parser.add_argument("--ema", action="store_true", help="also the EMA twins of a run's files")

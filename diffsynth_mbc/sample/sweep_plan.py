@@ -13,10 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffsynth_mbc.sample_prompts import BASE_FOLDER, SamplePrompt, clip_suffix, sample_file_stem
-
-SWEEP_JSON = "sweep.json"
-SWEEP_HTML = "sweep.html"
+from diffsynth_mbc.run_layout import BASE_SAMPLES_FOLDER, SWEEP_JSON
+from diffsynth_mbc.sample_prompts import SamplePrompt, clip_suffix, sample_file_stem
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,7 @@ def plan_clips(prompts: list[SamplePrompt], files: list, strengths: list[float])
     if 0 in strengths:
         for index, prompt in enumerate(prompts):
             stem = sample_file_stem(index, prompt) + clip_suffix(0.0, "raw")
-            clips.append(Clip(index, None, 0.0, f"{BASE_FOLDER}/{stem}", _digest(prompt, None, 0.0)))
+            clips.append(Clip(index, None, 0.0, f"{BASE_SAMPLES_FOLDER}/{stem}", _digest(prompt, None, 0.0)))
     for file_index, item in enumerate(files):
         for strength in [s for s in strengths if s != 0]:
             for index, prompt in enumerate(prompts):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from diffsynth_mbc import run_files
 from diffsynth_mbc.lifecycle.signals import StopSignals, unblock_in_child
 from diffsynth_mbc.lifecycle.startup import resume_collector
+from diffsynth_mbc.run_layout import FINAL_LORA, epoch_file_name, step_file_name
 from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, resume
 from diffsynth_mbc.training.checkpoints.state import CheckpointSchedule, Checkpoints, Position
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
@@ -27,7 +28,6 @@ from diffsynth_mbc.training.evaluation.sample_clips import make_sampler, maybe_s
 from diffsynth_mbc.training.evaluation.validation import Validator
 from diffsynth_mbc.training.lora.ema import make_ema
 from diffsynth_mbc.training.lora.init_from_file import start_from_lora
-from diffsynth_mbc.training.lora.saved_files import epoch_file_name
 from diffsynth_mbc.training.reporting.run_start import start_progress
 from diffsynth_mbc.training.reporting.stage_report import StageReport
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
@@ -346,7 +346,7 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         run.logger.timed("checkpoint", run.checkpoints.save, position)
         run.schedule.saved()
     if options.save_steps and position.step % options.save_steps == 0:
-        run.logger.timed("lora", run.checkpoints.save_lora, f"step-{position.step}.safetensors", position.step)
+        run.logger.timed("lora", run.checkpoints.save_lora, step_file_name(position.step), position.step)
     return "early_stop" if early_stop else "continue"
 
 
@@ -366,7 +366,7 @@ def finish(run: Run, early_stop: bool = False) -> None:
         say_early_stop(run)
     end_of_run(run)   # the last health record, after the last validation; a broken LoRA fails the run here
     maybe_sample(run)
-    run.logger.timed("lora", run.checkpoints.save_lora, "lora.safetensors", position.step)
+    run.logger.timed("lora", run.checkpoints.save_lora, FINAL_LORA, position.step)
     if (run.schedule.enabled or early_stop) and run.checkpoints.last_step != position.step:
         run.logger.timed("checkpoint", run.checkpoints.save, position)
     wait_for_everyone(run.accelerator, run.status, "ranks to finish")

@@ -15,8 +15,8 @@ import os
 import time
 from pathlib import Path
 
-from diffsynth_mbc import run_files
-from diffsynth_mbc import environment
+from diffsynth_mbc import environment, run_files
+from diffsynth_mbc.run_layout import CACHE_LOGS
 from diffsynth_mbc.data.cache.progress import RowRate
 
 PHASE = "caching"
@@ -28,7 +28,7 @@ def default_run_id(environ=os.environ) -> str:
 
 
 def default_log_dir(cache_dir: str | os.PathLike) -> Path:
-    return Path(cache_dir) / "logs"
+    return Path(cache_dir) / CACHE_LOGS
 
 
 class CacheStatus:

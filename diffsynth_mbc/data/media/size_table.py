@@ -19,8 +19,7 @@ import sys
 from typing import Sequence
 
 from diffsynth_mbc.atomic import atomic_write_text
-
-TABLE_NAME = "size_table.json"
+from diffsynth_mbc.run_layout import SIZE_TABLE
 VERSION = 1
 Size = tuple[int, int]
 LONG_READ = 100   # files: a read of this many or more shows its progress
@@ -29,7 +28,7 @@ _READ_HERE: dict = {}   # fingerprint key: size, every header this process read 
 
 def table_path_in(folder: str | os.PathLike | None) -> str | None:
     """Where the size table of the run (or cache) writing into ``folder`` lives; None without a folder."""
-    return os.path.join(os.fspath(folder), TABLE_NAME) if folder else None
+    return os.path.join(os.fspath(folder), SIZE_TABLE) if folder else None
 
 
 def fingerprint_key(path: str) -> str | None:

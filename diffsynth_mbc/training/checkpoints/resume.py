@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST, DAMAGED_PREFIX
 from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fingerprint_differences, run_fingerprint
 from diffsynth_mbc.training.checkpoints.folder import (different_configuration, read_manifest, resolve_resume,
                                                        set_aside_unreadable)
@@ -79,8 +80,8 @@ def resume(run) -> None:
     run.position = position = run.checkpoints.load(run.options.resume)
     if run.accelerator.is_main_process:   # a damaged folder past the checkpoint would block saving that step again
         for moved in set_aside_unreadable(run.checkpoints.root, position.step):
-            print(f"note: {moved.name[len('damaged-'):]} had no readable checkpoint.json: moved aside to {moved}",
-                  file=sys.stderr)
+            print(f"note: {moved.name.removeprefix(DAMAGED_PREFIX)} had no readable {CHECKPOINT_MANIFEST}: moved aside "
+                  f"to {moved}", file=sys.stderr)
     wait_for_everyone(run.accelerator, run.status, "rank 0 setting unreadable checkpoint folders aside")
     restore_ema(run)
     kept = truncate_history(run.status.history_file, position.step)

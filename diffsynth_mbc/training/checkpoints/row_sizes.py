@@ -10,8 +10,7 @@ import json
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_text
-
-ROW_SIZES = "row_sizes.json"
+from diffsynth_mbc.run_layout import ROW_SIZES
 ROWS_NAMED = 3
 
 

@@ -22,22 +22,25 @@ from pathlib import Path
 
 from diffsynth_mbc import environment
 from diffsynth_mbc.atomic import atomic_write_text
+from diffsynth_mbc.run_layout import (
+    CHECKPOINT_LORA,
+    CHECKPOINT_MANIFEST,
+    DEFAULT_CHECKPOINTS_FOLDER,
+    KEEP_MARKER,
+    TEMP_PREFIX,
+    checkpoint_folder_name,
+    published_name,
+)
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints.fingerprint import apply_run_settings, fingerprint_differences
 from diffsynth_mbc.training.checkpoints.folder import (
-    TEMP_PREFIX,
-    checkpoint_name,
     complete_checkpoints,
     different_configuration,
     find_latest,
     resolve_resume,
     temp_path,
 )
-from diffsynth_mbc.training.checkpoints.integrity import (
-    MANIFEST,
-    inventory,
-    missing_rank_files,
-)
+from diffsynth_mbc.training.checkpoints.integrity import inventory, missing_rank_files
 from diffsynth_mbc.training.checkpoints.row_sizes import changed_sizes, sizes_digest, write_row_sizes
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
@@ -46,15 +49,14 @@ from diffsynth_mbc.training.lora.saved_files import LoraFiles
 from diffsynth_mbc.training.lora.variants import check_adapter_shape
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
-KEEP_MARKER = "KEEP"
 # Fault injection for tests: every checkpoint save takes this many seconds longer on every rank (a slow shared
 # filesystem), to show on a real run that step times and the ETA keep checkpoints apart. Unset in normal use.
 
 
 def publish(temp_folder: Path, manifest: dict) -> Path:
     """Write the manifest last, then rename the temp folder into place. Returns the final folder."""
-    atomic_write_text(temp_folder / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    final = temp_folder.with_name(temp_folder.name[len(TEMP_PREFIX):].split(".")[0])
+    atomic_write_text(temp_folder / CHECKPOINT_MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    final = temp_folder.with_name(published_name(temp_folder.name))
     if final.exists():
         from diffsynth_mbc.training.checkpoints.owner import check_replaceable
 
@@ -177,7 +179,7 @@ class Checkpoints(LoraFiles):
         self.fingerprint = fingerprint
         self.sized_rows = sized_rows   # (video, size) of every row under aspect buckets: a resume compares them
         self.sizes_digest = sizes_digest(sized_rows)
-        self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
+        self.root = Path(options.checkpoint_dir or Path(options.output_path) / DEFAULT_CHECKPOINTS_FOLDER)
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         self.last_step = None
         self.injected_delay_s = injected_checkpoint_delay_s(os.environ.get(environment.FAULT_SLOW_CHECKPOINT_S),
@@ -199,7 +201,7 @@ class Checkpoints(LoraFiles):
         A write that fails on any rank (a full disk) stops every rank with one message naming the folder and the
         space needed; the partial folder is removed and the previous checkpoints stay (CheckpointWriteError)."""
         accelerator = self.accelerator
-        name = checkpoint_name(position.step)
+        name = checkpoint_folder_name(position.step)
         self.status.update(phase=f"saving checkpoint {name}")
         others = f"ranks saving checkpoint {name}"   # a rank blocked in a collective says so (a hung one does not)
         # Named by run and step, so no rank ever deletes a folder another rank is writing into;
@@ -237,8 +239,8 @@ class Checkpoints(LoraFiles):
 
     def publish_state(self, temporary: Path, position: Position, per_rank: list, file_tensors: dict) -> str | None:
         """Rank 0: the LoRA file, the manifest, the rename, pruning. Returns why it was not published, or None."""
-        name = checkpoint_name(position.step)
-        self.write_lora(temporary / "lora.safetensors", position.step, file_tensors)
+        name = checkpoint_folder_name(position.step)
+        self.write_lora(temporary / CHECKPOINT_LORA, position.step, file_tensors)
         if self.ema is not None:
             self.ema.save_state(temporary)
         if self.sized_rows is not None:
@@ -295,7 +297,7 @@ class Checkpoints(LoraFiles):
                                                                  f"{message}", file=sys.stderr))
         except ValueError as exc:
             raise OptionsError(str(exc)) from None
-        manifest = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
+        manifest = json.loads((folder / CHECKPOINT_MANIFEST).read_text(encoding="utf-8"))
         differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
         check_adapter_shape(manifest.get("fingerprint", {}), self.fingerprint)   # DoRA / LoRA+ on or off
         if differences and not self.options.force_resume:
@@ -308,7 +310,7 @@ class Checkpoints(LoraFiles):
             self.accelerator.load_state(str(folder), load_module_strict=False)
         else:
             self.accelerator.load_state(str(folder), strict=False)
-        self.verify_lora(folder / "lora.safetensors")
+        self.verify_lora(folder / CHECKPOINT_LORA)
         self.last_step = manifest["step"]   # this step has its checkpoint: finishing here saves none again
         if differences:   # --force_resume: this run's settings, not the saved optimizer's, and said so
             applied = apply_run_settings(self.scheduler, self.options)

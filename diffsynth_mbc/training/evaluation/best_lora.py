@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import sys
 
-from diffsynth_mbc.training.evaluation.best_so_far import BEST_FILE, BestSoFar
+from diffsynth_mbc.run_layout import BEST_LORA
+from diffsynth_mbc.training.evaluation.best_so_far import BestSoFar
 
 
 def best_file_path(options) -> str:
-    return os.path.join(options.output_path, BEST_FILE)
+    return os.path.join(options.output_path, BEST_LORA)
 
 
 def keep_best(run) -> bool:
@@ -19,7 +20,7 @@ def keep_best(run) -> bool:
     ``--early_stop`` ends the run here."""
     best: BestSoFar = run.validator.best
     if best.last_new_best:
-        run.logger.timed("lora", run.checkpoints.save_lora, BEST_FILE, run.position.step)
+        run.logger.timed("lora", run.checkpoints.save_lora, BEST_LORA, run.position.step)
         run.status.update(best=best.best_record(best_file_path(run.options)))
     run.position.best_so_far = best.as_dict()   # into the next checkpoint: a resume goes on counting
     return best.stop_due

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-BEST_FILE = "lora-best.safetensors"
 DEFAULT_MIN_DELTA = 0.001
 
 

@@ -28,6 +28,7 @@ import collections
 import time
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc.run_layout import FINAL_LORA
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.evaluation.health_flags import (STEPS_KEPT, WHAT_TO_DO, health_flags, summary,
                                                            train_loss_average)
@@ -276,7 +277,7 @@ def end_of_run(run) -> None:
         why = "; ".join(f"LoRA health at step {last['step']}: {found['flag']}: {found['what']}" for found in broken)
     else:
         why = "another rank found its LoRA broken (its status file says why)"
-    raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); lora.safetensors is not written (checkpoints "
+    raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); {FINAL_LORA} is not written (checkpoints "
                             f"and epoch files, if any, hold earlier weights). What to do: {WHAT_TO_DO['exploding']}")
 
 

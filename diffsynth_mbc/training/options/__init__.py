@@ -14,6 +14,7 @@ from pathlib import Path
 
 from diffsynth_mbc.data.dataset_list import apply_datasets
 from diffsynth_mbc.errors import OptionsError, clipped, quoted
+from diffsynth_mbc.run_layout import DEFAULT_CHECKPOINTS_FOLDER, DEFAULT_LOGS_FOLDER
 from diffsynth_mbc.training.options.checks import (MAX_SIDE, TRACKER_PACKAGES, check_frame_options, check_run_id,
                                                    check_tracker, validate)
 from diffsynth_mbc.training.options.parser import _parse_bool, build_parser
@@ -65,7 +66,7 @@ def resolve_options(argv: list[str] | None = None) -> TrainOptions:
     validate(options)
     # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other.
     if not options["log_dir"]:
-        options["log_dir"] = str(Path(options["output_path"]) / "training_logs")
+        options["log_dir"] = str(Path(options["output_path"]) / DEFAULT_LOGS_FOLDER)
     if not options["checkpoint_dir"]:
-        options["checkpoint_dir"] = str(Path(options["output_path"]) / "checkpoints")
+        options["checkpoint_dir"] = str(Path(options["output_path"]) / DEFAULT_CHECKPOINTS_FOLDER)
     return TrainOptions(**options)

@@ -7,6 +7,8 @@ import sys
 from typing import Sequence
 
 from diffsynth_mbc.flags import FlagParser, unknown_flag_line
+from diffsynth_mbc.run_layout import (BEST_LORA, DEFAULT_LOGS_FOLDER, LORA_SUFFIX, OLD_HISTORY_SUFFIX, STATUS_FILE,
+                                      ema_twin_name, replaced_folder_name)
 from diffsynth_mbc.training.options.checks import OPTIONAL_NUMBERS
 from diffsynth_mbc.training.options.run_options import CHOICES as _CHOICES
 
@@ -59,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimisation_arguments(parser)
     out = parser.add_argument_group("output and logging")
     out.add_argument("--output_path", help="where the LoRA safetensors go (default ./runs/lora)")
-    out.add_argument("--log_dir", help="per-rank training_gpu{rank}.json/.jsonl (default OUTPUT_PATH/training_logs, "
-                                       "so two runs never share one by default)")
+    out.add_argument("--log_dir", help=f"per-rank {STATUS_FILE}/.jsonl (default "
+                                       f"OUTPUT_PATH/{DEFAULT_LOGS_FOLDER}, so two runs never share one by default)")
     out.add_argument("--run_id", help="names this run in the logs (default: time-based)")
     out.add_argument("--save_steps", type=int, help="also save the LoRA every N optimizer steps")
     out.add_argument("--status_interval_s", type=float, help="at most one status rewrite per N s (default 5)")
@@ -70,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "trackers: the JSONL's scalars every optimizer step, from rank 0")
     out.add_argument("--print_every_s", type=float, help="without a terminal, rank 0 prints a progress line this "
                                                          "often and at every epoch end (default 30)")
-    out.add_argument("--keep_old_histories", type=int, help="a new run sets the previous history aside as "
-                                                            "*.jsonl.old; keep the newest N of them (default 3)")
+    out.add_argument("--keep_old_histories", type=int, help=f"a new run sets the previous history aside as "
+                                                            f"*{OLD_HISTORY_SUFFIX}; keep the newest N of them "
+                                                            "(default 3)")
     _add_checkpoint_and_quality_arguments(parser)
     _add_caption_arguments(parser)
     _add_ema_arguments(parser)
@@ -150,8 +153,8 @@ def _add_ema_arguments(parser: argparse.ArgumentParser) -> None:
     ema = parser.add_argument_group("EMA of the LoRA weights")
     ema.add_argument("--ema_decay", type=float,
                      help="keep an fp32 exponential moving average of the LoRA with this decay (e.g. 0.999), "
-                          "written as <name>_ema.safetensors beside every LoRA file and kept in checkpoints "
-                          "(default: none)")
+                          f"written as {ema_twin_name('<name>' + LORA_SUFFIX)} beside every LoRA file and kept in "
+                          "checkpoints (default: none)")
     ema.add_argument("--ema_warmup", type=_parse_bool,
                      help="true (default): update n uses min(decay, (1 + n) / (10 + n)), so the EMA follows the "
                           "weights at first; false: the decay from the first update")
@@ -235,7 +238,8 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     ckpt.add_argument("--force_resume", type=_parse_bool, help="resume even if the configuration differs")
     ckpt.add_argument("--start_over", type=_parse_bool,
                       help="a fresh run in a checkpoint folder holding another run's checkpoints: move them "
-                           "into CHECKPOINT_DIR/replaced-RUN_ID/ and start (default false: refused, naming them)")
+                           f"into CHECKPOINT_DIR/{replaced_folder_name('RUN_ID')}/ and start (default false: refused, "
+                           "naming them)")
     ckpt.add_argument("--stop_grace_s", type=float,
                       help="after Ctrl-C/SIGTERM, how long ranks may take to finish the step and save (default 300)")
     data_quality = parser.add_argument_group("bad media and validation")
@@ -263,7 +267,7 @@ def _add_checkpoint_and_quality_arguments(parser: argparse.ArgumentParser) -> No
     data_quality.add_argument("--early_stop", type=_validations_or_off,
                               help="stop (a checkpoint, status finished, exit 0) after N validations in a row "
                                    "without an improvement of --early_stop_min_delta; off (default) trains the "
-                                   "planned total. The best LoRA is kept either way (lora-best.safetensors)")
+                                   f"planned total. The best LoRA is kept either way ({BEST_LORA})")
     data_quality.add_argument("--early_stop_min_delta", type=float,
                               help="what counts as an improvement for --early_stop: at least this share below the "
                                    "loss the count was last reset at (default 0.001: 0.1%%)")

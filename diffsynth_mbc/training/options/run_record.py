@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json
+from diffsynth_mbc.run_layout import RUN_OPTIONS
 from diffsynth_mbc.training.options.run_options import TrainOptions
 
-RUN_OPTIONS = "run_options.json"
 PATH_OPTIONS = ("dataset_base_path", "dataset_metadata_path", "model_dir", "sample_prompts", "cache", "val_cache",
                 "val_metadata_path", "val_base_path", "output_path", "log_dir", "checkpoint_dir", "init_lora")
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from diffsynth_mbc.run_layout import BEST_LORA
+
 from diffsynth_mbc.training.plan import memory, speed
 
 # --health_steps when not given: a DoRA record (0.441 s) every 10 steps of 0.305 s would be 14% of an H100 run;
@@ -94,10 +96,10 @@ class EvaluationCost:
             return None
         every = f"every {self.val_every:,} steps" if self.val_every else "at the end"
         if self.early_stop is None:
-            return (f"validation {every} keeps the best LoRA (lora-best.safetensors); --early_stop N would end the "
+            return (f"validation {every} keeps the best LoRA ({BEST_LORA}); --early_stop N would end the "
                     "run after N validations without improving")
         return (f"the run may end early: it stops after {self.early_stop} validation(s) in a row without a "
-                f"{self.min_delta:.2%} improvement, validating {every}; the best LoRA is kept (lora-best.safetensors)")
+                f"{self.min_delta:.2%} improvement, validating {every}; the best LoRA is kept ({BEST_LORA})")
 
     def line(self) -> str | None:
         from diffsynth_mbc.training.plan.run_length import duration

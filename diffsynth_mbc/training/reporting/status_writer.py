@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from diffsynth_mbc import run_files
+from diffsynth_mbc import run_files, run_layout
 from diffsynth_mbc.atomic import write_json_even_when_full
 from diffsynth_mbc.training.reporting.history_appender import HistoryAppender
 from diffsynth_mbc.training.reporting.log_folder import LogFolderWatch
@@ -98,8 +98,9 @@ class RankStatusWriter:
         self._status_guard.run(lambda: self.log_dir.mkdir(parents=True, exist_ok=True))
         self._stream = stream
         self._folder = LogFolderWatch(self.log_dir)
-        self.status_file = run_files.status_path(self.log_dir, rank)
-        self.history_file = run_files.history_path(self.log_dir, rank)
+        self._rank = rank
+        self.status_file = run_layout.status_path(self.log_dir, rank)
+        self.history_file = run_layout.history_path(self.log_dir, rank)
         self.min_interval_s = min_interval_s
         self._wall_clock = wall_clock
         self._monotonic = monotonic
@@ -248,17 +249,17 @@ class RankStatusWriter:
         """A new run starts a new history; the previous one is kept beside it, never overwritten."""
         if self.history_file.exists() and self.history_file.stat().st_size > 0:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.history_file.stat().st_mtime))
-            target = self.history_file.with_name(f"{self.history_file.stem}.{stamp}.jsonl.old")
+            target = self.history_file.with_name(run_layout.old_history_name(self._rank, stamp))
             suffix = 1
             while target.exists():
-                target = self.history_file.with_name(f"{self.history_file.stem}.{stamp}-{suffix}.jsonl.old")
+                target = self.history_file.with_name(run_layout.old_history_name(self._rank, f"{stamp}-{suffix}"))
                 suffix += 1
             os.replace(self.history_file, target)
         self._prune_old_histories()
 
     def _prune_old_histories(self) -> None:
         """Only the newest ``keep_old_histories`` set-aside histories of this rank stay (they once piled up)."""
-        old = sorted(self.history_file.parent.glob(f"{self.history_file.stem}.*.jsonl.old"),
+        old = sorted(self.history_file.parent.glob(run_layout.old_histories_glob(self._rank)),
                      key=lambda path: path.stat().st_mtime_ns)
         for path in old[:max(0, len(old) - self.keep_old_histories)]:
             path.unlink(missing_ok=True)

@@ -8,7 +8,8 @@ import pytest
 
 from diffsynth_mbc.data.demo_data import write_image, write_video
 from diffsynth_mbc.data.media.row_buckets import bucket_keys, row_sizes
-from diffsynth_mbc.data.media.size_table import TABLE_NAME, fingerprint_key, load_table
+from diffsynth_mbc.data.media.size_table import fingerprint_key, load_table
+from diffsynth_mbc.run_layout import SIZE_TABLE
 from diffsynth_mbc.errors import MetadataError
 
 
@@ -31,18 +32,18 @@ def test_the_size_table_is_read_once_per_run_and_a_changed_file_is_read_again(tm
     write_video(media / "clip.mp4", 5, 96, 64)
     write_image(media / "photo.png", 40, 30)
     rows = [{"video": "clip.mp4", "media_type": "video"}, {"video": "photo.png", "media_type": "image"}]
-    table_path = str(out / TABLE_NAME)
+    table_path = str(out / SIZE_TABLE)
     assert row_sizes(rows, str(media), table_path=table_path) == [(96, 64), (40, 30)]
-    assert not (out / TABLE_NAME).exists()   # no output folder yet (a dry run, a plan before the first launch)
+    assert not (out / SIZE_TABLE).exists()   # no output folder yet (a dry run, a plan before the first launch)
     out.mkdir()
     assert row_sizes(rows, str(media), table_path=table_path) == [(96, 64), (40, 30)]
     table = load_table(table_path)
     assert table == {fingerprint_key(str(media / "clip.mp4")): (96, 64),
                      fingerprint_key(str(media / "photo.png")): (40, 30)}
     # What the table says is what a run uses: no header is read again (the stored size is taken as it is)...
-    saved = json.loads((out / TABLE_NAME).read_text())
+    saved = json.loads((out / SIZE_TABLE).read_text())
     saved["sizes"][fingerprint_key(str(media / "photo.png"))] = [30, 40]
-    (out / TABLE_NAME).write_text(json.dumps(saved))
+    (out / SIZE_TABLE).write_text(json.dumps(saved))
     assert row_sizes(rows, str(media), table_path=table_path) == [(96, 64), (30, 40)]
     # ...until the file changes: another fingerprint, read again, and its old entry leaves the table.
     write_image(media / "photo.png", 50, 20)
@@ -53,11 +54,11 @@ def test_the_size_table_is_read_once_per_run_and_a_changed_file_is_read_again(tm
 
 def test_a_damaged_size_table_is_said_once_and_read_again_from_the_files(tmp_path, capsys):
     write_image(tmp_path / "photo.png", 40, 30)
-    (tmp_path / TABLE_NAME).write_text('{"version": 1, "sizes": {"1:2:/x": [0, 5]}}')
+    (tmp_path / SIZE_TABLE).write_text('{"version": 1, "sizes": {"1:2:/x": [0, 5]}}')
     rows = [{"video": "photo.png", "media_type": "image"}]
-    assert row_sizes(rows, str(tmp_path), table_path=str(tmp_path / TABLE_NAME)) == [(40, 30)]
+    assert row_sizes(rows, str(tmp_path), table_path=str(tmp_path / SIZE_TABLE)) == [(40, 30)]
     assert capsys.readouterr().err.count("cannot be used") == 1
-    assert list(load_table(str(tmp_path / TABLE_NAME)).values()) == [(40, 30)]
+    assert list(load_table(str(tmp_path / SIZE_TABLE)).values()) == [(40, 30)]
 
 
 def test_columns_that_are_not_the_files_size_are_refused_naming_the_rows(tmp_path):
