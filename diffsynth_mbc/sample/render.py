@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from diffsynth_mbc.run_files import check_status_fields
 from diffsynth_mbc.sample_prompts import SamplePrompt
 from diffsynth_mbc.training.lora.load_file import load_lora_file, lora_settings
 
@@ -28,6 +29,7 @@ class SweepStatus:
         self.state: dict = {}
 
     def update(self, **fields) -> None:
+        check_status_fields(fields)   # the training's status fields, as its writer checks them
         self.state.update(fields)
 
     def waiting(self, _what: str):

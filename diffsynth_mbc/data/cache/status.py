@@ -40,7 +40,8 @@ class CacheStatus:
         self._clock = clock
         # continue_history: a cache rank appends no history and leaves the training's alone
         self.writer = writer_class(log_dir, run_id, rank, local_rank, world_size, min_interval_s=min_interval_s,
-                                   monotonic=clock, wall_clock=wall_clock, continue_history=True, stream=stream)
+                                   monotonic=clock, wall_clock=wall_clock, continue_history=True, stream=stream,
+                                   kind=run_files.CACHE)
         self.rate: RowRate | None = None
         self.failures, self.last_failure = 0, None
         self.writer.set_status(run_files.STATUS_CACHING, phase=f"{PHASE}: planning the rows",
