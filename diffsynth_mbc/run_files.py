@@ -1,6 +1,8 @@
-"""The per-rank run files: names and fields shared by the writer (training) and the readers (monitor).
+"""The per-rank run files' contents: the statuses, the fields and the records shared by the writer (training, latent
+cache) and the readers (monitor, stop, doctor).
 
-Every rank writes two files into the log directory, named by its *global* rank:
+Every rank writes two files into the log directory, named by its *global* rank (their names are the run layout's:
+``run_layout.status_file_name`` and ``history_file_name``):
 
 - ``training_gpu{rank}.json``: the current state, replaced atomically (temp file + rename);
 - ``training_gpu{rank}.jsonl``: one appended, flushed line per optimizer step.
@@ -10,9 +12,12 @@ This module imports neither torch nor diffsynth.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import re
-from pathlib import Path
+from typing import Any
+
+# the files' names, here for the writers and readers of their contents
+from diffsynth_mbc.run_layout import history_path, rank_of_status_file, status_path  # noqa: F401
 
 SCHEMA_VERSION = 1
 
@@ -30,57 +35,276 @@ STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING, ST
 ACTIVE_STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING)
 TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED)
 
-# Fields of training_gpu{rank}.json. Readers must tolerate extra fields and missing optional ones.
-STATUS_FIELDS = (
-    "schema_version", "run_id", "rank", "local_rank", "world_size", "hostname", "pid",
-    "status", "phase",
-    # epoch counts from 0; step from 1 (the optimizer steps done)
-    "epoch", "num_epochs", "step", "total_steps", "steps_per_epoch", "samples_seen",
-    # step_time_s: the last step's data wait + forward/backward/optimizer, never a checkpoint or validation;
-    # step_time_avg_s: the same over the ETA's window of recent steps (warm-up left out)
-    "loss", "loss_avg", "lr", "grad_norm", "step_time_s", "step_time_avg_s", "samples_per_s",
-    # eta_s: remaining steps x step_time_avg_s + the overheads still ahead at their mean (eta_overheads_s)
-    "elapsed_s", "eta_s", "eta_overheads_s", "progress",
-    "started_at", "updated_at",
-    # a resumed run: {"checkpoint", "step", "run_id"} it went on from (its run id, history, elapsed time and
-    # trackers continue); None for a fresh run
-    "resumed_from",
-    # the launch (the launcher's run id) that started this process; equals run_id unless the run was resumed
-    "launch_id",
-    # {kind: {"count", "total_s", "last_s", "mean_s"}} for the kinds in OVERHEAD_KINDS that happened
-    "overheads",
-    # {"name", "util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb" (the
-    # allocator's peaks since the previous write), "run_peak_allocated_mb", "run_peak_reserved_mb"}; None on CPU
-    "gpu",
-    "error",  # {"type", "message", "traceback_tail"} when status == "failed", else None
-    # {"for": "ranks in all-reduce (step agreement)", "since": unix time} while the rank has waited in a collective
-    # for longer than its write interval (a heartbeat keeps the file fresh meanwhile), else None
-    "waiting",
-    # the newest LoRA health record's summary (training/evaluation/health_flags.summary): {"step", "max_update_norm",
-    # "max_update_block", "max_grad_norm", "max_grad_block", "flags": [{"flag", "step", "what", "do"}], "seconds"};
-    # None before the first record or with --health_steps 0
-    "health",
-    # the lowest validation so far: {"step", "val_loss", "val_loss_base", "gain" ((base - loss) / base), "file" (its
-    # LoRA, OUTPUT/lora-best.safetensors), under --resolution_stages "stage": {"stage", "of", "size", "final"} (the
-    # stage that trained it)}; new_best: the last validation was it
-    "best", "new_best",
-    # with --early_stop, where its count stands after the last validation (training/components/best_lora.py): {"step",
-    # "count", "patience", "min_delta", "not_counted" (null, or why not: "warm-up", "first", ...), "counts_from_step",
-    # "finite", "compared_with_step", "change" (relative to that step's val_loss), "reset", "since_step"}
-    "early_stop_count",
-    # a run --early_stop ended: {"step", "best_step", "validations_without_improvement", "since_step",
-    # "since_val_loss", "patience", "min_delta"}
-    "early_stop",
-    # --resolution_stages: every stage ({"stage", "size", "from_step", "to_step", "steps", "tokens"}) and the one the
-    # next step trains at (the same, with "of" and "final")
-    "stages", "stage",
-)
+# -- the status schema ------------------------------------------------------------------------------------------------
+# Every field of a status file, declared once: its type, whether every file has it, and which files do (a training
+# rank's, a latent cache rank's). The writer (training/reporting/status_writer.py) refuses a field this does not
+# declare, or a value of another type (StatusFieldError: a programming error); the monitor (monitor/status.py)
+# reads every file through it. A new metric is one line here and what shows it.
+TRAINING, CACHE = "training", "cache"     # the kinds of status file: a training rank's, a cache build rank's
+BOTH, CACHE_ONLY = (TRAINING, CACHE), (CACHE,)
 
-# A cache rank's status file has the fields above (step/total_steps: rows done/rows of its share, samples_per_s:
-# rows/s, step_time_s: s/row, so that progress, ETA and stall detection read as for training) and these:
-# rows_done, rows_total, rows_per_s, failures (rows that could not be read or encoded), last_failure (its reason),
-# cache_dir. No history: the cache job appends nothing per row.
-CACHE_FIELDS = ("rows_done", "rows_total", "rows_per_s", "failures", "last_failure", "cache_dir")
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One field. ``type``: int, float, str, bool, dict (any JSON object), list (any JSON list), object (any JSON
+    value), or an ``Obj``, ``ListOf`` or ``MapOf`` of declared parts; any field may be None (not known yet).
+
+    - ``files``: the kinds of status file that hold it.
+    - ``optional``: written when it happens (absent before); else in every file of its kinds from the first write on.
+      Inside an object: a part written only sometimes (the others read as present: None, or [] for a list).
+    - ``required`` (inside an object or a list's item): without a readable value the object reads as None, the item
+      is left out. ``blank``: False when a blank text is no value.
+    - ``limit``: the characters of a text, the items of a list or map, that readers keep.
+    - ``as_text``: any value reads as its text (else a text must be a string; a file's top-level texts always do).
+    - ``whole``: a whole number written as one (a reader never takes a float's whole part instead).
+    - ``at_least``: the smallest value.
+    - ``noted``: readers note a value they cannot read (they always do for the numbers every file holds).
+    - ``choices``: the texts it may hold (any other reads as None).
+    - ``default``: a yes/no's value where it is missing or not one (else None)."""
+    name: str
+    type: Any
+    files: tuple[str, ...] = (TRAINING,)
+    optional: bool = False
+    required: bool = False
+    limit: int | None = None
+    as_text: bool = False
+    whole: bool = False
+    at_least: float | None = None
+    noted: bool = False
+    blank: bool = True
+    choices: tuple = ()
+    default: Any = None
+
+    def __post_init__(self):
+        if isinstance(self.files, str) or not set(self.files) <= {TRAINING, CACHE}:
+            raise TypeError(f"status field {self.name!r}: files is a tuple of TRAINING and CACHE, not {self.files!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Obj:
+    """A JSON object of declared fields (others are not kept); ``called``: what notes say it is not."""
+    fields: tuple[Field, ...]
+    called: str = "an object"
+
+
+@dataclasses.dataclass(frozen=True)
+class ListOf:
+    """A JSON list of ``item`` (a type or an ``Obj``)."""
+    item: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MapOf:
+    """A JSON object of any keys (``key_limit``: characters kept) to ``value`` (a type or an ``Obj``)."""
+    value: Any
+    key_limit: int | None = None
+
+
+def every_file(*fields: Field) -> tuple[Field, ...]:
+    """Fields every status file of their kinds holds from its first write on (None until known)."""
+    return fields
+
+
+def when_written(*fields: Field) -> tuple[Field, ...]:
+    """Fields written when what they say happens (absent before)."""
+    return tuple(dataclasses.replace(field, optional=True) for field in fields)
+
+
+GPU = Obj((Field("name", str, as_text=True), *(Field(name, float) for name in (
+    "util_pct", "mem_used_mb", "mem_total_mb",
+    "peak_allocated_mb", "peak_reserved_mb",           # the allocator's peaks since the previous write
+    "run_peak_allocated_mb", "run_peak_reserved_mb"))))
+TALLY = Obj((Field("count", int, required=True, at_least=0), Field("total_s", float), Field("last_s", float),
+             Field("mean_s", float)), called="a tally")
+HEALTH_FLAG = Obj((Field("flag", str, required=True, limit=40, blank=False), Field("step", int),
+                   Field("what", str, limit=2000), Field("do", str, limit=2000)))
+HEALTH_FLAGS = Field("flags", ListOf(HEALTH_FLAG), limit=16)
+NOT_COUNTED = ("earlier stage", "warm-up", "first", "no finite one yet")   # why a validation counted for nothing
+STAGE = (Field("stage", int), Field("size", str, required=True, limit=40, blank=False), Field("from_step", int),
+         Field("to_step", int), Field("steps", int), Field("tokens", int))
+MODE_LOSSES = MapOf(float)          # {mode or quantile: mean validation loss}
+STAGE_NOW = Obj((*STAGE, Field("of", int), Field("final", bool, default=False)))   # a stage, of how many; the last?
+
+STATUS_SCHEMA: dict[str, Field] = {field.name: field for field in every_file(
+    Field("schema_version", int, BOTH, whole=True),
+    Field("run_id", str, BOTH),
+    Field("rank", int, BOTH, whole=True),
+    Field("local_rank", int, BOTH),
+    Field("world_size", int, BOTH, whole=True),
+    Field("hostname", str, BOTH),
+    Field("pid", int, BOTH),
+    Field("status", str, BOTH),                  # one of STATUSES
+    Field("phase", str, BOTH),                   # what the rank does now, in words
+    Field("epoch", int),                         # counted from 0
+    Field("num_epochs", int),
+    Field("step", int, BOTH),                    # optimizer steps done (a cache rank: rows done)
+    Field("total_steps", int, BOTH),             # (a cache rank: rows of its share)
+    Field("steps_per_epoch", int),
+    Field("samples_seen", int, BOTH),
+    Field("loss", float),
+    Field("loss_avg", float),
+    Field("lr", float),
+    Field("grad_norm", float),
+    # the last step's data wait + forward/backward/optimizer, never a checkpoint or validation (a cache rank: s/row)
+    Field("step_time_s", float, BOTH),
+    Field("step_time_avg_s", float),             # the same over the ETA's window of recent steps (warm-up left out)
+    Field("samples_per_s", float, BOTH),         # (a cache rank: rows/s)
+    Field("elapsed_s", float, BOTH),
+    Field("eta_s", float, BOTH),                 # remaining steps x step_time_avg_s + eta_overheads_s
+    Field("eta_overheads_s", float),             # the overheads still ahead at their mean
+    Field("progress", float, BOTH),              # percent
+    Field("started_at", float, BOTH),
+    Field("updated_at", float, BOTH),
+    # a resumed run: the checkpoint it went on from (its run id, history, elapsed time and trackers continue)
+    Field("resumed_from", Obj((Field("checkpoint", str), Field("step", int), Field("run_id", str)))),
+    Field("launch_id", str, BOTH),               # the launch that started this process; run_id unless resumed
+    # {kind: tally} for the kinds in OVERHEAD_KINDS that happened
+    Field("overheads", MapOf(TALLY, key_limit=40), limit=16, noted=True),
+    Field("gpu", GPU, BOTH, noted=True),         # None on CPU
+    # when status is failed (monitor/status.py reads it by hand: a text or a list of lines are errors too)
+    Field("error", Obj((Field("type", str), Field("message", str), Field("traceback_tail", str))), BOTH),
+    # while the rank has waited in a collective for longer than its write interval (a heartbeat keeps the file fresh)
+    Field("waiting", Obj((Field("for", str, required=True, limit=200), Field("since", float, required=True)),
+                         called="{for, since}"), BOTH, noted=True),
+    # the newest LoRA health record's summary (training/evaluation/health_flags.summary); None before the first
+    Field("health", Obj((Field("step", int), Field("max_update_norm", float), Field("max_update_block", int),
+                         Field("max_grad_norm", float), Field("max_grad_block", int), HEALTH_FLAGS,
+                         Field("seconds", float)))),
+    # the lowest validation so far; gain: (base - loss) / base; file: its LoRA (OUTPUT/lora-best)
+    # under --resolution_stages its stage: the stage that trained it
+    Field("best", Obj((Field("step", int, required=True), Field("val_loss", float, required=True),
+                       Field("val_loss_base", float), Field("gain", float), Field("file", str, limit=500),
+                       Field("stage", STAGE_NOW)))),
+    Field("new_best", bool),                     # the last validation was the best
+    Field("early_stop", Obj((Field("step", int, required=True), Field("best_step", int),
+                             Field("validations_without_improvement", int), Field("since_step", int),
+                             Field("since_val_loss", float), Field("patience", int), Field("min_delta", float)))),
+    # with --early_stop, where its count stands after the last validation (training/components/best_lora.py):
+    # not_counted: why it counted for nothing; change: relative to compared_with_step's val_loss
+    Field("early_stop_count", Obj((Field("step", int), Field("count", int, required=True),
+                                   Field("patience", int, required=True), Field("min_delta", float),
+                                   Field("not_counted", str, choices=NOT_COUNTED), Field("counts_from_step", int),
+                                   Field("finite", bool, default=True), Field("compared_with_step", int),
+                                   Field("change", float), Field("reset", bool, default=False),
+                                   Field("since_step", int)))),
+    Field("stages", ListOf(Obj(STAGE)), limit=16),   # --resolution_stages: every stage
+    # the stage the next step trains at: of: how many there are; final: the final size
+    Field("stage", STAGE_NOW),
+    # several catalogues: each one's samples this epoch on this rank (per_epoch: its even share)
+    Field("catalogue_progress", ListOf(Obj((Field("name", str, required=True, limit=80, as_text=True),
+                                            Field("seen", int), Field("per_epoch", int)))), limit=64),
+) + when_written(
+    Field("write_failures", int, BOTH),          # status and history writes that failed (the run went on)
+    # the start: what trains (training/reporting/recipe.py), the step plan, how the run was set up
+    Field("recipe", dict),
+    Field("plan", dict),
+    Field("lr_scheduler", str),
+    Field("max_grad_norm", float),
+    Field("mixed_precision", str),
+    Field("precision_reason", str),
+    Field("attention_kernel", str),
+    Field("deepspeed_gradient_clipping", object),   # the engine's setting: a number or "auto"
+    Field("compile", bool),
+    Field("compile_reason", str),
+    Field("recompute_blocks", int),
+    Field("gradient_checkpointing_reason", str),
+    Field("init_lora", dict),                    # --init_lora: what was found in the file
+    # every step
+    Field("tokens_per_s", float),
+    Field("skipped_samples", int),               # media that could not be read, replaced by the next row
+    Field("skip_reasons", list),                 # the latest of them, with why
+    # rank 0, when the steps end: what every rank replaced as bad media (samples, of seen; rows: [row, file, times])
+    Field("replaced_media", Obj((Field("samples", int), Field("seen", int), Field("row_count", int),
+                                 Field("rows", list)))),
+    Field("nonfinite_steps", int),               # steps skipped as inf/NaN
+    Field("nonfinite_in_a_row", int),
+    Field("captions_dropped", int),              # --caption_dropout
+    Field("ema_updates", int),
+    Field("ema_note", str),
+    # validation: the headline loss (the EMA's under --validate_with ema), per timestep quantile and per mode
+    Field("val_loss", float),
+    Field("val_loss_by_quantile", MODE_LOSSES),
+    Field("val_loss_by_mode", MODE_LOSSES),
+    Field("val_step", int),
+    Field("val_weights", str),                   # "ema" when the headline is the EMA's
+    Field("val_loss_ema", float),                # --validate_with both: the EMA's beside the raw weights'
+    Field("val_loss_ema_by_quantile", MODE_LOSSES),
+    Field("val_loss_ema_by_mode", MODE_LOSSES),
+    Field("val_loss_base", float),               # the base model (the LoRA off) on the same samples
+    Field("val_loss_base_by_quantile", MODE_LOSSES),
+    Field("val_loss_base_by_mode", MODE_LOSSES),
+    Field("val_loss_base_step", int),            # when the base was measured
+    Field("val_substituted", int),               # validation samples whose own row did not decode
+    Field("val_substituted_rows", list),
+    # sample clips: the samples folder and the last set
+    Field("samples_dir", str),
+    Field("last_samples", Obj((Field("step", int), Field("dir", str), Field("files", ListOf(str)),
+                               Field("base_dir", str, optional=True),         # with strength 0: the base's clips
+                               Field("base_files", ListOf(str), optional=True)))),
+    # checkpoints and resumes
+    Field("last_checkpoint", str),
+    Field("last_checkpoint_step", int),
+    Field("resumed_with_changes", ListOf(str)),  # --force_resume: what differed from the checkpoint
+    # a cache rank: rows done and of its share, rows/s, rows that could not be read or encoded and the last reason
+    Field("cache_dir", str, CACHE_ONLY),
+    Field("rows_done", int, CACHE_ONLY),
+    Field("rows_total", int, CACHE_ONLY),
+    Field("rows_per_s", float, CACHE_ONLY),
+    Field("failures", int, CACHE_ONLY),
+    Field("last_failure", str, CACHE_ONLY),
+)}
+
+
+class StatusFieldError(ValueError):
+    """A status field the schema does not declare (or not for this kind of file), or a value of another type: a
+    programming error, named with the field."""
+
+
+def fields_in_every_file(kind: str = TRAINING) -> tuple[str, ...]:
+    """The fields every status file of ``kind`` holds from its first write on (None until known)."""
+    return tuple(name for name, field in STATUS_SCHEMA.items() if not field.optional and kind in field.files)
+
+
+def check_status_fields(fields: dict, kind: str = TRAINING) -> None:
+    """StatusFieldError for the first field of ``fields`` that a ``kind`` status file may not hold as it is."""
+    for name, value in fields.items():
+        field = STATUS_SCHEMA.get(name)
+        if field is None:
+            raise StatusFieldError(f"status field {name!r} is not declared: declare it in run_files.STATUS_SCHEMA "
+                                   "(its type and which files hold it), then show it")
+        if kind not in field.files:
+            raise StatusFieldError(f"status field {name!r} is not one of a {kind} rank's (STATUS_SCHEMA: "
+                                   f"{', '.join(field.files)})")
+        if value is not None and not is_of_type(value, field.type):
+            raise StatusFieldError(f"status field {name!r} is {type_name(field.type)}, not "
+                                   f"{type(value).__name__} ({value!r:.60})")
+
+
+def is_of_type(value: Any, kind: Any) -> bool:
+    """Whether ``value`` has the declared type at its top (the parts of an object or list are the readers' to
+    check)."""
+    if isinstance(value, bool):
+        return kind in (bool, object)
+    if kind is float:
+        return isinstance(value, (int, float))
+    if isinstance(kind, (Obj, MapOf)):
+        return isinstance(value, dict)
+    if isinstance(kind, ListOf) or kind is list:
+        return isinstance(value, (list, tuple))
+    return kind is object or isinstance(value, kind)
+
+
+def type_name(kind: Any) -> str:
+    if isinstance(kind, (Obj, MapOf)) or kind is dict:
+        return "an object"
+    if isinstance(kind, ListOf) or kind is list:
+        return "a list"
+    return {int: "a whole number", float: "a number", str: "a text", bool: "true or false"}.get(kind, "any value")
+
+
+# The training status file's fields (every one from the first write on) and a cache rank's own.
+STATUS_FIELDS = fields_in_every_file(TRAINING)
+CACHE_FIELDS = tuple(name for name, field in STATUS_SCHEMA.items() if field.files == (CACHE,))
 
 # Fields of each training_gpu{rank}.jsonl line (one per optimizer step; epoch from 0). Extra fields may
 # appear, and other lines carry a "kind": validation {"kind": "val", "step", "val_loss", "val_samples", "time"} (with
@@ -116,22 +340,6 @@ def overheads_text(overheads) -> str:
         mean_text = f"{mean:.1f} s" if isinstance(mean, (int, float)) else "-"
         parts.append(f"{OVERHEAD_LABELS.get(kind, kind)} {tally['count']} x {mean_text}")
     return ", ".join(parts)
-
-_STATUS_NAME = re.compile(r"^training_gpu(\d+)\.json$")
-
-
-def status_path(log_dir: str | Path, rank: int) -> Path:
-    return Path(log_dir) / f"training_gpu{int(rank)}.json"
-
-
-def history_path(log_dir: str | Path, rank: int) -> Path:
-    return Path(log_dir) / f"training_gpu{int(rank)}.jsonl"
-
-
-def rank_of_status_file(name: str) -> int | None:
-    """Global rank encoded in a status file name, or None for any other file."""
-    match = _STATUS_NAME.match(name)
-    return int(match.group(1)) if match else None
 
 
 def rank_from_environment(environ=os.environ) -> tuple[int, int, int]:

@@ -23,9 +23,6 @@ from diffsynth_mbc.yaml_input import parse_yaml
 
 DEFAULT_STEPS = 30
 DEFAULT_CFG = 5.0
-SAMPLES_FOLDER = "samples"
-PROMPTS_FILE = "prompts.json"   # beside each set's clips: the full text of every prompt
-BASE_FOLDER = "base"            # samples/base/: the base model's clips (strength 0), rendered once per prompt
 BASE_SUFFIX = "-base"           # 01-a-news-anchor-base.mp4
 EMA_SUFFIX = "-ema"             # rendered with the EMA of the LoRA: 01-a-news-anchor-ema.mp4
 MAX_STRENGTH = 10.0             # --sample_strengths: |s| at most this, with at most STRENGTH_DECIMALS decimals
@@ -199,14 +196,10 @@ def slug(text: str, limit: int = 40) -> str:
 
 
 def prompts_file_record(prompts: list[SamplePrompt]) -> dict:
-    """What ``PROMPTS_FILE`` beside a set's clips holds: each clip's number, file stem and full prompt."""
+    """What ``run_layout.PROMPTS_FILE`` beside a set's clips holds: each clip's number, file stem and full prompt."""
     return {"prompts": [{"index": index + 1, "stem": sample_file_stem(index, prompt), "mode": prompt.mode,
                          **prompt.as_dict()}
                         for index, prompt in enumerate(prompts)]}
-
-
-def sample_set_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def sample_file_stem(index: int, prompt: SamplePrompt) -> str:

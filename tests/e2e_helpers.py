@@ -51,6 +51,22 @@ def read_status(log_dir: Path, rank: int) -> dict:
     return json.loads((log_dir / f"training_gpu{rank}.json").read_text())
 
 
+def assert_the_monitor_reads_what_the_ranks_wrote(log_dir: Path, ranks=(0, 1)) -> dict:
+    """Every field a run's ranks wrote is one run_files.STATUS_SCHEMA declares, and the monitor reads each back as it
+    was written, with no note (#61 item 5). Returns the fields rank 0 wrote, for a test to say which it expects."""
+    from diffsynth_mbc.monitor.status import normalize_status
+    from diffsynth_mbc.run_files import STATUS_SCHEMA
+
+    written = {}
+    for rank in ranks:
+        raw = read_status(log_dir, rank)
+        read, notes = normalize_status(raw, rank)
+        assert sorted(set(raw) - set(STATUS_SCHEMA)) == [] and notes == []
+        assert {key: value for key, value in read.items() if key in raw} == raw
+        written = written or raw
+    return written
+
+
 def read_history(log_dir: Path, rank: int, overheads: bool = False, health: bool = False) -> list[dict]:
     """A rank's JSONL records: steps, validation, samples; the timing lines of checkpoints, LoRA files, validation
     and samples ({"kind": "overhead"}) only with ``overheads``, the LoRA health ({"kind": "lora_health"}) only with

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 
 import pytest
 
+from diffsynth_mbc import run_layout
 from diffsynth_mbc.lifecycle.stop_command import lock_holders
 from diffsynth_mbc.training.options import build_parser
 from diffsynth_mbc.training.plan import command as plan
@@ -31,6 +33,24 @@ def test_help_prints_the_launcher_flags_then_the_training_flags(tmp_path):
     assert "command not found" not in result.stderr and "running the built-in demo" not in result.stderr
     assert text.index("--cached") < text.index("--dry_run") < text.index("usage: python -m diffsynth_mbc.train")
     assert "--learning_rate" in text and "launchers/stop.sh" in text
+
+
+def test_the_launchers_spell_the_run_files_as_the_run_layout_does():
+    """The three names the launchers spell themselves (bash cannot import them): each node's lock, the launch's log
+    and the status files the log points to."""
+    common = REPO / "launchers" / "common.sh"
+    for node, multinode in ((0, "0"), (0, "1"), (3, "1")):
+        shell = subprocess.run(["bash", "-c", f'source "{common}" && mbc_lock_name'], capture_output=True, text=True,
+                               env={**os.environ, "MACHINE_RANK": str(node), "MBC_MULTINODE": multinode}, check=True)
+        assert shell.stdout.strip() == run_layout.lock_name(node if multinode == "1" else 0)
+    text = common.read_text()
+    log = re.search(r'log_file=\$\{MBC_LOG_FILE:-\$OUTPUT_PATH/([^}]+)\}', text)
+    assert log and log.group(1) == run_layout.run_log_name("$MBC_RUN_ID")
+    assert f"$LOG_DIR/{run_layout.STATUS_FILE_GLOB}" in text
+    record = re.search(r"pid_file=(\S+)", text).group(1)   # the launcher's record beside its lock
+    lock = run_layout.lock_name(3)
+    shell = subprocess.run(["bash", "-c", f"lock={lock}; echo {record}"], capture_output=True, text=True, check=True)
+    assert shell.stdout.strip() == run_layout.lock_record_name(lock)
 
 
 def training_flags():

@@ -13,8 +13,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "diffsynth_mbc"
 # Pure logic: importable without torch (what it needs of torch, if anything, is imported inside functions).
 TORCH_FREE = [
-    "atomic.py", "errors.py", "run_files.py", "gpu.py", "sample_prompts.py", "yaml_input.py", "values.py",
-    "environment.py",
+    "atomic.py", "errors.py", "run_files.py", "run_layout.py", "gpu.py", "sample_prompts.py", "yaml_input.py",
+    "values.py", "environment.py",
     "models/model_files.py",
     "data/convert/catalogue_rows.py", "data/convert/selection.py", "data/convert/file_checks.py",
     "data/convert/caption_lengths.py", "data/cache/index.py", "data/media/shapes.py", "data/caption_rules.py",
@@ -171,19 +171,52 @@ def test_options_are_read_as_typed_attributes_never_with_getattr():
     assert reads == []
 
 
+def code_strings(path: Path) -> list[str]:
+    """The string constants of a module's code: docstrings aside, the parts of f-strings included."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and ast.get_docstring(node) is not None}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
 def test_each_environment_name_is_spelled_in_one_module():
     """Every ``MBC_*`` name in code (docstrings aside) is ``diffsynth_mbc/environment.py``'s."""
     spelled = {}
     for path in modules():
-        tree = ast.parse(path.read_text())
-        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and ast.get_docstring(node) is not None}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-                for name in re.findall(r"\bMBC_[A-Z_]+", node.value):
-                    spelled.setdefault(name, set()).add(str(path.relative_to(PACKAGE)))
+        for text in code_strings(path):
+            for name in re.findall(r"\bMBC_[A-Z_]+", text):
+                spelled.setdefault(name, set()).add(str(path.relative_to(PACKAGE)))
     assert spelled and {name: sorted(where) for name, where in spelled.items() if where != {"environment.py"}} == {}
+
+
+# A run's file and folder names as code would spell them: each only in run_layout.py (docstrings aside).
+RUN_FILE_NAMES = {
+    "checkpoint.json": r"checkpoint\.json", "the status files": r"training_gpu", "lora-best": r"lora-best",
+    "lora.safetensors": r"\blora(_ema)?\.safetensors", "the step-N pattern": r"step-(?:[{\\(\[%*]|$)",
+    "the EMA twins": r"_ema\.safetensors|^_ema$", "run_options.json": r"run_options\.json",
+    "size_table.json": r"size_table\.json", "sweep.json / .html": r"sweep\.(?:json|html)|\.sweep-records",
+    "row_sizes.json": r"row_sizes\.json", "ema_state": r"ema_state\.safetensors", "prompts.json": r"prompts\.json",
+    "old histories": r"\.jsonl\.old", "replaced-RUN_ID": r"(?:^|/)replaced-", "damaged-": r"(?:^|/)damaged-",
+    "the checkpoint temp folder": r"^\.tmp-", "the launch's log": r"train-\*?\.log|^train-$",
+    "the default folders": r"^(?:\./)?training_logs$|^tracking$|^latent_cache(?:_val)?$",
+    "the cache's files": r"cache\.json|failures\.csv|sample_prompts\.safetensors",
+    "the lock": r"^\.train(?:\.|$)",
+}
+
+
+def test_each_run_file_name_is_spelled_in_one_module():
+    """The names of a run's files and folders (checkpoint.json, step-N, lora-best, the status files, sweep.json, ...)
+    are ``diffsynth_mbc/run_layout.py``'s: every reader and writer imports them (#61 item 4)."""
+    spelled = {}
+    for path in modules():
+        for text in code_strings(path):
+            for what, pattern in RUN_FILE_NAMES.items():
+                if re.search(pattern, text):
+                    spelled.setdefault(what, set()).add(str(path.relative_to(PACKAGE)))
+    assert set(spelled) == set(RUN_FILE_NAMES)   # each pattern finds its name where it is spelled
+    assert {what: sorted(where) for what, where in spelled.items() if where != {"run_layout.py"}} == {}
 
 
 def test_pure_modules_import_no_torch_at_module_level():

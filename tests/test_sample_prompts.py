@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.sample_prompts import (load_sample_prompts, prompts_file_record, sample_file_stem,
-                                          sample_set_name, sampling_due, slug)
+from diffsynth_mbc.run_layout import sample_set_name
+from diffsynth_mbc.sample_prompts import load_sample_prompts, prompts_file_record, sample_file_stem, sampling_due, slug
 
 SIZE = dict(height=64, width=64, num_frames=9, seed=42)
 

@@ -30,12 +30,12 @@ from diffsynth_mbc.data.media.buckets import media_kind
 from diffsynth_mbc.data.media.shapes import IMAGE, VIDEO, shape_key
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.errors import MetadataError, OptionsError, clipped, quoted
+from diffsynth_mbc.run_layout import COMBINED_METADATA
 from diffsynth_mbc.yaml_input import load_yaml
 
 MEDIA = ("all", VIDEO, IMAGE)
 KEYS = ("base_path", "metadata_path", "repeat", "caption_prefix", "media", "name")
 COLUMNS = ("video", "prompt", "media_type", "dataset")
-COMBINED = Path("datasets") / "metadata.csv"   # under --output_path
 # The largest plan a run takes. The batch sampler draws every sample of an epoch on every rank before the first step
 # (one index each: 10 million samples took 1.3 GB and 51 s per rank and epoch, measured), and no repeat needs more:
 # more passes over the data are --num_epochs, which the sampler draws one at a time.
@@ -170,7 +170,7 @@ def check_epoch_size(counts: Sequence[tuple[str, int, int]], dataset_repeat: int
 def write_combined(catalogues: Sequence[Catalogue], output_path: str | os.PathLike, dataset_repeat: int = 1) -> Path:
     """The combined metadata under ``output_path``, written atomically (every rank may write it: same bytes); an
     epoch too large for the batch sampler (``check_epoch_size``) is refused first."""
-    path = Path(output_path) / COMBINED
+    path = Path(output_path) / COMBINED_METADATA
     rows = combined_rows(catalogues)
     kept = Counter(row["dataset"] for row in rows)
     check_epoch_size([(f"datasets[{position}] ({catalogue.name}, {catalogue.metadata_path})", kept[position],

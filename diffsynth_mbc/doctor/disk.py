@@ -69,17 +69,17 @@ def cache_bytes(options, videos: int, images: int) -> int:
 
 
 def _bytes_in(folder: Path) -> int:
-    from diffsynth_mbc.data.cache.index import ENTRIES_DIR, TEXT_DIR
+    from diffsynth_mbc.run_layout import CACHE_ENTRIES, CACHE_TEXT
 
-    return sum(p.stat().st_size for sub in (ENTRIES_DIR, TEXT_DIR) if (folder / sub).is_dir()
+    return sum(p.stat().st_size for sub in (CACHE_ENTRIES, CACHE_TEXT) if (folder / sub).is_dir()
                for p in (folder / sub).rglob("*.safetensors"))
 
 
 def cache_need(folder: str, options, media: tuple[int, int], how: str) -> Need:
     """What a cache of ``media`` rows in ``folder`` still needs: nothing when finished, else what is not there yet."""
-    from diffsynth_mbc.data.cache.index import INDEX_FILE
+    from diffsynth_mbc.run_layout import CACHE_INDEX
 
-    if (Path(folder) / INDEX_FILE).is_file():
+    if (Path(folder) / CACHE_INDEX).is_file():
         return Need(folder, "latent cache", 0, f"{how}: finished already, read as it is, nothing more to write")
     projected, there = cache_bytes(options, *media), _bytes_in(Path(folder))
     written = f"; {human(there)} of its {human(projected)} written already" if there else ""

@@ -30,6 +30,7 @@ from diffsynth_mbc.data.media.buckets import media_kind
 from diffsynth_mbc.training.plan import estimates
 
 from diffsynth_mbc import environment
+from diffsynth_mbc.run_layout import CACHE_SUMMARY, history_path, status_path
 from diffsynth_mbc.training.plan import run_length
 
 LOG_TAIL = 3000
@@ -133,7 +134,7 @@ def build_cache(options, subset: Path, folder: Path, env: dict) -> tuple[str, fl
     if code != 0:
         raise ProbeError(f"building the latent cache of the probe's rows failed (exit {code}):\n"
                          + tail(folder / "cache.log"))
-    summary = json.loads((cache_dir / "summary.json").read_text())
+    summary = json.loads((cache_dir / CACHE_SUMMARY).read_text())
     return str(cache_dir), encode_seconds_per_row(summary["per_rank"][0])
 
 
@@ -160,7 +161,7 @@ def train(options, kind: str, subset: Path, folder: Path, env: dict, cache_dir: 
     (folder / "probe.yaml").write_text(yaml.safe_dump(preset, sort_keys=True), encoding="utf-8")
     code, rss = run_logged([sys.executable, "-m", "diffsynth_mbc.train", "--config", str(folder / "probe.yaml")],
                            folder / "train.log", env)
-    status_file, history_file = folder / "logs" / "training_gpu0.json", folder / "logs" / "training_gpu0.jsonl"
+    status_file, history_file = status_path(folder / "logs", 0), history_path(folder / "logs", 0)
     status = json.loads(status_file.read_text()) if status_file.is_file() else {}
     if code != 0:
         message = (status.get("error") or {}).get("message") or ""

@@ -34,8 +34,7 @@ from typing import Callable
 
 from diffsynth_mbc import environment
 from diffsynth_mbc.lifecycle.processes import alive
-
-LOCK_PREFIX = ".train"
+from diffsynth_mbc.run_layout import lock_name, lock_record_name
 
 _held: list[int] = []     # this process's lock descriptors, open until it exits
 
@@ -44,14 +43,9 @@ class RunLockError(RuntimeError):
     """This process may not join the run on these folders."""
 
 
-def lock_name(machine_rank: int = 0) -> str:
-    """One lock per node of a run: node 0 keeps the historical name."""
-    return f"{LOCK_PREFIX}.lock" if machine_rank == 0 else f"{LOCK_PREFIX}.node{machine_rank}.lock"
-
-
 def record_file(lock_file: str | os.PathLike) -> Path:
     lock_file = Path(lock_file)
-    return lock_file.with_name(lock_file.name[:-len(".lock")] + ".pid")
+    return lock_file.with_name(lock_record_name(lock_file.name))
 
 
 def read_record(lock_file: str | os.PathLike) -> dict:

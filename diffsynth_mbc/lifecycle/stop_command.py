@@ -26,13 +26,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffsynth_mbc import run_files
-from diffsynth_mbc import environment
+from diffsynth_mbc import environment, run_files, run_layout
 from diffsynth_mbc.atomic import write_json_even_when_full
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.lifecycle.processes import (alive, environment_value, is_accelerate, is_launcher, is_trainer,
                                                parent, start_time)
-from diffsynth_mbc.lifecycle.run_lock import LOCK_PREFIX, read_record, regular_lock_problem
+from diffsynth_mbc.lifecycle.run_lock import read_record, regular_lock_problem
 
 
 def lock_holders(lock_file: str | os.PathLike) -> list[int]:
@@ -60,7 +59,7 @@ def lock_holders(lock_file: str | os.PathLike) -> list[int]:
 
 
 def run_locks(folder: str | os.PathLike) -> list[Path]:
-    return sorted(Path(folder).glob(f"{LOCK_PREFIX}*.lock"))
+    return sorted(Path(folder).glob(f"{run_layout.LOCK_PREFIX}*{run_layout.LOCK_SUFFIX}"))
 
 
 def describe_holders(folder: str | os.PathLike) -> str:
@@ -255,8 +254,8 @@ def rank_states(log_dir: str | os.PathLike, run_id: str | None = None, host: str
     """{rank: status} of this host's ranks (of ``run_id`` when given) in ``log_dir``."""
     host = host or socket.gethostname()
     states = {}
-    for path in sorted(Path(log_dir).glob("training_gpu*.json")):
-        rank = run_files.rank_of_status_file(path.name)
+    for path in sorted(Path(log_dir).glob(run_layout.STATUS_FILE_GLOB)):
+        rank = run_layout.rank_of_status_file(path.name)
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -308,7 +307,7 @@ def mark_dead_ranks(log_dir: str | os.PathLike, launch_exit_code: int, host: str
                      error={"type": "RankDied", "traceback_tail": "",
                             "message": f"rank {rank} (pid {pid}) ended without writing a final status ({why}"
                                        + (")" if reason else "")})
-        path = run_files.status_path(log_dir, rank)
+        path = run_layout.status_path(log_dir, rank)
         try:
             write_json_even_when_full(path, state)
         except OSError as exc:   # a full or vanished log folder: say so, the launcher still ends cleanly

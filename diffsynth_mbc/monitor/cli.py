@@ -58,8 +58,9 @@ from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.monitor.sources import split_sources
 from diffsynth_mbc.monitor.state import MonitorState
 from diffsynth_mbc.monitor.status import exit_code
+from diffsynth_mbc.run_layout import DEFAULT_LOGS_FOLDER, STATUS_FILE_GLOB
 
-DEFAULT_LOG_DIR = "./training_logs"
+DEFAULT_LOG_DIR = f"./{DEFAULT_LOGS_FOLDER}"
 
 
 def _positive(value: str) -> float:
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("sources", nargs="*", default=[DEFAULT_LOG_DIR], metavar="LOG_DIR_OR_URL",
-                        help=f"folders with training_gpu*.json[l] (default {DEFAULT_LOG_DIR}) and/or other monitors' "
+                        help=f"folders with {STATUS_FILE_GLOB}[l] (default {DEFAULT_LOG_DIR}) and/or other monitors' "
                              "--serve URLs (http://HOST:PORT), e.g. one per node when log folders are node-local: "
                              "shown as one run")
     parser.add_argument("--once", action="store_true", help="draw one frame and exit with the run's exit code")

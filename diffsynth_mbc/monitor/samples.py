@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from diffsynth_mbc.sample_prompts import BASE_FOLDER, PROMPTS_FILE, read_clip_suffix
+from diffsynth_mbc.run_layout import BASE_SAMPLES_FOLDER, PROMPTS_FILE, SAMPLES_FOLDER, step_of_folder
+from diffsynth_mbc.sample_prompts import read_clip_suffix
 
-SET_NAME = re.compile(r"step-(\d{8})")
 # the prompt's number, then its slug and what follows it (the shortest slug first: a set without a prompts file
 # has only the name to go by)
 FILE_NAME = re.compile(r"([0-9]{2})-((?:[^\W_]|-){1,60}?)((?:-s-?[0-9]{1,2}(?:\.[0-9]{1,3})?)?(?:-ema|-base)?)"
@@ -39,7 +39,7 @@ def samples_root(snapshot: dict) -> Path | None:
         folder = rank.get("samples_dir")
         if isinstance(folder, str) and folder:
             path = Path(folder)
-            if path.name == "samples" and path.is_absolute():
+            if path.name == SAMPLES_FOLDER and path.is_absolute():
                 return path
     return None
 
@@ -114,10 +114,9 @@ def list_sets(root: Path | None) -> list[dict]:
         return []
     sets = []
     for folder in sorted(root.iterdir()):
-        match = SET_NAME.fullmatch(folder.name)
-        if not match or not folder.is_dir() or folder.is_symlink():
+        step = step_of_folder(folder.name)
+        if step is None or not folder.is_dir() or folder.is_symlink():
             continue
-        step = int(match.group(1))
         sets.append({"step": step, "name": folder.name, "clips": _clips(folder, step)})
     return sets[-MAX_SETS:]
 
@@ -125,7 +124,7 @@ def list_sets(root: Path | None) -> list[dict]:
 def list_base(root: Path | None) -> list[dict]:
     """The base model's clips (``--sample_strengths`` with 0), one per prompt: as ``list_sets``' clips with
     strength 0, weights None and the step each was rendered at (None where its prompts file says none)."""
-    folder = None if root is None else root / BASE_FOLDER
+    folder = None if root is None else root / BASE_SAMPLES_FOLDER
     if folder is None or not folder.is_dir() or folder.is_symlink():
         return []
     return [clip for clip in _clips(folder, None) if clip["weights"] is None]
@@ -134,14 +133,14 @@ def list_base(root: Path | None) -> list[dict]:
 def resolve_file(root: Path | None, url_path: str) -> tuple[Path, str] | None:
     """The file a ``/samples/SET/FILE`` path names and its content type; None for anything else."""
     parts = url_path.split("/")
-    if root is None or len(parts) != 4 or parts[:2] != ["", "samples"]:
+    if root is None or len(parts) != 4 or parts[:2] != ["", "samples"]:   # the URL's route
         return None
     try:
         set_name, file_name = parts[2], unquote(parts[3], errors="strict")
     except UnicodeDecodeError:
         return None
     name = FILE_NAME.fullmatch(file_name)
-    if not (SET_NAME.fullmatch(set_name) or set_name == BASE_FOLDER) or not name:
+    if not (step_of_folder(set_name) is not None or set_name == BASE_SAMPLES_FOLDER) or not name:
         return None
     try:
         real_root = root.resolve(strict=True)

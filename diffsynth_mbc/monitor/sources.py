@@ -21,12 +21,12 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from diffsynth_mbc import run_files
+from diffsynth_mbc import run_layout
 
 FETCH_TIMEOUT_S = 2.0
 MAX_ANSWER_BYTES = 32 << 20
-LOGS_FOLDER = "training_logs"   # where a run keeps its rank files unless --log_dir says otherwise
-RUN_OUTPUT_MARKS = ("lora.safetensors", "checkpoints", "samples")   # what an output folder holds, a log folder never
+# what an output folder holds, a log folder never
+RUN_OUTPUT_MARKS = (run_layout.FINAL_LORA, run_layout.DEFAULT_CHECKPOINTS_FOLDER, run_layout.SAMPLES_FOLDER)
 
 
 def split_sources(values: list[str]) -> tuple[list[Path], list["RemoteSource"]]:
@@ -43,7 +43,7 @@ def split_sources(values: list[str]) -> tuple[list[Path], list["RemoteSource"]]:
 def _holds_rank_files(folder: Path) -> bool:
     try:
         with os.scandir(folder) as entries:
-            return any(run_files.rank_of_status_file(entry.name) is not None for entry in entries)
+            return any(run_layout.rank_of_status_file(entry.name) is not None for entry in entries)
     except OSError:
         return False
 
@@ -59,7 +59,8 @@ def follow_folder(folder: Path) -> tuple[Path, str | None]:
         raise ValueError(f"log folder {folder} does not exist (the launch printed the one to watch: "
                          f"\"watch: python -m diffsynth_mbc.monitor LOG_DIR\")")
     if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder (give the run's log folder, which holds training_gpu*.json)")
+        raise ValueError(f"{folder} is not a folder (give the run's log folder, which holds "
+                         f"{run_layout.STATUS_FILE_GLOB})")
     if _holds_rank_files(folder):
         return folder, None
     try:
@@ -67,14 +68,15 @@ def follow_folder(folder: Path) -> tuple[Path, str | None]:
     except OSError as exc:
         raise ValueError(f"cannot list {folder}: {exc}") from None
     below = [child for child in children if _holds_rank_files(child)]
-    if not below and (folder / LOGS_FOLDER) in children:
-        below = [folder / LOGS_FOLDER]
+    logs = folder / run_layout.DEFAULT_LOGS_FOLDER   # where a run keeps its rank files unless --log_dir says otherwise
+    if not below and logs in children:
+        below = [logs]
     if len(below) == 1:
         return below[0], f"watching {below[0]} (the run's log folder inside {folder})"
     if below:
         raise ValueError(f"{folder} holds the logs of several runs, in {', '.join(str(b) for b in below)}: "
                          "name the one to watch")
-    if any((folder / mark).exists() for mark in RUN_OUTPUT_MARKS) or any(folder.glob("train-*.log")):
+    if any((folder / mark).exists() for mark in RUN_OUTPUT_MARKS) or any(folder.glob(run_layout.RUN_LOG_GLOB)):
         raise ValueError(f"{folder} is a run's output folder without its logs (they are where --log_dir put them; "
                          "the launch printed \"watch: python -m diffsynth_mbc.monitor LOG_DIR\")")
     return folder, None

@@ -310,10 +310,10 @@ class MonitorState:
         world_size = world_size_of(chosen)
         ranks_out = []
         for rank in sorted(chosen):
-            if world_size is not None and rank >= world_size:
-                notes.append(f"training_gpu{rank}.json: rank {rank} is outside world_size {world_size}; left out")
-                continue
             sf = chosen[rank]
+            if world_size is not None and rank >= world_size:
+                notes.append(f"{sf.path.name}: rank {rank} is outside world_size {world_size}; left out")
+                continue
             notes.extend(sf.notes)
             hf = self._history_for(rank)
             hf.poll()

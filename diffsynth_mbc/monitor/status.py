@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from diffsynth_mbc import run_files
+from diffsynth_mbc import run_files, run_layout
+from diffsynth_mbc.run_files import HEALTH_FLAGS, STATUS_SCHEMA, Field, ListOf, MapOf, Obj
 from diffsynth_mbc.values import printable
 
 STALL_MIN_S = 120.0
@@ -28,18 +29,6 @@ EXIT_CODES = {
     "failed": 1, "stalled": 3, "no_data": 4,
 }
 
-_INT_FIELDS = ("schema_version", "rank", "local_rank", "world_size", "pid", "epoch", "num_epochs", "step",
-               "total_steps", "steps_per_epoch", "samples_seen", "val_step")
-_FLOAT_FIELDS = ("loss", "loss_avg", "lr", "grad_norm", "step_time_s", "step_time_avg_s", "samples_per_s", "elapsed_s",
-                 "eta_s", "eta_overheads_s", "progress", "started_at", "updated_at", "val_loss")
-_GPU_NUMBERS = ("util_pct", "mem_used_mb", "mem_total_mb", "peak_allocated_mb", "peak_reserved_mb",
-                "run_peak_allocated_mb", "run_peak_reserved_mb")
-MAX_OVERHEAD_KINDS = 16   # kinds of overhead kept from one status file (the training writes 4)
-_STR_FIELDS = ("run_id", "hostname", "status", "phase")
-_TYPED_OBJECTS = ("gpu", "error", "overheads", "waiting", "health", "catalogue_progress")
-MAX_FLAGS = 16          # LoRA health flags kept from one status file or history record (the training has four)
-MAX_FLAG_TEXT = 2000    # characters of a flag's "what" and "do" kept
-MAX_CATALOGUES = 64     # catalogues of catalogue_progress kept
 _COMPUTED = ("stalled", "age_s", "stall_after_s", "stalled_since", "median_step_time_s", "loss_trend",
              "loss_by_mode", "history_lines", "history_complete", "file", "waiting_text")
 
@@ -101,44 +90,24 @@ def _describe(value: Any) -> str:
 
 
 def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
-    """Typed copy of one status file's object, and the notes about what had to be fixed.
+    """Typed copy of one status file's object, read through ``run_files.STATUS_SCHEMA``, and the notes about what had
+    to be fixed.
 
-    Known fields get their types (numbers from numeric strings; None where not a number);
-    unknown fields are kept as they are (made JSON-safe).
+    Every declared field gets its declared type (numbers from numeric strings; None where unreadable); the fields
+    every file has are always there, the others when the file has them. Fields the schema does not declare (a newer
+    writer's) are kept as they are (made JSON-safe).
     """
     notes: list[str] = []
-    name = f"training_gpu{file_rank}.json"
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in _INT_FIELDS or key in _FLOAT_FIELDS or key in _STR_FIELDS or key in _TYPED_OBJECTS:
-            continue
-        if key in _COMPUTED:
-            continue
-        out[printable(str(key))] = json_safe(value)
-    for key in _INT_FIELDS:
-        value = raw.get(key)
-        out[key] = to_int(value)
-        if value is not None and out[key] is None:
-            as_float = to_float(value)
-            if as_float is not None and key not in ("rank", "world_size", "schema_version"):
-                out[key] = int(as_float)
-            else:
-                notes.append(f"{name}: {key} is not a whole number ({_describe(value)})")
+    name = run_layout.status_file_name(file_rank)
+    out: dict[str, Any] = {printable(str(key)): json_safe(value) for key, value in raw.items()
+                           if key not in STATUS_SCHEMA and key not in _COMPUTED}
+    for key, field in STATUS_SCHEMA.items():
+        if not field.optional or key in raw:
+            out[key] = read_field(field, raw.get(key), name, notes)
     for key in ("world_size", "rank", "local_rank"):
         if out.get(key) is not None and not 0 <= out[key] <= MAX_RANKS:
             notes.append(f"{name}: {key} {out[key]} is outside 0..{MAX_RANKS}; ignored")
             out[key] = None
-    for key in _FLOAT_FIELDS:
-        value = raw.get(key)
-        out[key] = to_float(value)
-        if value is not None and out[key] is None:
-            if isinstance(value, float) and math.isnan(value):
-                notes.append(f"{name}: {key} is NaN")
-            else:
-                notes.append(f"{name}: {key} is not a finite number ({_describe(value)})")
-    for key in _STR_FIELDS:
-        value = raw.get(key)
-        out[key] = None if value is None else printable(str(value))
     status = out.get("status")
     if status is not None:
         status = status.strip().lower()
@@ -146,158 +115,137 @@ def normalize_status(raw: dict, file_rank: int) -> tuple[dict, list[str]]:
         notes.append(f"{name}: unknown status {_describe(raw.get('status'))}")
         status = "unknown"
     out["status"] = status
-    out["gpu"] = _normalize_gpu(raw.get("gpu"), name, notes)
-    out["overheads"] = _normalize_overheads(raw.get("overheads"), name, notes)
     out["error"] = _normalize_error(raw.get("error"))
-    out["waiting"] = _normalize_waiting(raw.get("waiting"), name, notes)
-    out["health"] = normalize_health(raw.get("health"))
-    out["best"] = normalize_best(raw.get("best"))
-    out["early_stop"] = normalize_early_stop(raw.get("early_stop"))
-    out["early_stop_count"] = normalize_early_stop_count(raw.get("early_stop_count"))
-    out["stages"] = normalize_stages(raw.get("stages"))
-    out["stage"] = normalize_stage(raw.get("stage"))
-    out["catalogue_progress"] = _normalize_catalogues(raw.get("catalogue_progress"))
     if out["rank"] is not None and out["rank"] != file_rank:
         notes.append(f"{name} says it is rank {out['rank']}; shown as rank {file_rank} (from the file name)")
     out["rank"] = file_rank
-    ordered = {key: out[key] for key in run_files.STATUS_FIELDS if key in out}
+    ordered = {key: out[key] for key in STATUS_SCHEMA if key in out}
     ordered.update((key, value) for key, value in out.items() if key not in ordered)
     return ordered, notes
 
 
-def _normalize_gpu(value: Any, name: str, notes: list[str]) -> dict | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        notes.append(f"{name}: gpu is not an object ({_describe(value)})")
-        return None
-    return {"name": None if value.get("name") is None else printable(str(value.get("name"))),
-            **{key: to_float(value.get(key)) for key in _GPU_NUMBERS}}
+# ----------------------------------------------------------------------------------------------
+# Reading a field as the schema declares it
 
 
-def _normalize_overheads(value: Any, name: str, notes: list[str]) -> dict | None:
-    """``{kind: {count, total_s, last_s, mean_s}}`` (checkpoints, LoRA files, validation, samples), typed; a kind
-    whose count is not a whole number is left out."""
-    if value is None:
+def read_field(field: Field, value: Any, name: str | None = None, notes: list[str] | None = None) -> Any:
+    """``value`` as ``field`` declares it, None where it cannot be read. ``notes`` (a file's own fields, named by
+    the file ``name``) gets what could not be read of the numbers every file has and of the fields declared
+    ``noted``."""
+    kind = field.type
+    if kind is int:
+        return _read_int(field, value, name, notes)
+    if kind is float:
+        return _read_float(field, value, name, notes)
+    if kind is str:
+        text = _read_text(field, value, as_text=field.as_text or notes is not None)
+        return text if not field.choices or text in field.choices else None
+    if kind is bool:
+        return value if isinstance(value, bool) else field.default
+    if isinstance(kind, Obj):
+        return _read_object(field, kind, value, name, notes)
+    if isinstance(kind, ListOf):
+        return _read_list(field, kind, value, inside=notes is None)
+    if isinstance(kind, MapOf):
+        return _read_map(field, kind, value, name, notes)
+    if kind in (dict, list):   # a JSON object or list of any content
+        return json_safe(value) if isinstance(value, kind) else None
+    return json_safe(value)
+
+
+def _noted(field: Field, notes: list[str] | None) -> bool:
+    return notes is not None and (field.noted or not field.optional)
+
+
+def _read_int(field: Field, value: Any, name: str | None, notes: list[str] | None) -> int | None:
+    result = to_int(value)
+    if result is None and value is not None and notes is not None:
+        as_float = to_float(value)
+        if as_float is not None and not field.whole:
+            result = int(as_float)   # a count written as a float: its whole part
+        elif _noted(field, notes):
+            notes.append(f"{name}: {field.name} is not a whole number ({_describe(value)})")
+    if result is not None and field.at_least is not None and result < field.at_least:
         return None
-    if not isinstance(value, dict):
-        notes.append(f"{name}: overheads is not an object ({_describe(value)})")
+    return result
+
+
+def _read_float(field: Field, value: Any, name: str | None, notes: list[str] | None) -> float | None:
+    result = to_float(value)
+    if result is None and value is not None and _noted(field, notes):
+        if isinstance(value, float) and math.isnan(value):
+            notes.append(f"{name}: {field.name} is NaN")
+        else:
+            notes.append(f"{name}: {field.name} is not a finite number ({_describe(value)})")
+    return result
+
+
+def _read_text(field: Field, value: Any, as_text: bool) -> str | None:
+    if isinstance(value, str):
+        text = printable(value)
+    elif value is not None and as_text:
+        text = printable(str(value))
+    else:
+        return None
+    if not field.blank and not text.strip():
+        return None
+    return text[:field.limit] if field.limit is not None else text
+
+
+def _read_object(field: Field, kind: Obj, value: Any, name: str | None, notes: list[str] | None) -> dict | None:
+    """The declared parts of an object (a part written only sometimes, when it is there); None when it is no object
+    or lacks a required part."""
+    if value is None:
         return None
     out = {}
-    for kind, tally in itertools.islice(value.items(), MAX_OVERHEAD_KINDS):
-        count = to_int(tally.get("count")) if isinstance(tally, dict) else None
-        if count is None or count < 0:
-            notes.append(f"{name}: overheads[{_describe(kind)}] is not a tally ({_describe(tally)})")
-            continue
-        out[printable(str(kind))[:40]] = {"count": count, **{key: to_float(tally.get(key))
-                                                             for key in ("total_s", "last_s", "mean_s")}}
-    return out
+    if isinstance(value, dict):
+        for part in kind.fields:
+            if part.optional and part.name not in value:
+                continue
+            out[part.name] = read_field(part, value.get(part.name))
+            if part.required and out[part.name] is None:
+                break
+        else:
+            return out
+    if field.noted and notes is not None:
+        notes.append(f"{name}: {field.name} is not {kind.called} ({_describe(value)})")
+    return None
 
 
-def _normalize_waiting(value: Any, name: str, notes: list[str]) -> dict | None:
-    """``{"for": what the rank waits for, "since": unix time}`` (a rank blocked in a collective), or None."""
+def _read_list(field: Field, kind: ListOf, value: Any, inside: bool) -> list | None:
+    """The items that read as declared, of the first ``limit``; a list inside an object reads as [] when missing."""
+    if not isinstance(value, list):
+        return [] if inside else None
+    item = Field(field.name, kind.item)
+    read = (read_field(item, each) for each in (value if field.limit is None else value[:field.limit]))
+    return [each for each in read if each is not None]
+
+
+def _read_map(field: Field, kind: MapOf, value: Any, name: str | None, notes: list[str] | None) -> dict | None:
+    """Each key (as text) to its value as declared; a key whose object cannot be read is left out (and noted)."""
     if value is None:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("for"), str) or to_float(value.get("since")) is None:
-        notes.append(f"{name}: waiting is not {{for, since}} ({_describe(value)})")
+    if not isinstance(value, dict):
+        if field.noted and notes is not None:
+            notes.append(f"{name}: {field.name} is not an object ({_describe(value)})")
         return None
-    return {"for": printable(value["for"])[:200], "since": to_float(value["since"])}
+    out = {}
+    entry = Field(field.name, kind.value)
+    for key, each in itertools.islice(value.items(), field.limit):
+        read = read_field(entry, each)
+        if read is None and isinstance(kind.value, Obj):
+            if field.noted and notes is not None:
+                notes.append(f"{name}: {field.name}[{_describe(key)}] is not {kind.value.called} ({_describe(each)})")
+            continue
+        text = printable(str(key))
+        out[text[:kind.key_limit] if kind.key_limit is not None else text] = read
+    return out
 
 
 def health_flags_of(value: Any) -> list[dict]:
     """A LoRA health record's or summary's ``flags``: ``[{"flag", "step", "what", "do"}]``, typed and bounded; an item
     without a flag name is left out."""
-    out = []
-    for item in value[:MAX_FLAGS] if isinstance(value, list) else []:
-        if isinstance(item, dict) and isinstance(item.get("flag"), str) and item["flag"].strip():
-            out.append({"flag": printable(item["flag"])[:40], "step": to_int(item.get("step")),
-                        **{key: printable(item[key])[:MAX_FLAG_TEXT] if isinstance(item.get(key), str) else None
-                           for key in ("what", "do")}})
-    return out
-
-
-def normalize_health(value: Any) -> dict | None:
-    """The status file's ``health`` (the newest LoRA health record's summary): ``{"step", "max_update_norm",
-    "max_update_block", "max_grad_norm", "max_grad_block", "flags", "seconds"}``, typed; None when absent or not
-    an object."""
-    if not isinstance(value, dict):
-        return None
-    return {"step": to_int(value.get("step")), "max_update_norm": to_float(value.get("max_update_norm")),
-            "max_update_block": to_int(value.get("max_update_block")),
-            "max_grad_norm": to_float(value.get("max_grad_norm")),
-            "max_grad_block": to_int(value.get("max_grad_block")),
-            "flags": health_flags_of(value.get("flags")), "seconds": to_float(value.get("seconds"))}
-
-
-MAX_FILE_TEXT = 500   # characters of a path kept
-
-
-def normalize_best(value: Any) -> dict | None:
-    """The status file's ``best`` (the lowest validation so far and its LoRA file): ``{"step", "val_loss",
-    "val_loss_base", "gain", "file", "stage"}``, typed; None when absent, not an object or without a step and loss."""
-    if not isinstance(value, dict) or to_int(value.get("step")) is None or to_float(value.get("val_loss")) is None:
-        return None
-    return {"step": to_int(value["step"]), "val_loss": to_float(value["val_loss"]),
-            "val_loss_base": to_float(value.get("val_loss_base")), "gain": to_float(value.get("gain")),
-            "file": printable(value["file"])[:MAX_FILE_TEXT] if isinstance(value.get("file"), str) else None,
-            "stage": normalize_stage(value.get("stage"))}   # --resolution_stages: the stage that trained it
-
-
-def normalize_early_stop(value: Any) -> dict | None:
-    """``early_stop`` (the run ended before its total, ``--early_stop``): its steps and counts, typed."""
-    if not isinstance(value, dict) or to_int(value.get("step")) is None:
-        return None
-    return {**{key: to_int(value.get(key)) for key in ("step", "best_step", "validations_without_improvement",
-                                                         "since_step", "patience")},
-            "since_val_loss": to_float(value.get("since_val_loss")), "min_delta": to_float(value.get("min_delta"))}
-
-
-NOT_COUNTED = ("earlier stage", "warm-up", "first", "no finite one yet")   # why a validation counted for nothing
-
-
-def normalize_early_stop_count(value: Any) -> dict | None:
-    """``early_stop_count`` (``--early_stop``: where its count stands after the last validation), typed; None when
-    absent, not an object or without a count and patience."""
-    if not isinstance(value, dict) or to_int(value.get("count")) is None or to_int(value.get("patience")) is None:
-        return None
-    reason = value.get("not_counted")
-    return {**{key: to_int(value.get(key)) for key in ("step", "count", "patience", "counts_from_step",
-                                                         "compared_with_step", "since_step")},
-            "min_delta": to_float(value.get("min_delta")), "change": to_float(value.get("change")),
-            "not_counted": reason if reason in NOT_COUNTED else None,
-            "finite": value.get("finite") is not False, "reset": value.get("reset") is True}
-
-
-MAX_STAGES = 16
-
-
-def _stage_row(item: dict) -> dict:
-    return {"stage": to_int(item.get("stage")), "size": printable(str(item.get("size")))[:40],
-            **{key: to_int(item.get(key)) for key in ("from_step", "to_step", "steps", "tokens")}}
-
-
-def normalize_stages(value: Any) -> list[dict] | None:
-    """``stages`` (--resolution_stages): each stage's number, size and steps, typed and bounded."""
-    if not isinstance(value, list):
-        return None
-    return [_stage_row(item) for item in value[:MAX_STAGES] if isinstance(item, dict) and item.get("size")]
-
-
-def normalize_stage(value: Any) -> dict | None:
-    """``stage``: the stage the next step trains at (``of``: how many there are; ``final``: the final size)."""
-    if not isinstance(value, dict) or not value.get("size"):
-        return None
-    return {**_stage_row(value), "of": to_int(value.get("of")), "final": value.get("final") is True}
-
-
-def _normalize_catalogues(value: Any) -> list[dict] | None:
-    """``catalogue_progress`` (several catalogues): ``[{"name", "seen", "per_epoch"}]`` this epoch on the rank,
-    typed and bounded; None when absent or not a list."""
-    if not isinstance(value, list):
-        return None
-    return [{"name": printable(str(item.get("name")))[:80], "seen": to_int(item.get("seen")),
-             "per_epoch": to_int(item.get("per_epoch"))}
-            for item in value[:MAX_CATALOGUES] if isinstance(item, dict) and item.get("name") is not None]
+    return read_field(HEALTH_FLAGS, value)
 
 
 def waiting_text(waiting: dict | None, now: float) -> str | None:

@@ -20,6 +20,7 @@ from diffsynth_mbc.monitor.formats import (fmt_clock, fmt_duration, fmt_loss, fm
 from diffsynth_mbc.monitor.modes import RECENT_STEPS, ordered
 from diffsynth_mbc.values import printable
 from diffsynth_mbc.run_files import overheads_text
+from diffsynth_mbc.run_layout import STATUS_FILE_GLOB
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 
@@ -361,7 +362,7 @@ def render(snap: dict, *, log_dir: str | None = None, theme: Theme = THEME, foot
         if by_mode is not None:
             parts.append(by_mode)
     else:
-        parts.append(Text("No training files yet: waiting for training_gpu*.json.", style=theme.label))
+        parts.append(Text(f"No training files yet: waiting for {STATUS_FILE_GLOB}.", style=theme.label))
     parts.extend(render_errors(snap, theme))
     notes = render_notes(snap, theme)
     if notes is not None:

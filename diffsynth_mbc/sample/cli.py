@@ -29,6 +29,7 @@ from diffsynth_mbc.training.options.run_options import DECLARATIONS
 
 MODEL_SOURCE = ("demo", "model_dir", "model_id")   # one of them, else the run's model
 SHARED = tuple(declaration for declaration in DECLARATIONS.values() if declaration.sample)
+from diffsynth_mbc.run_layout import SWEEP_HTML, SWEEP_JSON
 
 
 def build_parser():
@@ -36,7 +37,7 @@ def build_parser():
     parser.add_argument("prompts", help="prompts file, the format of the training's --sample_prompts")
     parser.add_argument("--lora", nargs="+", required=True, help="LoRA files, checkpoint folders or a run's output "
                                                                   "folder (every LoRA file of the run)")
-    parser.add_argument("--output", required=True, help="where the clips, sweep.json and sweep.html go")
+    parser.add_argument("--output", required=True, help=f"where the clips, {SWEEP_JSON} and {SWEEP_HTML} go")
     parser.add_argument("--strengths", default="1", help="comma-separated LoRA strengths (default 1; 0: the base "
                                                          "model, rendered once per prompt)")
     parser.add_argument("--ema", action="store_true", help="also the EMA twins of a run's files")

@@ -17,14 +17,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from diffsynth_mbc.data.cache.index import file_sha256
-from diffsynth_mbc.training.lora.ema import FILE_SUFFIX as EMA_FILE_SUFFIX
+from diffsynth_mbc.run_layout import (BASE_SAMPLES_FOLDER, BEST_LORA_STEM, CHECKPOINT_LORA, CHECKPOINT_MANIFEST,
+                                      DEFAULT_CHECKPOINTS_FOLDER, EMA_TWIN_SUFFIX, EPOCH_PREFIX, FINAL_LORA, LORA_FILE,
+                                      RUN_OPTIONS, STEP_PREFIX, SWEEP_HTML, SWEEP_JSON, step_folder_name)
 from diffsynth_mbc.training.lora.read import file_metadata_of
-from diffsynth_mbc.training.options.run_record import RUN_OPTIONS
 
-CHECKPOINT_MANIFEST = "checkpoint.json"
-RUN_FILE = re.compile(r"^(lora|lora-best|epoch-\d+|step-\d+)(_ema)?\.safetensors$")
-NAMED_FIRST = ("lora", "step", "epoch", "checkpoint", "lora-best")   # of one run's files at one step, the one kept
-SWEEP_NAMES = ("base", "sweep.json", "sweep.html")   # what the sweep's folder holds besides the files' folders
+# of one run's files at one step, the one kept
+NAMED_FIRST = ("lora", "step", "epoch", "checkpoint", BEST_LORA_STEM)
+SWEEP_NAMES = (BASE_SAMPLES_FOLDER, SWEEP_JSON, SWEEP_HTML)   # what the sweep's folder holds besides the files' folders
 
 
 class SweepFileError(ValueError):
@@ -122,7 +122,7 @@ def refuse_other_base(files: list[SweepFile], base_model: str) -> None:
 
 
 def _rank(item: SweepFile) -> int:
-    kind = "lora-best" if item.key.startswith("lora-best") else item.key.split("-")[0]
+    kind = BEST_LORA_STEM if item.key.startswith(BEST_LORA_STEM) else item.key.split("-")[0]
     return NAMED_FIRST.index(kind) if kind in NAMED_FIRST else len(NAMED_FIRST)
 
 
@@ -132,17 +132,17 @@ def _files_of(source: Path, ema: bool) -> list[SweepFile]:
     if not source.is_dir():
         raise SweepFileError(f"--lora {source}: no such file or folder")
     if (source / CHECKPOINT_MANIFEST).is_file():
-        return [_described(source / "lora.safetensors", None, checkpoint=source.resolve().name)]
+        return [_described(source / CHECKPOINT_LORA, None, checkpoint=source.resolve().name)]
     files = [_described(path, source) for path in sorted(source.iterdir())
-             if RUN_FILE.match(path.name) and (ema or not path.stem.endswith(EMA_FILE_SUFFIX))]
-    checkpoints = source / "checkpoints"
+             if LORA_FILE.match(path.name) and (ema or not path.stem.endswith(EMA_TWIN_SUFFIX))]
+    checkpoints = source / DEFAULT_CHECKPOINTS_FOLDER
     if checkpoints.is_dir():
-        files += [_described(folder / "lora.safetensors", source, checkpoint=folder.name)
+        files += [_described(folder / CHECKPOINT_LORA, source, checkpoint=folder.name)
                   for folder in sorted(checkpoints.iterdir())
-                  if (folder / CHECKPOINT_MANIFEST).is_file() and (folder / "lora.safetensors").is_file()]
+                  if (folder / CHECKPOINT_MANIFEST).is_file() and (folder / CHECKPOINT_LORA).is_file()]
     if not files:
-        raise SweepFileError(f"--lora {source}: a folder with no LoRA file (lora.safetensors, epoch-*, step-*), "
-                             "no checkpoint.json and no checkpoints/ of a run")
+        raise SweepFileError(f"--lora {source}: a folder with no LoRA file ({FINAL_LORA}, {EPOCH_PREFIX}*, "
+                             f"{STEP_PREFIX}*), no {CHECKPOINT_MANIFEST} and no {DEFAULT_CHECKPOINTS_FOLDER}/ of a run")
     return files
 
 
@@ -151,15 +151,15 @@ def _described(path: Path, run_dir: Path | None, checkpoint: str | None = None) 
         raise SweepFileError(f"--lora {path}: no such LoRA file")
     metadata = file_metadata_of(path)
     step = int(metadata["step"]) if str(metadata.get("step") or "").isdigit() else None
-    variant = "ema" if path.stem.endswith(EMA_FILE_SUFFIX) else "raw"
+    variant = "ema" if path.stem.endswith(EMA_TWIN_SUFFIX) else "raw"
     if checkpoint:
         label = f"checkpoint {checkpoint}"
-        key = f"checkpoint-{checkpoint.removeprefix('step-')}"
+        key = f"checkpoint-{checkpoint.removeprefix(STEP_PREFIX)}"
     else:
         label = path.stem
-        stem = path.stem.removesuffix(EMA_FILE_SUFFIX)
-        key = f"step-{step:08d}" if stem.startswith("step-") and step is not None else stem
-        key += EMA_FILE_SUFFIX if variant == "ema" else ""
+        stem = path.stem.removesuffix(EMA_TWIN_SUFFIX)
+        key = step_folder_name(step) if stem.startswith(STEP_PREFIX) and step is not None else stem
+        key += EMA_TWIN_SUFFIX if variant == "ema" else ""
     if run_dir is None:   # a file or checkpoint of a run: the run's output folder, where its options are kept
         run_dir = path.parent.parent.parent if checkpoint else path.parent
     folder = Path(run_dir).resolve()

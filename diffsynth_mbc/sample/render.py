@@ -15,6 +15,7 @@ import copy
 import sys
 from pathlib import Path
 
+from diffsynth_mbc.run_files import check_status_fields
 from diffsynth_mbc.sample_prompts import SamplePrompt
 from diffsynth_mbc.training.lora.load_file import LoraFileError, load_lora_file, lora_settings, misfit
 
@@ -27,6 +28,7 @@ class SweepStatus:
         self.state: dict = {}
 
     def update(self, **fields) -> None:
+        check_status_fields(fields)   # the training's status fields, as its writer checks them
         self.state.update(fields)
 
     def waiting(self, _what: str):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json, atomic_write_text
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.run_layout import (RUN_OPTIONS, SWEEP_HTML, SWEEP_JSON, SWEEP_RECORDS, SWEEP_RECORDS_GLOB,
+                                      sweep_records_name)
 from diffsynth_mbc.sample.lora_files import refuse_other_base, sweep_files, with_digests
 from diffsynth_mbc.sample.render import Renderer, fitting_settings, rendering_settings, say, validation_of
 from diffsynth_mbc.sample.sheet import summary_lines, sweep_page
@@ -22,7 +24,6 @@ from diffsynth_mbc.training.options.run_record import read_run_options
 
 DEMO_BASE = "Wan2.2-TI2V-5B (demo)"
 RELEASE_BASE = "Wan2.2-TI2V-5B"
-RECORDS_FOLDER = ".sweep-records"   # each process's clip records while it renders, merged into sweep.json
 
 
 def sweep_options(args, given: dict, run: TrainOptions | None) -> TrainOptions:
@@ -34,7 +35,7 @@ def sweep_options(args, given: dict, run: TrainOptions | None) -> TrainOptions:
     elif args.model_dir or args.model_id:
         changes.update(demo=False, model_dir=args.model_dir, model_id=args.model_id)
     elif run is None:
-        raise OptionsError("the files are not a run's (no run_options.json beside them) and no model is given: pass "
+        raise OptionsError(f"the files are not a run's (no {RUN_OPTIONS} beside them) and no model is given: pass "
                            "--demo, --model_dir or --model_id")
     options = (run or TrainOptions()).replace(output_path=str(args.output), **changes)
     if args.validate and not options.val_metadata_path and not options.val_cache:
@@ -53,7 +54,7 @@ def runs_of(files: list) -> dict[str, TrainOptions]:
 def known_records(output: Path) -> dict[str, dict]:
     """Clips recorded in ``sweep.json`` and, after an interrupted invocation, in each process's records."""
     records = read_records(output)
-    for path in sorted((output / RECORDS_FOLDER).glob("rank-*.json")):
+    for path in sorted((output / SWEEP_RECORDS).glob(SWEEP_RECORDS_GLOB)):
         try:
             records.update({item["path"]: item for item in json.loads(path.read_text(encoding="utf-8"))})
         except (OSError, ValueError, KeyError, TypeError):
@@ -111,7 +112,7 @@ def render_share(renderer, share: list, files: list, prompts: list, output: Path
     from diffsynth_mbc.training.evaluation.sample_clips import write_clip
 
     mine: dict[str, dict] = {}
-    records_file = output / RECORDS_FOLDER / f"rank-{rank}.json"
+    records_file = output / SWEEP_RECORDS / sweep_records_name(rank)
     view = ProgressView(len(share), rank, 1, enabled=main, label="rendering", unit="clips")
     try:
         for clip in share:
@@ -136,7 +137,7 @@ def render_share(renderer, share: list, files: list, prompts: list, output: Path
 def records_of_files(output: Path) -> dict[str, dict]:
     """The validation figures an earlier invocation measured, by file path, with what they were measured of."""
     try:
-        saved = json.loads((output / "sweep.json").read_text(encoding="utf-8"))
+        saved = json.loads((output / SWEEP_JSON).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     found = {item["path"]: item for item in saved.get("files") or [] if isinstance(item, dict) and "path" in item}
@@ -172,8 +173,8 @@ def validate_files(renderer, options, files: list, earlier: dict, rendering: dic
 
 
 def write_outputs(output: Path, record: dict, page: str) -> None:
-    atomic_write_json(output / "sweep.json", record, indent=1)
-    atomic_write_text(output / "sweep.html", page)
+    atomic_write_json(output / SWEEP_JSON, record, indent=1)
+    atomic_write_text(output / SWEEP_HTML, page)
 
 
 def finish(output: Path, files, prompts, strengths, clips, records, validated, notes: list[str]) -> None:
@@ -200,10 +201,10 @@ def finish(output: Path, files, prompts, strengths, clips, records, validated, n
     page = sweep_page(prompts, columns, cells, best["key"] if best else None, f"LoRA sweep: {output.resolve().name}",
                       summary)
     write_outputs(output, record, page)
-    shutil.rmtree(output / RECORDS_FOLDER, ignore_errors=True)
+    shutil.rmtree(output / SWEEP_RECORDS, ignore_errors=True)
     missing = len(clips) - len(clip_records)
     say(f"sweep: {len(clip_records)} of {len(clips)} clips in {output}" + (f" ({missing} not rendered)" if missing
-                                                                           else "") + f"; open {output / 'sweep.html'}")
+                                                                           else "") + f"; open {output / SWEEP_HTML}")
     if best:
         gain = f", {gain_words(best['gain'])} model's {best['val_loss_base']:.5g}" if best["gain"] is not None else ""
         run = f" of {best['run']}" if best["run"] else ""

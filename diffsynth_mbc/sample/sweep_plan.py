@@ -16,11 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from diffsynth_mbc.data.cache.index import file_sha256
-from diffsynth_mbc.sample_prompts import BASE_FOLDER, SamplePrompt, clip_suffix, sample_file_stem
+from diffsynth_mbc.run_layout import BASE_SAMPLES_FOLDER, SWEEP_JSON
+from diffsynth_mbc.sample_prompts import SamplePrompt, clip_suffix, sample_file_stem
 from diffsynth_mbc.values import finite_number
-
-SWEEP_JSON = "sweep.json"
-SWEEP_HTML = "sweep.html"
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ def plan_clips(prompts: list[SamplePrompt], files: list, strengths: list[float],
     if 0 in strengths:
         for index, prompt in enumerate(prompts):
             stem = sample_file_stem(index, prompt) + clip_suffix(0.0, "raw")
-            clips.append(Clip(index, None, 0.0, f"{BASE_FOLDER}/{stem}",
+            clips.append(Clip(index, None, 0.0, f"{BASE_SAMPLES_FOLDER}/{stem}",
                               _digest(prompt, images, None, 0.0, rendering)))
     for file_index, item in enumerate(files):
         for strength in [s for s in strengths if s != 0]:

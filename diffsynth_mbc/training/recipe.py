@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc.run_layout import FINAL_LORA, epoch_file_name
 from diffsynth_mbc.lifecycle.signals import StopSignals, unblock_in_child
 from diffsynth_mbc.lifecycle.startup import resume_collector
 from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, go_on_with_this_plan, resume
@@ -34,7 +35,6 @@ from diffsynth_mbc.training.components.protocol import CONTINUE, Decision, Stop,
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
 from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
                                                             watch_gradient_all_reduce)
-from diffsynth_mbc.training.lora.saved_files import epoch_file_name
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 from diffsynth_mbc.training.step.micro_batch import forward, forward_backward, injected_nonfinite_steps, sample_tokens
 
@@ -482,7 +482,7 @@ class TrainingRecipe:
         if self.validator and not self.validator.due(position.step):
             self.validate(context)
         run_hook(self.components, "at_end", context)
-        self.write_lora("lora.safetensors")
+        self.write_lora(FINAL_LORA)
         scheduled = bool(options.checkpoint_steps or options.checkpoint_minutes)
         if (scheduled or stop is Stop.EARLY) and self.parts.checkpoints.last_step != position.step:
             self.save_checkpoint()

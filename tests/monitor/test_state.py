@@ -237,6 +237,38 @@ def test_non_numeric_and_non_finite_fields(tmp_path):
     json.dumps(snap, allow_nan=False)
 
 
+def test_every_field_is_read_as_the_schema_declares_it(tmp_path):
+    """#61 item 5: the monitor reads a status file through run_files.STATUS_SCHEMA: each declared field by its type
+    (a number from its text, a list of texts without the rest, an object's declared parts), an undeclared one as it
+    is; nothing that cannot be read gets through."""
+    F.write_status(tmp_path, 0, world_size=1, val_loss="0.25", rows_done="12", val_step=7.0, compile="yes",
+                   val_loss_by_quantile={"0.1": "0.5", "0.9": float("nan")}, resumed_with_changes=["lr", 5, None],
+                   last_samples={"step": "10", "dir": ["x"], "files": ["01-a.mp4", 3, "\x1b[2J02-b.mp4"],
+                                 "extra": 1},
+                   resumed_from="step-00000004", brand_new_field={"a": [1, float("inf")]})
+    r0 = by_rank(state_for(tmp_path)[0].refresh())[0]
+    assert r0["val_loss"] == 0.25 and r0["rows_done"] == 12 and r0["val_step"] == 7 and r0["compile"] is None
+    assert r0["val_loss_by_quantile"] == {"0.1": 0.5, "0.9": None} and r0["resumed_with_changes"] == ["lr"]
+    assert r0["last_samples"] == {"step": 10, "dir": None, "files": ["01-a.mp4", "[2J02-b.mp4"]}
+    assert r0["resumed_from"] is None and r0["brand_new_field"] == {"a": [1, None]}
+    assert r0["launch_id"] is None and "val_loss_ema" not in r0   # in every file: shown; written when it happens: not
+
+
+def test_a_new_metric_is_one_line_in_the_schema_and_the_monitor_reads_it(tmp_path, monkeypatch):
+    from diffsynth_mbc import run_files
+    from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
+
+    writer = RankStatusWriter(tmp_path, "run-a", 0, 0, 1, min_interval_s=0)
+    with pytest.raises(run_files.StatusFieldError, match="'clip_score' is not declared"):
+        writer.update(clip_score=0.75)
+    monkeypatch.setitem(run_files.STATUS_SCHEMA, "clip_score", run_files.Field("clip_score", float, optional=True))
+    writer.update(clip_score=0.75)
+    writer.close()
+    assert by_rank(state_for(tmp_path)[0].refresh())[0]["clip_score"] == 0.75
+    F.write_status(tmp_path, 0, world_size=1, clip_score="high")
+    assert by_rank(state_for(tmp_path)[0].refresh())[0]["clip_score"] is None
+
+
 def test_garbage_files_never_crash(tmp_path, monkeypatch):
     monkeypatch.setattr(history, "MAX_LINE_BYTES", 1000)
     F.write_raw(tmp_path / "training_gpu0.json", b"\x00\xff\xfegarbage{")

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from diffsynth_mbc.data.demo_data import write_image, write_video
-from diffsynth_mbc.data.media.size_table import TABLE_NAME
+from diffsynth_mbc.run_layout import SIZE_TABLE
 from e2e_helpers import REPO, read_history, read_status
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def test_every_rank_trains_rank_0s_buckets_and_a_resume_on_resized_media_is_refu
     by_rank = [step_records(logs, rank) for rank in (0, 1)]
     assert [record["shapes"] for record in by_rank[0]] == [record["shapes"] for record in by_rank[1]]
     # the sizes rank 0 read, kept beside the run: one entry per file of rank 0's catalogue
-    table = json.loads((run_dir / "lora" / TABLE_NAME).read_text())["sizes"]
+    table = json.loads((run_dir / "lora" / SIZE_TABLE).read_text())["sizes"]
     assert sorted(key.rsplit("/", 1)[1] for key in table) == [
         "land_0.mp4", "land_1.mp4", "port_0.mp4", "port_1.mp4", "square.png"]
 

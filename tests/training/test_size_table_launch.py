@@ -12,7 +12,8 @@ import subprocess
 import pytest
 
 from diffsynth_mbc.data.demo_data import write_image, write_video
-from diffsynth_mbc.data.media.size_table import LONG_READ, TABLE_NAME
+from diffsynth_mbc.data.media.size_table import LONG_READ
+from diffsynth_mbc.run_layout import SIZE_TABLE
 from e2e_helpers import REPO, isolated_env, read_status
 
 pytestmark = pytest.mark.slow
@@ -44,6 +45,6 @@ def test_a_launch_reads_each_file_size_once_with_progress(tmp_path):
     assert launch.returncode == 0, said[-4000:]
     read_once = f"reading media sizes: {IMAGES + 1}/{IMAGES + 1} files"   # the plan's; no other reader's
     assert said.count(read_once) == 1 and "reading media sizes" not in said.replace(read_once, ""), said[-4000:]
-    table = json.loads((run / "lora" / TABLE_NAME).read_text())["sizes"]
+    table = json.loads((run / "lora" / SIZE_TABLE).read_text())["sizes"]
     assert len(table) == IMAGES + 1 and sorted(set(map(tuple, table.values()))) == [(40, 80), (80, 40), (128, 72)]
     assert read_status(run / "training_logs", 0)["status"] == "finished"

@@ -12,7 +12,7 @@ import torch
 
 from diffsynth_mbc.training.plan.batches import epoch_batches
 from diffsynth_mbc.training.plan.step_plan import StepPlan
-from e2e_helpers import REPO, isolated_env, read_history, read_status
+from e2e_helpers import REPO, assert_the_monitor_reads_what_the_ranks_wrote, isolated_env, read_history, read_status
 
 pytestmark = pytest.mark.slow
 DEMO_ROWS, DEMO_REPEAT, DEMO_ACCUMULATION, DEMO_EPOCHS = 11, 3, 2, 2   # configs/train_demo.yaml
@@ -237,6 +237,11 @@ def test_lora_loads_with_diffsynth_loader_and_changes_the_dit(demo):
         pipe.load_lora(pipe.dit, str(lora_path))     # DiffSynth's own GeneralLoRALoader merges it
         after = pipe.dit(latents, timestep, context)
     assert not torch.allclose(before, after)
+
+
+def test_every_status_field_the_run_wrote_is_declared_and_read_back_as_written(demo):
+    written = assert_the_monitor_reads_what_the_ranks_wrote(demo["log_dir"])
+    assert {"plan", "recipe", "overheads", "last_checkpoint", "mixed_precision", "compile"} <= set(written)
 
 
 def test_monitor_reads_the_real_run(demo):

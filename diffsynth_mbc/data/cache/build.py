@@ -24,14 +24,8 @@ from diffsynth_mbc.data.cache.encoder import (
     load_encoders,
 )
 from diffsynth_mbc.data.cache.index import (
-    ENTRIES_DIR,
-    FAILURES_FILE,
     FORMAT,
     FULL_SIZE,
-    INDEX_FILE,
-    SHARDS_DIR,
-    SUMMARY_FILE,
-    TEXT_DIR,
     VERSION,
     entry_key,
     entry_relpath,
@@ -45,9 +39,11 @@ from diffsynth_mbc.data.cache.progress import ProgressView
 from diffsynth_mbc.data.caption_rules import EMPTY_PROMPT
 from diffsynth_mbc.data.cache.ranks import Ranks
 from diffsynth_mbc.data.media.stages import stage_settings
+from diffsynth_mbc.run_layout import (CACHE_ENTRIES, CACHE_FAILURES, CACHE_INDEX, CACHE_SHARDS, CACHE_SUMMARY,
+                                      CACHE_TEXT, cache_shard_name)
 
 def shard_path(cache_dir: Path, rank: int, world_size: int) -> Path:
-    return cache_dir / SHARDS_DIR / f"rank-{rank:05d}-of-{world_size:05d}.json"
+    return cache_dir / CACHE_SHARDS / cache_shard_name(rank, world_size)
 
 
 
@@ -325,7 +321,7 @@ def _folder_bytes(folder: Path) -> int:
 
 def _remove_stale_temps(cache_dir: Path) -> int:
     removed = 0
-    for folder in (cache_dir / ENTRIES_DIR, cache_dir / TEXT_DIR):
+    for folder in (cache_dir / CACHE_ENTRIES, cache_dir / CACHE_TEXT):
         if folder.is_dir():
             for path in folder.rglob(".*.tmp"):
                 path.unlink(missing_ok=True)
@@ -338,13 +334,13 @@ def merge(options, settings: dict, metadata: dict, shards: list[dict], seconds: 
     cache_dir = Path(options.cache_dir)
     rows = sorted((row for shard in shards for row in shard["rows"]), key=lambda row: row["row"])
     failed = sorted((item for shard in shards for item in shard["failed"]), key=lambda item: item["row"])
-    atomic_write_text(cache_dir / FAILURES_FILE, _failures_csv(failed))
+    atomic_write_text(cache_dir / CACHE_FAILURES, _failures_csv(failed))
     index = {"format": FORMAT, "version": VERSION, "settings": settings, "metadata": metadata,
              "rows": rows, "failed": [{"row": item["row"], "file": item["file"]} for item in failed]}
     empty_prompt = next((shard["empty_prompt"] for shard in shards if shard.get("empty_prompt")), None)
     if empty_prompt is not None:
         index["empty_prompt"] = empty_prompt
-    atomic_write_json(cache_dir / INDEX_FILE, index, indent=None, separators=(",", ":"))
+    atomic_write_json(cache_dir / CACHE_INDEX, index, indent=None, separators=(",", ":"))
 
     entries = {row["entry"] for row in rows}
     texts = {row["text"] for row in rows}
@@ -362,16 +358,16 @@ def merge(options, settings: dict, metadata: dict, shards: list[dict], seconds: 
         "captions": len(texts), "bytes": used, "entry_bytes": entry_bytes, "text_bytes": text_bytes,
         "bytes_per_sample": round(used / len(rows)) if rows else 0,
         "mean_text_tokens": round(mean_tokens, 2), "first_frame_stored_share": stored_first,
-        "bytes_in_cache_dir": _folder_bytes(cache_dir / ENTRIES_DIR) + _folder_bytes(cache_dir / TEXT_DIR),
+        "bytes_in_cache_dir": _folder_bytes(cache_dir / CACHE_ENTRIES) + _folder_bytes(cache_dir / CACHE_TEXT),
         "projected_1280x704x17_bf16": projected_bytes_per_sample(
             FULL_SIZE["height"], FULL_SIZE["width"], FULL_SIZE["num_frames"], mean_tokens, text_share,
             stored_first, dtype_bytes=2, z_dim=FULL_SIZE["z_dim"], text_dim=FULL_SIZE["text_dim"]),
         "settings": {key: settings[key] for key in ("height", "width", "num_frames", "dtype")},
         "world_size": len(shards), "seconds": round(seconds, 3),
         "per_rank": [{"rank": shard["rank"], **shard["stats"]} for shard in shards],
-        "index": str(cache_dir / INDEX_FILE), "failures": str(cache_dir / FAILURES_FILE),
+        "index": str(cache_dir / CACHE_INDEX), "failures": str(cache_dir / CACHE_FAILURES),
     }
-    atomic_write_json(cache_dir / SUMMARY_FILE, summary)
+    atomic_write_json(cache_dir / CACHE_SUMMARY, summary)
     _remove_stale_temps(cache_dir)
     return summary
 

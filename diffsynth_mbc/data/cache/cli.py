@@ -73,6 +73,7 @@ from diffsynth_mbc.data.media.stages import parse_stages, stage_names
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.errors import MetadataError
 from diffsynth_mbc.flags import FlagParser
+from diffsynth_mbc.run_layout import CACHE_FAILURES, CACHE_LOGS, SIZE_TABLE, STATUS_FILE, STATUS_FILE_GLOB
 
 # ---------------------------------------------------------------------------------------------
 # Options
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "epoch and is refused here)")
     parser.add_argument("--source_fps", type=float, help="the training's --source_fps (resample clips to this rate)")
     parser.add_argument("--short_clips", choices=("shorten", "loop", "skip"), default="shorten",
-                        help="the training's --short_clips; skip lists short clips in failures.csv")
+                        help=f"the training's --short_clips; skip lists short clips in {CACHE_FAILURES}")
     parser.add_argument("--buckets", choices=BUCKET_MODES, default="off",
                         help="the training's --buckets: off (every row resized to cover --height x --width and "
                              "centre-cropped; default) or aspect (each row at the bucket nearest its own aspect, at "
@@ -120,10 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resolution_stages", help="the training's --resolution_stages: each row is also encoded "
                                                     "at every stage's size (the shares do not change the latents)")
     parser.add_argument("--size_table", help="the media sizes table under --buckets aspect (each file's header read "
-                                             "once; default CACHE_DIR/size_table.json; the launchers give the "
+                                             f"once; default CACHE_DIR/{SIZE_TABLE}; the launchers give the "
                                              "training's)")
-    parser.add_argument("--log_dir", help="where each rank writes its status file training_gpu{rank}.json for the "
-                                          "monitor (default: CACHE_DIR/logs; the launchers give the training's)")
+    parser.add_argument("--log_dir", help=f"where each rank writes its status file {STATUS_FILE} for "
+                                          f"the monitor (default: CACHE_DIR/{CACHE_LOGS}; the launchers give the "
+                                          "training's)")
     parser.add_argument("--run_id", help=f"the run id in the status files (default: ${environment.RUN_ID}, else "
                                           "time-based)")
     return parser
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None, status_writer=None) -> int:
         status = CacheStatus(status_writer, log_dir, options.run_id or default_run_id(), ranks.rank, ranks.local_rank,
                              ranks.world_size, options.cache_dir)
         if ranks.rank == 0:
-            print(f"status: {log_dir}/training_gpu*.json   watch: python -m diffsynth_mbc.monitor {log_dir}",
+            print(f"status: {log_dir}/{STATUS_FILE_GLOB}   watch: python -m diffsynth_mbc.monitor {log_dir}",
                   file=sys.stderr, flush=True)
     try:
         return run(options, ranks, status)

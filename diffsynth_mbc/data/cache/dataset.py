@@ -37,6 +37,7 @@ from diffsynth_mbc.data.media.size_table import table_path_in
 from diffsynth_mbc.data.media.stages import stage_names
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.models.wan_units import pad_context
+from diffsynth_mbc.run_layout import CACHE_FAILURES
 
 
 class CacheMismatchError(CacheError):
@@ -217,7 +218,7 @@ def check_cache_matches(index: dict, options, cache_dir, metadata_path=None, bas
                                  "else is encoded again)")
     if not index["rows"]:
         raise CacheMismatchError(f"the latent cache {cache_dir} has no usable rows "
-                                 f"({len(index['failed'])} failed; see its failures.csv)")
+                                 f"({len(index['failed'])} failed; see its {CACHE_FAILURES})")
 
 
 def frame_problems(settings: dict, options) -> list[str]:
@@ -260,7 +261,7 @@ def open_training_dataset(options, **media_options):
               f"{options.model_id}; it was encoded with VAE {index['settings']['vae'][:19]}", file=sys.stderr)
     if index["failed"]:
         print(f"note: {len(index['failed'])} of {index['metadata']['rows']} metadata rows are not in the latent "
-              f"cache (they could not be decoded; see {Path(cache_dir) / 'failures.csv'}); training on "
+              f"cache (they could not be decoded; see {Path(cache_dir) / CACHE_FAILURES}); training on "
               f"{len(index['rows'])} rows", file=sys.stderr)
     built = index["settings"].get("stages") or []
     stages = [built.index(name) for name in stage_names(options.resolution_stages)]

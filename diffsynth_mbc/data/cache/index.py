@@ -12,15 +12,10 @@ import os
 from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.run_layout import CACHE_ENTRIES, CACHE_INDEX, CACHE_TEXT
 
 FORMAT = "diffsynth-mbc-latent-cache"
 VERSION = 1
-INDEX_FILE = "cache.json"
-SUMMARY_FILE = "summary.json"
-FAILURES_FILE = "failures.csv"
-ENTRIES_DIR = "entries"
-TEXT_DIR = "text"
-SHARDS_DIR = "shards"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # Wan2.2-TI2V-5B at the team's training size, for the projection in the summary.
 FULL_SIZE = {"height": 704, "width": 1280, "num_frames": 17, "z_dim": 48, "text_dim": 4096, "factor": 16}
@@ -102,11 +97,11 @@ def text_key(caption: str, settings: dict) -> str:
 
 
 def entry_relpath(key: str) -> str:
-    return f"{ENTRIES_DIR}/{key[:2]}/{key}.safetensors"
+    return f"{CACHE_ENTRIES}/{key[:2]}/{key}.safetensors"
 
 
 def text_relpath(key: str) -> str:
-    return f"{TEXT_DIR}/{key[:2]}/{key}.safetensors"
+    return f"{CACHE_TEXT}/{key[:2]}/{key}.safetensors"
 
 
 def file_sha256(path) -> str:
@@ -119,11 +114,11 @@ def file_sha256(path) -> str:
 
 def read_index(cache_dir) -> dict:
     """The finished cache's index; CacheError (naming the folder) if there is none or it is not one."""
-    path = Path(cache_dir) / INDEX_FILE
+    path = Path(cache_dir) / CACHE_INDEX
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CacheError(f"no finished latent cache in {cache_dir} ({INDEX_FILE} is missing): build it with "
+        raise CacheError(f"no finished latent cache in {cache_dir} ({CACHE_INDEX} is missing): build it with "
                          "`python -m diffsynth_mbc.cache ... --cache_dir " f"{cache_dir}` first") from None
     except (OSError, ValueError) as exc:
         raise CacheError(f"{path}: not a readable cache index ({exc})") from None

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_save_safetensors
 from diffsynth_mbc.data.cache.index import CacheError
-
-SAMPLE_TEXTS_FILE = "sample_prompts.safetensors"
+from diffsynth_mbc.run_layout import CACHE_SAMPLE_TEXTS
 
 
 def text_key(text: str) -> str:
@@ -36,7 +35,7 @@ def write_sample_texts(cache_dir: Path, pipe, texts: list[str], torch_dtype, ide
         for text in texts:
             context = pipe.prompter.encode_prompt(text, positive=True, device=pipe.device)
             tensors[text_key(text)] = context[0].to(device="cpu", dtype=torch_dtype).contiguous()
-    path = Path(cache_dir) / SAMPLE_TEXTS_FILE
+    path = Path(cache_dir) / CACHE_SAMPLE_TEXTS
     atomic_save_safetensors(path, tensors, metadata={"texts": json.dumps({text_key(t): t for t in texts}),
                                                      "text_encoder": identity})
     return path
@@ -46,7 +45,7 @@ def read_sample_texts(cache_dir: Path, texts: list[str]) -> dict:
     """{text: context [text_len, dim]} for every text asked for, or a CacheError naming what is missing."""
     from safetensors.torch import load_file
 
-    path = Path(cache_dir) / SAMPLE_TEXTS_FILE
+    path = Path(cache_dir) / CACHE_SAMPLE_TEXTS
     if not path.is_file():
         raise CacheError(f"--sample_prompts with --cache: {path} is missing; build the cache with the same "
                          "--sample_prompts FILE (python -m diffsynth_mbc.cache ... --sample_prompts FILE)")

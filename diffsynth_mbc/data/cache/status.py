@@ -15,8 +15,8 @@ import os
 import time
 from pathlib import Path
 
-from diffsynth_mbc import run_files
-from diffsynth_mbc import environment
+from diffsynth_mbc import environment, run_files
+from diffsynth_mbc.run_layout import CACHE_LOGS
 from diffsynth_mbc.data.cache.progress import RowRate
 
 PHASE = "caching"
@@ -28,7 +28,7 @@ def default_run_id(environ=os.environ) -> str:
 
 
 def default_log_dir(cache_dir: str | os.PathLike) -> Path:
-    return Path(cache_dir) / "logs"
+    return Path(cache_dir) / CACHE_LOGS
 
 
 class CacheStatus:
@@ -40,7 +40,8 @@ class CacheStatus:
         self._clock = clock
         # continue_history: a cache rank appends no history and leaves the training's alone
         self.writer = writer_class(log_dir, run_id, rank, local_rank, world_size, min_interval_s=min_interval_s,
-                                   monotonic=clock, wall_clock=wall_clock, continue_history=True, stream=stream)
+                                   monotonic=clock, wall_clock=wall_clock, continue_history=True, stream=stream,
+                                   kind=run_files.CACHE)
         self.rate: RowRate | None = None
         self.failures, self.last_failure = 0, None
         self.writer.set_status(run_files.STATUS_CACHING, phase=f"{PHASE}: planning the rows",

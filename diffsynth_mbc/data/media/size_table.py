@@ -24,8 +24,8 @@ import sys
 from typing import Sequence
 
 from diffsynth_mbc.atomic import atomic_write_text
+from diffsynth_mbc.run_layout import SIZE_TABLE
 
-TABLE_NAME = "size_table.json"
 VERSION = 2
 WITHOUT_CHANGE_TIME = 1   # the version before: its fingerprints never match a file now, so every entry is read again
 MAX_SIDE = 1 << 16   # pixels: no image or clip the training reads is wider or taller
@@ -37,7 +37,7 @@ _READ_HERE: dict = {}   # fingerprint key: size, every header this process read 
 
 def table_path_in(folder: str | os.PathLike | None) -> str | None:
     """Where the size table of the run (or cache) writing into ``folder`` lives; None without a folder."""
-    return os.path.join(os.fspath(folder), TABLE_NAME) if folder else None
+    return os.path.join(os.fspath(folder), SIZE_TABLE) if folder else None
 
 
 def fingerprint_key(path: str) -> str | None:

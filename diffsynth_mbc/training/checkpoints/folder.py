@@ -7,27 +7,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
-from diffsynth_mbc.training.checkpoints.integrity import MANIFEST, damage
-
-_COMPLETE_NAME = re.compile(r"^step-(\d{8})$")
-TEMP_PREFIX = ".tmp-"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
+from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST, checkpoint_temp_name, damaged_name, step_of_folder
+from diffsynth_mbc.training.checkpoints.integrity import damage
 
 
 def temp_path(root: str | Path, step: int, attempt: str = "") -> Path:
-    suffix = f".{attempt}" if attempt else ""
-    return Path(root) / f"{TEMP_PREFIX}{checkpoint_name(step)}{suffix}"
+    return Path(root) / checkpoint_temp_name(step, attempt)
 
 
 def read_manifest(folder: str | Path) -> dict | None:
     try:
-        manifest = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
+        manifest = json.loads((Path(folder) / CHECKPOINT_MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and "step" in manifest else None
@@ -40,9 +32,9 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in root.iterdir():
-        match = _COMPLETE_NAME.match(entry.name)
-        if match and entry.is_dir() and read_manifest(entry) is not None:
-            found.append((int(match.group(1)), entry))
+        step = step_of_folder(entry.name)
+        if step is not None and entry.is_dir() and read_manifest(entry) is not None:
+            found.append((step, entry))
     return sorted(found)
 
 
@@ -53,7 +45,7 @@ def unreadable_checkpoints(root: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(entry for entry in root.iterdir()
-                  if _COMPLETE_NAME.match(entry.name) and entry.is_dir() and read_manifest(entry) is None)
+                  if step_of_folder(entry.name) is not None and entry.is_dir() and read_manifest(entry) is None)
 
 
 def set_aside_unreadable(root: str | Path, after_step: int) -> list[Path]:
@@ -61,20 +53,20 @@ def set_aside_unreadable(root: str | Path, after_step: int) -> list[Path]:
     ``damaged-<name>`` beside them, so the run can write that step again; returns where they went."""
     moved = []
     for folder in unreadable_checkpoints(root):
-        if int(_COMPLETE_NAME.match(folder.name).group(1)) <= after_step:
+        if step_of_folder(folder.name) <= after_step:
             continue
-        target, suffix = folder.with_name(f"damaged-{folder.name}"), 1
+        target, suffix = folder.with_name(damaged_name(folder.name)), 1
         while target.exists():
-            target, suffix = folder.with_name(f"damaged-{folder.name}.{suffix}"), suffix + 1
+            target, suffix = folder.with_name(damaged_name(folder.name, suffix)), suffix + 1
         os.replace(folder, target)
         moved.append(target)
     return moved
 
 
 def describe_unreadable(folder: Path) -> str:
-    manifest = folder / MANIFEST
+    manifest = folder / CHECKPOINT_MANIFEST
     why = "is missing" if not manifest.exists() else "cannot be read (damaged or cut off)"
-    return f"skipping {folder.name}: its {MANIFEST} {why}"
+    return f"skipping {folder.name}: its {CHECKPOINT_MANIFEST} {why}"
 
 
 def find_latest(root: str | Path) -> Path | None:
@@ -93,7 +85,7 @@ def resolve_resume(resume: str, root: str | Path, world_size: int | None = None,
         checkpoints = complete_checkpoints(root)
         newest = checkpoints[-1][0] if checkpoints else -1
         for folder in unreadable_checkpoints(root):
-            if report and int(_COMPLETE_NAME.match(folder.name).group(1)) > newest:
+            if report and step_of_folder(folder.name) > newest:
                 report(describe_unreadable(folder))
         if not checkpoints:
             raise ValueError(f"--resume latest: no complete checkpoint in {root}")
@@ -108,7 +100,7 @@ def resolve_resume(resume: str, root: str | Path, world_size: int | None = None,
     folder = Path(resume)
     manifest = read_manifest(folder)
     if manifest is None:
-        raise ValueError(f"--resume {resume}: not a complete checkpoint (no readable {MANIFEST})")
+        raise ValueError(f"--resume {resume}: not a complete checkpoint (no readable {CHECKPOINT_MANIFEST})")
     problem = damage(folder, manifest, world_size)
     if problem:
         raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}. Resume from another "

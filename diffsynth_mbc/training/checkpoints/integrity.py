@@ -12,13 +12,12 @@ import os
 from pathlib import Path
 
 from diffsynth_mbc.data.cache.index import file_sha256
-
-MANIFEST = "checkpoint.json"
+from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST, rank_state_file
 
 
 def rank_state_files(world_size: int) -> list[str]:
     """The files accelerate writes once per rank: each rank's RNG state."""
-    return [f"random_states_{rank}.pkl" for rank in range(world_size)]
+    return [rank_state_file(rank) for rank in range(world_size)]
 
 
 def file_digest(path: Path) -> dict:
@@ -31,7 +30,7 @@ def inventory(folder: str | os.PathLike) -> dict[str, dict]:
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         name = path.relative_to(folder).as_posix()
-        if name != MANIFEST:
+        if name != CHECKPOINT_MANIFEST:
             files[name] = file_digest(path)
     return files
 
@@ -48,7 +47,7 @@ def damage(folder: str | os.PathLike, manifest: dict, world_size: int | None = N
         return None   # saved before checkpoints listed their files: nothing to check against
     files = manifest["files"]
     if not isinstance(files, dict):
-        return f"{folder / MANIFEST}: its file list is unreadable"
+        return f"{folder / CHECKPOINT_MANIFEST}: its file list is unreadable"
     expected_ranks = world_size or manifest.get("world_size")
     if expected_ranks:
         missing = missing_rank_files(files, int(expected_ranks))

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
+from diffsynth_mbc.run_layout import LORA_FILE, replaced_folder_name
 from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
 
-REPLACED_PREFIX = "replaced-"
-LORA_FILE = re.compile(r"^(lora|lora-best|epoch-\d+|step-\d+)(_ema)?\.safetensors$")   # the LoRA files a run writes
 CLAIMING = "ranks claiming the run's folders"   # what a rank at claim_folder's barriers waits for
 
 
@@ -67,7 +65,7 @@ def refusal(root: str | Path, foreign: list[tuple[Path, str | None]], output: st
     now = "; ".join(f"{flag} is now {value}" for flag, value in folders if value is not None)
     return (f"the run's folders hold {len(foreign)} checkpoint(s) or LoRA file(s) of {', '.join(runs)} ({names}); "
             "a new run there would replace, overwrite or prune them. Resume that run with --resume latest, start "
-            f"over with --start_over true (they are moved into {Path(root) / (REPLACED_PREFIX + '<run id>')}/, not "
+            f"over with --start_over true (they are moved into {Path(root) / replaced_folder_name('<run id>')}/, not "
             "deleted), or give this run folders of its own: --output_path (its checkpoint and log folders follow it "
             f"unless --checkpoint_dir or --log_dir is given{'; ' + now if now else ''})")
 
@@ -77,7 +75,7 @@ def set_aside(foreign: list[tuple[Path, str | None]], root: str | Path | None = 
     beside it); returns where they went."""
     moved = []
     for folder, other in foreign:
-        target = Path(root or folder.parent) / f"{REPLACED_PREFIX}{other or 'unknown-run'}"
+        target = Path(root or folder.parent) / replaced_folder_name(other or "unknown-run")
         target.mkdir(exist_ok=True)
         destination = target / folder.name
         suffix = 1

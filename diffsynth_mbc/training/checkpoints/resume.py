@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST, DAMAGED_PREFIX
 from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fingerprint_differences, run_fingerprint
 from diffsynth_mbc.training.checkpoints.folder import read_manifest, resolve_resume, set_aside_unreadable
 from diffsynth_mbc.training.checkpoints.row_sizes import changes_since, media_now, resume_refusal, rows_of
@@ -154,8 +155,8 @@ def resume(checkpoints, options, status, accelerator):
     position, states = checkpoints.load(options.resume)
     if accelerator.is_main_process:   # a damaged folder past the checkpoint would block saving that step again
         for moved in set_aside_unreadable(checkpoints.root, position.step):
-            print(f"note: {moved.name[len('damaged-'):]} had no readable checkpoint.json: moved aside to {moved}",
-                  file=sys.stderr)
+            print(f"note: {moved.name.removeprefix(DAMAGED_PREFIX)} had no readable {CHECKPOINT_MANIFEST}: moved aside "
+                  f"to {moved}", file=sys.stderr)
     wait_for_everyone(accelerator, status, "rank 0 setting unreadable checkpoint folders aside")
     kept = truncate_history(status.history_file, position.step)
     status.elapsed_before_s = position.elapsed_s

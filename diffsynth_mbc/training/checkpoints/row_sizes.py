@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_text
+from diffsynth_mbc.run_layout import ROW_SIZES
 
-ROW_SIZES = "row_sizes.json"
 ROWS_NAMED = 5   # rows named for each kind of change (every one is counted)
 
 

@@ -24,21 +24,24 @@ from pathlib import Path
 
 from diffsynth_mbc import environment
 from diffsynth_mbc.atomic import atomic_write_text
+from diffsynth_mbc.run_layout import (
+    CHECKPOINT_LORA,
+    CHECKPOINT_MANIFEST,
+    DEFAULT_CHECKPOINTS_FOLDER,
+    KEEP_MARKER,
+    TEMP_PREFIX,
+    checkpoint_folder_name,
+    published_name,
+)
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints.fingerprint import apply_run_settings, fingerprint_differences
 from diffsynth_mbc.training.checkpoints.folder import (
-    TEMP_PREFIX,
-    checkpoint_name,
     complete_checkpoints,
     find_latest,
     resolve_resume,
     temp_path,
 )
-from diffsynth_mbc.training.checkpoints.integrity import (
-    MANIFEST,
-    inventory,
-    missing_rank_files,
-)
+from diffsynth_mbc.training.checkpoints.integrity import inventory, missing_rank_files
 from diffsynth_mbc.training.checkpoints.row_sizes import (MediaNow, changes_since, resume_refusal, sizes_digest,
                                                           write_row_sizes)
 from diffsynth_mbc.training.checkpoints.space import CheckpointWriteError, folder_bytes, free_bytes, write_failure
@@ -48,15 +51,14 @@ from diffsynth_mbc.training.lora.saved_files import LoraFiles
 from diffsynth_mbc.training.lora.variants import check_adapter_shape
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
-KEEP_MARKER = "KEEP"
 # Fault injection for tests: every checkpoint save takes this many seconds longer on every rank (a slow shared
 # filesystem), to show on a real run that step times and the ETA keep checkpoints apart. Unset in normal use.
 
 
 def publish(temp_folder: Path, manifest: dict) -> Path:
     """Write the manifest last, then rename the temp folder into place. Returns the final folder."""
-    atomic_write_text(temp_folder / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    final = temp_folder.with_name(temp_folder.name[len(TEMP_PREFIX):].split(".")[0])
+    atomic_write_text(temp_folder / CHECKPOINT_MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    final = temp_folder.with_name(published_name(temp_folder.name))
     if final.exists():
         from diffsynth_mbc.training.checkpoints.owner import check_replaceable
 
@@ -170,7 +172,7 @@ class Checkpoints(LoraFiles):
         self.sizes_digest = sizes_digest(sized_rows) if options.buckets == "aspect" else None
         self.missing_rows = self.rows_without_files() if sized_rows is not None else None
         self.ema = ema   # the run's LoraEma: its twin beside every LoRA file (``LoraFiles``)
-        self.root = Path(options.checkpoint_dir or Path(options.output_path) / "checkpoints")
+        self.root = Path(options.checkpoint_dir or Path(options.output_path) / DEFAULT_CHECKPOINTS_FOLDER)
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         self.last_step = None
         self.injected_delay_s = injected_checkpoint_delay_s(os.environ.get(environment.FAULT_SLOW_CHECKPOINT_S),
@@ -210,7 +212,7 @@ class Checkpoints(LoraFiles):
         A write that fails on any rank (a full disk) stops every rank with one message naming the folder and the
         space needed; the partial folder is removed and the previous checkpoints stay (CheckpointWriteError)."""
         accelerator = self.accelerator
-        name = checkpoint_name(position.step)
+        name = checkpoint_folder_name(position.step)
         self.status.update(phase=f"saving checkpoint {name}")
         others = f"ranks saving checkpoint {name}"   # a rank blocked in a collective says so (a hung one does not)
         # Named by run and step, so no rank ever deletes a folder another rank is writing into;
@@ -250,8 +252,8 @@ class Checkpoints(LoraFiles):
                       components=()) -> str | None:
         """Rank 0: the LoRA file, the components' files, the manifest, the rename, pruning. Returns why it was not
         published, or None."""
-        name = checkpoint_name(position.step)
-        self.write_lora(temporary / "lora.safetensors", position.step, file_tensors)
+        name = checkpoint_folder_name(position.step)
+        self.write_lora(temporary / CHECKPOINT_LORA, position.step, file_tensors)
         for component in components:
             component.save_files(temporary)
         if self.sized_rows is not None:
@@ -312,7 +314,7 @@ class Checkpoints(LoraFiles):
                                                                  f"{message}", file=sys.stderr))
         except ValueError as exc:
             raise OptionsError(str(exc)) from None
-        manifest = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
+        manifest = json.loads((folder / CHECKPOINT_MANIFEST).read_text(encoding="utf-8"))
         differences = fingerprint_differences(manifest.get("fingerprint", {}), self.fingerprint)
         check_adapter_shape(manifest.get("fingerprint", {}), self.fingerprint)   # DoRA / LoRA+ on or off
         now = self.media_now()
@@ -325,7 +327,7 @@ class Checkpoints(LoraFiles):
             self.accelerator.load_state(str(folder), load_module_strict=False)
         else:
             self.accelerator.load_state(str(folder), strict=False)
-        self.verify_lora(folder / "lora.safetensors")
+        self.verify_lora(folder / CHECKPOINT_LORA)
         self.last_step = manifest["step"]   # this step has its checkpoint: finishing here saves none again
         if differences or changes:   # --force_resume: this run's settings and media, not the saved ones, said
             applied = apply_run_settings(self.scheduler, self.options) if differences else []

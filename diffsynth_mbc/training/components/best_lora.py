@@ -23,10 +23,10 @@ import os
 import sys
 
 from diffsynth_mbc.data.media.stages import final_stage_start
+from diffsynth_mbc.run_layout import BEST_LORA
 from diffsynth_mbc.training.components.protocol import Component, Decision, Stop, StepContext
 from diffsynth_mbc.values import finite_number
 
-BEST_FILE = "lora-best.safetensors"
 
 
 @dataclasses.dataclass
@@ -145,7 +145,7 @@ class BestSoFar:
 def best_file_note(best: BestSoFar, file: str) -> str:
     """What became of the best LoRA, for the message of a run that fails with a broken LoRA."""
     if best.best_step is None:
-        return f"no {BEST_FILE} was written: no validation of this run had a finite val_loss"
+        return f"no {BEST_LORA} was written: no validation of this run had a finite val_loss"
     return (f"{file} holds the LoRA of step {best.best_step} (val_loss {best.best_loss:.4f}, the lowest finite "
             "validation), kept")
 
@@ -250,13 +250,13 @@ def plan_line(options, counts_from: int = 1) -> str:
     steps``); ``counts_from``: the final stage's first step under ``--resolution_stages``."""
     every = f"every {options.val_steps:,} steps" if options.val_steps else "at the end"
     if options.early_stop is None:
-        return (f"validation {every} keeps the best LoRA (lora-best.safetensors); --early_stop N would end the run "
+        return (f"validation {every} keeps the best LoRA ({BEST_LORA}); --early_stop N would end the run "
                 "after N validations without improving")
     staged = (f", counted in the final stage only (from step {counts_from:,}: the validations before it count for "
               "nothing)" if counts_from > 1 else "")
     return (f"the run may end early: it stops after {options.early_stop} validation(s) in a row without a "
             f"{options.early_stop_min_delta:.2%} improvement, validating {every}{staged}; the best LoRA is kept "
-            "(lora-best.safetensors" + (", with the stage that trained it)" if counts_from > 1 else ")"))
+            f"({BEST_LORA}" + (", with the stage that trained it)" if counts_from > 1 else ")"))
 
 
 class BestLora(Component):
@@ -271,7 +271,7 @@ class BestLora(Component):
         self.options, self.status, self.save_lora, self.is_main = options, status, save_lora, is_main
         self.stages = (tuple(stage_ends), tuple(stage_sizes))
         self.best = BestSoFar.from_options(options, None, *self.stages)
-        self.file = os.path.join(options.output_path, BEST_FILE)
+        self.file = os.path.join(options.output_path, BEST_LORA)
 
     def at_start(self, context: StepContext) -> Decision | None:
         """A resumed run says its best; one that had already stopped early (its count at N or more) trains no
@@ -291,7 +291,7 @@ class BestLora(Component):
         validation.fields["early_stop_count"] = self.best.standing   # where the count stands: the status file's
         if new_best:
             validation.mark(new_best=True)
-            self.save_lora(BEST_FILE, context.step)
+            self.save_lora(BEST_LORA, context.step)
             self.status.update(best=self.best.best_record(self.file))
         return Decision(stop=Stop.EARLY) if self.best.stop_due else None
 

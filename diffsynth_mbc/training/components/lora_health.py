@@ -28,6 +28,7 @@ import collections
 import time
 
 from diffsynth_mbc import run_files
+from diffsynth_mbc.run_layout import FINAL_LORA
 from diffsynth_mbc.training.components.protocol import Component, StepContext
 from diffsynth_mbc.training.evaluation.health_flags import (STEPS_KEPT, WHAT_TO_DO, health_flags, summary,
                                                            train_loss_average)
@@ -287,7 +288,7 @@ class LoraHealth(Component):
                             for found in broken)
         else:
             why = "another rank found its LoRA broken (its status file says why)"
-        raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); lora.safetensors is not written "
+        raise UnhealthyRunError(f"the run ended with a broken LoRA ({why}); {FINAL_LORA} is not written "
                                 "(checkpoints and epoch files, if any, hold earlier weights). What to do: "
                                 f"{WHAT_TO_DO['exploding']}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from diffsynth_mbc.run_layout import step_file_name
 from diffsynth_mbc.training.components.protocol import Component, Decision, Stop, StepContext, StepResult
 
 
@@ -54,7 +55,7 @@ class StepLoraFiles(Component):
 
     def after_step(self, context: StepContext) -> Decision | None:
         if self.every and context.step % self.every == 0:
-            return Decision(lora_file=f"step-{context.step}.safetensors")
+            return Decision(lora_file=step_file_name(context.step))
         return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.run_layout import TRACKING_FOLDER
 from diffsynth_mbc.training.distributed.collectives import broadcast_from_main
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
 
@@ -83,7 +84,7 @@ def start_accelerator(options, status: RankStatusWriter):
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=options.find_unused_parameters),
                 *process_group_handlers(options, status.state["world_size"])]
     tracking = {} if options.report_to == "none" else {
-        "log_with": options.report_to, "project_dir": os.path.join(options.output_path, "tracking")}
+        "log_with": options.report_to, "project_dir": os.path.join(options.output_path, TRACKING_FOLDER)}
     accelerator = Accelerator(
         mixed_precision=precision, gradient_accumulation_steps=options.gradient_accumulation_steps,
         kwargs_handlers=handlers,

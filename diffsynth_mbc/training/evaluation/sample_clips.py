@@ -24,9 +24,9 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_open, atomic_path, atomic_write_json
 from diffsynth_mbc.data.media.orientation import upright
-from diffsynth_mbc.sample_prompts import (BASE_FOLDER, BASE_SUFFIX, PROMPTS_FILE, SAMPLES_FOLDER, SamplePrompt,
-                                          clip_suffix, prompts_file_record, sample_file_stem,
-                                          sample_set_name, sampling_due, strength_text)
+from diffsynth_mbc.run_layout import BASE_SAMPLES_FOLDER, PROMPTS_FILE, SAMPLES_FOLDER, sample_set_name
+from diffsynth_mbc.sample_prompts import (BASE_SUFFIX, SamplePrompt, clip_suffix, prompts_file_record, sample_file_stem,
+                                          sampling_due, strength_text)
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 from diffsynth_mbc.training.lora.ema import weights_for
 from diffsynth_mbc.training.lora.strength import lora_strength
@@ -99,7 +99,7 @@ class Sampler:
     def _generate_base(self, pipe, step: int) -> list[Path]:
         """The base model's clip of every prompt that has none for its current settings (strength 0: the LoRA adds
         nothing); ``base/prompts.json`` names the prompts whose clips are current and the step each was made at."""
-        folder = self.root / BASE_FOLDER
+        folder = self.root / BASE_SAMPLES_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         made = read_base_records(folder)
         current, paths = {}, []
@@ -141,7 +141,7 @@ class Sampler:
         files = [path.name for path in paths if path.parent == folder]
         where = {"dir": str(folder), "files": files}
         if 0 in self.strengths:
-            where.update(base_dir=str(self.root / BASE_FOLDER),
+            where.update(base_dir=str(self.root / BASE_SAMPLES_FOLDER),
                          base_files=[path.name for path in paths if path.parent != folder])
         record = {"kind": "samples", "step": step, **where, "prompts": [p.prompt for p in self.prompts],
                   "strengths": self.strengths, "seconds": round(seconds, 2), "time": round(time.time(), 3)}

@@ -15,7 +15,7 @@ into the parameters for them and the raw weights copied back exactly afterwards.
 DDP and DeepSpeed ZeRO-2 keep every parameter whole on every rank (ZeRO-2 shards gradients and optimizer state
 only), so each rank reads the module's parameters after the step and holds the same shadow.
 
-The option checks, decay and file names are pure; torch is imported inside the methods.
+The option checks and the decay are pure (the file names are the run layout's); torch is imported inside the methods.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import contextlib
 from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.run_layout import EMA_STATE, ema_twin_name
 from diffsynth_mbc.training.distributed.accelerator import unwrapped_model
 
-STATE_FILE = "ema_state.safetensors"
-FILE_SUFFIX = "_ema"
 WEIGHTS = ("raw", "ema", "both")
 WARMUP_OFFSET = 10
 
@@ -49,12 +48,6 @@ def decay_at(decay: float, updates: int, warmup: bool) -> float:
     if not warmup:
         return decay
     return min(decay, (1 + updates) / (WARMUP_OFFSET + updates))
-
-
-def ema_file_name(file_name: str) -> str:
-    """``lora.safetensors`` -> ``lora_ema.safetensors``; ``step-4.safetensors`` -> ``step-4_ema.safetensors``."""
-    path = Path(file_name)
-    return str(path.with_name(f"{path.stem}{FILE_SUFFIX}{path.suffix}"))
 
 
 def weights_for(validate_with: str, updates: int) -> list[str]:
@@ -130,7 +123,7 @@ class LoraEma:
         from diffsynth_mbc.atomic import atomic_save_safetensors
 
         tensors = {name: value.detach().to("cpu").contiguous() for name, value in self.tensors().items()}
-        atomic_save_safetensors(Path(folder) / STATE_FILE, tensors, metadata={
+        atomic_save_safetensors(Path(folder) / EMA_STATE, tensors, metadata={
             "format": "pt", "ema_updates": str(self.updates), "ema_decay": repr(self.decay),
             "ema_warmup": str(self.warmup).lower()})
 
@@ -140,7 +133,7 @@ class LoraEma:
         import torch
         from safetensors import safe_open
 
-        path = Path(folder) / STATE_FILE
+        path = Path(folder) / EMA_STATE
         if not path.is_file():
             return False
         with safe_open(str(path), framework="pt") as handle:
@@ -166,7 +159,7 @@ class LoraEma:
 def save_ema_lora(files, target: Path, step: int) -> None:
     """The EMA beside a LoRA file (``files``: the run's ``LoraFiles``), in the same layout; every rank calls it
     (the NaN check is collective), rank 0 writes."""
-    ema_target = Path(target).with_name(ema_file_name(Path(target).name))
+    ema_target = Path(target).with_name(ema_twin_name(Path(target).name))
     model = unwrapped_model(files.accelerator, files.module)
     tensors = {key: value.detach().to("cpu").contiguous()
                for key, value in model.lora_state_dict(files.ema.tensors()).items()}

@@ -17,6 +17,7 @@ from pathlib import Path
 from diffsynth_mbc.atomic import atomic_save_safetensors
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.models.model_files import ModelFileError
+from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST
 from diffsynth_mbc.training.lora.file_format import (
     FORMATS,
     LoraFormatError,
@@ -46,7 +47,7 @@ def _check_output(output: Path, read_from: Path, source: Path, overwrite: bool =
     if target == read_from.resolve():
         raise ExportError(f"{output}: the output would overwrite the input; choose another --output")
     folder = source if source.is_dir() else read_from.parent
-    if (folder / "checkpoint.json").is_file() and target.is_relative_to(folder.resolve()):
+    if (folder / CHECKPOINT_MANIFEST).is_file() and target.is_relative_to(folder.resolve()):
         raise ExportError(f"{output}: the output would be written inside the checkpoint folder {folder} (and could "
                           "replace its saved state); choose an --output outside it")
     if target.is_dir():

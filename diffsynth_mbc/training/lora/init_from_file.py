@@ -23,13 +23,12 @@ import sys
 from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.run_layout import BEST_LORA, LORA_FILE
 from diffsynth_mbc.training.lora.file_format import (COMFYUI_PREFIX, LoraFormatError, check_pairs, describe_nonfinite,
                                                      lora_pairs, nonfinite_tensors, split_lora_key, training_scale)
 
 FLAG = "--init_lora"
 SHOWN = 3   # module names quoted in an error
-# Files a run writes into --output_path: an --init_lora file there would be replaced by this run's own.
-_RUN_WRITES = re.compile(r"^(lora|epoch-\d+|step-\d+)\.safetensors$")
 
 
 class InitLoraError(OptionsError):
@@ -38,6 +37,13 @@ class InitLoraError(OptionsError):
 
 # Keys of a DoRA file: ComfyUI's dora_scale, peft's magnitude vector.
 DORA_KEY_ENDINGS = (".dora_scale", ".lora_magnitude_vector.default.weight", ".lora_magnitude_vector.weight")
+
+
+def _replaced_by_the_run(name: str) -> bool:
+    """A file the run writes into --output_path (``lora``, ``epoch-N`` or ``step-N``; not ``lora-best``, not an EMA
+    twin): an --init_lora file of that name there would be replaced by this run's own."""
+    found = LORA_FILE.match(name)
+    return bool(found) and not found["ema"] and name != BEST_LORA
 
 
 def check_init_lora_option(options: dict) -> None:
@@ -51,7 +57,7 @@ def check_init_lora_option(options: dict) -> None:
     if not path.exists():
         raise InitLoraError(f"{FLAG} {source}: no such file (give a LoRA .safetensors file or a checkpoint folder)")
     output = Path(str(options.get("output_path") or "."))
-    if path.is_file() and _RUN_WRITES.match(path.name) and path.resolve().parent == output.resolve():
+    if path.is_file() and _replaced_by_the_run(path.name) and path.resolve().parent == output.resolve():
         raise InitLoraError(f"{FLAG} {source} is in --output_path {output}, where this run writes its own "
                             f"{path.name}; copy it elsewhere or choose another --output_path")
 

@@ -7,6 +7,7 @@ import json
 import struct
 from pathlib import Path
 
+from diffsynth_mbc.run_layout import CHECKPOINT_LORA, CHECKPOINT_MANIFEST
 from diffsynth_mbc.values import finite_number, positive_number
 
 class LoraReadError(ValueError):
@@ -15,7 +16,7 @@ class LoraReadError(ValueError):
 
 def _checkpoint_fingerprint(folder: Path) -> dict:
     try:
-        return json.loads((folder / "checkpoint.json").read_text(encoding="utf-8")).get("fingerprint") or {}
+        return json.loads((folder / CHECKPOINT_MANIFEST).read_text(encoding="utf-8")).get("fingerprint") or {}
     except (OSError, ValueError):
         return {}
 
@@ -29,7 +30,7 @@ def read_lora(source: str | Path) -> tuple[dict, dict, Path]:
     if source.is_dir():
         facts.update({k: v for k, v in _checkpoint_fingerprint(source).items()
                       if k in ("lora_rank", "lora_alpha", "lora_target_modules")})
-        source = source / "lora.safetensors"
+        source = source / CHECKPOINT_LORA
     if not source.is_file():
         raise LoraReadError(f"{source}: no such LoRA file (give a .safetensors file or a checkpoint folder)")
     try:

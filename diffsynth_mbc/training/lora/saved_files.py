@@ -23,15 +23,6 @@ from diffsynth_mbc.training.lora.file_format import (
 )
 
 
-def epoch_file_name(epoch: int, num_epochs: int) -> str:
-    """The LoRA file written when epoch ``epoch`` (counted from 0, as the loop counts) ends, numbered from 1 as the
-    terminal shows it ("epoch 1/5 done" writes ``epoch-001``) and zero-padded so that ``ls`` lists them in order.
-    Runs of earlier versions wrote ``epoch-0`` for the first epoch; those files stay LoRA files like any other
-    (export, DiffSynth and ComfyUI read them by their path, nothing reads the number)."""
-    width = max(3, len(str(num_epochs)))
-    return f"epoch-{epoch + 1:0{width}d}.safetensors"
-
-
 class LoraFiles:
     """Writing the run's LoRA files; ``Checkpoints`` provides accelerator, module, options, status and root."""
 

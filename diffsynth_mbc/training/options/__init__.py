@@ -15,6 +15,7 @@ from pathlib import Path
 
 from diffsynth_mbc.data.dataset_list import apply_datasets
 from diffsynth_mbc.errors import OptionsError, clipped, quoted
+from diffsynth_mbc.run_layout import DEFAULT_CHECKPOINTS_FOLDER, DEFAULT_LOGS_FOLDER
 from diffsynth_mbc.training.options.checks import (MAX_SIDE, TRACKER_PACKAGES, check_frame_options, check_run_id,
                                                    check_tracker, validate)
 from diffsynth_mbc.training.options.parser import build_parser
@@ -65,7 +66,7 @@ def resolve_options(argv: list[str] | None = None) -> TrainOptions:
     # Each run's own folders by default: runs that share a log or checkpoint folder corrupt each other. A preset's
     # log or checkpoint folder belongs to its output folder: an --output_path given without them takes them along.
     moved_output = "output_path" in given and given["output_path"] != preset.get("output_path")
-    for key, folder in (("log_dir", "training_logs"), ("checkpoint_dir", "checkpoints")):
+    for key, folder in (("log_dir", DEFAULT_LOGS_FOLDER), ("checkpoint_dir", DEFAULT_CHECKPOINTS_FOLDER)):
         if not options[key] or (moved_output and key not in given):
             options[key] = str(Path(options["output_path"]) / folder)
     return TrainOptions(**options)

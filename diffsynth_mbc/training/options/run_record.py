@@ -14,9 +14,9 @@ from pathlib import Path
 
 from diffsynth_mbc.atomic import atomic_write_json
 from diffsynth_mbc.errors import OptionsError, quoted
+from diffsynth_mbc.run_layout import RUN_OPTIONS
 from diffsynth_mbc.training.options.run_options import DECLARATIONS, TrainOptions
 
-RUN_OPTIONS = "run_options.json"
 PATH_OPTIONS = tuple(name for name, declaration in DECLARATIONS.items() if declaration.path)
 
 

@@ -56,10 +56,12 @@ def cache_dirs(options) -> tuple[str, str]:
     beside the output folder."""
     from pathlib import Path
 
-    cache_dir = options.cache or str(Path(options.output_path).parent / "latent_cache")
+    from diffsynth_mbc.run_layout import DEFAULT_CACHE, DEFAULT_VAL_CACHE
+
+    cache_dir = options.cache or str(Path(options.output_path).parent / DEFAULT_CACHE)
     val_cache_dir = ""
     if options.val_metadata_path:
-        val_cache_dir = options.val_cache or str(Path(options.output_path).parent / "latent_cache_val")
+        val_cache_dir = options.val_cache or str(Path(options.output_path).parent / DEFAULT_VAL_CACHE)
     return cache_dir, val_cache_dir
 
 

@@ -151,11 +151,11 @@ def buckets_of(options, sizing: dict | None, bucket_samples) -> dict | None:
 
 def cache_to_build(options, cached_launch: bool) -> bool:
     """Whether the run starts by building the latent cache (the launcher's --cached, or an unfinished --cache)."""
-    from diffsynth_mbc.data.cache.index import INDEX_FILE
+    from diffsynth_mbc.run_layout import CACHE_INDEX
 
     if cached_launch:
         return True
-    return bool(options.cache) and not (Path(options.cache) / INDEX_FILE).is_file()
+    return bool(options.cache) and not (Path(options.cache) / CACHE_INDEX).is_file()
 
 
 @dataclasses.dataclass

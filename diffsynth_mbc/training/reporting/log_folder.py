@@ -15,7 +15,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from diffsynth_mbc.lifecycle.run_lock import LOCK_PREFIX, lock_name
+from diffsynth_mbc.run_layout import LOCK_PREFIX, LOCK_SUFFIX, lock_name
 
 
 def held_lock_name(folder: str | os.PathLike) -> str | None:
@@ -30,7 +30,7 @@ def held_lock_name(folder: str | os.PathLike) -> str | None:
             head, name = os.path.split(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError:
             continue
-        if head == real and name.startswith(LOCK_PREFIX) and name.endswith(".lock"):
+        if head == real and name.startswith(LOCK_PREFIX) and name.endswith(LOCK_SUFFIX):
             return name
     return None
 

@@ -7,14 +7,14 @@ every rank's replaced files to rank 0's status; no torch.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from diffsynth_mbc.training.checkpoints.owner import LORA_FILE, lora_file_owner
+from diffsynth_mbc.run_layout import EPOCH_PREFIX, FINAL_LORA, LORA_FILE, STEP_PREFIX, ema_twin_name
+from diffsynth_mbc.training.checkpoints.owner import lora_file_owner
 from diffsynth_mbc.training.components.best_lora import standing_note
 from diffsynth_mbc.values import finite_number
 
-_NUMBERED = re.compile(r"^(epoch|step)-(\d+)(_ema)?\.safetensors$")
+NUMBERED = {"epoch": EPOCH_PREFIX, "step": STEP_PREFIX}   # the numbered LoRA files, by kind
 REPLACED_ROWS_KEPT = 100   # rows named in the status file (every one is counted)
 REPLACED_ROWS_SAID = 5     # rows named in the summary
 
@@ -69,11 +69,12 @@ def written_files(output_path: str, run_id: str | None) -> list[Path]:
 
 def numbered_text(names: list[str], kind: str) -> str:
     """``3 epoch files (epoch-001 .. epoch-003)`` for the ``kind`` files among ``names``, '' when none."""
-    found = sorted((int(match.group(2)), name) for name in names if (match := _NUMBERED.match(name))
-                   and match.group(1) == kind and not match.group(3))
+    prefix = NUMBERED[kind]
+    found = sorted((int(stem[len(prefix):]), stem) for name in names if (match := LORA_FILE.match(name))
+                   and not match["ema"] and (stem := match["stem"]).startswith(prefix))
     if not found:
         return ""
-    first, last = found[0][1].removesuffix(".safetensors"), found[-1][1].removesuffix(".safetensors")
+    first, last = found[0][1], found[-1][1]
     return f"{len(found)} {kind} file(s) ({first}" + (f" .. {last})" if len(found) > 1 else ")")
 
 
@@ -81,10 +82,11 @@ def files_lines(output_path: str, run_id: str | None) -> list[str]:
     """The summary's lines for this run's files other than ``lora.safetensors``: its EMA twin, and how many epoch
     and step files (each with its ``_ema`` twin when the run keeps an EMA)."""
     names = [path.name for path in written_files(output_path, run_id)]
-    lines = [f"  EMA LoRA: {output_path}/lora_ema.safetensors"] if "lora_ema.safetensors" in names else []
-    numbered = [text for text in (numbered_text(names, "epoch"), numbered_text(names, "step")) if text]
+    final_twin = ema_twin_name(FINAL_LORA)
+    lines = [f"  EMA LoRA: {output_path}/{final_twin}"] if final_twin in names else []
+    numbered = [text for text in (numbered_text(names, kind) for kind in NUMBERED) if text]
     if numbered:
-        twins = " (each with its _ema twin)" if any(name.endswith("_ema.safetensors") and name != "lora_ema.safetensors"
+        twins = " (each with its _ema twin)" if any(LORA_FILE.match(name)["ema"] and name != final_twin
                                                     for name in names) else ""
         lines.append(f"  also in {output_path}: {', '.join(numbered)}{twins}")
     return lines

@@ -3,7 +3,9 @@
 ``RankStatusWriter`` owns ``training_gpu{rank}.json`` (the current state, replaced atomically, at
 most every ``min_interval_s`` seconds and at once on every status change) and
 ``training_gpu{rank}.jsonl`` (one appended, flushed line per optimizer step). The cost of a step is
-constant however long the run: the JSON file is small and rewritten, the history only appended. Once
+constant however long the run: the JSON file is small and rewritten, the history only appended. Every field
+written is one ``run_files.STATUS_SCHEMA`` declares for this kind of file (a training rank's, or a cache rank's:
+``kind``), with its type: ``update`` refuses any other (``StatusFieldError``, a programming error). Once
 torch is up, ``gpu_reader`` (``gpu.GpuReader``) is asked for the ``gpu`` fields right before each write
 of the status file (NVML and the allocator are queried only then), from the main thread only.
 
@@ -27,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from diffsynth_mbc import run_files
+from diffsynth_mbc import run_files, run_layout
 from diffsynth_mbc.atomic import write_json_even_when_full
 from diffsynth_mbc.training.reporting.history_appender import HistoryAppender
 from diffsynth_mbc.training.reporting.log_folder import LogFolderWatch
@@ -85,8 +87,10 @@ class RankStatusWriter:
     def __init__(self, log_dir: str | os.PathLike, run_id: str, rank: int, local_rank: int, world_size: int,
                  min_interval_s: float = 5.0, wall_clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic, continue_history: bool = False,
-                 report_every_s: float = 60.0, stream=None, keep_old_histories: int = 3):
+                 report_every_s: float = 60.0, stream=None, keep_old_histories: int = 3,
+                 kind: str = run_files.TRAINING):
         self.log_dir = Path(log_dir)
+        self.kind = kind
         self._status_guard = WriteGuard(f"rank {rank}'s status file in {self.log_dir}", monotonic, report_every_s,
                                         stream)
         self._history_guard = WriteGuard(f"rank {rank}'s history file in {self.log_dir}", monotonic, report_every_s,
@@ -98,8 +102,9 @@ class RankStatusWriter:
         self._status_guard.run(lambda: self.log_dir.mkdir(parents=True, exist_ok=True))
         self._stream = stream
         self._folder = LogFolderWatch(self.log_dir)
-        self.status_file = run_files.status_path(self.log_dir, rank)
-        self.history_file = run_files.history_path(self.log_dir, rank)
+        self._rank = rank
+        self.status_file = run_layout.status_path(self.log_dir, rank)
+        self.history_file = run_layout.history_path(self.log_dir, rank)
         self.min_interval_s = min_interval_s
         self._wall_clock = wall_clock
         self._monotonic = monotonic
@@ -116,7 +121,7 @@ class RankStatusWriter:
         self._closed = threading.Event()
         if not continue_history:
             self._history_guard.run(self._set_aside_previous_history)
-        self.state = {field: None for field in run_files.STATUS_FIELDS}
+        self.state = {field: None for field in run_files.fields_in_every_file(kind)}
         self.state.update(
             schema_version=run_files.SCHEMA_VERSION, run_id=run_id, rank=rank, local_rank=local_rank,
             world_size=world_size, hostname=socket.gethostname(), pid=os.getpid(),
@@ -127,7 +132,9 @@ class RankStatusWriter:
 
     # -- the current state ------------------------------------------------------------------
     def update(self, **fields) -> None:
-        """Merge fields; write now if the status changed or enough time passed since the last write."""
+        """Merge fields; write now if the status changed or enough time passed since the last write. A field the
+        schema does not declare for this kind of file, or a value of another type, raises ``StatusFieldError``."""
+        run_files.check_status_fields(fields, self.kind)
         with self._lock:
             status_changed = "status" in fields and fields["status"] != self.state["status"]
             phase_changed = "phase" in fields and fields["phase"] != self.state["phase"]
@@ -248,17 +255,17 @@ class RankStatusWriter:
         """A new run starts a new history; the previous one is kept beside it, never overwritten."""
         if self.history_file.exists() and self.history_file.stat().st_size > 0:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.history_file.stat().st_mtime))
-            target = self.history_file.with_name(f"{self.history_file.stem}.{stamp}.jsonl.old")
+            target = self.history_file.with_name(run_layout.old_history_name(self._rank, stamp))
             suffix = 1
             while target.exists():
-                target = self.history_file.with_name(f"{self.history_file.stem}.{stamp}-{suffix}.jsonl.old")
+                target = self.history_file.with_name(run_layout.old_history_name(self._rank, f"{stamp}-{suffix}"))
                 suffix += 1
             os.replace(self.history_file, target)
         self._prune_old_histories()
 
     def _prune_old_histories(self) -> None:
         """Only the newest ``keep_old_histories`` set-aside histories of this rank stay (they once piled up)."""
-        old = sorted(self.history_file.parent.glob(f"{self.history_file.stem}.*.jsonl.old"),
+        old = sorted(self.history_file.parent.glob(run_layout.old_histories_glob(self._rank)),
                      key=lambda path: path.stat().st_mtime_ns)
         for path in old[:max(0, len(old) - self.keep_old_histories)]:
             path.unlink(missing_ok=True)

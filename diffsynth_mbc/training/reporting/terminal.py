@@ -19,6 +19,7 @@ import time
 
 from diffsynth_mbc import environment
 from diffsynth_mbc.run_files import overheads_text
+from diffsynth_mbc.run_layout import FINAL_LORA
 from diffsynth_mbc.training.reporting.catalogue_progress import catalogues_text
 from diffsynth_mbc.training.reporting.run_summary import files_lines, replaced_lines, validation_lines
 
@@ -127,10 +128,10 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
             lines.append(f"  resume from: {state['last_checkpoint']} (--resume latest)")
         lines += files_lines(output_path, state.get("run_id"))
     else:
-        lines.append(f"  LoRA: {output_path}/lora.safetensors")
+        lines.append(f"  LoRA: {output_path}/{FINAL_LORA}")
         from diffsynth_mbc.training.lora.export import dora_run_note   # a DoRA: DiffSynth's loader ignores dora_scale
 
-        note = dora_run_note(f"{output_path}/lora.safetensors")
+        note = dora_run_note(f"{output_path}/{FINAL_LORA}")
         lines += [f"  {note}"] if note else []
         lines += files_lines(output_path, state.get("run_id"))   # lora_ema, epoch and step files of this run
         if state.get("last_checkpoint"):

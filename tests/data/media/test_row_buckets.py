@@ -8,7 +8,8 @@ import pytest
 
 from diffsynth_mbc.data.demo_data import write_image, write_video
 from diffsynth_mbc.data.media.row_buckets import bucket_keys, row_sizes
-from diffsynth_mbc.data.media.size_table import TABLE_NAME, fingerprint_key, load_table
+from diffsynth_mbc.data.media.size_table import fingerprint_key, load_table
+from diffsynth_mbc.run_layout import SIZE_TABLE
 from diffsynth_mbc.errors import MetadataError
 
 
@@ -31,9 +32,9 @@ def test_the_size_table_is_read_once_per_run_and_a_changed_file_is_read_again(tm
     write_video(media / "clip.mp4", 5, 96, 64)
     write_image(media / "photo.png", 40, 30)
     rows = [{"video": "clip.mp4", "media_type": "video"}, {"video": "photo.png", "media_type": "image"}]
-    table_path = str(out / TABLE_NAME)
+    table_path = str(out / SIZE_TABLE)
     assert row_sizes(rows, str(media), table_path=table_path) == [(96, 64), (40, 30)]
-    assert not (out / TABLE_NAME).exists()   # no output folder yet (a dry run, a plan before the first launch)
+    assert not (out / SIZE_TABLE).exists()   # no output folder yet (a dry run, a plan before the first launch)
     out.mkdir()
     assert row_sizes(rows, str(media), table_path=table_path) == [(96, 64), (40, 30)]
     table = load_table(table_path)
@@ -48,11 +49,11 @@ def test_the_size_table_is_read_once_per_run_and_a_changed_file_is_read_again(tm
 
 def test_a_damaged_size_table_is_said_once_and_read_again_from_the_files(tmp_path, capsys):
     write_image(tmp_path / "photo.png", 40, 30)
-    (tmp_path / TABLE_NAME).write_text('{"version": 2, "sha256": "00", "sizes": {"1:2:3:/x": [40, ')
+    (tmp_path / SIZE_TABLE).write_text('{"version": 2, "sha256": "00", "sizes": {"1:2:3:/x": [40, ')
     rows = [{"video": "photo.png", "media_type": "image"}]
-    assert row_sizes(rows, str(tmp_path), table_path=str(tmp_path / TABLE_NAME)) == [(40, 30)]
+    assert row_sizes(rows, str(tmp_path), table_path=str(tmp_path / SIZE_TABLE)) == [(40, 30)]
     assert capsys.readouterr().err.count("cannot be used") == 1
-    assert list(load_table(str(tmp_path / TABLE_NAME)).values()) == [(40, 30)]
+    assert list(load_table(str(tmp_path / SIZE_TABLE)).values()) == [(40, 30)]
 
 
 def test_columns_that_are_not_the_files_size_are_refused_naming_the_rows(tmp_path):

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from diffsynth_mbc.training.checkpoints.folder import (checkpoint_name, complete_checkpoints, find_latest,
-                                                       resolve_resume, temp_path)
+from diffsynth_mbc.run_layout import checkpoint_folder_name
+from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints, find_latest, resolve_resume, temp_path
 from diffsynth_mbc.training.checkpoints.state import fingerprint_differences, prune, publish, truncate_history
 from diffsynth_mbc.training.components.schedules import CheckpointSchedule
 
@@ -18,20 +18,20 @@ def make_checkpoint(root, step, complete=True):
 def test_latest_is_the_highest_complete_step(tmp_path):
     for step in (4, 12, 8):
         make_checkpoint(tmp_path, step)
-    assert find_latest(tmp_path).name == checkpoint_name(12)
+    assert find_latest(tmp_path).name == checkpoint_folder_name(12)
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
 
 
 def test_a_checkpoint_killed_mid_save_is_never_latest(tmp_path):
     make_checkpoint(tmp_path, 4)
     make_checkpoint(tmp_path, 8, complete=False)            # temp folder left by a crash
-    manifestless = tmp_path / checkpoint_name(9)             # a renamed folder without its manifest
+    manifestless = tmp_path / checkpoint_folder_name(9)             # a renamed folder without its manifest
     manifestless.mkdir()
-    torn = tmp_path / checkpoint_name(10)
+    torn = tmp_path / checkpoint_folder_name(10)
     torn.mkdir()
     (torn / "checkpoint.json").write_text('{"step": 1')     # torn manifest
-    assert find_latest(tmp_path).name == checkpoint_name(4)
-    assert resolve_resume("latest", tmp_path).name == checkpoint_name(4)
+    assert find_latest(tmp_path).name == checkpoint_folder_name(4)
+    assert resolve_resume("latest", tmp_path).name == checkpoint_folder_name(4)
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         resolve_resume(str(manifestless), tmp_path)
 
@@ -44,7 +44,7 @@ def test_resume_latest_without_checkpoints_says_where_it_looked(tmp_path):
 def test_prune_keeps_the_last_k_and_kept_ones_and_removes_temp_folders(tmp_path):
     for step in (1, 2, 3, 4, 5):
         make_checkpoint(tmp_path, step)
-    (tmp_path / checkpoint_name(1) / "KEEP").touch()
+    (tmp_path / checkpoint_folder_name(1) / "KEEP").touch()
     make_checkpoint(tmp_path, 6, complete=False)
     prune(tmp_path, keep_last=2)
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [1, 4, 5]

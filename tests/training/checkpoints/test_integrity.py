@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from diffsynth_mbc.training.checkpoints.folder import checkpoint_name, resolve_resume
+from diffsynth_mbc.run_layout import checkpoint_folder_name
+from diffsynth_mbc.training.checkpoints.folder import resolve_resume
 from diffsynth_mbc.training.checkpoints.integrity import damage, inventory
 
 
 def make_checkpoint(root, step, world_size=2, listed=True):
-    folder = root / checkpoint_name(step)
+    folder = root / checkpoint_folder_name(step)
     folder.mkdir(parents=True)
     for name, size in (("optimizer.bin", 4000), ("lora.safetensors", 800), ("model.safetensors", 800)):
         (folder / name).write_bytes(bytes([step % 251]) * size)
@@ -35,8 +36,8 @@ def test_latest_falls_back_to_the_newest_intact_checkpoint_naming_the_damaged_fi
     newest = make_checkpoint(tmp_path, 8)
     broken(newest)
     reports = []
-    assert resolve_resume("latest", tmp_path, world_size=2, report=reports.append).name == checkpoint_name(4)
-    assert len(reports) == 1 and expected in reports[0] and checkpoint_name(8) in reports[0]
+    assert resolve_resume("latest", tmp_path, world_size=2, report=reports.append).name == checkpoint_folder_name(4)
+    assert len(reports) == 1 and expected in reports[0] and checkpoint_folder_name(8) in reports[0]
 
 
 def test_an_explicit_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
@@ -62,7 +63,7 @@ def test_every_checkpoint_damaged_is_an_error_not_a_silent_fresh_start(tmp_path)
 
 def test_checkpoints_saved_before_file_lists_still_resume(tmp_path):
     make_checkpoint(tmp_path, 4, listed=False)
-    assert resolve_resume("latest", tmp_path, world_size=2).name == checkpoint_name(4)
+    assert resolve_resume("latest", tmp_path, world_size=2).name == checkpoint_folder_name(4)
 
 
 @pytest.mark.parametrize("broken, why", [
@@ -79,10 +80,10 @@ def test_a_newest_checkpoint_without_a_readable_manifest_is_named_skipped_and_mo
     (newest / "notes.txt").write_text("kept")
     broken(newest)
     reports = []
-    assert resolve_resume("latest", tmp_path, world_size=2, report=reports.append).name == checkpoint_name(4)
-    assert reports == [f"skipping {checkpoint_name(8)}: its checkpoint.json {why}" + (
+    assert resolve_resume("latest", tmp_path, world_size=2, report=reports.append).name == checkpoint_folder_name(4)
+    assert reports == [f"skipping {checkpoint_folder_name(8)}: its checkpoint.json {why}" + (
         " (damaged or cut off)" if why == "cannot be read" else "")]
     moved = set_aside_unreadable(tmp_path, after_step=4)
-    assert [p.name for p in moved] == [f"damaged-{checkpoint_name(8)}"]
+    assert [p.name for p in moved] == [f"damaged-{checkpoint_folder_name(8)}"]
     assert (moved[0] / "notes.txt").read_text() == "kept" and not newest.exists()
     assert set_aside_unreadable(tmp_path, after_step=4) == []

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
-from diffsynth_mbc.training.checkpoints.folder import checkpoint_name, complete_checkpoints, temp_path
+from diffsynth_mbc.run_layout import checkpoint_folder_name
+from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints, temp_path
 from diffsynth_mbc.training.checkpoints.owner import (check_claim, check_replaceable, foreign_checkpoints,
                                                       foreign_outputs, lora_file_owner, refusal, set_aside)
 from diffsynth_mbc.training.checkpoints.state import prune, publish
@@ -113,7 +114,7 @@ def test_a_fresh_run_refuses_another_runs_checkpoints_and_start_over_moves_them_
         assert (checkpoints / "replaced-first-run" / name).read_bytes() == content, name
     assert lora_file_owner(run_dir / "lora" / "lora.safetensors") == "second-run"
     owners = {json.loads((f / "checkpoint.json").read_text())["run_id"] for _s, f in complete_checkpoints(checkpoints)}
-    assert owners == {"second-run"} and checkpoint_name(2) in {f.name for _s, f in complete_checkpoints(checkpoints)}
+    assert owners == {"second-run"} and checkpoint_folder_name(2) in {f.name for _s, f in complete_checkpoints(checkpoints)}
 
 
 def snapshot(folder) -> dict:

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from diffsynth_mbc.data.demo import prepare
-from diffsynth_mbc.training.checkpoints.folder import checkpoint_name, complete_checkpoints, read_manifest
+from diffsynth_mbc.run_layout import checkpoint_folder_name
+from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints, read_manifest
 from e2e_helpers import demo_flags, kill_tree, launch, read_history, read_status, run, wait_for
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,7 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
     logged_before_kill = last_logged_step(killed / "logs")
     assert logged_before_kill > resumed_from, "the kill must fall between checkpoints for this test to mean anything"
     assert not (killed / "lora" / "lora.safetensors").exists()
-    checkpoint_elapsed = read_manifest(checkpoints / checkpoint_name(resumed_from))["elapsed_s"]
+    checkpoint_elapsed = read_manifest(checkpoints / checkpoint_folder_name(resumed_from))["elapsed_s"]
 
     code, output = run(tmp_path, train_flags(data_root, killed, resume="latest", report_to="tensorboard", **CAPTIONS,
                                              **validation_flags(val_metadata), **EMA))
@@ -83,7 +84,7 @@ def test_sigkill_then_resume_latest_equals_an_uninterrupted_run(tmp_path, demo_d
     for rank in (0, 1):
         state = read_status(killed / "logs", rank)
         assert state["run_id"] == first_run_id
-        assert state["resumed_from"] == {"checkpoint": checkpoint_name(resumed_from), "step": resumed_from,
+        assert state["resumed_from"] == {"checkpoint": checkpoint_folder_name(resumed_from), "step": resumed_from,
                                          "run_id": first_run_id}
         assert state["elapsed_s"] > checkpoint_elapsed
     assert [p.name for p in (killed / "lora" / "tracking").iterdir()] == [first_run_id]

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints
 from diffsynth_mbc.training.lora.read import file_metadata_of
-from e2e_helpers import REPO, demo_flags, free_port, kill_tree, launch, read_history, read_status, wait_for
+from e2e_helpers import (REPO, assert_the_monitor_reads_what_the_ranks_wrote, demo_flags, free_port, kill_tree, launch,
+                         read_history, read_status, wait_for)
 from forked_ranks import run_training
 from multinode_helpers import finish, start_nodes
 
@@ -268,3 +269,10 @@ def test_a_sigkill_and_a_resume_keep_the_best(runs, tmp_path):
     best = read_status(killed / "logs", 0)["best"]
     expected = read_status(straight / "logs", 0)["best"]
     assert (best["step"], best["val_loss"]) == (expected["step"], expected["val_loss"])
+
+
+def test_every_status_field_the_runs_wrote_is_declared_and_read_back_as_written(runs):
+    root, _ = runs
+    assert {"best", "new_best", "val_loss_base"} <= set(assert_the_monitor_reads_what_the_ranks_wrote(root / "learning"
+                                                                                                    / "logs"))
+    assert assert_the_monitor_reads_what_the_ranks_wrote(root / "still" / "logs")["early_stop"]["patience"] == 2

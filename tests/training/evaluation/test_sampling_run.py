@@ -12,7 +12,8 @@ from PIL import Image
 from clip_frames import clip_frames
 from diffsynth_mbc.data.cache.cli import main as cache_main
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, assert_trained_alike, read_history, read_status, run_main
+from e2e_helpers import (REPO, assert_the_monitor_reads_what_the_ranks_wrote, assert_trained_alike, read_history,
+                         read_status, run_main)
 from forked_ranks import start_training
 
 pytestmark = pytest.mark.slow
@@ -139,3 +140,9 @@ def test_while_rank_0_samples_no_rank_looks_stalled(runs):
     while_sampling = [entry for entry in seen if "sampling" in entry[1] or "samples" in entry[1]]
     assert len(while_sampling) > 10
     assert not [entry for entry in while_sampling if entry[2]], "a rank was called stalled while samples were made"
+
+
+def test_every_status_field_the_runs_wrote_is_declared_and_read_back_as_written(runs):
+    for name in ("with", "cached"):
+        written = assert_the_monitor_reads_what_the_ranks_wrote(runs[name] / "logs")
+        assert written["last_samples"]["files"] and written["samples_dir"].endswith("samples")

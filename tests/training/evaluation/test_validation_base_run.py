@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from diffsynth_mbc.data.demo import prepare
-from e2e_helpers import REPO, read_history, read_status
+from e2e_helpers import REPO, assert_the_monitor_reads_what_the_ranks_wrote, read_history, read_status
 from forked_ranks import run_training
 
 pytestmark = pytest.mark.slow
@@ -122,3 +122,9 @@ def test_a_validation_sample_that_does_not_decode_is_counted_and_named(base_run)
         assert state["val_substituted"] == 1
     row, = named
     assert (row["row"], row["val_sample"]) == (1, 0) and row["file"].endswith(".mp4") and row["reason"]
+
+
+def test_every_status_field_the_run_wrote_is_declared_and_read_back_as_written(base_run):
+    written = assert_the_monitor_reads_what_the_ranks_wrote(base_run[0])
+    assert {"val_loss", "val_loss_ema_by_mode", "val_loss_base_by_quantile", "val_substituted_rows", "best",
+            "catalogue_progress", "recipe"} <= set(written)

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.checkpoints.fingerprint import fingerprint_differences, run_fingerprint
-from diffsynth_mbc.training.lora.ema import STATE_FILE, LoraEma, decay_at, ema_file_name, weights_for
+from diffsynth_mbc.run_layout import EMA_STATE, ema_twin_name
+from diffsynth_mbc.training.lora.ema import LoraEma, decay_at, weights_for
 from diffsynth_mbc.training.options import resolve_options
 from e2e_helpers import REPO
 
@@ -58,8 +59,8 @@ def test_decay_with_and_without_warm_up():
 
 
 def test_file_names_and_which_weights_are_evaluated():
-    assert ema_file_name("lora.safetensors") == "lora_ema.safetensors"
-    assert ema_file_name("step-12.safetensors") == "step-12_ema.safetensors"
+    assert ema_twin_name("lora.safetensors") == "lora_ema.safetensors"
+    assert ema_twin_name("step-12.safetensors") == "step-12_ema.safetensors"
     assert weights_for("raw", 5) == ["raw"] and weights_for("ema", 0) == ["ema"]
     assert weights_for("both", 3) == ["raw", "ema"]
     assert weights_for("both", 0) == ["raw"]   # before the first update the EMA is the initial LoRA
@@ -121,7 +122,7 @@ def test_the_checkpoint_state_comes_back_bit_for_bit_and_a_mismatch_is_refused(t
             self.lora_A = torch.nn.Parameter(torch.zeros(4, 3))
             self.lora_B = torch.nn.Parameter(torch.zeros(3, 4))
 
-    with pytest.raises(OptionsError, match=f"{STATE_FILE}: the EMA does not match this run's LoRA"):
+    with pytest.raises(OptionsError, match=f"{EMA_STATE}: the EMA does not match this run's LoRA"):
         LoraEma(Other(), decay=0.99).load_state(tmp_path)
 
 
@@ -184,5 +185,5 @@ def test_an_ema_run_trains_the_raw_lora_bit_for_bit_and_writes_the_average_besid
     state = json.loads((tmp_path / "ema" / "logs" / "training_gpu0.json").read_text())
     assert state["val_loss_ema"] == validation("ema")[-1]["val_loss_ema"]
     checkpoint = sorted((ema / "checkpoints").glob("step-*"))[-1]
-    assert (checkpoint / STATE_FILE).is_file() and not (sorted((plain / "checkpoints").glob("step-*"))[-1]
-                                                         / STATE_FILE).exists()
+    assert (checkpoint / EMA_STATE).is_file() and not (sorted((plain / "checkpoints").glob("step-*"))[-1]
+                                                         / EMA_STATE).exists()

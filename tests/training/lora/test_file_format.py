@@ -237,7 +237,7 @@ def test_no_torch_notice_above_the_exports_line(tmp_path, trained):
 
 
 def test_epoch_file_names_count_from_1_as_the_terminal_does_and_list_in_order():
-    from diffsynth_mbc.training.lora.saved_files import epoch_file_name
+    from diffsynth_mbc.run_layout import epoch_file_name
 
     names = [epoch_file_name(epoch, 12) for epoch in range(12)]
     assert names[0] == "epoch-001.safetensors" and names[9] == "epoch-010.safetensors"

@@ -212,3 +212,60 @@ def test_a_rank_waiting_in_a_collective_keeps_its_file_fresh_and_says_for_what(t
         pass                                             # a wait of the usual length writes nothing
     assert read(path)["waiting"] is None
     writer.close()
+
+
+def test_a_field_the_schema_does_not_declare_is_refused_naming_it(tmp_path):
+    """#61 item 5: a status field is one the schema declares, with its type, for that kind of file; anything else is
+    a programming error raised at once, and the state and the file stay as they were."""
+    clock = FakeClock()
+    writer = RankStatusWriter(tmp_path, "run", 0, 0, 1, min_interval_s=0, monotonic=clock, wall_clock=clock)
+    writer.update(step=3, loss=0.5, val_loss=0.25)                   # declared, of their types
+    before = read(run_files.status_path(tmp_path, 0))
+    for fields, named in (({"step": 4, "val_los": 0.2}, "'val_los' is not declared"),
+                          ({"loss": "0.4"}, "'loss' is a number, not str"),
+                          ({"step": 4.0}, "'step' is a whole number, not float"),
+                          ({"new_best": 1}, "'new_best' is true or false, not int"),
+                          ({"best": [4, 0.2]}, "'best' is an object, not list"),
+                          ({"rows_done": 12}, "'rows_done' is not one of a training rank's")):
+        with pytest.raises(run_files.StatusFieldError, match=named):
+            writer.update(**fields)
+        with pytest.raises(run_files.StatusFieldError, match=named):
+            writer.set_status("training", **fields)
+    assert writer.state["step"] == 3 and "val_los" not in writer.state and writer.state["status"] == "starting"
+    clock.now += 1
+    writer.flush()
+    assert {k: v for k, v in read(run_files.status_path(tmp_path, 0)).items() if k != "updated_at"} == \
+        {k: v for k, v in before.items() if k != "updated_at"} | {"elapsed_s": 1.0}
+    writer.close()
+
+
+def test_a_cache_ranks_writer_takes_the_cache_fields_and_refuses_the_trainings(tmp_path):
+    writer = RankStatusWriter(tmp_path, "run", 0, 0, 1, kind=run_files.CACHE)
+    writer.update(rows_done=3, rows_total=9, step=3, total_steps=9, progress=33.3)
+    with pytest.raises(run_files.StatusFieldError, match="'loss' is not one of a cache rank's"):
+        writer.update(loss=0.5)
+    writer.flush()
+    state = read(run_files.status_path(tmp_path, 0))
+    assert state["rows_done"] == 3 and "loss" not in state and "best" not in state   # a cache rank's fields only
+    assert set(run_files.fields_in_every_file(run_files.CACHE)) <= set(state)
+    writer.close()
+
+
+def test_every_field_a_status_update_names_in_the_package_is_declared():
+    """Every keyword of a ``status.update(...)`` / ``set_status(...)`` call in the package's code is a declared field
+    of the files that writer writes (the fields built in dicts are checked when written, in every run's test)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(run_files.__file__).parent
+    named = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("update", "set_status") and \
+                    ast.unparse(node.func.value).endswith(("status", "writer")):
+                for keyword in node.keywords:
+                    if keyword.arg:
+                        named.setdefault(keyword.arg, set()).add(f"{path.relative_to(package)}:{node.lineno}")
+    assert len(named) > 50   # the calls are found
+    assert {name: sorted(where) for name, where in named.items() if name not in run_files.STATUS_SCHEMA} == {}
