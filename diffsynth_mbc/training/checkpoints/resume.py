@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST, DAMAGED_PREFIX
+from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST, DAMAGED_PREFIX, FINAL_LORA
 from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fingerprint_differences, run_fingerprint
 from diffsynth_mbc.training.checkpoints.folder import read_manifest, resolve_resume, set_aside_unreadable
 from diffsynth_mbc.training.checkpoints.row_sizes import changes_since, media_now, resume_refusal, rows_of
@@ -111,7 +111,7 @@ def nothing_to_train(options, folder: Path | None) -> str | None:
     manifest = read_manifest(folder) if folder is not None else None
     if manifest is None:
         return None
-    step, lora = manifest["step"], Path(options.output_path) / "lora.safetensors"
+    step, lora = manifest["step"], Path(options.output_path) / FINAL_LORA
     written = file_metadata_of(lora)
     if written.get("step") != str(step) or written.get("run_id") != manifest.get("run_id"):
         return None

@@ -18,6 +18,8 @@ import dataclasses
 from diffsynth_mbc.data.media.stages import parse_stages
 from diffsynth_mbc.gpu import PRECISIONS
 from diffsynth_mbc.models.model_files import MODELSCOPE_ID
+from diffsynth_mbc.run_layout import (BEST_LORA, LORA_SUFFIX, OLD_HISTORY_SUFFIX, STATUS_FILE, ema_twin_name,
+                                      replaced_folder_name)
 from diffsynth_mbc.sample_prompts import parse_strengths
 from diffsynth_mbc.training.lora.ema import WEIGHTS
 from diffsynth_mbc.training.options.declaration import (CAPTIONS, CHECKPOINTS, DATA, EMA, LORA, MODEL, OBJECTIVE,
@@ -173,7 +175,7 @@ class TrainOptions:
                                     at_least=0.0, at_most=1.0, recipe="i2v_probability")
     # output and logging
     output_path: str = option(OUTPUT, "./runs/lora", "where the LoRA safetensors go", path=True)
-    log_dir: str | None = option(OUTPUT, None, "per-rank training_gpu{rank}.json/.jsonl", path=True,
+    log_dir: str | None = option(OUTPUT, None, f"per-rank {STATUS_FILE}/.jsonl", path=True,
                                  unset="OUTPUT_PATH/training_logs, so two runs never share one; a preset's follows "
                                        "an --output_path given without it")
     run_id: str | None = option(OUTPUT, None, "names this run in the logs", unset="time-based")
@@ -187,7 +189,7 @@ class TrainOptions:
                             "every optimizer step, from rank 0", choices=("none", "tensorboard", "wandb"))
     print_every_s: float = option(OUTPUT, 30.0, "without a terminal, rank 0 prints a progress line this often and at "
                                   "every epoch end", parse=float, above=0.0)
-    keep_old_histories: int = option(OUTPUT, 3, "a new run sets the previous history aside as *.jsonl.old; keep the "
+    keep_old_histories: int = option(OUTPUT, 3, f"a new run sets the previous history aside as *{OLD_HISTORY_SUFFIX}; keep the "
                                      "newest N of them", parse=int, at_least=0)
     # checkpoints, resume and stopping
     checkpoint_steps: int | None = option(CHECKPOINTS, None, "full training state every N optimizer steps", parse=int,
@@ -203,7 +205,7 @@ class TrainOptions:
                                 "data position", unset="none, a new run")
     force_resume: bool = option(CHECKPOINTS, False, "resume even if the configuration differs", parse=parse_bool)
     start_over: bool = option(CHECKPOINTS, False, "a new run in a checkpoint folder holding another run's checkpoints: "
-                              "move them into CHECKPOINT_DIR/replaced-RUN_ID/ and start (false: refused, naming them)",
+                              f"move them into CHECKPOINT_DIR/{replaced_folder_name('RUN_ID')}/ and start (false: refused, naming them)",
                               parse=parse_bool)
     stop_grace_s: float = option(CHECKPOINTS, 300.0, "after Ctrl-C/SIGTERM, how long ranks may take to finish the step "
                                  "and save", parse=float, above=0.0)
@@ -225,7 +227,7 @@ class TrainOptions:
         f"{HEALTH_STEPS['dora']}: a DoRA record costs 15 times a LoRA's")
     early_stop: int | None = option(VALIDATION, None, "stop (a checkpoint, status finished, exit 0) after N "
                                     "validations in a row without an improvement of --early_stop_min_delta, or off. "
-                                    "The best LoRA is kept either way (lora-best.safetensors)",
+                                    f"The best LoRA is kept either way ({BEST_LORA})",
                                     parse=validations_or_off, unset="off, the run trains its planned total")
     early_stop_min_delta: float = option(VALIDATION, 0.001, "what counts as an improvement for --early_stop: at least "
                                          "this share (0.01: 1%) below the loss the count was last reset at",
@@ -254,7 +256,7 @@ class TrainOptions:
                                  "built with the same", fingerprint=True, recipe="captions.suffix")
     # EMA of the LoRA weights (training/lora/ema.py)
     ema_decay: float | None = option(EMA, None, "keep an fp32 exponential moving average of the LoRA with this decay "
-                                     "(e.g. 0.999), written as <name>_ema.safetensors beside every LoRA file and kept "
+                                     f"(e.g. 0.999), written as {ema_twin_name('<name>' + LORA_SUFFIX)} beside every LoRA file and kept "
                                      "in checkpoints", parse=float, above=0.0, below=1.0, unset="none, no EMA",
                                      recipe="ema.decay")
     ema_warmup: bool = option(EMA, True, "true: update n uses min(decay, (1 + n) / (10 + n)), so the EMA follows the "

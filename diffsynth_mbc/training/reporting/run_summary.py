@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffsynth_mbc.run_layout import EPOCH_PREFIX, FINAL_LORA, LORA_FILE, STEP_PREFIX, ema_twin_name
+from diffsynth_mbc.run_layout import BEST_LORA, EPOCH_PREFIX, FINAL_LORA, LORA_FILE, STEP_PREFIX, ema_twin_name
 from diffsynth_mbc.training.checkpoints.owner import lora_file_owner
 from diffsynth_mbc.training.components.best_lora import standing_note
 from diffsynth_mbc.values import finite_number
@@ -34,7 +34,7 @@ def validation_event(state: dict, took: str = "") -> str:
     if finite_number(state["val_loss"]) is None:
         best = state.get("best")
         line += ", not finite: never the best LoRA (" + (
-            f"lora-best.safetensors stays step {best['step']}'s)" if best else "no lora-best.safetensors yet)")
+            f"{BEST_LORA} stays step {best['step']}'s)" if best else f"no {BEST_LORA} yet)")
     if state.get("val_loss_ema") is not None:
         line += f", EMA {state['val_loss_ema']:.4f}"
     line += standing_note(state)   # where the early stop's count stands

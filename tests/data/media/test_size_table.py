@@ -14,7 +14,8 @@ from PIL import Image
 
 from diffsynth_mbc.data.demo_data import write_image
 from diffsynth_mbc.data.media.row_buckets import row_sizes
-from diffsynth_mbc.data.media.size_table import TABLE_NAME, fingerprint_key, load_table, save_table
+from diffsynth_mbc.data.media.size_table import fingerprint_key, load_table, save_table
+from diffsynth_mbc.run_layout import SIZE_TABLE
 
 
 def bitmap(path, width, height, seed=0):
@@ -32,7 +33,7 @@ def sized(tmp_path):
     write_image(media / "wide.png", 80, 40, seed=1)
     write_image(media / "tall.png", 40, 80, seed=2)
     rows = [{"video": "wide.png", "media_type": "image"}, {"video": "tall.png", "media_type": "image"}]
-    table = str(out / TABLE_NAME)
+    table = str(out / SIZE_TABLE)
     assert row_sizes(rows, str(media), table_path=table) == [(80, 40), (40, 80)]
     return rows, media, table
 
@@ -81,7 +82,7 @@ def test_a_file_swapped_for_one_of_the_same_size_and_mtime_is_read_again(tmp_pat
     bitmap(media / "photo.bmp", 32, 24, seed=1)
     bitmap(tmp_path / "portrait.bmp", 24, 32, seed=2)
     rows = [{"video": "photo.bmp", "media_type": "image"}]
-    table = str(out / TABLE_NAME)
+    table = str(out / SIZE_TABLE)
     assert row_sizes(rows, str(media), table_path=table) == [(32, 24)]
     before = (media / "photo.bmp").stat()
     os.utime(tmp_path / "portrait.bmp", ns=(before.st_atime_ns, before.st_mtime_ns))   # touch -r photo portrait
@@ -98,7 +99,7 @@ def test_a_table_written_before_the_change_time_was_kept_is_read_with_its_entrie
     bitmap(tmp_path / "photo.bmp", 32, 24)
     info = (tmp_path / "photo.bmp").stat()
     old_key = f"{info.st_size}:{info.st_mtime_ns}:{tmp_path / 'photo.bmp'}"
-    table = tmp_path / TABLE_NAME
+    table = tmp_path / SIZE_TABLE
     table.write_text(json.dumps({"version": 1, "sizes": {old_key: [24, 32]}}))   # a wrong size: never used
     rows = [{"video": "photo.bmp", "media_type": "image"}]
     assert row_sizes(rows, str(tmp_path), table_path=str(table)) == [(32, 24)]
@@ -109,7 +110,7 @@ def test_a_table_written_before_the_change_time_was_kept_is_read_with_its_entrie
 
 
 def test_what_save_table_writes_is_read_back_whole(tmp_path):
-    table = str(tmp_path / TABLE_NAME)
+    table = str(tmp_path / SIZE_TABLE)
     sizes = {"1:2:3:/a:b.png": (80, 40), "4:5:6:/c.mp4": None}
     save_table(table, sizes)
     assert load_table(table) == sizes

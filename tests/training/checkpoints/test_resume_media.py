@@ -11,8 +11,7 @@ import pytest
 from diffsynth_mbc import convert
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.data.demo_data import write_video
-from diffsynth_mbc.data.media.size_table import TABLE_NAME
-from diffsynth_mbc.training.checkpoints.folder import checkpoint_name
+from diffsynth_mbc.run_layout import SIZE_TABLE, checkpoint_folder_name
 from e2e_helpers import demo_flags, run
 
 pytestmark = pytest.mark.slow
@@ -27,7 +26,7 @@ def the_run_as_it_is(run_dir) -> dict:
     """Every byte of the run's status files, histories, checkpoints and LoRA files: a refusal leaves them as they were
     (the size table aside: the sizes read to compare are kept there, as any command keeps them)."""
     return {str(path.relative_to(run_dir)): path.read_bytes() for path in sorted(run_dir.rglob("*"))
-            if path.is_file() and path.name != TABLE_NAME}
+            if path.is_file() and path.name != SIZE_TABLE}
 
 
 FLAGS = {"buckets": "aspect", "num_epochs": 4, "checkpoint_steps": 2, "keep_checkpoints": 100}
@@ -72,7 +71,7 @@ def test_a_resume_after_the_media_changed_is_refused_once_naming_every_row(tmp_p
     for name in ("image_003.jpg", "image_004.png"):
         (media / name).unlink()
     code, output = run(tmp_path, demo_flags(root, run_dir, resume=str(run_dir / "lora" / "checkpoints" /
-                                                                      checkpoint_name(2)), force_resume="true", **FLAGS))
+                                                                      checkpoint_folder_name(2)), force_resume="true", **FLAGS))
     assert code != 0
     assert output.count("error: 2 of 10 metadata rows' files are not found (row 9: media/image_003.jpg; row 10: "
                         "media/image_004.png): 6 of each epoch's 30 samples (20.0%), past --max_bad_media_fraction "
