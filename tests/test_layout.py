@@ -234,6 +234,33 @@ def test_light_modules_load_without_torch(module):
                           check=True).stdout.strip() == "False"
 
 
+MAX_FIELDS = 15   # a class holding more state than this does more than one job
+
+
+def state_fields(node: ast.ClassDef) -> set[str]:
+    """A class's fields: its annotated class attributes (a dataclass's) and every ``self.X`` it assigns."""
+    fields = {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)
+              and isinstance(item.target, ast.Name)}
+    for item in ast.walk(node):
+        targets = item.targets if isinstance(item, ast.Assign) else [item.target] \
+            if isinstance(item, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for each in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(each, ast.Attribute) and isinstance(each.value, ast.Name) and each.value.id == "self":
+                    fields.add(each.attr)
+    return fields
+
+
+def test_no_training_class_holds_more_than_15_fields():
+    """The training's parts, position and components each own a little state (options and the plan are declarations,
+    not state)."""
+    crowded = {f"{path.relative_to(PACKAGE)}:{node.name}": len(fields) for path in modules("training")
+               if "options" not in path.parts and "plan" not in path.parts
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+               and len(fields := state_fields(node)) > MAX_FIELDS}
+    assert crowded == {}
+
+
 def test_every_module_says_what_it_owns():
     assert [str(p.relative_to(PACKAGE)) for p in modules() if not ast.get_docstring(ast.parse(p.read_text()))] == []
 

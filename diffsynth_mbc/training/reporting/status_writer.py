@@ -58,6 +58,9 @@ class WriteGuard:
     def due(self) -> bool:
         return self._retry_at is None or self._monotonic() >= self._retry_at
 
+    def warn(self, message: str) -> None:
+        print(f"warning: {message}", file=self._stream or sys.stderr, flush=True)
+
     def run(self, write: Callable[[], None]) -> bool:
         """Call ``write``; True if it succeeded. OSError is absorbed (counted, reported, retried later)."""
         try:
@@ -81,9 +84,109 @@ class WriteGuard:
         return True
 
 
-class RankStatusWriter:
-    MAX_PENDING_HISTORY = 100_000   # history lines kept in memory while the log folder cannot be written
+class RankHistory:
+    """A rank's ``training_gpu{rank}.jsonl``: one appended line per record, in order; while the folder cannot be
+    written, lines wait in memory (bounded). A new run sets the previous history aside (``keep`` of them stay)."""
 
+    MAX_PENDING = 100_000   # history lines kept in memory while the log folder cannot be written
+
+    def __init__(self, log_dir: Path, rank: int, guard: WriteGuard, keep: int, continue_history: bool):
+        self.path = run_layout.history_path(log_dir, rank)
+        self.rank, self.guard, self.keep = rank, guard, keep
+        self.pending: collections.deque[str] = collections.deque()
+        self.lines_lost = 0
+        # called with every record as it is appended (training/components/lora_health.py reads the steps)
+        self.listeners: list[Callable[[dict], None]] = []
+        self.appender = HistoryAppender(self.path)
+        if not continue_history:
+            self.guard.run(self.set_aside_previous)
+
+    def append(self, record: dict) -> None:
+        for listener in self.listeners:
+            listener(record)
+        if len(self.pending) >= self.MAX_PENDING:
+            self.pending.popleft()
+            self.lines_lost += 1
+        self.pending.append(json.dumps(record, ensure_ascii=False) + "\n")
+        if self.guard.due():
+            self.guard.run(self.write_pending)
+
+    def write_pending(self) -> None:
+        self.appender.write_lines(self.pending)
+        if self.appender.replaced:
+            self.guard.warn(f"rank {self.rank}'s history {self.appender.replaced}")
+            self.appender.replaced = None
+
+    def set_aside_previous(self) -> None:
+        """A new run starts a new history; the previous one is kept beside it, never overwritten."""
+        if self.path.exists() and self.path.stat().st_size > 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.path.stat().st_mtime))
+            target = self.path.with_name(run_layout.old_history_name(self.rank, stamp))
+            suffix = 1
+            while target.exists():
+                target = self.path.with_name(run_layout.old_history_name(self.rank, f"{stamp}-{suffix}"))
+                suffix += 1
+            os.replace(self.path, target)
+        self.prune_old()
+
+    def prune_old(self) -> None:
+        """Only the newest ``keep`` set-aside histories of this rank stay (they once piled up)."""
+        old = sorted(self.path.parent.glob(run_layout.old_histories_glob(self.rank)),
+                     key=lambda path: path.stat().st_mtime_ns)
+        for path in old[:max(0, len(old) - self.keep)]:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.pending:
+            self.guard.run(self.write_pending)
+        self.appender.close()
+
+
+class Waits:
+    """What a rank waits for in a collective, and the heartbeat that says it: while a wait lasts longer than the
+    write interval, ``beat`` (every ``period``) rewrites the status file with ``{"for": ..., "since": ...}``."""
+
+    def __init__(self, writer: "RankStatusWriter"):
+        self.writer = writer
+        self.open: dict[int, tuple[str, float, float]] = {}   # token -> (what, since wall, since monotonic)
+        self.tokens = 0
+        self.heartbeat: threading.Thread | None = None
+        self.closed = threading.Event()
+
+    def begin(self, what: str) -> int:
+        writer = self.writer
+        with writer.lock:
+            self.tokens += 1
+            self.open[self.tokens] = (what, writer.wall_clock(), writer.monotonic())
+            if self.heartbeat is None:
+                self.heartbeat = threading.Thread(target=self.beat, name="status-heartbeat", daemon=True)
+                self.heartbeat.start()
+            return self.tokens
+
+    def end(self, token: int) -> None:
+        writer = self.writer
+        with writer.lock:
+            self.open.pop(token, None)
+            if not self.open and writer.state.get("waiting") is not None:
+                writer.state["waiting"] = None
+                writer.write()   # the file said it waited: say at once that it no longer does
+
+    def beat(self) -> None:
+        writer = self.writer
+        period = max(0.1, min(1.0, writer.min_interval_s / 2))
+        while not self.closed.wait(period):
+            with writer.lock:
+                if not self.open:
+                    continue
+                what, since, started = min(self.open.values(), key=lambda wait: wait[2])
+                if writer.monotonic() - started < writer.min_interval_s:
+                    continue   # a wait of the usual length: nothing worth a write
+                writer.state["waiting"] = {"for": what, "since": since}
+                if writer.write_due():
+                    writer.write()
+
+
+class RankStatusWriter:
     def __init__(self, log_dir: str | os.PathLike, run_id: str, rank: int, local_rank: int, world_size: int,
                  min_interval_s: float = 5.0, wall_clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic, continue_history: bool = False,
@@ -93,34 +196,19 @@ class RankStatusWriter:
         self.kind = kind
         self._status_guard = WriteGuard(f"rank {rank}'s status file in {self.log_dir}", monotonic, report_every_s,
                                         stream)
-        self._history_guard = WriteGuard(f"rank {rank}'s history file in {self.log_dir}", monotonic, report_every_s,
-                                         stream)
-        self._pending_history: collections.deque[str] = collections.deque()
-        self.history_lines_lost = 0
-        # called with every history record as it is appended (training/components/lora_health.py reads the steps)
-        self.history_listeners: list[Callable[[dict], None]] = []
         self._status_guard.run(lambda: self.log_dir.mkdir(parents=True, exist_ok=True))
-        self._stream = stream
+        self.history = RankHistory(self.log_dir, rank, WriteGuard(f"rank {rank}'s history file in {self.log_dir}",
+                                                                  monotonic, report_every_s, stream),
+                                   keep_old_histories, continue_history)
         self._folder = LogFolderWatch(self.log_dir)
-        self._rank = rank
-        self.status_file = run_layout.status_path(self.log_dir, rank)
-        self.history_file = run_layout.history_path(self.log_dir, rank)
         self.min_interval_s = min_interval_s
-        self._wall_clock = wall_clock
-        self._monotonic = monotonic
+        self.wall_clock, self.monotonic = wall_clock, monotonic
         self._last_write = None
         self._started_monotonic = monotonic()
         self.elapsed_before_s = 0.0     # a resumed run's training time before its checkpoint
-        self._history = HistoryAppender(self.history_file)
-        self.keep_old_histories = keep_old_histories
         self.gpu_reader: Callable[[], dict | None] | None = None
-        self._lock = threading.RLock()       # the main thread, the heartbeat and the stop-signal thread write
-        self._waits: dict[int, tuple[str, float, float]] = {}   # token -> (what, since wall, since monotonic)
-        self._wait_tokens = 0
-        self._heartbeat: threading.Thread | None = None
-        self._closed = threading.Event()
-        if not continue_history:
-            self._history_guard.run(self._set_aside_previous_history)
+        self.lock = threading.RLock()       # the main thread, the heartbeat and the stop-signal thread write
+        self.waits = Waits(self)
         self.state = {field: None for field in run_files.fields_in_every_file(kind)}
         self.state.update(
             schema_version=run_files.SCHEMA_VERSION, run_id=run_id, rank=rank, local_rank=local_rank,
@@ -128,23 +216,35 @@ class RankStatusWriter:
             status=run_files.STATUS_STARTING, phase="starting", step=0, samples_seen=0, progress=0.0,
             started_at=wall_clock(), elapsed_s=0.0,
         )
-        self._write()
+        self.write()
+
+    @property
+    def status_file(self) -> Path:
+        return run_layout.status_path(self.log_dir, self.state["rank"])
+
+    @property
+    def history_file(self) -> Path:
+        return self.history.path
+
+    @property
+    def history_listeners(self) -> list[Callable[[dict], None]]:
+        return self.history.listeners
 
     # -- the current state ------------------------------------------------------------------
     def update(self, **fields) -> None:
         """Merge fields; write now if the status changed or enough time passed since the last write. A field the
         schema does not declare for this kind of file, or a value of another type, raises ``StatusFieldError``."""
         run_files.check_status_fields(fields, self.kind)
-        with self._lock:
+        with self.lock:
             status_changed = "status" in fields and fields["status"] != self.state["status"]
             phase_changed = "phase" in fields and fields["phase"] != self.state["phase"]
             self.state.update(fields)
             if status_changed or phase_changed or self.write_due():
-                self._write()
+                self.write()
 
     def write_due(self) -> bool:
         """Whether the next update() rewrites the file even without a status change (the throttle)."""
-        return self._last_write is None or self._monotonic() - self._last_write >= self.min_interval_s
+        return self._last_write is None or self.monotonic() - self._last_write >= self.min_interval_s
 
     def set_status(self, status: str, phase: str | None = None, **fields) -> None:
         if status not in run_files.STATUSES:
@@ -155,8 +255,8 @@ class RankStatusWriter:
         self.set_status(run_files.STATUS_FAILED, phase=f"failed: {type(exc).__name__}", error=error_record(exc))
 
     def flush(self) -> None:
-        with self._lock:
-            self._write()
+        with self.lock:
+            self.write()
 
     # -- waiting for the other ranks --------------------------------------------------------
     @contextlib.contextmanager
@@ -170,43 +270,19 @@ class RankStatusWriter:
 
     def begin_wait(self, what: str) -> int:
         """A wait that may end on another thread (a collective's completion callback); returns its token."""
-        with self._lock:
-            self._wait_tokens += 1
-            self._waits[self._wait_tokens] = (what, self._wall_clock(), self._monotonic())
-            if self._heartbeat is None:
-                self._heartbeat = threading.Thread(target=self._beat, name="status-heartbeat", daemon=True)
-                self._heartbeat.start()
-            return self._wait_tokens
+        return self.waits.begin(what)
 
     def end_wait(self, token: int) -> None:
-        with self._lock:
-            self._waits.pop(token, None)
-            if not self._waits and self.state.get("waiting") is not None:
-                self.state["waiting"] = None
-                self._write()   # the file said it waited: say at once that it no longer does
-
-    def _beat(self) -> None:
-        """While a wait lasts longer than the write interval, rewrite the file with what the rank waits for."""
-        period = max(0.1, min(1.0, self.min_interval_s / 2))
-        while not self._closed.wait(period):
-            with self._lock:
-                if not self._waits:
-                    continue
-                what, since, started = min(self._waits.values(), key=lambda wait: wait[2])
-                if self._monotonic() - started < self.min_interval_s:
-                    continue   # a wait of the usual length: nothing worth a write
-                self.state["waiting"] = {"for": what, "since": since}
-                if self.write_due():
-                    self._write()
+        self.waits.end(token)
 
     @property
     def write_failures(self) -> int:
-        return self._status_guard.failures + self._history_guard.failures
+        return self._status_guard.failures + self.history.guard.failures
 
-    def _write(self) -> None:
-        self.state["updated_at"] = self._wall_clock()
-        self.state["elapsed_s"] = round(self.elapsed_before_s + self._monotonic() - self._started_monotonic, 3)
-        self._last_write = self._monotonic()
+    def write(self) -> None:
+        self.state["updated_at"] = self.wall_clock()
+        self.state["elapsed_s"] = round(self.elapsed_before_s + self.monotonic() - self._started_monotonic, 3)
+        self._last_write = self.monotonic()
         if self.write_failures:
             self.state["write_failures"] = self.write_failures
         is_final = self.state["status"] in run_files.TERMINAL_STATUSES
@@ -220,12 +296,9 @@ class RankStatusWriter:
         """The log folder was deleted (and recreated by the write above) or replaced: the history goes on in the
         new one, the run's lock is taken there again, and the rank says so."""
         lock = self._folder.retake_lock()
-        self._history_guard.run(self._write_pending_history)   # reopens the history there at once
-        self._warn(f"the log folder {self.log_dir} was deleted or replaced during the run; rank {self.state['rank']} "
+        self.history.guard.run(self.history.write_pending)   # reopens the history there at once
+        self._status_guard.warn(f"the log folder {self.log_dir} was deleted or replaced during the run; rank {self.state['rank']} "
                    f"writes its status and history in the new one; {lock}")
-
-    def _warn(self, message: str) -> None:
-        print(f"warning: {message}", file=self._stream or sys.stderr, flush=True)
 
     def _read_gpu(self) -> None:
         """Fresh GPU fields for the write about to happen. Not from the stop-signal thread, which may write while
@@ -235,44 +308,10 @@ class RankStatusWriter:
 
     # -- the per-step history ---------------------------------------------------------------
     def append_history(self, record: dict) -> None:
-        """One line per record, in order. While the folder cannot be written, lines wait in memory (bounded)."""
-        for listener in self.history_listeners:
-            listener(record)
-        if len(self._pending_history) >= self.MAX_PENDING_HISTORY:
-            self._pending_history.popleft()
-            self.history_lines_lost += 1
-        self._pending_history.append(json.dumps(record, ensure_ascii=False) + "\n")
-        if self._history_guard.due():
-            self._history_guard.run(self._write_pending_history)
-
-    def _write_pending_history(self) -> None:
-        self._history.write_lines(self._pending_history)
-        if self._history.replaced:
-            self._warn(f"rank {self.state['rank']}'s history {self._history.replaced}")
-            self._history.replaced = None
-
-    def _set_aside_previous_history(self) -> None:
-        """A new run starts a new history; the previous one is kept beside it, never overwritten."""
-        if self.history_file.exists() and self.history_file.stat().st_size > 0:
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.history_file.stat().st_mtime))
-            target = self.history_file.with_name(run_layout.old_history_name(self._rank, stamp))
-            suffix = 1
-            while target.exists():
-                target = self.history_file.with_name(run_layout.old_history_name(self._rank, f"{stamp}-{suffix}"))
-                suffix += 1
-            os.replace(self.history_file, target)
-        self._prune_old_histories()
-
-    def _prune_old_histories(self) -> None:
-        """Only the newest ``keep_old_histories`` set-aside histories of this rank stay (they once piled up)."""
-        old = sorted(self.history_file.parent.glob(run_layout.old_histories_glob(self._rank)),
-                     key=lambda path: path.stat().st_mtime_ns)
-        for path in old[:max(0, len(old) - self.keep_old_histories)]:
-            path.unlink(missing_ok=True)
+        """One line per record, in order (``RankHistory``)."""
+        self.history.append(record)
 
     def close(self) -> None:
-        self._closed.set()
-        if self._pending_history:
-            self._history_guard.run(self._write_pending_history)
-        self._history.close()
+        self.waits.closed.set()
+        self.history.close()
         self._folder.close()

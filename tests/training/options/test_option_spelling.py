@@ -38,6 +38,12 @@ def calls_of(function: str) -> list[str]:
                                                            getattr(node.func, "attr", None))]
 
 
+def test_the_early_stop_lives_in_its_component_its_declaration_its_status_fields_and_what_shows_them():
+    assert modules_spelling("early_stop") <= {"training/options/run_options.py", "training/options/checks.py",
+                                              "training/components/best_lora.py", "run_files.py", "monitor/view.py",
+                                              "monitor/status.py"}
+
+
 def test_an_option_is_spelled_where_it_is_declared_and_where_it_is_read():
     assert modules_spelling("early_stop_min_delta") == {"training/options/run_options.py",
                                                         "training/components/best_lora.py"}
