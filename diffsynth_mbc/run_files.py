@@ -174,7 +174,7 @@ STATUS_SCHEMA: dict[str, Field] = {field.name: field for field in every_file(
     # under --resolution_stages its stage: the stage that trained it
     Field("best", Obj((Field("step", int, required=True), Field("val_loss", float, required=True),
                        Field("val_loss_base", float), Field("gain", float), Field("file", str, limit=500),
-                       Field("stage", STAGE_NOW)))),
+                       Field("stage", STAGE_NOW, optional=True)))),
     Field("new_best", bool),                     # the last validation was the best
     Field("early_stop", Obj((Field("step", int, required=True), Field("best_step", int),
                              Field("validations_without_improvement", int), Field("since_step", int),
