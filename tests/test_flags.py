@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from catalog_helpers import clip, write_metadata
 from diffsynth_mbc import install
 from diffsynth_mbc.data import convert, demo
 from diffsynth_mbc.data.cache import cli as cache_cli
@@ -165,8 +166,7 @@ def test_the_plan_counts_gpus_as_the_launchers_and_the_doctor_do(tmp_path, capsy
     assert exit_.value.code == 2 and "unknown flag --gpu: did you mean --gpus?" in capsys.readouterr().err
     help_text = plan.build_parser().format_help()
     assert "--gpus" in help_text and "--nodes" in help_text and "--world_size" not in help_text
-    metadata = tmp_path / "metadata.csv"
-    metadata.write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 9)
+    metadata = write_metadata(tmp_path / "metadata.csv", [clip("v.mp4")] * 9)
     flags = ["--config", demo_preset, "--dataset_metadata_path", str(metadata), "--output_path", str(tmp_path / "o")]
     printed = []
     for counts in (["--gpus", "2", "--nodes", "2"], ["--world_size", "4", "--nodes", "2"]):   # the old name still works

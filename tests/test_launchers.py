@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from catalog_helpers import clip, write_metadata
 from diffsynth_mbc import run_layout
 from diffsynth_mbc.lifecycle.stop_command import lock_holders
 from diffsynth_mbc.training.options import build_parser
@@ -200,7 +201,7 @@ def test_the_demo_says_what_it_trains_on_and_writes_only_its_own_catalogue(tmp_p
     assert line.startswith("error: --demo with --dataset_base_path but no --dataset_metadata_path: "), line
     assert "runs/demo" in line and "would run" not in alone.stdout
     (tmp_path / "mine" / "catalog").mkdir(parents=True)
-    (tmp_path / "mine" / "metadata.csv").write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 4)
+    write_metadata(tmp_path / "mine" / "metadata.csv", [clip("v.mp4")] * 4)
     (tmp_path / "mine" / "catalog" / "v.mp4").write_bytes(b"")   # there (a run whose files are all missing is refused)
     given = launcher(tmp_path, "--demo", "--dry-run", "--dataset_base_path", "mine/catalog",
                      "--dataset-metadata-path=mine/metadata.csv")
@@ -223,7 +224,7 @@ def test_the_reads_list_names_every_catalogue_of_a_datasets_list(tmp_path):
     media = a_preset_s_files(tmp_path)
     for name in ("news", "drama"):
         (tmp_path / "data" / name / "media").mkdir(parents=True)
-        (tmp_path / "data" / name / "metadata.csv").write_text("video,prompt,media_type\na.mp4,a clip,video\n")
+        write_metadata(tmp_path / "data" / name / "metadata.csv", [clip("a.mp4")])
         (tmp_path / "data" / name / "media" / "a.mp4").write_bytes(b"")   # there: missing, the run is refused
     (tmp_path / "datasets.yaml").write_text(
         "- {base_path: data/news/media, metadata_path: data/news/metadata.csv}\n"

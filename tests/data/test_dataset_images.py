@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
+from catalog_helpers import DIFFSYNTH, image, write_metadata
 from diffsynth_mbc.data.dataset import MBCVideoDataset
 
 
 def load(tmp_path, name):
-    metadata = tmp_path / "metadata.csv"
-    metadata.write_text(f"video,prompt\n{name},x\n")
+    metadata = write_metadata(tmp_path / "metadata.csv", [image(name, caption="x")], DIFFSYNTH)
     dataset = MBCVideoDataset(str(tmp_path), str(metadata), num_frames=17, height=64, width=64)
     frames = dataset[0]["video"]
     assert len(frames) == 1 and frames[0].mode == "RGB" and frames[0].size == (64, 64)
@@ -33,8 +33,7 @@ def test_8_bit_images_load_exactly_as_diffsynth_loads_them(tmp_path):
     Image.fromarray(rng.integers(0, 256, (40, 70, 3), dtype=np.uint8)).save(tmp_path / "rgb.png")
     Image.fromarray(rng.integers(0, 256, (40, 70, 4), dtype=np.uint8), mode="RGBA").save(tmp_path / "rgba.png")
     for name in ("rgb.png", "rgba.png"):
-        metadata = tmp_path / "metadata.csv"
-        metadata.write_text(f"video,prompt\n{name},x\n")
+        metadata = write_metadata(tmp_path / "metadata.csv", [image(name, caption="x")], DIFFSYNTH)
         dataset = MBCVideoDataset(str(tmp_path), str(metadata), num_frames=17, height=64, width=64)
         reference = super(MBCVideoDataset, dataset).load_image(str(tmp_path / name))
         assert np.array_equal(np.asarray(dataset.load_image(str(tmp_path / name))[0]), np.asarray(reference[0]))

@@ -5,6 +5,7 @@ import csv
 import pytest
 import yaml
 
+from catalog_helpers import clip, write_metadata
 from diffsynth_mbc.data.dataset_list import (Catalogue, DatasetCount, dataset_counts, metadata_counts, parse_datasets,
                                              row_repeats, write_combined)
 from diffsynth_mbc.data.demo import prepare
@@ -68,7 +69,7 @@ def test_bad_items_are_refused_naming_the_item_and_key(bad, message):
 def test_a_missing_metadata_file_or_an_empty_filter_names_the_catalogue(two, tmp_path):
     with pytest.raises(OptionsError, match=r"datasets\[1\] \(drama\): metadata_path .*nothing.csv not found"):
         write_combined(parse_datasets(items(two, metadata_path=str(two / "nothing.csv"))), tmp_path)
-    (tmp_path / "videos.csv").write_text("video,prompt,media_type\nmedia/video_000.mp4,a clip,video\n")
+    write_metadata(tmp_path / "videos.csv", [clip("media/video_000.mp4")])
     only_videos = items(two, media="image", metadata_path=str(tmp_path / "videos.csv"))
     with pytest.raises(OptionsError, match=r"datasets\[1\] \(drama\): .* keeps no rows with media: image"):
         write_combined(parse_datasets(only_videos), tmp_path)

@@ -12,6 +12,7 @@ import sys
 import pytest
 import yaml
 
+from catalog_helpers import write_media_metadata
 from diffsynth_mbc.doctor import advice, checks
 from diffsynth_mbc.doctor.checks import GIB
 from diffsynth_mbc.gpu import KNOWN_GPUS, known_gpu
@@ -54,8 +55,7 @@ def test_every_block_recomputed_on_v100s_gets_auto_as_the_faster_fix():
 @pytest.mark.slow
 def test_the_doctor_table_advises_auto_and_no_offloading_when_auto_fits(tmp_path):
     """It listed `fits with --use_gradient_checkpointing_offload true` for a run that fits, and no word of auto."""
-    metadata = tmp_path / "metadata.csv"
-    metadata.write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 80 + "i.png,an image,image\n" * 90)
+    metadata = write_media_metadata(tmp_path / "metadata.csv", 80, 90)
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "250"}
     result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.doctor", "--config", FULL, "--assume", TEAM_GPU,
                              "--gpus", "2", "--cached", "--gradient_checkpointing", "all", "--dataset_metadata_path",

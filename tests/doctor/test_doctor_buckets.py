@@ -4,12 +4,12 @@ added up from each bucket's steps at its own seconds per step, ``--probe`` measu
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 
 import pytest
 
+from catalog_helpers import CONVERTED, WITH_SIZES, clip, image, write_media_catalogue, write_metadata
 from diffsynth_mbc.doctor.cli import main
 from diffsynth_mbc.gpu import known_gpu
 from diffsynth_mbc.training.plan import memory, speed
@@ -17,19 +17,10 @@ from e2e_helpers import REPO, forget_in_process_trainings
 
 FULL = str(REPO / "configs" / "train_full.yaml")
 GPU = "H100-80GB"
-# (file, media type, width, height): 6 landscape phone clips, 3 portrait ones, 4 square photos
-ROWS = ([(f"clips/wide_{i}.mp4", "video", 1920, 1080) for i in range(6)]
-        + [(f"clips/tall_{i}.mp4", "video", 720, 1280) for i in range(3)]
-        + [(f"photos/{i}.jpg", "image", 1024, 1024) for i in range(4)])
-
-
-def write_metadata(path, rows, sizes=True):
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["video", "prompt", "media_type", "width", "height"][:5 if sizes else 3])
-        writer.writerows([name, f"a {kind}", kind, width, height][:5 if sizes else 3]
-                         for name, kind, width, height in rows)
-    return path
+# 6 landscape phone clips, 3 portrait ones, 4 square photos (no files: the doctor reads the size columns)
+ROWS = ([clip(f"clips/wide_{i}.mp4", 1920, 1080) for i in range(6)]
+        + [clip(f"clips/tall_{i}.mp4", 720, 1280) for i in range(3)]
+        + [image(f"photos/{i}.jpg", 1024, 1024) for i in range(4)])
 
 
 def doctor(capsys, *flags) -> dict:
@@ -60,13 +51,13 @@ ALL_CONDITIONED = ("--objective", "diffsynth")
 def test_the_i2v_clip_outweighs_five_square_photos_that_keep_no_per_token_modulation(tmp_path, capsys):
     """Measured on the H100 box (benchmarks/results/2026-11-28-h100.json): an i2v clip 35.7 GiB, five 960x960
     photos 31.1 GiB: the photos' 100 more tokens weigh less than the clip's per-token time modulation."""
-    metadata = write_metadata(tmp_path / "metadata.csv", ROWS)
+    metadata = write_metadata(tmp_path / "metadata.csv", ROWS, WITH_SIZES)
     mem = doctor(capsys, *flags_for(metadata, tmp_path, "aspect"))["memory"]
     assert mem["batch"] == "video" and mem["bucket"] == "1280x704" and mem["plan"]["conditioned"]
 
 
 def test_memory_is_sized_for_the_largest_bucket_in_use_and_the_length_adds_up_the_buckets(tmp_path, capsys):
-    metadata = write_metadata(tmp_path / "metadata.csv", ROWS)
+    metadata = write_metadata(tmp_path / "metadata.csv", ROWS, WITH_SIZES)
     report = doctor(capsys, *flags_for(metadata, tmp_path, "aspect"), *ALL_CONDITIONED)
     mem = report["memory"]
     # the photos' 960x960 bucket has 30 x 30 cells, the clips' 1280x704 40 x 22: five photos to a batch (a clip's
@@ -99,7 +90,7 @@ def test_memory_is_sized_for_the_largest_bucket_in_use_and_the_length_adds_up_th
 def test_rows_of_unknown_size_are_sized_where_the_training_puts_them(tmp_path, capsys):
     """No width/height columns and no files to read a header from: the training puts every row at --height x
     --width (it fails to decode later), so that is the one bucket in use."""
-    metadata = write_metadata(tmp_path / "metadata.csv", ROWS, sizes=False)
+    metadata = write_metadata(tmp_path / "metadata.csv", ROWS, CONVERTED)
     report = doctor(capsys, *flags_for(metadata, tmp_path, "aspect"))
     assert report["memory"]["plan"]["tokens"] == 4400 and report["memory"]["bucket"] == "1280x704"
     assert [b["key"] for b in report["speed"]["projection"]["buckets"]] == ["image@1280x704", "video@1280x704"]
@@ -115,7 +106,7 @@ def test_without_a_metadata_the_memory_is_sized_for_the_largest_of_every_bucket(
 
 
 def test_buckets_off_sizes_for_height_by_width_and_times_clips_and_images_apart(tmp_path, capsys):
-    metadata = write_metadata(tmp_path / "metadata.csv", ROWS)
+    metadata = write_metadata(tmp_path / "metadata.csv", ROWS, WITH_SIZES)
     report = doctor(capsys, *flags_for(metadata, tmp_path, "off"))
     mem = report["memory"]
     assert mem["batch"] == "video" and mem["plan"]["tokens"] == 4400 and "bucket" not in mem
@@ -131,7 +122,7 @@ def test_buckets_off_sizes_for_height_by_width_and_times_clips_and_images_apart(
 
 def test_the_table_names_the_bucket_and_prints_the_bucket_sum(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")
-    metadata = write_metadata(tmp_path / "metadata.csv", ROWS)
+    metadata = write_metadata(tmp_path / "metadata.csv", ROWS, WITH_SIZES)
     main([*flags_for(metadata, tmp_path, "aspect"), *ALL_CONDITIONED])
     table = " ".join(capsys.readouterr().out.split())   # rich wraps the titles
     assert "memory per GPU, image batch (sized for the largest bucket 960x960 of the 3 the rows use, 900 tokens x 5" \
@@ -143,17 +134,12 @@ def test_the_table_names_the_bucket_and_prints_the_bucket_sum(tmp_path, capsys, 
 def test_the_probe_measures_every_bucket_in_use_and_projects_from_them(tmp_path, capsys, monkeypatch):
     """Real steps of the demo model on this machine: landscape and portrait clips at --height 64 --width 128 train
     in two buckets, each measured by a run of its own, and the run length adds up each bucket's steps."""
-    from diffsynth_mbc.data.demo_data import write_video
-
     forget_in_process_trainings(monkeypatch)
-    catalog = tmp_path / "catalog"
-    rows = []
-    for name, width, height in (("wide_0", 128, 64), ("wide_1", 128, 64), ("tall_0", 64, 128), ("tall_1", 64, 128)):
-        write_video(catalog / f"{name}.mp4", 9, width, height, seed=len(rows))
-        rows.append((f"{name}.mp4", "video", width, height))
-    metadata = write_metadata(tmp_path / "metadata.csv", rows)
+    wide = [clip(f"wide_{i}.mp4", 128, 64, seed=i, caption="a video") for i in range(2)]
+    tall = [clip(f"tall_{i}.mp4", 64, 128, seed=2 + i, caption="a video") for i in range(2)]
+    metadata = write_media_catalogue(tmp_path, wide + tall, WITH_SIZES)
     output = tmp_path / "run"
-    flags = ["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(catalog),
+    flags = ["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(tmp_path / "catalog"),
              "--dataset_metadata_path", str(metadata), "--output_path", str(output), "--height", "64", "--width", "128",
              "--buckets", "aspect", "--gradient_accumulation_steps", "1", "--quick", "--probe", "1"]
     code = main([*flags, "--json"])
@@ -178,7 +164,7 @@ def test_the_probe_measures_every_bucket_in_use_and_projects_from_them(tmp_path,
 def test_the_projection_counts_the_runs_validations_and_health_records(tmp_path, capsys):
     """The full preset validates 64 samples every 2,000 steps and at the end and records the LoRA's health every 10:
     on 12 steps per GPU, one validation (32 samples per GPU, the base once) and records at steps 0, 10 and 12."""
-    metadata = write_metadata(tmp_path / "metadata.csv", ROWS)
+    metadata = write_metadata(tmp_path / "metadata.csv", ROWS, WITH_SIZES)
     projection = doctor(capsys, *flags_for(metadata, tmp_path, "aspect"))["speed"]["projection"]
     evaluation = projection["evaluation"]
     assert (evaluation["validations"], evaluation["health_records"], evaluation["sample_sets"]) == (1, 3, 0)
@@ -192,8 +178,8 @@ def test_the_projection_counts_the_runs_validations_and_health_records(tmp_path,
 
 def test_a_size_cell_that_is_no_size_fails_the_metadata_check_naming_row_and_column(tmp_path, capsys):
     """The plan and the training refuse it; the doctor sized the run for every bucket without a word."""
-    metadata = tmp_path / "metadata.csv"
-    metadata.write_text("video,prompt,media_type,width,height\na.mp4,x,video,1920,1080\nb.mp4,y,video,-5,1080\n")
+    metadata = write_metadata(tmp_path / "metadata.csv", [clip("a.mp4", 1920, 1080, caption="x"),
+                                                          clip("b.mp4", -5, 1080, caption="y")], WITH_SIZES)
     report = doctor(capsys, *flags_for(metadata, tmp_path, "aspect"))
     check, = [c for c in report["checks"] if c["name"] == "metadata"]
     assert check["status"] == "fail" and "metadata row 2 (b.mp4): width '-5' is not a size in pixels" in check["detail"]

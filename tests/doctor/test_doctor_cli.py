@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from catalog_helpers import write_media_metadata
 from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.doctor.cli import main as doctor_main
 from diffsynth_mbc.training.plan import run_length
@@ -86,8 +87,7 @@ def test_planning_for_a_v100_without_recomputation_it_does_not_fit_and_says_what
 
 
 def test_auto_checkpointing_speed_and_run_length_for_the_full_run_on_two_v100s(tmp_path):
-    metadata = tmp_path / "metadata.csv"
-    metadata.write_text("video,prompt,media_type\n" + "v.mp4,a clip,video\n" * 800 + "i.png,an image,image\n" * 900)
+    metadata = write_media_metadata(tmp_path / "metadata.csv", 800, 900)
     code, out, err = doctor("--config", FULL, "--assume", "V100S-32GB", "--gpus", "2", "--cached",
                             "--gradient_checkpointing", "auto", "--dataset_metadata_path", str(metadata), "--json")
     report = json.loads(out)

@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from diffsynth_mbc.data.demo_data import write_image, write_video
-from e2e_helpers import REPO, build_demo_cache, read_history
+from catalog_helpers import ONE_OF_EACH_SHAPE, write_media_catalogue
+from e2e_helpers import build_demo_cache, demo_flags, read_history
 from forked_ranks import run_training
 
 pytestmark = pytest.mark.slow
-# file, media type, (width, height); at --height 64 --width 128 they go to 128x64, 64x128 and 96x96 (both images)
-MEDIA = [("media/landscape.mp4", "video", (128, 72)), ("media/portrait.mp4", "video", (72, 128)),
-         ("media/square.png", "image", (64, 64)), ("media/four_three.jpg", "image", (80, 60))]
+# ONE_OF_EACH_SHAPE at --height 64 --width 128: the clips at 128x64 and 64x128, both images at 96x96
 SHAPES = {(9, 64, 128), (9, 128, 64), (1, 96, 96)}   # [frames, height, width] of each bucket's samples
 
 
 def train(work, root, name: str, *extra: str) -> list[list[dict]]:
     """Each rank's step records of a 1-epoch run (batches of 1 video or 2 images, every sample twice)."""
-    flags = ["--config", str(REPO / "configs" / "train_demo.yaml"), "--dataset_base_path", str(root / "catalog"),
-             "--dataset_metadata_path", str(root / "metadata.csv"), "--output_path", str(work / name / "lora"),
-             "--log_dir", str(work / name / "logs"), "--width", "128", "--buckets", "aspect", "--num_epochs", "1",
-             "--dataset_repeat", "2", "--gradient_accumulation_steps", "1", "--image_batch_size", "2", *extra]
+    flags = [*demo_flags(root, work / name, width=128, buckets="aspect", num_epochs=1, dataset_repeat=2,
+                         gradient_accumulation_steps=1, image_batch_size=2), *extra]
     result = run_training(work / name, flags, timeout=300, OMP_NUM_THREADS=1)
     assert result.returncode == 0, result.stderr[-4000:]
     return [[line for line in read_history(work / name / "logs", rank) if "step" in line and "loss" in line]
@@ -32,14 +28,8 @@ def train(work, root, name: str, *extra: str) -> list[list[dict]]:
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("buckets-cache-run")
     root = work / "data"
-    for position, (name, kind, (width, height)) in enumerate(MEDIA):
-        if kind == "video":
-            write_video(root / "catalog" / name, 12, width, height, seed=position)
-        else:
-            write_image(root / "catalog" / name, width, height, seed=position)
-    (root / "metadata.csv").write_text("video,prompt,media_type\n" + "".join(
-        f"{name},a {kind} of {width}x{height},{kind}\n" for name, kind, (width, height) in MEDIA))
-    build_demo_cache(root, root / "metadata.csv", work / "cache", "--width", "128", "--buckets", "aspect")
+    metadata = write_media_catalogue(root, ONE_OF_EACH_SHAPE)
+    build_demo_cache(root, metadata, work / "cache", "--width", "128", "--buckets", "aspect")
     return train(work, root, "cached", "--cache", str(work / "cache")), train(work, root, "encoding")
 
 

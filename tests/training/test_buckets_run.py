@@ -5,7 +5,6 @@ bucket, every rank on the same bucket at every step, to the total the plan print
 
 from __future__ import annotations
 
-import csv
 import re
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffsynth_mbc.data.demo_data import write_image, write_video
+from catalog_helpers import street_clips, studio_pictures, write_media_catalogue
 from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints
 from diffsynth_mbc.training.plan import command as plan_command
 from e2e_helpers import REPO, demo_flags, kill_tree, launch, read_history, read_status, run, wait_for
@@ -24,29 +23,15 @@ pytestmark = pytest.mark.slow
 SIZE = {"height": 64, "width": 128}   # buckets 64x160, 64x128, 96x96, 128x64, 160x64 (width x height)
 # [frames, height, width] each row trains at under --buckets aspect, by the file's name
 AT_ITS_BUCKET = {"land": [9, 64, 128], "port": [9, 128, 64], "square": [1, 96, 96], "four_three": [1, 96, 96]}
+# 3 landscape (128x72) and 3 portrait (72x128) clips, 2 square (64x64) and 2 4:3 (80x60) images
+MIXED = (*(row for index in range(3) for row in street_clips(index, seed=index, portrait_seed=10 + index)),
+         *(row for index in range(2) for row in studio_pictures(index, seed=20 + index)))
 
 
 @pytest.fixture(scope="module")
 def mixed_catalogue(tmp_path_factory):
-    """3 landscape (128x72) and 3 portrait (72x128) clips, 2 square (64x64) and 2 4:3 (80x60) images, laid out as
-    the demo's: root/catalog/media, root/metadata/metadata.csv."""
     root = tmp_path_factory.mktemp("mixed")
-    media = root / "catalog" / "media"
-    media.mkdir(parents=True)
-    rows = []
-    for index in range(3):
-        for name, width, height in (("land", 128, 72), ("port", 72, 128)):
-            write_video(media / f"{name}_{index}.mp4", 9, width, height, seed=index + (10 if name == "port" else 0))
-            rows.append((f"media/{name}_{index}.mp4", f"a city street at night #{name}{index}", "video"))
-    for index in range(2):
-        for name, width, height, suffix in (("square", 64, 64, "png"), ("four_three", 80, 60, "jpg")):
-            write_image(media / f"{name}_{index}.{suffix}", width, height, seed=20 + index)
-            rows.append((f"media/{name}_{index}.{suffix}", f"a news anchor in the studio #{name}{index}", "image"))
-    (root / "metadata").mkdir()
-    with open(root / "metadata" / "metadata.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(("video", "prompt", "media_type"))
-        writer.writerows(rows)
+    write_media_catalogue(root, MIXED)
     return root
 
 

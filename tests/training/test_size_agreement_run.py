@@ -5,13 +5,13 @@ row (it was accepted and the plan shifted: "finished: 7/6 steps")."""
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
-from diffsynth_mbc.data.demo_data import write_image, write_video
+from catalog_helpers import LANDSCAPE, PORTRAIT, SQUARE, STUDIO, clip, image, street_clips, write_media_catalogue
 from diffsynth_mbc.run_layout import SIZE_TABLE
 from e2e_helpers import REPO, read_history, read_status
 
@@ -25,25 +25,18 @@ if os.environ["RANK"] == "1":
 
 
 def write_catalogue(folder, portrait_land_0=False):
-    media = folder / "catalog" / "media"
-    media.mkdir(parents=True)
-    rows = []
-    for index in range(2):
-        for name, width, height in (("land", 128, 72), ("port", 72, 128)):
-            if name == "land" and index == 0 and portrait_land_0:
-                width, height = height, width
-            write_video(media / f"{name}_{index}.mp4", 9, width, height, seed=index)
-            rows.append((f"media/{name}_{index}.mp4", f"a city street at night #{name}{index}", "video"))
-    write_image(media / "square.png", 64, 64, seed=3)
-    rows.append(("media/square.png", "a news anchor in the studio", "image"))
-    with open(folder / "metadata.csv", "w", newline="", encoding="utf-8") as handle:
-        csv.writer(handle).writerows([("video", "prompt", "media_type"), *rows])
+    """2 landscape and 2 portrait clips and a square image; land_0.mp4 portrait too if told. Returns the metadata."""
+    rows = [*street_clips(0, seed=0), *street_clips(1, seed=1),
+            image("media/square.png", *SQUARE, seed=3, caption=STUDIO)]
+    if portrait_land_0:
+        rows[0] = replace(rows[0], width=rows[0].height, height=rows[0].width)
+    return write_media_catalogue(folder, rows)
 
 
 def flags(node_0, run_dir, **more):
     """The dataset's base folder is relative: each rank reads the catalogue of the folder it works in."""
     values = {"config": REPO / "configs" / "train_demo.yaml", "dataset_base_path": "catalog",
-              "dataset_metadata_path": node_0 / "metadata.csv", "output_path": run_dir / "lora",
+              "dataset_metadata_path": node_0 / "metadata" / "metadata.csv", "output_path": run_dir / "lora",
               "log_dir": run_dir / "logs", "buckets": "aspect", "height": 64, "width": 128, "num_epochs": 1,
               "dataset_repeat": 1, "checkpoint_steps": 1, **more}
     return [item for key, value in values.items() for item in (f"--{key}", str(value))]
@@ -90,14 +83,10 @@ def test_a_forced_resume_on_resized_media_says_what_changed_and_ends_where_its_p
     from forked_ranks import run_training
 
     node, run_dir = tmp_path / "node", tmp_path / "run"
+    write_media_catalogue(node, [clip("media/land.mp4", *LANDSCAPE, seed=1, caption="a street"),
+                                 clip("media/port.mp4", *PORTRAIT, seed=2, caption="a tower"),
+                                 image("media/square.png", *SQUARE, seed=3, caption="a desk")])
     media = node / "catalog" / "media"
-    media.mkdir(parents=True)
-    write_video(media / "land.mp4", 9, 128, 72, seed=1)
-    write_video(media / "port.mp4", 9, 72, 128, seed=2)
-    write_image(media / "square.png", 64, 64, seed=3)
-    with open(node / "metadata.csv", "w", newline="", encoding="utf-8") as handle:
-        csv.writer(handle).writerows([("video", "prompt", "media_type"), ("media/land.mp4", "a street", "video"),
-                                      ("media/port.mp4", "a tower", "video"), ("media/square.png", "a desk", "image")])
     more = {"num_epochs": 3, "keep_checkpoints": 100}
     first = run_training(node, flags(node, run_dir, **more), timeout=300, OMP_NUM_THREADS=1)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

@@ -4,14 +4,14 @@ took minutes before the ranks started and minutes more in them)."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
+from dataclasses import replace
 
 import pytest
 
-from diffsynth_mbc.data.demo_data import write_image, write_video
+from catalog_helpers import LANDSCAPE, STREET, STUDIO, clip, image, write_media, write_metadata
 from diffsynth_mbc.data.media.size_table import LONG_READ
 from diffsynth_mbc.run_layout import SIZE_TABLE
 from e2e_helpers import REPO, isolated_env, read_status
@@ -22,18 +22,16 @@ IMAGES = LONG_READ + 16
 
 
 def test_a_launch_reads_each_file_size_once_with_progress(tmp_path):
-    media = tmp_path / "mine" / "catalog" / "media"
-    media.mkdir(parents=True)
-    write_image(media / "wide.png", 80, 40, seed=1)
-    write_image(media / "tall.png", 40, 80, seed=2)
-    write_video(media / "clip.mp4", 9, 128, 72, seed=3)
-    rows = [("media/clip.mp4", "a city street at night", "video")]
+    base = tmp_path / "mine" / "catalog"
+    wide, tall = image("media/wide.png", 80, 40, seed=1), image("media/tall.png", 40, 80, seed=2)
+    street = clip("media/clip.mp4", *LANDSCAPE, seed=3, caption=STREET)
+    write_media(base, [wide, tall, street])
+    rows = [street]
     for index in range(IMAGES):   # hard links: each row its own path, so its own entry in the table
-        source = media / ("wide.png" if index % 2 else "tall.png")
-        os.link(source, media / f"{index:04d}.png")
-        rows.append((f"media/{index:04d}.png", f"a news anchor in the studio #{index}", "image"))
-    with open(tmp_path / "mine" / "metadata.csv", "w", newline="", encoding="utf-8") as handle:
-        csv.writer(handle).writerows([("video", "prompt", "media_type"), *rows])
+        source = wide if index % 2 else tall
+        rows.append(replace(source, file=f"media/{index:04d}.png", caption=f"{STUDIO} #{index}"))
+        os.link(base / source.file, base / rows[-1].file)
+    write_metadata(tmp_path / "mine" / "metadata.csv", rows)
     launch = subprocess.run(
         ["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--dataset_base_path", "mine/catalog",
          "--dataset_metadata_path", "mine/metadata.csv", "--buckets", "aspect", "--height", "64", "--width", "128",

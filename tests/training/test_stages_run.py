@@ -6,7 +6,6 @@ the uninterrupted run; ZeRO-2 trains in stages."""
 
 from __future__ import annotations
 
-import csv
 import re
 
 import psutil
@@ -14,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from catalog_helpers import SQUARE, STUDIO, image, street_clips, write_media_catalogue
 from diffsynth_mbc.data.cache.cli import main as cache_main
-from diffsynth_mbc.data.demo_data import write_image, write_video
 from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints
 from diffsynth_mbc.training.plan import command as plan_command
 from e2e_helpers import REPO, demo_flags, kill_tree, launch, read_history, read_status, run, run_main, wait_for
@@ -28,19 +27,11 @@ SIZE = {"height": 96, "width": 96, "buckets": "aspect", "resolution_stages": STA
 
 @pytest.fixture(scope="module")
 def catalogue(tmp_path_factory):
+    """A landscape and a portrait clip and a square image, twice."""
     root = tmp_path_factory.mktemp("stages")
-    media = root / "catalog" / "media"
-    media.mkdir(parents=True)
-    rows = []
-    for index in range(2):
-        for name, width, height in (("land", 128, 72), ("port", 72, 128)):
-            write_video(media / f"{name}_{index}.mp4", 9, width, height, seed=index)
-            rows.append((f"media/{name}_{index}.mp4", f"a city street at night #{name}{index}", "video"))
-        write_image(media / f"square_{index}.png", 64, 64, seed=20 + index)
-        rows.append((f"media/square_{index}.png", "a news anchor in the studio", "image"))
-    (root / "metadata").mkdir()
-    with open(root / "metadata" / "metadata.csv", "w", newline="", encoding="utf-8") as handle:
-        csv.writer(handle).writerows([("video", "prompt", "media_type"), *rows])
+    write_media_catalogue(root, [row for index in range(2) for row in (
+        *street_clips(index, seed=index),
+        image(f"media/square_{index}.png", *SQUARE, seed=20 + index, caption=STUDIO))])
     return root
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from catalog_helpers import ONE_OF_EACH_SHAPE, write_media_catalogue
 from diffsynth_mbc.data.cache import cli as cache
 from diffsynth_mbc.data.cache.dataset import CachedLatentDataset, CacheMismatchError, open_training_dataset
 from diffsynth_mbc.data.cache.index import entry_key
 from diffsynth_mbc.data.dataset import MBCVideoDataset
-from diffsynth_mbc.data.demo_data import write_image, write_video
 from diffsynth_mbc.data.media.buckets import Bucket
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
@@ -20,24 +20,9 @@ from diffsynth_mbc.training.options import TrainOptions
 
 SEED = 42
 HEIGHT, WIDTH, FRAMES = 64, 128, 9
-# file, media type, its size (width, height), the bucket it goes to among bucket_set(64, 128)
-MEDIA = [("media/landscape.mp4", "video", (128, 72), Bucket(64, 128)),
-         ("media/portrait.mp4", "video", (72, 128), Bucket(128, 64)),
-         ("media/square.png", "image", (64, 64), Bucket(96, 96)),
-         ("media/four_three.jpg", "image", (80, 60), Bucket(96, 96))]
+# the bucket each row of ONE_OF_EACH_SHAPE goes to among bucket_set(64, 128)
+BUCKETS = [Bucket(64, 128), Bucket(128, 64), Bucket(96, 96), Bucket(96, 96)]
 EXPECTED_KEYS = ["video@128x64", "video@64x128", "image@96x96", "image@96x96"]
-
-
-def write_catalogue(root: Path) -> Path:
-    for position, (name, kind, (width, height), _) in enumerate(MEDIA):
-        if kind == "video":
-            write_video(root / "catalog" / name, 12, width, height, seed=position)
-        else:
-            write_image(root / "catalog" / name, width, height, seed=position)
-    metadata = root / "metadata.csv"
-    metadata.write_text("video,prompt,media_type\n" + "".join(
-        f"{name},a {kind} of {width}x{height},{kind}\n" for name, kind, (width, height), _ in MEDIA))
-    return metadata
 
 
 def build(root: Path, metadata: Path, cache_dir: Path, buckets: str) -> dict:
@@ -51,7 +36,7 @@ def build(root: Path, metadata: Path, cache_dir: Path, buckets: str) -> dict:
 @pytest.fixture(scope="module")
 def catalogue(tmp_path_factory):
     root = tmp_path_factory.mktemp("buckets-cache")
-    metadata = write_catalogue(root)
+    metadata = write_media_catalogue(root, ONE_OF_EACH_SHAPE)
     build(root, metadata, root / "aspect", "aspect")
     build(root, metadata, root / "off", "off")
     return root, metadata
@@ -68,13 +53,14 @@ def test_each_entry_is_stored_at_its_buckets_shape(catalogue):
     index = json.loads((root / "aspect" / "cache.json").read_text())
     assert index["settings"]["buckets"] == "aspect" and not index["failed"]
     shapes = {row["file"]: row["latent_shape"] for row in index["rows"]}
-    assert shapes == {name: [48, (FRAMES - 1) // 4 + 1 if kind == "video" else 1, bucket.height // 16,
-                             bucket.width // 16] for name, kind, _, bucket in MEDIA}
+    assert shapes == {row.file: [48, (FRAMES - 1) // 4 + 1 if row.kind == "video" else 1, bucket.height // 16,
+                                 bucket.width // 16] for row, bucket in zip(ONE_OF_EACH_SHAPE, BUCKETS)}
     assert shapes["media/landscape.mp4"] == [48, 3, 4, 8] and shapes["media/portrait.mp4"] == [48, 3, 8, 4]
     # off: everything at 64x128, and no setting written (caches built before buckets read as off)
     off = json.loads((root / "off" / "cache.json").read_text())
     assert "buckets" not in off["settings"]
-    assert {row["file"]: row["latent_shape"][2:] for row in off["rows"]} == {name: [4, 8] for name, *_ in MEDIA}
+    assert {row["file"]: row["latent_shape"][2:] for row in off["rows"]} == {
+        row.file: [4, 8] for row in ONE_OF_EACH_SHAPE}
 
 
 def test_cached_batch_keys_are_the_media_datasets(catalogue):
@@ -87,7 +73,7 @@ def test_cached_batch_keys_are_the_media_datasets(catalogue):
     assert isinstance(opened, CachedLatentDataset) and opened.batch_keys() == EXPECTED_KEYS
     assert CachedLatentDataset(root / "off").batch_keys() == ["video", "video", "image", "image"]
     for row in range(opened.rows):   # the sample's size is its key's bucket
-        sample, (_, _, _, bucket) = opened[row], MEDIA[row]
+        sample, bucket = opened[row], BUCKETS[row]
         assert (sample["height"], sample["width"]) == (bucket.height, bucket.width)
 
 
@@ -99,7 +85,7 @@ def test_a_cache_of_the_other_bucket_mode_is_refused_naming_the_option(catalogue
     with pytest.raises(CacheMismatchError, match=r"--buckets: the cache was built with aspect, this run asks for off "
                                                  r"\(rebuild the cache with --buckets off\)"):
         open_training_dataset(options(root, metadata, root / "aspect", "off"))
-    assert open_training_dataset(options(root, metadata, root / "off", "off")).rows == len(MEDIA)
+    assert open_training_dataset(options(root, metadata, root / "off", "off")).rows == len(ONE_OF_EACH_SHAPE)
 
 
 def test_the_bucket_is_part_of_the_entry_key(catalogue, tmp_path):
@@ -109,9 +95,10 @@ def test_the_bucket_is_part_of_the_entry_key(catalogue, tmp_path):
     cache_dir = tmp_path / "cache"
     shutil.copytree(root / "off", cache_dir)
     summary = build(root, metadata, cache_dir, "aspect")
-    assert (summary["written"], summary["skipped"], summary["text_skipped"]) == (len(MEDIA), 0, len(MEDIA))
+    rows = len(ONE_OF_EACH_SHAPE)
+    assert (summary["written"], summary["skipped"], summary["text_skipped"]) == (rows, 0, rows)
     summary = build(root, metadata, cache_dir, "aspect")
-    assert (summary["written"], summary["skipped"]) == (0, len(MEDIA))
+    assert (summary["written"], summary["skipped"]) == (0, rows)
     assert json.loads((cache_dir / "cache.json").read_text())["rows"] == \
         json.loads((root / "aspect" / "cache.json").read_text())["rows"]
     settings = {"height": HEIGHT, "width": WIDTH, "num_frames": FRAMES, "vae": "v", "dtype": "float32"}
@@ -135,7 +122,7 @@ def test_a_cached_sample_is_the_encoding_of_the_same_clip(catalogue):
     for position in range(cached.rows):
         entry = cached[position]
         clip = media[entry["row"] - 1]
-        bucket = MEDIA[position][3]
+        bucket = BUCKETS[position]
         assert clip["video"][0].size == (bucket.width, bucket.height)
         torch.manual_seed(100 + position)
         expected = encoding.encode(clip)

@@ -9,6 +9,7 @@ import imageio_ffmpeg
 import numpy as np
 import pytest
 
+from catalog_helpers import DIFFSYNTH, clip, write_metadata
 from diffsynth_mbc.data.dataset import MBCVideoDataset, MediaDecodeError
 from diffsynth_mbc.data.media.clip_reader import (ClipReadError, IrregularTiming, ReferenceReaderNeeded,
                                                   evenly_spaced, probe_clip, read_leading_frames)
@@ -35,7 +36,7 @@ def with_display_matrix(source, path, rotation, hflip=False):
 def dataset(tmp_path, decoder):
     metadata = tmp_path / "metadata.csv"
     if not metadata.exists():
-        metadata.write_text("video,prompt\nclip.mp4,x\n")
+        write_metadata(metadata, [clip("clip.mp4", caption="x")], DIFFSYNTH)
     return MBCVideoDataset(str(tmp_path), str(metadata), num_frames=NUM_FRAMES, height=SIZE, width=SIZE,
                            decoder=decoder)
 

@@ -6,6 +6,7 @@ import imageio
 import numpy as np
 import pytest
 
+from catalog_helpers import DIFFSYNTH, clip, write_metadata
 from diffsynth_mbc.data.dataset import MBCVideoDataset, MediaDecodeError
 from diffsynth_mbc.data.media.clip_reader import IrregularTiming, read_selected_frames
 from diffsynth_mbc.data.media.frame_selection import FrameSelection, select_frames
@@ -18,8 +19,7 @@ MODES = [FrameSelection(sampling="uniform"), FrameSelection(sampling="random_win
 
 
 def dataset(tmp_path, decoder, frames, rows=("clip.mp4",), repeat=1, substitute=False):
-    metadata = tmp_path / "metadata.csv"
-    metadata.write_text("video,prompt\n" + "".join(f"{row},x\n" for row in rows))
+    metadata = write_metadata(tmp_path / "metadata.csv", [clip(row, caption="x") for row in rows], DIFFSYNTH)
     return MBCVideoDataset(str(tmp_path), str(metadata), num_frames=NUM_FRAMES, height=SIZE, width=SIZE,
                            decoder=decoder, frames=frames, repeat=repeat, substitute_bad_media=substitute)
 

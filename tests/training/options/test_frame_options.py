@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from catalog_helpers import DIFFSYNTH, clip, write_metadata
 from diffsynth_mbc.data.cache import cli as cache
 from diffsynth_mbc.data.cache.dataset import CachedLatentDataset, CacheMismatchError, open_training_dataset
 from diffsynth_mbc.data.cache.index import CacheError
@@ -43,7 +44,7 @@ def test_bad_frame_options_name_the_flag(flags, named):
 
 def test_the_cache_command_refuses_random_window_and_gets_the_trainings_frame_flags(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)   # the cache's options read the metadata file (its errors come before any model)
-    (tmp_path / "m.csv").write_text("video,prompt\na.mp4,a clip\n")
+    write_metadata(tmp_path / "m.csv", [clip("a.mp4")], DIFFSYNTH)
     common = ["--demo", "--dataset_base_path", ".", "--dataset_metadata_path", "m.csv", "--cache_dir", "c"]
     with pytest.raises(CacheError, match="random_window draws a clip's frames anew every epoch"):
         cache.parse_options(common + ["--frame_sampling", "random_window"])
@@ -58,7 +59,7 @@ def test_the_cache_command_refuses_random_window_and_gets_the_trainings_frame_fl
 
 def test_the_cache_command_gets_the_trainings_buckets(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "m.csv").write_text("video,prompt\na.mp4,a clip\n")
+    write_metadata(tmp_path / "m.csv", [clip("a.mp4")], DIFFSYNTH)
     arguments = cache_arguments(resolve_options(BASE + ["--demo", "--buckets", "aspect"]), "m.csv", ".", "c")
     assert arguments[arguments.index("--buckets") + 1] == "aspect"
     assert cache.parse_options(arguments).buckets == "aspect"

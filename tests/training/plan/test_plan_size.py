@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from catalog_helpers import clip, write_metadata
 from diffsynth_mbc.data.dataset_list import MAX_REPEAT, MAX_SAMPLES_PER_EPOCH
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.training.options import resolve_options
@@ -17,8 +18,7 @@ from diffsynth_mbc.training.options import resolve_options
 def catalogue(folder, rows: int):
     """A converted catalogue of ``rows`` clips (the media need not be there to plan)."""
     (folder / "media").mkdir(parents=True)
-    lines = ["video,prompt,media_type"] + [f"clip{i}.mp4,clip {i},video" for i in range(rows)]
-    (folder / "metadata.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_metadata(folder / "metadata.csv", [clip(f"clip{i}.mp4", caption=f"clip {i}") for i in range(rows)])
     return folder
 
 

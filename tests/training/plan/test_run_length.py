@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import csv
 import subprocess
 import sys
 
 import pytest
 
+from catalog_helpers import CONVERTED, DIFFSYNTH, clip, image, write_metadata
 from diffsynth_mbc.training.plan import estimates
 
 from diffsynth_mbc.gpu import known_gpu
@@ -20,20 +20,16 @@ from e2e_helpers import REPO
 FULL = str(REPO / "configs" / "train_full.yaml")
 
 
-def write_metadata(path, videos, images, media_type_column=True):
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["video", "prompt", "media_type"] if media_type_column else ["video", "prompt"])
-        for i in range(videos):
-            writer.writerow([f"v/{i}.mp4", "a clip, with a comma", "video"][:3 if media_type_column else 2])
-        for i in range(images):
-            writer.writerow([f"i/{i}.JPG", "an image", "image"][:3 if media_type_column else 2])
-    return path
+def write_clips_and_images(path, videos, images, media_type_column=True):
+    """Clip rows whose captions hold a comma, then image rows with an upper-case extension."""
+    return write_metadata(path, [*(clip(f"v/{i}.mp4", caption="a clip, with a comma") for i in range(videos)),
+                                 *(image(f"i/{i}.JPG") for i in range(images))],
+                          CONVERTED if media_type_column else DIFFSYNTH)
 
 
 def test_media_are_counted_by_the_media_type_column_or_the_extension(tmp_path):
-    assert count_media(write_metadata(tmp_path / "a.csv", 3, 2)) == (3, 2)
-    assert count_media(write_metadata(tmp_path / "b.csv", 4, 1, media_type_column=False)) == (4, 1)
+    assert count_media(write_clips_and_images(tmp_path / "a.csv", 3, 2)) == (3, 2)
+    assert count_media(write_clips_and_images(tmp_path / "b.csv", 4, 1, media_type_column=False)) == (4, 1)
 
 
 def shape_of(videos, images, *, epochs=1, repeat=1, batch=1, image_batch=5, accumulation=1, gpus=1, nodes=1,
@@ -101,7 +97,7 @@ def full_options(metadata, *flags):
 
 
 def test_the_full_run_on_v100s_and_h100s(tmp_path):
-    metadata = write_metadata(tmp_path / "metadata.csv", 80_000, 90_180)
+    metadata = write_clips_and_images(tmp_path / "metadata.csv", 80_000, 90_180)
     media = count_media(metadata)
     options = full_options(metadata, "--gradient_checkpointing", "all")
     v100 = estimates.estimate_run(options, known_gpu("V100S-32GB"), "V100S-32GB", "fp16", gpus=2, nodes=1,
@@ -122,7 +118,7 @@ def test_the_full_run_on_v100s_and_h100s(tmp_path):
 
 
 def test_the_plan_command_prints_the_doctors_projected_line(tmp_path):
-    metadata = write_metadata(tmp_path / "metadata.csv", 800, 900)
+    metadata = write_clips_and_images(tmp_path / "metadata.csv", 800, 900)
     result = subprocess.run([sys.executable, "-m", "diffsynth_mbc.plan", "--world_size", "4", "--nodes", "2",
                              "--cached", "--assume", "V100S-32GB", "--config", FULL, "--dataset_metadata_path",
                              str(metadata)], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -170,7 +166,7 @@ def test_with_aspect_buckets_and_no_rows_read_the_plans_are_at_the_largest_bucke
 def test_the_plan_says_nothing_of_missing_files_when_every_file_is_there_and_counts_those_that_are_not(tmp_path):
     from diffsynth_mbc.training.plan.command import files_not_found
 
-    metadata = write_metadata(tmp_path / "metadata.csv", 3, 2)
+    metadata = write_clips_and_images(tmp_path / "metadata.csv", 3, 2)
     for name in ["v/0.mp4", "v/1.mp4", "v/2.mp4", "i/0.JPG", "i/1.JPG"]:
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(b"x")

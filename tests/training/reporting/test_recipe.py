@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from catalog_helpers import COMBINED, clip, write_metadata
 from diffsynth_mbc.data.dataset_list import Catalogue, DatasetCount
 from diffsynth_mbc.training.options.run_options import TrainOptions
 from diffsynth_mbc.training.plan.step_plan import StepPlan
@@ -68,9 +69,8 @@ def test_a_default_run_s_recipe_names_its_one_catalogue_and_the_defaults():
 
 
 def test_each_catalogue_s_samples_this_epoch_are_counted_and_reset(tmp_path):
-    metadata = tmp_path / "metadata.csv"
-    metadata.write_text("video,prompt,media_type,dataset\n" + "".join(
-        f"{row}.mp4,a,video,{position}\n" for row, position in enumerate([0, 0, 1, 1, 1])))
+    metadata = write_metadata(tmp_path / "metadata.csv", [
+        clip(f"{row}.mp4", caption="a", dataset=position) for row, position in enumerate([0, 0, 1, 1, 1])], COMBINED)
     plan = StepPlan(rows=5, repeat=3, world_size=2, batch_size=1, gradient_accumulation=1, num_epochs=1,
                     datasets=(DatasetCount("news", 2, 0, 1), DatasetCount("drama", 3, 0, 2)))
     options = TrainOptions(**{**SEVERAL, "dataset_metadata_path": str(metadata)})
