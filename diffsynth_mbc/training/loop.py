@@ -147,7 +147,7 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
                   + ("" if encoders else " (DiT only: training from the latent cache)"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     pipe = training_pipeline(options, str(accelerator.device), dtype, accelerator.process_index)
-    from diffsynth_mbc.training.plan.step_choices import step_choices
+    from diffsynth_mbc.training.plan.step_choices import residual_choice, step_choices
     from diffsynth_mbc.training.step.timestep_sampling import sampler_from_options
 
     recompute, compile_blocks = step_choices(options, status, accelerator, len(pipe.dit.blocks))
@@ -158,7 +158,8 @@ def open_data_and_models(options, status: RankStatusWriter, accelerator):
         max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
         recompute_blocks=recompute, compile_blocks=compile_blocks,
         timestep_sampler=sampler_from_options(options, pipe.scheduler.shift), loss_weighting=options.loss_weighting,
-        lora_variant=options.lora_variant, objective=options.objective)
+        lora_variant=options.lora_variant, objective=options.objective,
+        fp32_residual=residual_choice(options, status, accelerator.mixed_precision))
     start_from_lora(module, options, status)   # --init_lora: before accelerate wraps it (DDP, ZeRO-2 copy it then)
     return dataset, validator, module
 

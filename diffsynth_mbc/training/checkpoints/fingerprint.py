@@ -14,6 +14,7 @@ import os
 
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.training.lora.ema import fingerprint as ema_fingerprint
+from diffsynth_mbc.training.plan.residual_policy import decide_fp32_residual
 
 # Settings a checkpoint must share with the run that resumes it (exact data position, weights and optimisation).
 FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "dataset_repeat", "num_frames",
@@ -22,10 +23,11 @@ FINGERPRINT_KEYS = ("world_size", "batch_size", "gradient_accumulation_steps", "
                     "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm",
                     "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
                     "caption_dropout", "caption_prefix", "caption_suffix", "lora_variant",
-                    "loraplus_lr_ratio", "ema", "objective", "buckets", "resolution_stages")
+                    "loraplus_lr_ratio", "ema", "objective", "buckets", "resolution_stages", "fp32_residual")
 # What a checkpoint saved before a setting existed trained with: every sample conditioned on its first frame.
-# Before --buckets existed, everything trained at --height x --width.
-SAVED_BEFORE = {"objective": {"objective": "diffsynth", "i2v_probability": 1.0}, "buckets": "off"}
+# Before --buckets existed, everything trained at --height x --width; before --fp32_residual, DiffSynth's forward.
+SAVED_BEFORE = {"objective": {"objective": "diffsynth", "i2v_probability": 1.0}, "buckets": "off",
+                "fp32_residual": False}
 TIMESTEP_SETTINGS = ("timestep_sampling", "timestep_shift", "logit_mean", "logit_std", "sigmoid_scale",
                      "timestep_strata", "loss_weighting")   # how timesteps are drawn and the loss weighted
 
@@ -58,6 +60,8 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "objective": {"objective": options.objective, "i2v_probability": options.i2v_probability},
         "buckets": options.buckets,   # which shape each sample trains at, and how batches are dealt
         "resolution_stages": options.resolution_stages,   # which size each step trains at
+        # how the DiT computes: its residual stream in fp32 or in the model's dtype (the choice for this precision)
+        "fp32_residual": decide_fp32_residual(options.fp32_residual, precision).on,
     }
 
 

@@ -176,6 +176,11 @@ def _add_optimisation_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--mixed_precision", choices=_CHOICES["mixed_precision"],
                        help="auto (default): bf16 where the GPU has it natively (sm80+), fp16 with dynamic loss "
                             "scaling otherwise (V100); fp32 on the CPU")
+    optim.add_argument("--fp32_residual", choices=_CHOICES["fp32_residual"],
+                       help="keep the DiT's time embedding, modulation and residual stream in fp32 while its matmuls "
+                            "and attention run in fp16/bf16, as Wan2.2's reference computes (fp16 overflows past "
+                            "65,504 otherwise): auto (default: on under fp16 and bf16, off under fp32), on, off "
+                            "(DiffSynth's own forward)")
     optim.add_argument("--max_nonfinite_steps", type=int,
                        help="a step with an inf/NaN loss or gradient norm is skipped and counted; this many in a "
                             "row stop the run (default 20)")

@@ -45,6 +45,7 @@ class TrainOptions:
     max_grad_norm: float = 1.0
     seed: int = 42
     mixed_precision: str = "auto"
+    fp32_residual: str = "auto"   # the DiT's modulation and residual stream in fp32 (training/plan/residual_policy.py)
     max_nonfinite_steps: int = 20
     use_gradient_checkpointing: bool = True
     use_gradient_checkpointing_offload: bool = False
@@ -130,7 +131,8 @@ DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainOptio
 CHOICES = {"lr_scheduler": ("constant", "cosine"), "dist_backend": (None, "nccl", "gloo"),
            "lora_format": ("comfyui", "diffsynth"), "decoder": ("fast", "diffsynth"),
            "report_to": ("none", "tensorboard", "wandb"), "mixed_precision": ("auto", "bf16", "fp16", "fp32"),
-           "compile": ("auto", "on", "off"), "frame_sampling": ("head", "uniform", "random_window"),
+           "compile": ("auto", "on", "off"), "fp32_residual": ("auto", "on", "off"),
+           "frame_sampling": ("head", "uniform", "random_window"),
            "short_clips": ("shorten", "loop", "skip"), "buckets": ("off", "aspect"),
            "timestep_sampling": ("diffsynth", "uniform", "shift", "logit_normal", "sigmoid"),
            "loss_weighting": ("diffsynth", "none"), "lora_variant": ("lora", "dora"),

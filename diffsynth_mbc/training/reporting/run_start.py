@@ -41,7 +41,8 @@ def start_progress(run) -> None:
         print(f"step plan: {run.plan.describe()}", file=sys.stderr)
         for line in run.plan.describe_buckets() + run.plan.describe_stages():
             print(line, file=sys.stderr)
-        print(f"precision: {run.status.state.get('precision_reason')}", file=sys.stderr)
+        print(f"precision: {run.status.state.get('precision_reason')}; {run.status.state.get('fp32_residual_reason')}",
+              file=sys.stderr)
         print(f"{blocks.describe()} ({run.status.state.get('gradient_checkpointing_reason')}; "
               f"{run.status.state.get('compile_reason')})", file=sys.stderr)
     announce_recipe(options, run.status, main)   # what changes what is trained: the status file, and once here
