@@ -318,8 +318,10 @@ def after_optimizer_step(run: Run, epoch: int, loss: float, grad_norm, samples: 
         run.ema.after_step(skipped)
     position.samples_seen += samples
     position.skipped_samples += bad
+    run.nonfinite.note_residual(unwrapped_model(accelerator, run.module).blocks.take_largest_residual())
     if run.nonfinite.check(position.step, loss, grad_norm, skipped) or run.nonfinite.total:
         status.update(**run.nonfinite.status_fields())
+    status.update(**run.nonfinite.residual_fields())
     run.logger.on_step_end(accelerator, None, loss=loss, lr=lr, samples=samples, grad_norm=grad_norm,
                            tokens=tokens, timestep_draws=drawn, **({"nonfinite": True} if skipped else {}))
     run.health.after_step(position.step)

@@ -49,5 +49,6 @@ def start_progress(run) -> None:
     run.logger.track_catalogues(options, run.plan, run.accelerator.num_processes)
     run.schedule = CheckpointSchedule(options.checkpoint_steps, options.checkpoint_minutes)
     run.bad_media = BadMediaGuard(options.max_bad_media_fraction)
-    run.nonfinite = NonFiniteGuard(options.max_nonfinite_steps, run.accelerator.mixed_precision)
+    run.nonfinite = NonFiniteGuard(options.max_nonfinite_steps, run.accelerator.mixed_precision,
+                                   fp32_residual=bool(run.status.state.get("fp32_residual")))
     run.injected_nonfinite = injected_steps(os.environ, run.accelerator.process_index)

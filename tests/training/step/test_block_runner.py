@@ -203,6 +203,17 @@ def test_a_failed_compile_falls_back_to_the_plain_blocks(capsys):
     assert "no C++ compiler" in capsys.readouterr().err and "more" not in capsys.readouterr().err
 
 
+def test_the_runner_keeps_the_largest_residual_magnitude_the_blocks_wrote_until_it_is_taken(entries):
+    videos, _ = entries
+    module = make_module(recompute_blocks=1)
+    written = []
+    for block in module.pipe.dit.blocks:
+        block.register_forward_hook(lambda _m, _i, out: written.append(float(out.detach().abs().max())))
+    module([dict(videos[0])]).backward()   # block 0 recomputes in backward: its second run is not a new output
+    assert module.blocks.take_largest_residual() == pytest.approx(max(written[:2]))
+    assert module.blocks.take_largest_residual() is None   # taken: the next step starts afresh
+
+
 def test_the_block_runner_describes_its_plan():
     blocks = [torch.nn.Identity() for _ in range(30)]
     assert BlockRunner(blocks, 30).describe().startswith("gradient checkpointing: every block")

@@ -82,10 +82,12 @@ def test_diffsynths_fp16_forward_overflows_on_massive_activations_and_the_fp32_s
     plain, plain_gradients = forward_backward(module, inputs, largest)
     assert not torch.isfinite(plain).all() and not torch.isfinite(plain_gradients).all()
     assert largest[-1] == float("inf")   # the last block's residual add passed 65,504
+    assert module.blocks.take_largest_residual() == float("inf")   # what the status file and the probe say
     largest = []
     module = massive_module(torch.float16, True)
     kept, kept_gradients = forward_backward(module, inputs, largest)
     assert FP16_MAX < max(largest) < 81000   # the stream reached 80,000 and stayed finite, in fp32
+    assert module.blocks.take_largest_residual() == max(largest)
     assert relative(kept, expected) < PREDICTION_TOLERANCE
     assert relative(kept_gradients, expected_gradients) < GRADIENT_TOLERANCE
 
