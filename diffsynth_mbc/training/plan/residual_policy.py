@@ -8,7 +8,9 @@ precision of the matmuls; DiffSynth 1.1.8 computes them in the model's dtype (``
   cannot help (it scales the gradients, not the forward).
 - bf16: ``auto`` is on too. bf16 has fp32's range, so nothing overflows, but it keeps 8 bits of mantissa: a residual
   add smaller than 1/256 of the stream is rounded away, block after block; Wan2.2's reference keeps the stream in
-  fp32 under bf16 as well. What it costs and gains is measured in docs/performance.md ("The fp32 residual stream").
+  fp32 under bf16 as well. Measured on the CPU (``benchmarks/bench_fp32_residual.py``, docs/performance.md, "The fp32
+  residual stream"): a 12-block DiT's bf16 prediction 1.6-2.7x and its LoRA gradients 1.6-3.7x closer to fp32's,
+  for 8.5% more bytes kept for backward; its time on a GPU is still to be measured.
 - fp32 (accelerate's ``no``): nothing to do, the model computes in fp32 already; ``auto`` is off.
 
 ``on`` and ``off`` force the choice (``off``: DiffSynth's own forward, as before this existed).
