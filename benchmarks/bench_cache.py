@@ -22,7 +22,8 @@ run by run (run i of the two image rows ran back to back, so on a busy machine t
 The step's choices, in any mode but ``--cases``: ``--mixed-precision auto|bf16|fp16|fp32``, ``--attention
 auto|flash|cudnn|efficient|math`` (only that SDPA backend, through ``torch.nn.attention.sdpa_kernel``),
 ``--lora-compute base|upcast`` (upcast: peft's own forward, the step as first built), ``--compile
-auto|on|off``, ``--gradient-checkpointing all|none|auto|N``, ``--batch B`` videos per forward; ``--images``
+auto|on|off``, ``--gradient-checkpointing all|none|auto|N``, ``--fp32-residual auto|on|off`` (``off``: DiffSynth's
+forward, the residual stream in the model's dtype), ``--batch B`` videos per forward; ``--images``
 drops the video row. The defaults are the training command's own: every block recomputed, where the launchers'
 presets train ``auto`` (the fewest blocks that fit the GPU, resolved by the training's rule; none on an
 H100 or H200), so pass ``--gradient-checkpointing auto`` to time what a preset run does.
@@ -31,7 +32,7 @@ Full size, on a CUDA GPU only (it refuses otherwise, exit 2): a randomly initial
 (``models.pipeline.TI2V_5B_DIT``) trained from cache-like inputs (latents 48x5x44x80, context 512x4096), the
 same three rows, or with ``--cases`` the speed issue's table, each case in a process of its own so that
 memory figures and compile caches do not mix (as built = peft's upcasting LoRA, every block checkpointed, not
-compiled; each case changes what its label says):
+compiled, DiffSynth's forward with the residual stream in the model's dtype; each case changes what its label says):
 
     python benchmarks/bench_cache.py --full-size [--mixed-precision bf16 --attention cudnn --compile on
                                      --gradient-checkpointing 20 --lora-compute base --images --image-batch 5]
@@ -80,9 +81,10 @@ from step_timing import (ATTENTION_CHOICES, Batches, Feed, Geometry, Setting, bu
 NO_CUDA = ("--full-size needs a CUDA GPU (the random 5B DiT is built in fp32, about 20 GB, then cast; a step "
            "without checkpointing needs about 40 GB); none is visible here. Run without --full-size for the tiny "
            "model on this machine.")
-SETTING_FLAGS = ("attention", "lora_compute", "compile", "gradient_checkpointing")
+SETTING_FLAGS = ("attention", "lora_compute", "compile", "gradient_checkpointing", "fp32_residual")
 
-AS_BUILT = {"lora_compute": "upcast", "gradient_checkpointing": "all", "compile": "off", "attention": "auto"}
+AS_BUILT = {"lora_compute": "upcast", "gradient_checkpointing": "all", "compile": "off", "attention": "auto",
+            "fp32_residual": "off"}
 NEW_STEP = {"lora_compute": "base", "compile": "on"}
 # (label, changes to the step as it was built, kind); images per forward: 1, or --image-batch for "batched".
 CASES = [
@@ -95,6 +97,9 @@ CASES = [
     ("base dtype + compiled, none checkpointed", {**NEW_STEP, "gradient_checkpointing": "none"}, "video"),
     ("fp16 + efficient + compiled (a V100's path)", {**NEW_STEP, "mixed_precision": "fp16",
                                                      "attention": "efficient"}, "video"),
+    ("... with the fp32 residual stream (a V100's path now)",
+     {**NEW_STEP, "mixed_precision": "fp16", "attention": "efficient", "fp32_residual": "on"}, "video"),
+    ("base dtype + compiled, fp32 residual stream", {**NEW_STEP, "fp32_residual": "on"}, "video"),
     ("1 image per forward, as built", {}, "image"),
     ("{n} images per forward, as built", {}, "batched"),
     ("{n} images per forward, base dtype + compiled (new defaults)", NEW_STEP, "batched"),
@@ -123,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--gradient-checkpointing", metavar="all|none|auto|N",
                       help="blocks that recompute in backward: every one (default, as the training's own), none, "
                            "auto (the fewest that fit this GPU: what the presets train), the first N")
+    step.add_argument("--fp32-residual", choices=("auto", "on", "off"),
+                      help="as the training's --fp32_residual: the DiT's time embedding, modulation and residual "
+                           "stream in fp32 (auto, default: under fp16 and bf16), or DiffSynth's forward (off)")
     step.add_argument("--batch", type=int, default=1, help="videos per forward (default 1)")
     step.add_argument("--images", action="store_true", help="time images only (1280x704x1 each), no video row")
     step.add_argument("--image-batch", type=int, help="images per forward (default: as many tokens as --batch "
@@ -181,7 +189,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def setting_from(args, **changes) -> Setting:
     chosen = {name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name, None) is not None}
-    defaults = {"attention": "auto", "lora_compute": "base", "compile": "auto", "gradient_checkpointing": "all"}
+    defaults = {"attention": "auto", "lora_compute": "base", "compile": "auto", "gradient_checkpointing": "all",
+                "fp32_residual": "auto"}
     return Setting(**{**defaults, "mixed_precision": args.mixed_precision, **chosen, **changes})
 
 

@@ -46,6 +46,7 @@ class Setting:
     lora_compute: str = "base"
     compile: str = "off"
     gradient_checkpointing: str = "all"
+    fp32_residual: str = "auto"   # --fp32_residual: the DiT's residual stream in fp32 (auto: under fp16 and bf16)
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def training_options(setting: Setting, lora_rank: int) -> argparse.Namespace:
 
     return argparse.Namespace(**{**DEFAULTS, "mixed_precision": setting.mixed_precision, "lora_rank": lora_rank,
                                  "gradient_checkpointing": setting.gradient_checkpointing,
-                                 "compile": setting.compile})
+                                 "compile": setting.compile, "fp32_residual": setting.fp32_residual})
 
 
 def random_dit_pipeline(dit_config: dict):
@@ -165,7 +166,7 @@ def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun
 
     from diffsynth_mbc.training.distributed.accelerator import start_accelerator
     from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
-    from diffsynth_mbc.training.plan.step_choices import step_choices
+    from diffsynth_mbc.training.plan.step_choices import residual_choice, step_choices
 
     options = training_options(setting, lora_rank)
     status = BenchStatus()
@@ -179,7 +180,8 @@ def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun
         pipe, lora_target_modules=options.lora_target_modules, lora_rank=options.lora_rank,
         lora_alpha=options.lora_alpha, use_gradient_checkpointing=options.use_gradient_checkpointing,
         max_timestep_boundary=options.max_timestep_boundary, min_timestep_boundary=options.min_timestep_boundary,
-        recompute_blocks=recompute, compile_blocks=compile_blocks, lora_compute=setting.lora_compute)
+        recompute_blocks=recompute, compile_blocks=compile_blocks, lora_compute=setting.lora_compute,
+        fp32_residual=residual_choice(options, status, accelerator.mixed_precision))
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=options.weight_decay)
     module, optimizer = accelerator.prepare(module, optimizer)
@@ -195,6 +197,7 @@ def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun
             "num_blocks": len(pipe.dit.blocks), "gradient_checkpointing_reason":
             status.state.get("gradient_checkpointing_reason"), "compile_reason": status.state.get("compile_reason"),
             "lora_compute": setting.lora_compute, "lora_rank": lora_rank,
+            "fp32_residual": status.state.get("fp32_residual"),
             "lora_parameters": sum(p.numel() for p in trainable), "dit_parameters": dit_parameters,
             "dit_layers": len(pipe.dit.blocks), "dit_dim": pipe.dit.dim}
     return run, info

@@ -244,7 +244,12 @@ STATUS_SCHEMA: dict[str, Field] = {field.name: field for field in every_file(
     # checkpoints and resumes
     Field("last_checkpoint", str),
     Field("last_checkpoint_step", int),
-    Field("resumed_with_changes", ListOf(str)),  # --force_resume: what differed from the checkpoint
+    Field("resumed_with_changes", ListOf(str)),
+    # --fp32_residual: the DiT's residual stream in fp32, and why (training/plan/residual_policy.py)
+    Field("fp32_residual", bool),
+    Field("fp32_residual_reason", str),
+    # the largest residual magnitude the DiT's blocks wrote (a number, or "inf"/"nan" once the stream overflowed)
+    Field("largest_residual", object),  # --force_resume: what differed from the checkpoint
     # a cache rank: rows done and of its share, rows/s, rows that could not be read or encoded and the last reason
     Field("cache_dir", str, CACHE_ONLY),
     Field("rows_done", int, CACHE_ONLY),

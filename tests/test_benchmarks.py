@@ -110,3 +110,22 @@ def test_the_rows_benchmark_times_every_bucket_stage_and_mode_and_the_evaluation
     assert all(extras[key] > 0 for key in ("health_record_s", "val_sample_s", "val_sample_lora_s", "sample_clip_s"))
     assert extras["val_sample_lora_s"] < extras["val_sample_s"]   # the LoRA's pass is half of LoRA + base
     assert "default" in done.stdout and "sample_clip_s" in done.stdout
+
+
+def test_the_fp32_residual_benchmark_shows_the_overflow_the_parity_and_what_backward_keeps(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_fp32_residual
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    out = tmp_path / "residual.json"
+    assert bench_fp32_residual.main(["--models", "tiny_massive", "--runs", "1", "--json", str(out)]) == 0
+    rows = {(row["precision"], row["fp32_residual"]): row for row in json.loads(out.read_text())["results"][0]["rows"]}
+    assert not rows[("fp16", False)]["finite"] and rows[("fp16", False)]["largest_residual"] == float("inf")
+    assert rows[("fp16", True)]["finite"] and rows[("fp16", True)]["prediction_error"] < 0.005
+    assert rows[("fp16", True)]["largest_residual"] > 65504
+    for precision in ("fp16", "bf16"):   # the fp32 stream keeps its three norms' inputs in fp32: 2 bytes more each
+        kept = {on: rows[(precision, on)]["saved_bytes_per_token_block"] for on in (False, True)}
+        extra = kept[True] - kept[False]
+        assert 2.5 * 64 * 2 < extra < 3.5 * 64 * 2, extra
+    assert "tiny_massive  fp16      model      non-finite non-finite" in capsys.readouterr().out

@@ -312,6 +312,23 @@ def metadata_check(options, quick: bool) -> tuple[Check, tuple[int, int] | None]
     return Check("metadata", OK, f"{counted}; the first {first} decode {at}"), media
 
 
+def frame_rate_check(options, media: tuple[int, int] | None) -> Check:
+    """The clips' frame rates (the metadata's fps column, from ``convert --probe``) and what the run does with them;
+    a warning when clips train at a rate off the model's 24 fps (their motion sped up or slowed)."""
+    from diffsynth_mbc.data.media.frame_selection import MODEL_FPS, describe_frame_rates, rates_off_the_model
+    from diffsynth_mbc.training.plan.run_length import metadata_media
+
+    if not media or not media[0]:
+        return Check("frame rates", SKIP, "no clips in the metadata")
+    found = metadata_media(options.dataset_metadata_path)
+    detail = describe_frame_rates(found.frame_rates, found.unknown_rate, options.source_fps, options.num_frames)
+    detail = detail.removeprefix("frame rates: ")
+    known = found.frame_rates or options.source_fps is not None
+    if known and rates_off_the_model(found.frame_rates, options.source_fps):
+        return Check("frame rates", WARN, detail, f"--source_fps {MODEL_FPS:g} (the presets set it)")
+    return Check("frame rates", OK, detail)
+
+
 def ffmpeg_needed_by(options) -> list[str]:
     """What in this run calls ffmpeg: writing sample clips, DiffSynth's own reader. The fast decoder (PyAV) needs
     it only for the odd clip it cannot show as ffmpeg does."""

@@ -115,7 +115,7 @@ def run_checks(ours, options) -> dict:
     found = [checks.gpu_check(target), checks.arch_check(target), precision_check,
              checks.nccl_check(target, ours.quick), checks.shm_check(options), checks.open_files_check(),
              *disk.disk_checks(options, media, ours.cached), checks.model_check(options), metadata_check,
-             checks.ffmpeg_check(options)]
+             checks.frame_rate_check(options, media), checks.ffmpeg_check(options)]
     estimated, memory_detail, speed, assumptions = estimate_run(options, ours, target, precision, media)
     found += estimated
     exit_code = 1 if any(c.status == FAIL for c in found) else 0

@@ -95,7 +95,26 @@ def probe_lines(probe: dict | None) -> list[str]:
                      f"{figure['steps_timed']} steps of {figure['samples_per_step']:g} samples (after "
                      f"{figure['warmup_steps']} warm-up: {', '.join(f'{s:.2f}' for s in figure['first_steps_s'])} s)"
                      f"{memory_text}{encode}")
+        residual = residual_line(figure)
+        if residual:
+            lines.append(f"    {residual}")
     return lines + projection_lines(probe.get("projection"))
+
+
+def residual_line(figure: dict) -> str | None:
+    """The largest residual magnitude the probe's steps wrote, against fp16's 65,504."""
+    largest, headroom = figure.get("largest_residual"), figure.get("fp16_headroom")
+    if largest is None:
+        return None
+    stream = "fp32" if figure.get("fp32_residual") else "the model's dtype"
+    if headroom is None:
+        return (f"largest residual magnitude: {largest} (the residual stream, in {stream}, overflowed): "
+                "--fp32_residual on keeps it in fp32")
+    where = (f"{headroom:.1f}x headroom below fp16's 65,504" if headroom >= 1
+             else f"{1 / headroom:.2f}x past fp16's 65,504" + (", held by the fp32 residual stream"
+                                                               if figure.get("fp32_residual") else
+                                                               ": fp16 overflows here without --fp32_residual on"))
+    return f"largest residual magnitude: {largest:,.0f} ({where}; the stream in {stream})"
 
 
 def check_line(c: dict) -> str:

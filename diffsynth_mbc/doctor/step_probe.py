@@ -9,8 +9,10 @@ removed afterwards: nothing reaches the run's output, log or checkpoint folders.
 cache first builds a cache of each subset with ``python -m diffsynth_mbc.cache``, which measures the
 encoding rate too. The first step(s) of each run are left out of the timing (model warm-up, compilation).
 Read back: the rank's history ``training_gpu0.jsonl`` (``step_time_s``, ``samples`` per optimizer step)
-and status file ``training_gpu0.json`` (the GPU's peak allocated memory); on the CPU the process's peak
-resident memory.
+and status file ``training_gpu0.json`` (the GPU's peak allocated memory, the largest residual magnitude the DiT's
+blocks wrote and whether the stream was fp32); on the CPU the process's peak resident memory. The largest residual
+is said against fp16's 65,504: the headroom a run in fp16 has, or how far past it the stream goes (fine with the fp32
+residual stream, inf/NaN without it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from diffsynth_mbc.training.plan import estimates
 from diffsynth_mbc import environment
 from diffsynth_mbc.run_layout import CACHE_SUMMARY, history_path, status_path
 from diffsynth_mbc.training.plan import run_length
+from diffsynth_mbc.training.plan.residual_policy import FP16_MAX
+from diffsynth_mbc.values import finite_number
 
 LOG_TAIL = 3000
 WARMUP_STEPS = 2   # left out of the timing: the first steps load kernels, autotune and compile
@@ -186,7 +190,17 @@ def summarise(run: dict, warmup: int, distinct_rows: int, encode_seconds: float 
             "peak_rss_mb": None if run["rss"] is None else round(run["rss"] / 2**20),
             "mixed_precision": run["status"].get("mixed_precision"),
             "attention_kernel": run["status"].get("attention_kernel"),
+            **residual_figures(run["status"]),
             "encode_seconds_per_row": None if encode_seconds is None else round(encode_seconds, 4)}
+
+
+def residual_figures(status: dict) -> dict:
+    """The largest residual magnitude the run's blocks wrote (a number, or "inf"/"nan": the stream overflowed), fp16's
+    headroom over it (65,504 / it: below 1 is past fp16's range) and whether the stream was fp32."""
+    largest = status.get("largest_residual")
+    number = finite_number(largest)
+    return {"largest_residual": largest, "fp32_residual": status.get("fp32_residual"),
+            "fp16_headroom": None if not number else round(FP16_MAX / number, 3)}
 
 
 def probe_report(ours, options, result: dict) -> dict:

@@ -146,3 +146,24 @@ def build_demo_pipeline(device: str = "cpu", torch_dtype: torch.dtype = torch.fl
     finally:
         torch.random.set_rng_state(generator_state)
     return pipe.to(device=device, dtype=torch_dtype)
+
+
+def plant_massive_activations(dit: WanModel, channels: tuple[int, ...] = (3, 40), peak: float = 80000.0,
+                              gate: float = 2.0) -> float:
+    """Drive a few residual channels of ``dit`` past fp16's range (65,504), as a DiT's massive activations are: every
+    block's FFN writes the same value into each of ``channels`` of every token and its gate scales it by ``gate`` (the
+    FFN's output rows and the time projection's gate rows for those channels zeroed, so the sum is exact), so the
+    residual stream there grows by ``peak / blocks`` per block and ends at about ``peak``. Each block's FFN output and
+    each add fit fp16; their sum over the blocks does not. Returns what each FFN writes. A test model: in fp16 the
+    forward must keep the residual stream in fp32 to stay finite (``training/step/fp32_residual.py``)."""
+    gate_chunk = 5   # DiffSynth's DiTBlock splits its modulation into shift, scale, gate (attention), shift, scale, gate
+    ffn_bias = peak / (len(dit.blocks) * gate)
+    rows = [gate_chunk * dit.dim + channel for channel in channels]
+    with torch.no_grad():
+        for block in dit.blocks:
+            block.ffn[2].weight[list(channels), :] = 0
+            block.ffn[2].bias[list(channels)] = ffn_bias
+            block.modulation[0, gate_chunk, list(channels)] = gate
+        dit.time_projection[1].weight[rows, :] = 0
+        dit.time_projection[1].bias[rows] = 0
+    return ffn_bias

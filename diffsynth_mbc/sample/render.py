@@ -1,8 +1,9 @@
 """The models of a sweep, loaded once per invocation, and each LoRA file's weights swapped in without reloading them.
 
 The pipeline is the training's (the demo's seeded tiny model, or the release from ``--model_dir``/``--model_id``, in
-the dtype the run's precision gives), wrapped in the training's LoRA module (``lora_module``: the run's options with the
-file's rank, alpha, targets and variant); a file's weights load into its LoRA (or DoRA) layers (``training/lora/load_file.py``). Clips come
+the dtype the run's precision gives, its residual stream in fp32 where the run's ``--fp32_residual`` chooses it),
+wrapped in the training's LoRA module (``lora_module``: the run's options with the file's rank, alpha, targets and
+variant); a file's weights load into its LoRA (or DoRA) layers (``training/lora/load_file.py``). Clips come
 from the training's own sampler (``sample_clips.generate_clip``), at a strength by ``lora_strength`` (0: the base model,
 bit for bit). The validation is the training's ``Validator`` on the same module: the LoRA as loaded, and the base with
 the LoRA off.
@@ -100,6 +101,7 @@ class Renderer:
         from diffsynth_mbc.gpu import torch_dtype
         from diffsynth_mbc.models.pipeline import build_demo_pipeline, load_pipeline
         from diffsynth_mbc.training.lora.module import lora_module
+        from diffsynth_mbc.training.plan.residual_policy import decide_fp32_residual
 
         options, device = self.options, str(self.accelerator.device)
         self.module = None   # the previous model's memory first
@@ -110,7 +112,9 @@ class Renderer:
                                  torch_dtype=torch_dtype(self.accelerator.mixed_precision))
         try:
             module = lora_module(pipe, options.replace(lora_rank=rank, lora_alpha=alpha, lora_target_modules=targets,
-                                                       lora_variant=variant, use_gradient_checkpointing=False))
+                                                       lora_variant=variant, use_gradient_checkpointing=False),
+                                 fp32_residual=decide_fp32_residual(options.fp32_residual,
+                                                                    self.accelerator.mixed_precision).on)
         except ValueError as exc:   # peft refusing the file's targets on this model
             raise LoraFileError(f"the LoRA of {path} cannot be put on the model ({exc})") from None
         module.to(self.accelerator.device)

@@ -139,7 +139,7 @@ class TrainingRecipe:
         from diffsynth_mbc.training.evaluation.validation import Validator
         from diffsynth_mbc.training.lora.init_from_file import start_from_lora
         from diffsynth_mbc.training.lora.module import lora_module
-        from diffsynth_mbc.training.plan.step_choices import step_choices
+        from diffsynth_mbc.training.plan.step_choices import residual_choice, step_choices
         from diffsynth_mbc.training.step.timestep_sampling import sampler_from_options
 
         options, status = self.options, self.status
@@ -156,7 +156,8 @@ class TrainingRecipe:
                                  accelerator.process_index)
         recompute, compile_blocks = step_choices(options, status, accelerator, len(pipe.dit.blocks))
         module = lora_module(pipe, options, recompute_blocks=recompute, compile_blocks=compile_blocks,
-                             timestep_sampler=sampler_from_options(options, pipe.scheduler.shift))
+                             timestep_sampler=sampler_from_options(options, pipe.scheduler.shift),
+                             fp32_residual=residual_choice(options, status, accelerator.mixed_precision))
         start_from_lora(module, options, status)   # --init_lora: before accelerate wraps it (DDP, ZeRO-2 copy it then)
         return dataset, validator, module
 
@@ -261,7 +262,8 @@ class TrainingRecipe:
             print(f"step plan: {parts.plan.describe()}", file=sys.stderr)
             for line in parts.plan.describe_buckets() + parts.plan.describe_stages():
                 print(line, file=sys.stderr)
-            print(f"precision: {status.state.get('precision_reason')}", file=sys.stderr)
+            print(f"precision: {status.state.get('precision_reason')}; {status.state.get('fp32_residual_reason')}",
+                  file=sys.stderr)
             print(f"{parts.model.blocks.describe()} ({status.state.get('gradient_checkpointing_reason')}; "
                   f"{status.state.get('compile_reason')})", file=sys.stderr)
         announce_recipe(options, status, main)   # what changes what is trained: the status file, and once here
@@ -288,7 +290,9 @@ class TrainingRecipe:
             if parts.plan.stages else None
         components = [
             EmaUpdates(parts.ema, status, main) if parts.ema is not None else None,
-            NonFiniteGuard(options.max_nonfinite_steps, accelerator.mixed_precision, status),
+            NonFiniteGuard(options.max_nonfinite_steps, accelerator.mixed_precision, status,
+                           fp32_residual=bool(status.state.get("fp32_residual")),
+                           largest_residual=parts.model.blocks.take_largest_residual),
             StepProgress(logger, accelerator),
             BestLora(options, status, self.write_lora, main, stages.ends if stages else (),
                      [row["size"] for row in stages.rows] if stages else ()) if self.validator else None,

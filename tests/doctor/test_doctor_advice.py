@@ -39,11 +39,12 @@ def speed_check(options, cached):
 
 
 def test_every_block_recomputed_on_v100s_gets_auto_as_the_faster_fix():
-    """All 30 blocks recomputed: 3.42 s/step; auto recomputes 10 and takes 2.81 (10.7 days against 9.1)."""
+    """All 30 blocks recomputed: 3.54 s/step; auto recomputes 12 (10 with the residual stream in fp16, which fp16's
+    range does not hold) and takes 2.97 (11.2 days against 9.7)."""
     options = resolve_options(["--config", FULL, "--gradient_checkpointing", "all"])
     check = speed_check(options, cached=True)
     assert check.status == checks.WARN and "30 of 30 blocks recomputed" in check.detail
-    assert check.fix.startswith("--gradient_checkpointing auto: ") and "10 of 30 blocks recomputed" in check.fix
+    assert check.fix.startswith("--gradient_checkpointing auto: ") and "12 of 30 blocks recomputed" in check.fix
     (flags, faster), = advice.faster_settings(options, estimate_on_the_team_box(True)(options),
                                               estimate_on_the_team_box(True), int(32 * GIB))
     slow = estimate_on_the_team_box(True)(options)

@@ -91,3 +91,16 @@ def test_the_launchers_quick_preflight_imports_no_torch_on_a_machine_without_a_g
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.stdout.split() == ["0", "False"], result.stderr
     assert "skip: torch kernels: torch " in (tmp_path / "d.log").read_text()
+
+
+def test_the_frame_rate_check_names_the_rates_and_warns_when_clips_train_off_the_models_24_fps(tmp_path):
+    metadata = tmp_path / "metadata.csv"
+    metadata.write_text("video,prompt,media_type,fps\n" + "v/a.mp4,a clip,video,29.97\n" * 2
+                        + "i/0.png,an image,image,\n")
+    preset = ["--config", str(REPO / "configs" / "train_full.yaml"), "--dataset_metadata_path", str(metadata)]
+    on_24 = checks.frame_rate_check(resolve_options(preset), (2, 1))
+    assert on_24.status == checks.OK and on_24.detail.startswith("clips at 29.97 fps (2) put on the 24 fps timeline")
+    own = checks.frame_rate_check(resolve_options([*preset, "--source_fps", "none"]), (2, 1))
+    assert own.status == checks.WARN and "train at their own rates" in own.detail
+    assert own.fix == "--source_fps 24 (the presets set it)"
+    assert checks.frame_rate_check(resolve_options(preset), (0, 1)).status == checks.SKIP

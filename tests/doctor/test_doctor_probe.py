@@ -31,6 +31,9 @@ def test_the_probe_measures_clips_and_images_apart_and_projects_the_run(tmp_path
         assert figure["seconds_per_step"] > 0 and figure["steps_timed"] == 2 and figure["warmup_steps"] == 2
         assert figure["samples_per_step"] == 1 and figure["peak_rss_mb"] > 100 and figure["max_allocated_mb"] is None
         assert figure["mixed_precision"] == "no"   # the run's own choice on the CPU
+        # the largest residual magnitude the DiT's blocks wrote, against fp16's limit (fp32 here: the stream too)
+        assert 0 < figure["largest_residual"] < 65504 and figure["fp32_residual"] is False
+        assert figure["fp16_headroom"] == pytest.approx(65504 / figure["largest_residual"], rel=1e-3)
     assert probe["measured"]["image"]["distinct_rows"] == 2   # 4 rows wanted, 2 images: repeated
     projected = probe["projection"]
     assert projected["kind"] == "measured" and projected["videos"] == 3 and projected["images"] == 2

@@ -28,3 +28,23 @@ def test_the_encode_rate_runs_from_the_first_encoded_row_to_the_last():
                                    "first_row_done_s": 4.9, "last_row_done_s": 4.9}) == pytest.approx(1.0)
     assert encode_seconds_per_row({"written": 4, "seconds": 9.6, "model_load_seconds": 4.0}) == pytest.approx(1.4)
     assert encode_seconds_per_row({"written": 0, "seconds": 4.1, "model_load_seconds": 4.0}) is None
+
+
+def test_the_largest_residual_is_read_back_with_fp16s_headroom_and_said():
+    from diffsynth_mbc.doctor.report import residual_line
+
+    steps = [{"step_time_s": 0.3, "samples": 1}] * 3
+    for largest, fp32, headroom, said in (
+            (12000.0, False, 5.459, "largest residual magnitude: 12,000 (5.5x headroom below fp16's 65,504; the "
+                                    "stream in the model's dtype)"),
+            (80000.0, True, 0.819, "largest residual magnitude: 80,000 (1.22x past fp16's 65,504, held by the fp32 "
+                                   "residual stream; the stream in fp32)"),
+            (80000.0, False, 0.819, "largest residual magnitude: 80,000 (1.22x past fp16's 65,504: fp16 overflows "
+                                    "here without --fp32_residual on; the stream in the model's dtype)"),
+            ("inf", False, None, "largest residual magnitude: inf (the residual stream, in the model's dtype, "
+                                 "overflowed): --fp32_residual on keeps it in fp32")):
+        figure = summarise({"steps": steps, "status": {"largest_residual": largest, "fp32_residual": fp32},
+                            "rss": None}, 1, 1, None)
+        assert figure["largest_residual"] == largest and figure["fp16_headroom"] == headroom
+        assert residual_line(figure) == said
+    assert residual_line(summarise({"steps": steps, "status": {}, "rss": None}, 1, 1, None)) is None

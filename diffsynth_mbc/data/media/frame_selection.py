@@ -19,6 +19,10 @@ A timeline shorter than ``num_frames`` follows ``--short_clips``:
   --reject_short`` rejects such clips before training, with the reason.
 
 Every position is a source frame index; a reader decodes up to the last one and keeps only those.
+
+Wan2.2-TI2V-5B generates 24 fps (``MODEL_FPS``): a LoRA trained on 29.97 fps clips at their own rate learns motion
+that plays at 0.80x speed in its 24 fps output, and 15 fps clips at 1.6x. ``describe_frame_rates`` says, for the plan
+and the doctor, which rates the catalogue holds and what the run does with them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from dataclasses import asdict, dataclass
 
 FRAME_SAMPLING = ("head", "uniform", "random_window")
 SHORT_CLIPS = ("shorten", "loop", "skip")
+MODEL_FPS = 24.0   # the frame rate Wan2.2-TI2V-5B generates at
+RATES_NAMED = 4    # the most common frame rates a description names; the rest are counted together
 
 
 def frames_to_use(available: int, wanted: int, division: int = 4, remainder: int = 1) -> int:
@@ -149,3 +155,48 @@ def frames_needed(wanted: int, fps: float | None, source_fps: float | None) -> i
     while len(timeline(available, fps, source_fps)) < wanted:
         available += 1
     return available
+
+
+def describe_frame_rates(rates: dict, unknown: int, source_fps: float | None, num_frames: int) -> str | None:
+    """One line for the plan and the doctor: the clips' frame rates (``rates``: fps -> clips, from the metadata's fps
+    column; ``unknown``: clips without one) and what the run does with them, e.g. ``frame rates: clips at 29.97 fps
+    (78,112) and 25 fps (1,888) put on the 24 fps timeline (--source_fps 24): 17 frames span 0.67 s``. None without
+    clips."""
+    if not rates and not unknown:
+        return None
+    unknown_note = (f"; {unknown:,} clip(s) of no recorded rate (python -m diffsynth_mbc.convert --probe records "
+                    "each clip's)" if rates and unknown else "")
+    if source_fps is not None:
+        listed = f"clips at {_rates_listed(rates)}" if rates else f"{unknown:,} clips (rates not in the metadata)"
+        played = (f" (Wan2.2-TI2V-5B generates {MODEL_FPS:g} fps: their motion plays at {MODEL_FPS / source_fps:.2f}x "
+                  "speed there)" if abs(source_fps - MODEL_FPS) > 1e-6 else "")
+        return (f"frame rates: {listed} put on the {source_fps:g} fps timeline (--source_fps {source_fps:g}): "
+                f"{num_frames} frames span {(num_frames - 1) / source_fps:.2f} s{played}{unknown_note}")
+    advice = f"--source_fps {MODEL_FPS:g} puts them on the timeline of Wan2.2-TI2V-5B, which generates {MODEL_FPS:g} fps"
+    if not rates:
+        return (f"frame rates: not in the metadata for {unknown:,} clips (python -m diffsynth_mbc.convert --probe "
+                f"records them); each trains at its own rate (no --source_fps); {advice}")
+    named = _most_common(rates)
+    spans = ", ".join(f"{(num_frames - 1) / fps:.2f} s at {fps:g} fps" for fps, _ in named)
+    speeds = ", ".join(f"{MODEL_FPS / fps:.2f}x ({fps:g} fps)" for fps, _ in named)
+    return (f"frame rates: clips at {_rates_listed(rates)} train at their own rates (no --source_fps): {num_frames} "
+            f"frames span {spans}; at {MODEL_FPS:g} fps their motion plays at {speeds} speed; {advice}{unknown_note}")
+
+
+def rates_off_the_model(rates: dict, source_fps: float | None, tolerance: float = 0.02) -> bool:
+    """Whether the clips train at a rate more than ``tolerance`` away from the model's 24 fps (motion sped up or slowed
+    in what the LoRA learns)."""
+    used = [source_fps] if source_fps is not None else list(rates)
+    return any(abs(fps / MODEL_FPS - 1) > tolerance for fps in used)
+
+
+def _most_common(rates: dict) -> list:
+    return sorted(rates.items(), key=lambda item: (-item[1], item[0]))[:RATES_NAMED]
+
+
+def _rates_listed(rates: dict) -> str:
+    named = [f"{fps:g} fps ({clips:,})" for fps, clips in _most_common(rates)]
+    rest = sorted(rates.items(), key=lambda item: (-item[1], item[0]))[RATES_NAMED:]
+    if rest:
+        named.append(f"{len(rest)} other rates ({sum(clips for _, clips in rest):,})")
+    return named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]

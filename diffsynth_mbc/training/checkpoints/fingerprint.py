@@ -17,6 +17,7 @@ import os
 from diffsynth_mbc.data.media.frame_selection import frame_selection_from
 from diffsynth_mbc.training.lora.ema import fingerprint as ema_fingerprint
 from diffsynth_mbc.training.options.run_options import DECLARATIONS
+from diffsynth_mbc.training.plan.residual_policy import decide_fp32_residual
 
 # Settings a checkpoint must share with the run that resumes it (exact data position, weights and optimisation): the
 # options declared part of it (``fingerprint=True``, as a preset holds them), and what ``run_fingerprint`` works out.
@@ -24,10 +25,11 @@ OPTION_KEYS = tuple(name for name, declaration in DECLARATIONS.items() if declar
 FINGERPRINT_KEYS = OPTION_KEYS + (
     "world_size", "gradient_accumulation_steps", "metadata_sha256", "metadata_rows", "cache", "image_batch_size",
     "dataset_base_path", "mixed_precision", "timestep_boundaries", "dataset_repeats", "frames", "timestep_sampling",
-    "ema", "objective")
+    "ema", "objective", "fp32_residual")
 # What a checkpoint saved before a setting existed trained with: every sample conditioned on its first frame.
-# Before --buckets existed, everything trained at --height x --width.
-SAVED_BEFORE = {"objective": {"objective": "diffsynth", "i2v_probability": 1.0}, "buckets": "off"}
+# Before --buckets existed, everything trained at --height x --width; before --fp32_residual, DiffSynth's forward.
+SAVED_BEFORE = {"objective": {"objective": "diffsynth", "i2v_probability": 1.0}, "buckets": "off",
+                "fp32_residual": False}
 TIMESTEP_SETTINGS = ("timestep_sampling", "timestep_shift", "logit_mean", "logit_std", "sigmoid_scale",
                      "timestep_strata", "loss_weighting")   # how timesteps are drawn and the loss weighted
 
@@ -49,6 +51,8 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
         "timestep_sampling": {key: values[key] for key in TIMESTEP_SETTINGS},
         "ema": ema_fingerprint(options),
         "objective": {"objective": options.objective, "i2v_probability": options.i2v_probability},
+        # how the DiT computes: its residual stream in fp32 or in the model's dtype (the choice for this precision)
+        "fp32_residual": decide_fp32_residual(options.fp32_residual, precision).on,
     }
 
 

@@ -20,9 +20,9 @@ from diffsynth_mbc.training.checkpoints.row_sizes import changes_since, media_no
 from diffsynth_mbc.training.checkpoints.state import truncate_history
 from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
 
-# Settings only the prepared accelerator knows (the precision "auto" chooses, DeepSpeed's accumulation) or only
-# the opened dataset (its rows): compared when the checkpoint loads, not before.
-KNOWN_LATE = ("mixed_precision", "gradient_accumulation_steps", "metadata_rows")
+# Settings only the prepared accelerator knows (the precision "auto" chooses and the fp32 residual stream chosen for
+# it, DeepSpeed's accumulation) or only the opened dataset (its rows): compared when the checkpoint loads, not before.
+KNOWN_LATE = ("mixed_precision", "gradient_accumulation_steps", "metadata_rows", "fp32_residual")
 
 
 def refuse_early(options, run_id: str, world_size: int, report=None) -> Path | None:

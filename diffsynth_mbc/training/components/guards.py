@@ -7,7 +7,10 @@ stops, and a run whose missing files alone would go past it is refused before it
 losses were finite (one small all-reduce in the step, so all ranks skip together) and looks at the gradient norm, the
 same on every rank once gradients are averaged; a skipped step discards its gradients. Under fp16 a step whose
 gradients overflow is skipped by the loss scaler, which then lowers the scale; a few in a row at the start are normal
-while it settles.
+while it settles. A forward that overflows is another matter: fp16 ends at 65,504, a DiT's residual stream carries a
+few channels of very large activations, and with the stream in fp16 (``--fp32_residual off``) every forward gives
+inf/NaN; the guard keeps the largest residual magnitude the blocks wrote (``note_residual``) and its advice names the
+fp32 residual stream.
 """
 
 from __future__ import annotations
@@ -134,22 +137,39 @@ def is_finite(value) -> bool:
 
 
 class NonFiniteGuard(Component):
-    """Counts the steps skipped as non-finite; ``--max_nonfinite_steps`` of them in a row stop the run."""
+    """Counts the steps skipped as non-finite; ``--max_nonfinite_steps`` of them in a row stop the run.
+    ``largest_residual()``: the largest residual magnitude the DiT's blocks wrote since it was last asked
+    (``BlockRunner.take_largest_residual``)."""
 
     name = "nonfinite"
 
-    def __init__(self, max_in_a_row: int, precision: str, status=None):
+    def __init__(self, max_in_a_row: int, precision: str, status=None, fp32_residual: bool = False,
+                 largest_residual=None):
         self.max_in_a_row = max_in_a_row
         self.precision = precision
         self.status = status
         self.total = 0
         self.in_a_row = 0
         self.first_of_run: int | None = None
+        self.fp32_residual = fp32_residual   # the DiT's residual stream in fp32 (training/step/fp32_residual.py)
+        self.largest_residual: float | None = None   # the largest residual magnitude seen; inf/NaN once one overflowed
+        self.take_largest_residual = largest_residual
 
     def after_step(self, context: StepContext) -> None:
         result = context.result
+        if self.take_largest_residual is not None:
+            self.note_residual(self.take_largest_residual())
         if self.check(context.step, result.loss, result.grad_norm, result.skipped) or self.total:
             self.status.update(nonfinite_steps=self.total, nonfinite_in_a_row=self.in_a_row)
+        self.status.update(**self.residual_fields())
+
+    def note_residual(self, value: float | None) -> None:
+        """A step's largest residual magnitude (``BlockRunner.take_largest_residual``), kept when it is the run's
+        largest; a non-finite one is kept for good (the stream overflowed)."""
+        if value is None or (self.largest_residual is not None and not math.isfinite(self.largest_residual)):
+            return
+        if self.largest_residual is None or not math.isfinite(value) or value > self.largest_residual:
+            self.largest_residual = value
 
     def check(self, step: int, loss, grad_norm, skipped: bool | None = None) -> bool:
         """True when step ``step`` was non-finite (and so skipped); raises after too many in a row.
@@ -175,6 +195,7 @@ class NonFiniteGuard(Component):
         precision = {"no": "fp32"}.get(self.precision, self.precision)
         remedy = ["lower --learning_rate", "keep --max_grad_norm above 0"]
         if precision == "fp16":
+            remedy.insert(0, self.fp16_advice())
             remedy.append("use --mixed_precision bf16 on a GPU with native bf16, or fp32 (fp16 overflows where "
                           "activations exceed 65,504)")
         elif precision == "bf16":
@@ -184,3 +205,31 @@ class NonFiniteGuard(Component):
                 f"{what} ({loss!r} loss, {grad_norm!r} gradient norm) under {precision}; each was skipped, and the "
                 f"run stops here instead of training on garbage ({self.total} non-finite steps in all; "
                 f"--max_nonfinite_steps {self.max_in_a_row}). Remedies: " + "; ".join(remedy))
+
+    def fp16_advice(self) -> str:
+        """What to try first under fp16: the fp32 residual stream, or, with it on, what overflowed instead."""
+        seen = self.describe_residual()
+        if not self.fp32_residual:
+            return (f"the DiT's residual stream is fp16 here (--fp32_residual off; {seen}): a residual channel past "
+                    "65,504 turns every forward into inf/NaN, which the loss scaler cannot help (it scales gradients, "
+                    "not the forward); --fp32_residual on keeps the time embedding, modulation and residual stream in "
+                    "fp32 as Wan2.2's reference does (the default under fp16)")
+        return (f"the residual stream is fp32 already (--fp32_residual on; {seen}), so a block's own attention or FFN "
+                "output passed 65,504: python -m diffsynth_mbc.doctor --probe 20 shows the largest residual magnitude "
+                "on this GPU")
+
+    def describe_residual(self) -> str:
+        largest = self.largest_residual
+        if largest is None:
+            return "no residual magnitude seen yet"
+        if not math.isfinite(largest):
+            return f"the largest residual magnitude seen: {largest!r}, fp16's limit is 65,504"
+        return f"the largest residual magnitude seen: {largest:,.0f}, fp16's limit is 65,504"
+
+    def residual_fields(self) -> dict:
+        """``largest_residual`` for the status file: a number, or "inf"/"nan" once the stream overflowed (JSON has
+        neither); nothing before a block ran."""
+        largest = self.largest_residual
+        if largest is None:
+            return {}
+        return {"largest_residual": round(largest, 1) if math.isfinite(largest) else repr(largest)}

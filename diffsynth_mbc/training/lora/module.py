@@ -18,6 +18,7 @@ from diffsynth_mbc.models.wan_units import run_units, unit_inputs
 from diffsynth_mbc.training.lora.variants import add_dora
 from diffsynth_mbc.training.step.batch_loss import batch_loss
 from diffsynth_mbc.training.step.block_runner import BlockRunner
+from diffsynth_mbc.training.step.fp32_residual import keep_residual_in_fp32
 from diffsynth_mbc.training.step.lora_cast import compute_lora_in_base_dtype
 from diffsynth_mbc.training.step.micro_batch import latent_frames, pixel_shape
 from diffsynth_mbc.training.step.objective import (check_mode, check_objective, default_mode, first_frame_in_loss,
@@ -50,7 +51,9 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
     forward with DiffSynth's objective per sample (``step.batch_loss``). The LoRA weights stay fp32 and
     compute in the DiT's dtype (``step.lora_cast``; ``lora_compute="upcast"`` keeps peft's own forward, which
     casts the activations up to the LoRA weights' fp32, for comparison; DoRA layers, ``lora_variant="dora"``, always
-    compute that way); ``recompute_blocks`` of the DiT's blocks recompute
+    compute that way); ``fp32_residual`` keeps the DiT's time embedding, modulation and residual stream in fp32 while
+    its matmuls and attention run in its dtype, as Wan2.2's reference (``step.fp32_residual``); ``recompute_blocks`` of
+    the DiT's blocks recompute
     their activations in backward (``None``: all of them, as DiffSynth's checkpointing does), and
     ``compile_blocks`` compiles each block. A sample with ``"cached": True``
     (from ``CachedLatentDataset``) skips the encoders: ``inputs_from_cache`` builds the same inputs from
@@ -63,7 +66,7 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
                  max_timestep_boundary: float = 1.0, min_timestep_boundary: float = 0.0,
                  recompute_blocks: int | None = None, compile_blocks: bool = False, lora_compute: str = "base",
                  timestep_sampler: TimestepSampler | None = None, loss_weighting: str = "diffsynth",
-                 lora_variant: str = "lora", objective: str = "modes"):
+                 lora_variant: str = "lora", objective: str = "modes", fp32_residual: bool = False):
         super().__init__()
         check_objective(objective, 1.0)
         if lora_compute not in ("base", "upcast"):
@@ -79,6 +82,8 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
                           lora_rank=lora_rank, lora_alpha=lora_alpha, upcast_dtype=lora_dtype)
         if lora_compute == "base":
             compute_lora_in_base_dtype(pipe.dit)
+        if fp32_residual:   # before the blocks compile: they compile with this forward
+            keep_residual_in_fp32(pipe.dit)
         self.pipe = pipe
         if recompute_blocks is None:
             recompute_blocks = len(pipe.dit.blocks) if use_gradient_checkpointing else 0

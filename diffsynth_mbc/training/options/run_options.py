@@ -27,6 +27,7 @@ from diffsynth_mbc.training.options.declaration import (CAPTIONS, CHECKPOINTS, D
                                                         declared, option)
 from diffsynth_mbc.training.options.flag_values import module_names, parse_bool, quantiles, validations_or_off
 from diffsynth_mbc.training.plan.evaluation_cost import HEALTH_STEPS
+from diffsynth_mbc.training.plan.residual_policy import CHOICES as RESIDUAL_CHOICES
 
 REQUIRED = "required, unless --datasets lists the catalogues"
 
@@ -142,6 +143,10 @@ class TrainOptions:
         unset="all, or none with --use_gradient_checkpointing false")
     compile: str = option(OPTIMISATION, "auto", "torch.compile each DiT block: auto (on CUDA GPUs where torch can "
                           "compile for them, off on the CPU), on, off", choices=("auto", "on", "off"))
+    fp32_residual: str = option(OPTIMISATION, "auto", "keep the DiT's time embedding, modulation and residual stream "
+                                "in fp32 while its matmuls and attention run in fp16/bf16, as Wan2.2's reference does "
+                                "(fp16's residual stream overflows at 65,504 otherwise): auto (on under fp16 and bf16, "
+                                "off under fp32), on, off (DiffSynth's forward as it is)", choices=RESIDUAL_CHOICES)
     use_gradient_checkpointing_offload: bool = option(OPTIMISATION, False, "true: the recomputed blocks' inputs wait "
                                                       "in CPU memory (DiffSynth's offload)", parse=parse_bool)
     max_timestep_boundary: float = option(OPTIMISATION, 1.0, "the highest noise level trained, as a share of "

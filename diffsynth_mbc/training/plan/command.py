@@ -190,8 +190,18 @@ def projection_of(options, plan, cached: bool, assume: str | None, nodes: int):
     return run.projection, ""
 
 
+def frame_rate_line(options) -> str | None:
+    """The clips' frame rates the metadata records and what the run does with them (``--source_fps``); None without
+    clips."""
+    from diffsynth_mbc.data.media.frame_selection import describe_frame_rates
+    from diffsynth_mbc.training.plan.run_length import metadata_media
+
+    media = metadata_media(options.dataset_metadata_path)
+    return describe_frame_rates(media.frame_rates, media.unknown_rate, options.source_fps, options.num_frames)
+
+
 def plan_lines(options, plan) -> list[str]:
-    """The step plan in full: rows, catalogues, GPUs, batches, steps, modes, precision."""
+    """The step plan in full: rows, catalogues, GPUs, batches, steps, modes, frame rates, precision."""
     repeat = "repeats per catalogue" if plan.datasets else f"repeat {plan.repeat}"
     kinds = f" ({plan.videos:,} videos + {plan.images:,} images)" if plan.images else ""
     lines = [f"step plan: {options.dataset_metadata_path}",
@@ -208,6 +218,7 @@ def plan_lines(options, plan) -> list[str]:
         f"{plan.steps_per_epoch:,} optimizer steps per GPU per epoch",
         f"  epochs {plan.num_epochs} -> {plan.total_steps:,} steps in total (every GPU runs these)",
         f"  {plan.describe_modes()}",
+        *[f"  {line}" for line in (frame_rate_line(options),) if line],
         *[f"  {line}" for line in plan.describe_buckets()],
         *[f"  {line}" for line in plan.describe_stages()],
         f"  precision {precision.get(options.mixed_precision, options.mixed_precision)} "
@@ -223,9 +234,9 @@ def projection_lines(run, unknown: str) -> list[str]:
             + ["  (where each figure comes from: python -m diffsynth_mbc.doctor with the same flags)"])
 
 
-def brief_lines(plan, run, unknown: str, width: int = 80) -> list[str]:
-    """What the launchers show of the plan, each line within ``width`` columns: the totals, the modes and the
-    projected length (the full plan goes to the run's log)."""
+def brief_lines(plan, run, unknown: str, width: int = 80, frame_rates: str | None = None) -> list[str]:
+    """What the launchers show of the plan, each line within ``width`` columns: the totals, the modes, the clips'
+    frame rates and the projected length (the full plan goes to the run's log)."""
     import textwrap
 
     from diffsynth_mbc.training.plan.run_length import duration
@@ -239,7 +250,8 @@ def brief_lines(plan, run, unknown: str, width: int = 80) -> list[str]:
     epochs = f"{plan.num_epochs} epoch{'s' if plan.num_epochs != 1 else ''}"
     gpus = f"{plan.world_size} GPU{'s' if plan.world_size != 1 else ''}"
     lines = [f"step plan: {plan.total_steps:,} steps in total per GPU ({plan.steps_per_epoch:,} x {epochs}, {gpus})",
-             "  " + plan.describe_modes().replace("modes per epoch: ", "modes/epoch: ", 1), f"  {projected}"]
+             "  " + plan.describe_modes().replace("modes per epoch: ", "modes/epoch: ", 1),
+             *([f"  {frame_rates}"] if frame_rates else []), f"  {projected}"]
     if plan.stages:
         lines.append("  stages: " + ", then ".join(f"{row['size']} for steps {row['from_step']:,}-{row['to_step']:,}"
                                                    for row in plan.stage_dicts()))
@@ -330,7 +342,7 @@ def print_plan(options, known, plan, nodes: int) -> int:
         except OSError as exc:
             print(f"error: --detail_file {known.detail_file}: {exc.strerror}", file=sys.stderr)
             return 2
-    brief = ([missing] if missing else []) + brief_lines(plan, run, unknown)
+    brief = ([missing] if missing else []) + brief_lines(plan, run, unknown, frame_rates=frame_rate_line(options))
     print("\n".join(brief if known.brief else full), file=sys.stderr)
     return 0
 

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from diffsynth_mbc.training.plan import memory, run_length, speed
+from diffsynth_mbc.training.plan.residual_policy import decide_fp32_residual
 from diffsynth_mbc.training.plan.evaluation_cost import evaluation_cost
 
 GIB = 1024 ** 3
@@ -76,7 +77,8 @@ def run_plans(options, precision: str, attention: str, cached: bool, compiled: b
     bucket: what the training's ``--gradient_checkpointing auto`` sizes for before it has read its rows)."""
     base = memory.Plan(options.height, options.width, options.num_frames, options.batch_size, options.lora_rank,
                        tuple(options.lora_target_modules), precision, cached, memory.DIT["num_layers"],
-                       options.use_gradient_checkpointing_offload, attention, zero2_world_size, compiled)
+                       options.use_gradient_checkpointing_offload, attention, zero2_world_size, compiled,
+                       fp32_residual=decide_fp32_residual(options.fp32_residual, precision).on)
     plans = {"video": base.but(conditioned=conditioned(options, "video")),
              "image": base.but(num_frames=1, batch_size=image_batch(options), conditioned=conditioned(options, "image"))}
     sizing = sizing or sizing_buckets(options)

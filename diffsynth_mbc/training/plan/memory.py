@@ -25,7 +25,14 @@ its own text context for the cross-attention's backward. Measured on one H100 80
     1280x704x17 clip, t2v                              29.6 GiB   (6.1 GiB less: the per-token modulation)
     5 images 1280x704 in one forward (t2i)             30.6 GiB   (4 more samples' text contexts: +1.0 GiB)
     5 images 960x960                                   31.1 GiB
-``tests/training/plan/test_memory.py`` holds the model to these figures.
+``tests/training/plan/test_memory.py`` holds the model to these figures, all of them DiffSynth's forward.
+
+The fp32 residual stream (``--fp32_residual``, ``training/step/fp32_residual.py``) keeps more: in each block that
+keeps its activations, the inputs of its three norms (which their backward reads) are fp32 instead of the training
+precision; the input a recomputed block keeps is fp32; backward carries the stream's gradient in fp32. Its modulation
+costs what DiffSynth's does (four fp32 chunks kept instead of the six chunks' one tensor in fp16/bf16). Counted from
+what autograd saves (``benchmarks/bench_fp32_residual.py``, on the CPU: 2 bytes more for 3.2 values of the stream's
+width per token and kept block on the demo's DiT, 3.0 on a 384-wide one), not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ CONTEXT_PER_TEXT_TOKEN = 4.5 * DIT["dim"]  # a block keeps per text token of eac
 MATH_SCORES_IN_FLIGHT = 6.7             # score-matrix-sized tensors of the block in backward (math kernel)
 MATH_SCORES_KEPT = 1                    # ... kept per block that is not recomputed (its softmax; not measured)
 COMPILED_KEPT_SHARE = 0.63              # a compiled block keeps this share of an eager block's activations
+FP32_RESIDUAL_KEPT_PER_TOKEN = 3 * DIT["dim"]   # values a kept block holds in fp32 instead (its three norms' inputs)
+FP32_RESIDUAL_BACKWARD_PER_TOKEN = DIT["dim"]   # the stream's gradient, in fp32 instead
 # Assumed, not measured here:
 CUDA_CONTEXT_BYTES = int(0.6 * GIB)     # CUDA context, cuBLAS/cuDNN workspaces (outside PyTorch's allocator)
 FITS_BELOW = 0.90                       # the rest is for the allocator's cached blocks (H100: 15.9 GiB
@@ -124,6 +133,8 @@ class Plan:
     # a sample conditioned on its first frame (i2v: the DiT's time modulation per token) is in the batch; images
     # (t2i) and t2v clips take one modulation per sample
     conditioned: bool = True
+    # the DiT's residual stream in fp32 (--fp32_residual); False: DiffSynth's forward, as every figure was measured
+    fp32_residual: bool = False
 
     def but(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -171,7 +182,21 @@ def _activation_items(plan: Plan) -> list[tuple[str, int]]:
                                                                        if kept else ""), block - kept * kept_block))
     items.append(("backward: activation gradients and the model's inputs",
                   int(BACKWARD_PER_TOKEN * s * batch * size + MATH_SCORES_IN_FLIGHT * scores)))
+    if plan.fp32_residual and size < 4:
+        items.append(_fp32_residual_item(plan, kept, recomputed))
     return items
+
+
+def _fp32_residual_item(plan: Plan, kept: int, recomputed: int) -> tuple[str, int]:
+    """What the fp32 residual stream adds to the activations: the values it holds in fp32 rather than the training
+    precision, in the kept blocks (or the one being recomputed), the recomputed blocks' inputs and the gradient
+    backward carries."""
+    extra, tokens = 4 - BYTES[plan.precision], plan.tokens * plan.batch_size
+    holding = kept * (COMPILED_KEPT_SHARE if plan.compiled else 1.0) if kept else min(recomputed, 1)
+    values = (holding * FP32_RESIDUAL_KEPT_PER_TOKEN + FP32_RESIDUAL_BACKWARD_PER_TOKEN
+              + (0 if plan.checkpointing_offload else recomputed * DIT["dim"])) * tokens
+    return (f"fp32 residual stream: {kept} kept blocks' norm inputs, {recomputed} recomputed blocks' inputs and the "
+            "gradient in fp32", int(values * extra))
 
 
 def estimate(plan: Plan) -> list[tuple[str, int]]:

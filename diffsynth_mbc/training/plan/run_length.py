@@ -14,26 +14,58 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 from diffsynth_mbc.data.convert.catalogue_rows import IMAGE_EXTENSIONS
 from diffsynth_mbc.data.media.buckets import media_kind
 from diffsynth_mbc.data.metadata_csv import read_metadata
 from diffsynth_mbc.training.plan.step_plan import StepPlan
+from diffsynth_mbc.values import finite_number
 
 
 def count_media(metadata_path: str | Path) -> tuple[int, int]:
     """(videos, images) of a metadata CSV: its media_type column, else each file's extension."""
-    videos = images = 0
-    for row in read_metadata(metadata_path):   # MetadataError names the file and line DiffSynth's pandas stops at
-        kind = (row.get("media_type") or "").strip().lower()
-        if not kind:
-            kind = "image" if Path(row.get("video") or "").suffix.lower().lstrip(".") in IMAGE_EXTENSIONS else "video"
-        if kind == "image":
-            images += 1
-        else:
+    media = metadata_media(metadata_path)
+    return media.videos, media.images
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataMedia:
+    """What a metadata CSV holds: its videos and images, and the clips' frame rates from the ``fps`` column that
+    ``python -m diffsynth_mbc.convert --probe`` writes (``{fps: clips}``; ``unknown_rate``: clips without one)."""
+    videos: int
+    images: int
+    frame_rates: dict
+    unknown_rate: int
+
+
+_MEDIA: dict = {}   # (path, size, mtime): MetadataMedia, so that a command reads its metadata once
+
+
+def metadata_media(metadata_path: str | Path) -> MetadataMedia:
+    """The media of a metadata CSV (``MetadataMedia``), read once per command for one file's contents."""
+    info = os.stat(metadata_path)
+    key = (os.fspath(metadata_path), info.st_ino, info.st_size, info.st_mtime_ns)
+    if key not in _MEDIA:
+        videos = images = unknown = 0
+        rates: dict = {}
+        for row in read_metadata(metadata_path):   # MetadataError names the file and line DiffSynth's pandas stops at
+            kind = (row.get("media_type") or "").strip().lower()
+            if not kind:
+                kind = "image" if Path(row.get("video") or "").suffix.lower().lstrip(".") in IMAGE_EXTENSIONS \
+                    else "video"
+            if kind == "image":
+                images += 1
+                continue
             videos += 1
-    return videos, images
+            fps = finite_number(row.get("fps"), text=True)
+            if fps is None or fps <= 0:
+                unknown += 1
+            else:
+                rates[round(fps, 3)] = rates.get(round(fps, 3), 0) + 1
+        _MEDIA[key] = MetadataMedia(videos, images, rates, unknown)
+    return _MEDIA[key]
 
 
 def _ceil_div(numerator: int, denominator: int) -> int:

@@ -1,8 +1,10 @@
-"""What the fast step does on this machine: how many blocks recompute, whether blocks compile. Said in the
-status file (``compile``, ``recompute_blocks`` and their reasons) and printed by rank 0 beside the precision."""
+"""What the fast step does on this machine: how many blocks recompute, whether blocks compile, whether the DiT's
+residual stream is fp32. Said in the status file (``compile``, ``recompute_blocks``, ``fp32_residual`` and their
+reasons) and printed by rank 0 beside the precision."""
 
 from __future__ import annotations
 
+from diffsynth_mbc.training.plan.residual_policy import decide_fp32_residual
 
 
 def step_choices(options, status, accelerator, num_blocks: int) -> tuple[int, bool]:
@@ -42,3 +44,10 @@ def auto_recompute_blocks(options, accelerator, num_blocks: int, compiled: bool)
     plans = run_plans(options, precision, attention_kernel(capability, precision), bool(options.cache), compiled)
     total = torch.cuda.get_device_properties(accelerator.device).total_memory
     return min(num_blocks, memory.blocks_to_recompute(list(plans.values()), total))
+
+
+def residual_choice(options, status, precision: str) -> bool:
+    """``--fp32_residual`` for this run's precision (accelerate's value), said in the status file."""
+    decision = decide_fp32_residual(options.fp32_residual, precision)
+    status.update(fp32_residual=decision.on, fp32_residual_reason=decision.reason)
+    return decision.on

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from diffsynth.models.wan_video_dit import sinusoidal_embedding_1d
 
 from diffsynth_mbc.training.step.block_runner import BlockRunner
+from diffsynth_mbc.training.step.fp32_residual import residual_in_fp32, time_dtype
 
 
 def draw_timestep_ids(pipe, samples: list[dict]) -> list[int]:
@@ -79,11 +80,13 @@ def _refuse_unsupported(dit) -> None:
 def time_modulation(dit, latents: torch.Tensor, timesteps: torch.Tensor, conditioned: list[bool]):
     """(t, t_mod) for a batch. With any sample conditioned on its first frame, per token (the TI2V DiT): that
     sample's first latent frame at timestep 0, every other token at its sample's timestep; else per sample, as
-    DiffSynth's ``model_fn_wan_video`` does without a first-frame condition."""
+    DiffSynth's ``model_fn_wan_video`` does without a first-frame condition. In fp32 with the fp32 residual stream
+    (the timesteps' values are those the noise was added at, rounded to the model's dtype as DiffSynth rounds them)."""
     batch, _, frames, height, width = latents.shape
+    timesteps = timesteps.to(time_dtype(dit, latents.dtype))   # fp32 with the fp32 residual stream (fp32_residual.py)
     if dit.seperated_timestep and any(conditioned):
         tokens_per_frame = height * width // 4
-        per_token = torch.ones((batch, frames * tokens_per_frame), dtype=latents.dtype, device=latents.device) \
+        per_token = torch.ones((batch, frames * tokens_per_frame), dtype=timesteps.dtype, device=latents.device) \
             * timesteps.reshape(batch, 1)
         per_token[torch.tensor(conditioned, device=latents.device), :tokens_per_frame] = 0
         embedded = sinusoidal_embedding_1d(dit.freq_dim, per_token.flatten()).reshape(batch, per_token.shape[1], -1)
@@ -100,6 +103,8 @@ def dit_forward(dit, latents: torch.Tensor, timesteps: torch.Tensor, context: to
     t, t_mod = time_modulation(dit, latents, timesteps, conditioned)
     context = dit.text_embedding(context)
     x, (f, h, w) = dit.patchify(latents)
+    if residual_in_fp32(dit):   # the stream is fp32 from the first block on: one compiled graph serves every block
+        x = x.float()
     freqs = torch.cat([
         dit.freqs[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
         dit.freqs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),

@@ -6,6 +6,10 @@ block at 4,400 tokens in bf16) and saves its recomputation (a third of its cost)
 spare the fastest plan recomputes only as many blocks as the memory needs (``--gradient_checkpointing N``,
 or ``auto`` through the memory model, training/plan/memory.py). Compiling is done in place (``Module.compile``), so the
 blocks' parameter names, and with them checkpoints and LoRA files, do not change.
+
+The runner also keeps the largest magnitude any block wrote into the residual stream (one reduction per block, read
+once per optimizer step: ``take_largest_residual``): how close the stream comes to fp16's 65,504, said by the status
+file and ``doctor --probe``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class BlockRunner:
         self.offload = offload
         self.compiled = False
         self.compile_seconds: float | None = None
+        self.largest_residual: torch.Tensor | None = None   # since the last take_largest_residual, on the device
         if compile_blocks:
             self.compile()
 
@@ -52,6 +57,19 @@ class BlockRunner:
               "training on uncompiled (--compile off skips the attempt)", file=sys.stderr)
 
     def __call__(self, index: int, x, context, t_mod, freqs):
+        out = self.run_block(index, x, context, t_mod, freqs)
+        largest = out.detach().abs().amax().float()   # NaN and inf carry through: an overflow is kept as one
+        self.largest_residual = largest if self.largest_residual is None else torch.maximum(self.largest_residual,
+                                                                                            largest)
+        return out
+
+    def take_largest_residual(self) -> float | None:
+        """The largest residual magnitude the blocks wrote since the last call (inf or NaN once one overflowed);
+        None when no block ran."""
+        largest, self.largest_residual = self.largest_residual, None
+        return None if largest is None else float(largest)
+
+    def run_block(self, index: int, x, context, t_mod, freqs):
         block = self.blocks[index]
         if self.compiled and not x.requires_grad and torch.is_grad_enabled():
             # Block 0's input comes from the frozen patch embedding, every later block's from a block with LoRA:

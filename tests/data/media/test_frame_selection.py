@@ -80,3 +80,38 @@ def test_options_give_the_selection_and_the_flags_that_differ_from_the_default()
     assert selection.settings() == {"sampling": "uniform", "source_fps": 24.0, "short_clips": "loop"}
     assert frame_arguments(options) == ["--frame_sampling", "uniform", "--source_fps", "24", "--short_clips", "loop"]
     assert frame_arguments(TrainOptions(seed=1)) == [] and frame_selection_from(TrainOptions()).is_default
+
+
+def test_the_frame_rates_are_said_with_what_the_run_does_with_them():
+    from diffsynth_mbc.data.media.frame_selection import describe_frame_rates, rates_off_the_model
+
+    rates = {29.97: 78112, 25.0: 1888}
+    assert describe_frame_rates(rates, 0, 24.0, 17) == (
+        "frame rates: clips at 29.97 fps (78,112) and 25 fps (1,888) put on the 24 fps timeline (--source_fps 24): "
+        "17 frames span 0.67 s")
+    own = describe_frame_rates(rates, 3, None, 17)
+    assert own.startswith("frame rates: clips at 29.97 fps (78,112) and 25 fps (1,888) train at their own rates "
+                          "(no --source_fps): 17 frames span 0.53 s at 29.97 fps, 0.64 s at 25 fps; at 24 fps their "
+                          "motion plays at 0.80x (29.97 fps), 0.96x (25 fps) speed; --source_fps 24 puts them on")
+    assert own.endswith("; 3 clip(s) of no recorded rate (python -m diffsynth_mbc.convert --probe records each "
+                        "clip's)")
+    assert "(Wan2.2-TI2V-5B generates 24 fps: their motion plays at 0.80x speed there)" in \
+        describe_frame_rates(rates, 0, 30.0, 17)
+    unprobed = describe_frame_rates({}, 40, None, 17)
+    assert unprobed.startswith("frame rates: not in the metadata for 40 clips (python -m diffsynth_mbc.convert "
+                               "--probe records them); each trains at its own rate (no --source_fps)")
+    many = {29.97: 5, 25.0: 4, 30.0: 3, 60.0: 2, 15.0: 1, 24.0: 1}
+    assert "clips at 29.97 fps (5), 25 fps (4), 30 fps (3), 60 fps (2) and 2 other rates (2) put on" in \
+        describe_frame_rates(many, 0, 24.0, 17)
+    assert describe_frame_rates({}, 0, 24.0, 17) is None   # images only
+    assert rates_off_the_model(rates, None) and not rates_off_the_model(rates, 24.0)
+    assert not rates_off_the_model({23.976: 10, 24.0: 3}, None) and rates_off_the_model({}, 30.0)
+
+
+def test_the_presets_train_on_the_24_fps_timeline_of_the_model():
+    from diffsynth_mbc.data.media.frame_selection import MODEL_FPS
+    from diffsynth_mbc.training.options import resolve_options
+    from e2e_helpers import REPO
+
+    for preset in ("train_full.yaml", "train_test.yaml"):
+        assert resolve_options(["--config", str(REPO / "configs" / preset)]).source_fps == MODEL_FPS == 24.0

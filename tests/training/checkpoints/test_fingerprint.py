@@ -63,15 +63,20 @@ def fingerprint(options) -> dict:
     (lambda: TrainOptions(**SEVERAL_OPTIONS), SEVERAL),
 ], ids=["defaults", "stages-buckets-frames-cache", "catalogues-ema-dora"])
 def test_the_fingerprint_of_these_options_is_what_checkpoints_already_hold(options, recorded):
+    """A setting added since (``fp32_residual``: on under fp16 by default) is compared with what such a checkpoint
+    trained with (off): it is refused, naming it, unless the run turns it off as well."""
     current = fingerprint(options())
-    assert current == recorded
+    assert current == {**recorded, "fp32_residual": True}
     assert json.loads(json.dumps(current)) == current   # what checkpoint.json gives back compares equal
-    assert set(FINGERPRINT_KEYS) == set(recorded)
-    assert fingerprint_differences(recorded, current) == []
+    assert set(FINGERPRINT_KEYS) == set(recorded) | {"fp32_residual"}
+    assert fingerprint_differences(recorded, current) == [
+        "fp32_residual: checkpoint False (saved before the setting existed), this run True"]
+    assert fingerprint_differences(recorded, fingerprint(options().replace(fp32_residual="off"))) == []
 
 
 def test_a_changed_setting_is_named():
-    other = fingerprint(resolve_options(REQUIRED + STAGED_FLAGS + ["--lora_target_modules", "q,k"]))
+    other = fingerprint(resolve_options(REQUIRED + STAGED_FLAGS + ["--lora_target_modules", "q,k",
+                                                                   "--fp32_residual", "off"]))
     assert fingerprint_differences(STAGED, other) == ["lora_target_modules: checkpoint 'q,k,v,o', this run 'q,k'"]
     assert "resolution_stages: checkpoint '832x480x9:0.50,1024x576:0.2', this run None" in fingerprint_differences(
         STAGED, fingerprint(resolve_options(REQUIRED)))

@@ -135,3 +135,32 @@ def test_missing_files_that_alone_would_stop_the_run_refuse_it_before_it_starts(
     many = missing_media_refusal([(row, f"media/{row}.png") for row in range(1, 9)], [1] * 20, 200, 0.01)
     assert "8 of 20 metadata rows' files are not found (row 1: media/1.png; row 2" in many
     assert "row 5: media/5.png; and 3 more)" in many
+
+
+def test_under_fp16_non_finite_forwards_name_the_fp32_residual_stream_and_the_largest_residual_seen():
+    off = NonFiniteGuard(max_in_a_row=2, precision="fp16", fp32_residual=False)
+    off.note_residual(40000.0)
+    off.note_residual(math.inf)     # the stream overflowed
+    off.note_residual(12.0)         # an overflow is kept for good
+    assert off.largest_residual == math.inf and off.residual_fields() == {"largest_residual": "inf"}
+    off.check(3, math.nan, None)
+    with pytest.raises(NonFiniteError) as caught:
+        off.check(4, math.nan, None)
+    message = str(caught.value)
+    assert "residual stream is fp16 here (--fp32_residual off; the largest residual magnitude seen: inf" in message
+    assert "--fp32_residual on keeps the time embedding, modulation and residual stream in fp32" in message
+    assert message.index("--fp32_residual on") < message.index("--mixed_precision bf16")   # tried first
+
+    on = NonFiniteGuard(max_in_a_row=1, precision="fp16", fp32_residual=True)
+    on.note_residual(70000.0)
+    on.note_residual(30000.0)
+    assert on.residual_fields() == {"largest_residual": 70000.0}
+    with pytest.raises(NonFiniteError) as caught:
+        on.check(9, math.nan, None)
+    assert ("residual stream is fp32 already (--fp32_residual on; the largest residual magnitude seen: 70,000, "
+            "fp16's limit is 65,504), so a block's own attention or FFN output passed 65,504") in str(caught.value)
+    bf16 = NonFiniteGuard(max_in_a_row=1, precision="bf16")
+    with pytest.raises(NonFiniteError) as caught:
+        bf16.check(1, math.nan, None)
+    assert "--fp32_residual" not in str(caught.value)
+    assert NonFiniteGuard(max_in_a_row=1, precision="fp16").residual_fields() == {}

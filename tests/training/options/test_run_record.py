@@ -23,8 +23,11 @@ def test_the_options_are_written_as_before(tmp_path):
     written = write_run_options(resolve_options([*FLAGS, "--output_path", str(tmp_path / "out")]))
     options = json.loads(written.read_text(encoding="utf-8"))["options"]
     before = json.loads(BEFORE.read_text(encoding="utf-8"))["options"]
-    assert {key: value for key, value in options.items() if key not in ("output_path", "log_dir", "checkpoint_dir")} \
+    assert {key: value for key, value in options.items() if key in before and key not in (
+        "output_path", "log_dir", "checkpoint_dir")} \
         == {key: value for key, value in before.items() if key not in ("output_path", "log_dir", "checkpoint_dir")}
+    assert set(options) - set(before) == {"fp32_residual"}   # declared since, with its default
+    assert options["fp32_residual"] == "auto"
     assert (options["val_timestep_quantiles"], options["sample_strengths"]) == ("0.25,0.75", "0,0.5,1")
 
 

@@ -216,3 +216,29 @@ def test_pairs_of_changes_that_set_the_same_field_are_combined():
     flags = [label for label, _ in found]
     assert "--cache (encode once, train without the text encoder and VAE) + --gradient_checkpointing all" in flags
     assert not any(label.count("--gradient_checkpointing all") > 1 for label in flags)
+
+
+def test_the_fp32_residual_stream_counts_its_fp32_values_and_auto_recomputes_one_more_block_on_a_v100():
+    """Per kept block its three norms' inputs, each recomputed block's input and backward's gradient of the stream
+    are fp32 instead of fp16: 2 more bytes each, per token and value of the width (3,072)."""
+    plan = v100_plan(cached=True, recomputed_blocks=10)
+    with_fp32 = plan.but(fp32_residual=True)
+    (name, extra), = [item for item in estimate(with_fp32) if item[0].startswith("fp32 residual stream")]
+    assert extra == (20 * 3 + 1 + 10) * 3072 * 4400 * 2 and "20 kept blocks" in name
+    assert total(estimate(with_fp32)) == total(estimate(plan)) + extra
+    assert not [item for item in estimate(plan) if item[0].startswith("fp32 residual")]   # DiffSynth's forward
+    assert not [item for item in estimate(with_fp32.but(precision="no", attention="math"))
+                if item[0].startswith("fp32 residual")]   # fp32 training: nothing is wider
+    assert blocks_to_recompute(plan.but(compiled=True), 32 * GIB) == 10
+    assert blocks_to_recompute(with_fp32.but(compiled=True), 32 * GIB) == 11
+
+
+def test_the_run_plans_keep_the_stream_in_fp32_as_the_training_chooses_it():
+    from diffsynth_mbc.training.options import resolve_options
+    from diffsynth_mbc.training.plan.estimates import run_plans
+
+    options = resolve_options(["--dataset_base_path", "data", "--dataset_metadata_path", "data/metadata.csv"])
+    for precision, fp32_residual, expected in (("fp16", "auto", True), ("bf16", "auto", True), ("no", "auto", False),
+                                               ("fp16", "off", False)):
+        plans = run_plans(options.replace(fp32_residual=fp32_residual), precision, "mem_efficient", True, True)
+        assert {plan.fp32_residual for plan in plans.values()} == {expected}, (precision, fp32_residual)

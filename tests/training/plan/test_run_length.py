@@ -175,3 +175,21 @@ def test_the_plan_says_nothing_of_missing_files_when_every_file_is_there_and_cou
     (tmp_path / "v" / "1.mp4").unlink()
     assert files_not_found(options).startswith(f"warning: 1 of 5 files were not found (row 2: v/1.mp4, looked for at "
                                                f"{tmp_path / 'v' / '1.mp4'}): the training replaces each as bad media")
+
+
+def test_the_plan_names_the_clips_frame_rates_and_what_the_run_does_with_them(tmp_path, capsys):
+    """Read from the fps column ``convert --probe`` writes: the presets put every clip on the model's 24 fps timeline."""
+    from diffsynth_mbc.training.plan.command import main
+
+    metadata = tmp_path / "metadata.csv"
+    metadata.write_text("video,prompt,media_type,fps\n" + "v/a.mp4,a clip,video,29.97\n" * 3
+                        + "v/b.mp4,a clip,video,25.0\nv/c.mp4,a clip,video,\ni/0.png,an image,image,\n")
+    flags = ["--gpus", "1", "--config", FULL, "--buckets", "off", "--dataset_metadata_path", str(metadata)]
+    assert main(flags) == 0
+    assert ("  frame rates: clips at 29.97 fps (3) and 25 fps (1) put on the 24 fps timeline (--source_fps 24): 17 "
+            "frames span 0.67 s; 1 clip(s) of no recorded rate") in capsys.readouterr().err
+    assert main([*flags, "--brief", "--source_fps", "none"]) == 0
+    brief = capsys.readouterr().err
+    assert max(len(line) for line in brief.splitlines() if not line.startswith("warning: ")) <= 80
+    assert ("frame rates: clips at 29.97 fps (3) and 25 fps (1) train at their own rates (no --source_fps)"
+            in " ".join(line.strip() for line in brief.splitlines()))

@@ -158,35 +158,39 @@ def test_fp16_with_the_loss_scaler_skips_and_counts_a_non_finite_step(entries):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_to_the_losses_of_uncompiled_ones_from_one_graph(entries, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp32_residual", [False, True])
+def test_compiled_blocks_train_to_the_losses_of_uncompiled_ones_from_one_graph(entries, tmp_path, monkeypatch,
+                                                                               fp32_residual):
     """The blocks are identical, so one compiled graph serves them all (block 0's input, from the frozen patch
-    embedding, did not require grad and got a graph of its own: the compile's time twice)."""
+    embedding, did not require grad and got a graph of its own: the compile's time twice). DiffSynth's forward and the
+    fp32 residual stream's (``step/fp32_residual.py``: the stream enters block 0 in fp32 already) alike."""
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    # Scalar C++ kernels: the same code on any CI machine's CPU, whatever vector units it has, and about half the
-    # C++ compiler's time (no probe of each vector ISA, 10 test builds each loaded in a new Python; 20 kernels
-    # instead of 30). The GPUs compile Triton kernels, not these.
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
     videos, _ = entries
     losses = {}
     torch._dynamo.reset()   # graphs an earlier test compiled in this process would not be counted
     counters.clear()
-    for compiled in (False, True):
-        module = make_module(compile_blocks=compiled)
-        assert module.blocks.compiled is compiled
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-        torch.manual_seed(9)
-        values = []
-        for step in range(3):
-            loss = module([dict(s) for s in videos])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            values.append(float(loss))
-        losses[compiled] = values
+    # Scalar C++ kernels: the same code on any CI machine's CPU, whatever vector units it has, and about half the
+    # C++ compiler's time (no probe of each vector ISA, 10 test builds each loaded in a new Python; 20 kernels
+    # instead of 30). The GPUs compile Triton kernels, not these. (Inductor's own patch: monkeypatch's undo leaves its
+    # config without the key, and the next test in the process fails.)
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+        for compiled in (False, True):
+            module = make_module(compile_blocks=compiled, fp32_residual=fp32_residual)
+            assert module.blocks.compiled is compiled
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+            torch.manual_seed(9)
+            values = []
+            for step in range(3):
+                loss = module([dict(s) for s in videos])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                values.append(float(loss))
+            losses[compiled] = values
     assert losses[True] == pytest.approx(losses[False], rel=1e-4, abs=1e-6)
     assert counters["stats"]["unique_graphs"] == 1
 
@@ -197,6 +201,17 @@ def test_a_failed_compile_falls_back_to_the_plain_blocks(capsys):
     assert not module.blocks.compiled
     assert all(block._compiled_call_impl is None for block in module.blocks.blocks)
     assert "no C++ compiler" in capsys.readouterr().err and "more" not in capsys.readouterr().err
+
+
+def test_the_runner_keeps_the_largest_residual_magnitude_the_blocks_wrote_until_it_is_taken(entries):
+    videos, _ = entries
+    module = make_module(recompute_blocks=1)
+    written = []
+    for block in module.pipe.dit.blocks:
+        block.register_forward_hook(lambda _m, _i, out: written.append(float(out.detach().abs().max())))
+    module([dict(videos[0])]).backward()   # block 0 recomputes in backward: its second run is not a new output
+    assert module.blocks.take_largest_residual() == pytest.approx(max(written[:2]))
+    assert module.blocks.take_largest_residual() is None   # taken: the next step starts afresh
 
 
 def test_the_block_runner_describes_its_plan():
