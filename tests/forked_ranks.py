@@ -50,7 +50,7 @@ def _shared_folder() -> Path:
 
 _LAUNCH_ENVIRONMENTS: dict = {}
 DUMP = """import json, os, sys
-json.dump(dict(os.environ), open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w"))
+json.dump(dict(os.environ), open(os.path.join(sys.argv[1], f"rank{os.environ.get('RANK', '0')}.json"), "w"))
 """
 NOT_CARRIED = ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")   # this run's own
 
@@ -78,8 +78,9 @@ def _launch_environment(world_size: int, config_file: str | None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="mbc-launch-env-") as folder:
         script = Path(folder) / "dump_environment.py"
         script.write_text(DUMP)
-        where = ["--config_file", config_file] if config_file else ["--multi_gpu", "--num_machines", "1",
-                                                                     "--mixed_precision", "no", "--dynamo_backend", "no"]
+        # as the demo launcher starts CPU processes: --multi_gpu for 2 or more
+        where = ["--config_file", config_file] if config_file else (["--multi_gpu"] if world_size > 1 else []) + [
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command = [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes", str(world_size),
                    "--main_process_port", str(free_port()), str(script), folder]
         base = isolated_env(Path(folder))
