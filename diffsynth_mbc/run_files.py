@@ -120,8 +120,9 @@ HEALTH_FLAG = Obj((Field("flag", str, required=True, limit=40, blank=False), Fie
                    Field("what", str, limit=2000), Field("do", str, limit=2000)))
 HEALTH_FLAGS = Field("flags", ListOf(HEALTH_FLAG), limit=16)
 NOT_COUNTED = ("earlier stage", "warm-up", "first", "no finite one yet")   # why a validation counted for nothing
-STAGE = (Field("stage", int), Field("size", str, required=True, limit=40, blank=False), Field("from_step", int),
-         Field("to_step", int), Field("steps", int), Field("tokens", int))
+STAGE = (Field("stage", int), Field("size", str, required=True, limit=40, blank=False), Field("height", int),
+         Field("width", int), Field("num_frames", int), Field("from_step", int), Field("to_step", int),
+         Field("steps", int), Field("tokens", int))
 MODE_LOSSES = MapOf(float)          # {mode or quantile: mean validation loss}
 STAGE_NOW = Obj((*STAGE, Field("of", int), Field("final", bool, default=False)))   # a stage, of how many; the last?
 
