@@ -23,6 +23,7 @@ SCHEMA_VERSION = 1
 
 # Lifecycle of one rank. "starting" is written the moment the process starts. "caching": the latent cache job
 # (python -m diffsynth_mbc.cache) encoding its share of the rows, before the training's own files take over.
+# "retired": a rank the run no longer has, after a resume on fewer processes (its records end at that checkpoint).
 STATUS_STARTING = "starting"
 STATUS_CACHING = "caching"
 STATUS_LOADING = "loading"
@@ -30,10 +31,11 @@ STATUS_TRAINING = "training"
 STATUS_FINISHED = "finished"
 STATUS_FAILED = "failed"
 STATUS_STOPPED = "stopped"
+STATUS_RETIRED = "retired"
 STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING, STATUS_FINISHED, STATUS_FAILED,
-            STATUS_STOPPED)
+            STATUS_STOPPED, STATUS_RETIRED)
 ACTIVE_STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING)
-TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED)
+TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED, STATUS_RETIRED)
 
 # -- the status schema ------------------------------------------------------------------------------------------------
 # Every field of a status file, declared once: its type, whether every file has it, and which files do (a training
@@ -159,6 +161,10 @@ STATUS_SCHEMA: dict[str, Field] = {field.name: field for field in every_file(
     # a resumed run: the checkpoint it went on from (its run id, history, elapsed time and trackers continue)
     Field("resumed_from", Obj((Field("checkpoint", str), Field("step", int), Field("run_id", str)))),
     Field("launch_id", str, BOTH),               # the launch that started this process; run_id unless resumed
+    # a resume on another number of processes (training/plan/elastic.py): where, from how many to how many, the run's
+    # new end, and what the terminal said
+    Field("resumed_elsewhere", Obj((Field("step", int), Field("from_world_size", int), Field("world_size", int),
+                                    Field("end_step", int), Field("said", str, limit=1000)))),
     # {kind: tally} for the kinds in OVERHEAD_KINDS that happened
     Field("overheads", MapOf(TALLY, key_limit=40), limit=16, noted=True),
     Field("gpu", GPU, BOTH, noted=True),         # None on CPU

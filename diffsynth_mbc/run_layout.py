@@ -104,6 +104,7 @@ CHECKPOINT_MANIFEST = "checkpoint.json"
 CHECKPOINT_LORA = FINAL_LORA
 ROW_SIZES = "row_sizes.json"
 EMA_STATE = "ema_state.safetensors"
+SCALER_FILE = "scaler.pt"                # accelerate's fp16 loss scaler, in a checkpoint saved under fp16
 KEEP_MARKER = "KEEP"
 TEMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = "damaged-"

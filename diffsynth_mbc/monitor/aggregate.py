@@ -50,12 +50,30 @@ def pick_run(good: dict[int, StatusFile]) -> tuple[str | None, dict[int, StatusF
 
 
 def world_size_of(chosen: dict[int, StatusFile]) -> int | None:
+    """The run's world size, as its ranks declare it; after a resume on fewer processes, the ranks it retired
+    (status ``retired``) declare the old one and are not asked."""
     if not chosen:
         return None
-    declared = [sf.data["world_size"] for sf in chosen.values() if (sf.data.get("world_size") or 0) > 0]
+    live = [sf for sf in chosen.values() if sf.data.get("status") != run_files.STATUS_RETIRED] or chosen.values()
+    declared = [sf.data["world_size"] for sf in live if (sf.data.get("world_size") or 0) > 0]
     if declared:
         return max(set(declared), key=lambda v: (declared.count(v), v))
     return min(max(chosen) + 1, MAX_RANKS)
+
+
+def resumed_elsewhere_note(ranks: list[dict], retired: list[int]) -> str | None:
+    """``resumed on 1 GPU at step 12 (from 2); rank 1 retired there``: a run that went on on another number of
+    processes, said once (its ranks' ``resumed_elsewhere``)."""
+    moved = next((rank["resumed_elsewhere"] for rank in ranks if isinstance(rank.get("resumed_elsewhere"), dict)), None)
+    if not moved:
+        return None
+    world = moved.get("world_size")
+    note = (f"resumed on {world} GPU{'s' if world != 1 else ''} at step {moved.get('step')} (from "
+            f"{moved.get('from_world_size')})")
+    if retired:
+        names = ", ".join(map(str, retired))
+        note += f"; rank{'s' if len(retired) > 1 else ''} {names} retired there (records up to that step)"
+    return note
 
 
 def run_status(ranks: list[dict]) -> str:

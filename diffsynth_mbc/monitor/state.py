@@ -54,6 +54,7 @@ from diffsynth_mbc.monitor.aggregate import (
     aggregate,
     capped_recipe,
     pick_run,
+    resumed_elsewhere_note,
     run_status,
     slow_ranks,
     waiting_notes,
@@ -308,11 +309,14 @@ class MonitorState:
 
         run_id, chosen, ignored = pick_run(good)
         world_size = world_size_of(chosen)
-        ranks_out = []
+        ranks_out, retired = [], []
         for rank in sorted(chosen):
             sf = chosen[rank]
             if world_size is not None and rank >= world_size:
-                notes.append(f"{sf.path.name}: rank {rank} is outside world_size {world_size}; left out")
+                if sf.data.get("status") == run_files.STATUS_RETIRED:   # a rank a resume on fewer GPUs closed
+                    retired.append(rank)
+                else:
+                    notes.append(f"{sf.path.name}: rank {rank} is outside world_size {world_size}; left out")
                 continue
             notes.extend(sf.notes)
             hf = self._history_for(rank)
@@ -342,6 +346,9 @@ class MonitorState:
             notes.append(self._backfill.failure)
 
         notes.extend(waiting_notes(ranks_out))
+        moved = resumed_elsewhere_note(ranks_out, retired)
+        if moved:
+            notes.append(moved)
         status = run_status(ranks_out)
         agg = aggregate(ranks_out, status, now)
         errors = []

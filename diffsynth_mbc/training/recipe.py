@@ -29,7 +29,7 @@ from diffsynth_mbc import run_files
 from diffsynth_mbc.run_layout import FINAL_LORA, epoch_file_name
 from diffsynth_mbc.lifecycle.signals import StopSignals, unblock_in_child
 from diffsynth_mbc.lifecycle.startup import resume_collector
-from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, go_on_with_this_plan, resume
+from diffsynth_mbc.training.checkpoints.resume import claim_checkpoint_folder, go_on, resume
 from diffsynth_mbc.training.checkpoints.state import Checkpoints, Position
 from diffsynth_mbc.training.components.protocol import CONTINUE, Decision, Stop, StepContext, StepResult, run_hook
 from diffsynth_mbc.training.distributed.accelerator import start_accelerator, unwrapped_model
@@ -47,6 +47,7 @@ if TYPE_CHECKING:   # the types of the parts; importing them here would load tor
     from diffsynth_mbc.training.lora.ema import LoraEma
     from diffsynth_mbc.training.options import TrainOptions
     from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler
+    from diffsynth_mbc.training.plan.schedule import StepSchedule
     from diffsynth_mbc.training.plan.step_plan import StepPlan
     from diffsynth_mbc.training.reporting.progress import ProgressLogger
 
@@ -60,6 +61,7 @@ class Parts:
     module: torch.nn.Module          # the WanTI2VLoraModule, as accelerate wrapped it (DDP or DeepSpeed)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    schedule: StepSchedule           # where the learning rate and --resolution_stages stand at each step
     loader: torch.utils.data.DataLoader
     batches: ShapeGroupedBatchSampler   # its epoch is set with the loader's
     trainable: list[torch.nn.Parameter]
@@ -93,7 +95,8 @@ class TrainingRecipe:
         self.validator: Validator | None = None
         self.logger: ProgressLogger | None = None
         self.components: list[Component] = []
-        self.end_step = 0        # the run's last step: its plan's total (a forced resume's own end, where they differ)
+        self.epoch_steps = None  # where each epoch's optimizer steps fall from this process's start (EpochSteps)
+        self.end_step = 0        # the run's last step: its plan's total (a resume's own end, where they differ)
         self.step_parts = None   # what a step needs besides the parts: caption dropout, compile timer, the forward
 
     # -----------------------------------------------------------------------------------------
@@ -114,21 +117,23 @@ class TrainingRecipe:
         self.parts = parts = self._prepare(accelerator, dataset, module)
         # Different noise and timesteps on every rank (DiffSynth alone draws identical ones everywhere).
         torch.manual_seed(options.seed + 1000 * accelerator.process_index)
-        self.end_step = parts.total_steps
         if options.resume:
-            self.position, saved = resume(parts.checkpoints, options, status, accelerator)
-            if status.state.get("resumed_with_changes"):   # --force_resume on other settings or media
-                self.end_step = go_on_with_this_plan(parts, self.position)
+            self.position, saved, vanished = resume(parts.checkpoints, options, status, accelerator)
+            self.epoch_steps = go_on(parts, self.position)   # on other processes: the epoch's rest over these
         else:
+            from diffsynth_mbc.training.plan.elastic import EpochSteps
+
             claim_checkpoint_folder(parts.checkpoints, options, status, accelerator)
-            saved = {}
+            saved, vanished = {}, []
+            self.epoch_steps = EpochSteps.fresh(len(parts.loader), accelerator.gradient_accumulation_steps)
+        self.end_step = self.epoch_steps.end_step(options.num_epochs)
         if options.report_to != "none":   # after a resume: the run id (the tracker's run name) goes on, so does its run
             accelerator.init_trackers(status.state["run_id"])
         if self.validator:
             self.validator.attach(accelerator, parts.module, parts.ema)
         self.logger = self._start_reporting()
         self.components = self._components()
-        self._load_component_states(saved)
+        self._load_component_states(saved, vanished)
         self.step_parts = self._step_parts(dataset)
 
     def _open_data_and_models(self, accelerator):
@@ -173,7 +178,8 @@ class TrainingRecipe:
         from diffsynth_mbc.training.lora.ema import LoraEma
         from diffsynth_mbc.training.lora.variants import optimizer_groups
         from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler, key_samples
-        from diffsynth_mbc.training.plan.step_plan import lr_factor, plan_from_options, steps_from_loader
+        from diffsynth_mbc.training.plan.schedule import StepSchedule
+        from diffsynth_mbc.training.plan.step_plan import plan_from_options, steps_from_loader
 
         options, status, rank = self.options, self.status, accelerator.process_index
         keys = dataset.batch_keys()
@@ -223,16 +229,16 @@ class TrainingRecipe:
         if steps_per_epoch != plan.steps_per_epoch:
             print(f"[rank {rank}] note: the data loader gives {steps_per_epoch} steps/epoch, the plan said "
                   f"{plan.steps_per_epoch}; using the data loader's", file=sys.stderr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
-            step, total_steps, options.warmup_steps, options.lr_scheduler))
+        schedule = StepSchedule(total_steps, options.warmup_steps, options.lr_scheduler)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor)
         ema = LoraEma(unwrapped_model(accelerator, module), options.ema_decay, options.ema_warmup) \
             if options.ema_decay is not None else None
         checkpoints = Checkpoints(accelerator, module, scheduler, options, status, fingerprint=run_fingerprint(
             options, world_size=accelerator.num_processes, accumulation=accumulation, rows=dataset.rows,
             metadata_sha256=file_sha256(options.dataset_metadata_path), image_batch=image_batch,
-            precision=accelerator.mixed_precision), sized_rows=dataset.sized_rows(), ema=ema)
+            precision=accelerator.mixed_precision), sized_rows=dataset.sized_rows(), ema=ema, schedule=schedule)
         return Parts(options=options, status=status, accelerator=accelerator, module=module, optimizer=optimizer,
-                     scheduler=scheduler, loader=loader, batches=batches, trainable=trainable, plan=plan,
+                     scheduler=scheduler, schedule=schedule, loader=loader, batches=batches, trainable=trainable, plan=plan,
                      steps_per_epoch=steps_per_epoch, checkpoints=checkpoints, ema=ema)
 
     def _start_reporting(self) -> ProgressLogger:
@@ -260,6 +266,8 @@ class TrainingRecipe:
         if main:
             write_run_options(options)   # what reads the run afterwards measures with its settings (python -m ...sample)
             print(f"step plan: {parts.plan.describe()}", file=sys.stderr)
+            if status.state.get("resumed_elsewhere"):   # the steps from the checkpoint on, counted for this run
+                print(status.state["resumed_elsewhere"]["said"], file=sys.stderr)
             for line in parts.plan.describe_buckets() + parts.plan.describe_stages():
                 print(line, file=sys.stderr)
             print(f"precision: {status.state.get('precision_reason')}; {status.state.get('fp32_residual_reason')}",
@@ -285,7 +293,7 @@ class TrainingRecipe:
 
         parts, options, status, logger = self.parts, self.options, self.status, self.logger
         accelerator, main = parts.accelerator, parts.accelerator.is_main_process
-        stages = ResolutionStages(parts.plan, parts.total_steps, parts.batches, parts.steps_per_epoch,
+        stages = ResolutionStages(parts.plan, parts.schedule, parts.batches, self.epoch_steps.first_step,
                                   accelerator.gradient_accumulation_steps, status, logger.printer) \
             if parts.plan.stages else None
         components = [
@@ -310,14 +318,18 @@ class TrainingRecipe:
         ]
         return [component for component in components if component is not None]
 
-    def _load_component_states(self, saved: dict[str, dict]) -> None:
-        """A resumed run's components take their checkpoint's state (and files) back."""
+    def _load_component_states(self, saved: dict[str, dict], vanished: list[dict[str, dict]]) -> None:
+        """A resumed run's components take their checkpoint's state (and files) back; on rank 0 after a resume on
+        fewer processes, the per-rank ones take over the states of the ranks that are gone."""
         if not self.options.resume:
             return
         folder = self.parts.checkpoints.root / self.position.checkpoint
         for component in self.components:
             if saved.get(component.name) is not None:
                 component.load_state_dict(saved[component.name])
+            for states in vanished if component.per_rank else ():
+                if states.get(component.name) is not None:
+                    component.take_over(states[component.name])
             component.load_files(folder, self.position.step)
 
     def _step_parts(self, dataset) -> "StepParts":
@@ -438,7 +450,7 @@ class TrainingRecipe:
         position.step += 1
         position.samples_seen += result.samples
         if position.batches_in_epoch >= len(self.parts.loader):
-            position.epoch, position.batches_in_epoch = position.epoch + 1, 0
+            position.epoch, position.batches_in_epoch, position.epoch_before = position.epoch + 1, 0, []
         agreed = agree(self.parts.accelerator, [component.votes(result) for component in self.components],
                        self.status)
         context = self.context(result=result, agreed=agreed)

@@ -332,6 +332,27 @@ def test_rank_beyond_world_size_is_left_out(tmp_path):
     assert sorted(by_rank(snap)) == [0, 1] and any("outside world_size 2" in n for n in snap["notes"])
 
 
+def test_a_run_resumed_on_fewer_ranks_is_shown_on_them_and_the_change_said_once(tmp_path):
+    """Resumed on 1 GPU at step 40 from 3: ranks 1 and 2 were closed there (status retired, still declaring 3)."""
+    moved = {"step": 40, "from_world_size": 3, "world_size": 1, "end_step": 150, "said": "resumed on 1 GPU ..."}
+    F.write_status(tmp_path, 0, world_size=1, step=60, total_steps=150, resumed_elsewhere=moved)
+    for rank in (1, 2):
+        F.write_status(tmp_path, rank, world_size=3, status="retired", step=40)
+    snap = state_for(tmp_path)[0].refresh()
+    assert (snap["world_size"], sorted(by_rank(snap)), snap["status"]) == (1, [0], "training")
+    assert snap["missing_ranks"] == [] and snap["step"] == 60 and snap["total_steps"] == 150
+    assert [note for note in snap["notes"] if "rank" in note or "resumed" in note] == [
+        "resumed on 1 GPU at step 40 (from 3); ranks 1, 2 retired there (records up to that step)"]
+
+
+def test_a_run_resumed_on_more_ranks_says_so(tmp_path):
+    moved = {"step": 40, "from_world_size": 1, "world_size": 2, "end_step": 90}
+    for rank in (0, 1):
+        F.write_status(tmp_path, rank, world_size=2, resumed_elsewhere=moved)
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["world_size"] == 2 and "resumed on 2 GPUs at step 40 (from 1)" in snap["notes"]
+
+
 def test_history_is_read_incrementally_and_reread_after_truncation_or_replacement(tmp_path):
     path = F.write_history(tmp_path, 0, range(1, 101))
     hf = HistoryFile(path)

@@ -26,7 +26,7 @@ Accelerator.get_state_dict = refuse
 """
 
 
-def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
+def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path, capsys):
     root = tmp_path / "demo"
     prepare(root, num_videos=3, num_images=2)
     # The catalogue as a one-item `datasets` list (several catalogues' path) and a frame choice, under ZeRO-2 too.
@@ -80,3 +80,13 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path):
         torch.testing.assert_close(load_file(str(root / "lora" / "step-1_ema.safetensors"))[key], 0.9 * first[key],
                                    rtol=0, atol=1e-7)
     assert (root / "lora" / "checkpoints" / "step-00000003" / "ema_state.safetensors").is_file()
+    # ZeRO-2 shards AdamW's state over the 2 ranks: a resume on another number of GPUs is refused before the
+    # launch, saying what to do; on 2 it goes ahead (the launcher's own check, python -m diffsynth_mbc.plan)
+    from diffsynth_mbc.training.plan import command
+
+    capsys.readouterr()
+    assert command.main(["--check_paths", "--gpus", "1", *flags, "--resume", "latest"]) == 2
+    refusal = capsys.readouterr().err
+    assert "step-00000003 was saved by 2 DeepSpeed ZeRO-2 processes, whose optimizer state is sharded 2 ways; " \
+           "this run has 1. Resume it on 2 processes (--gpus)" in refusal and "--init_lora" in refusal
+    assert command.main(["--check_paths", "--gpus", "2", *flags, "--resume", "latest"]) == 0

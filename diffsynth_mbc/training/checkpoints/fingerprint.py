@@ -7,7 +7,8 @@ them (the learning rate, weight decay, schedule) would otherwise come back from 
 and scheduler state and silently beat the flags given now; under ``--force_resume`` they are set from this run's
 options after loading (``apply_run_settings``), so what the run says it uses is what it uses; when the plan then
 ends at another step than this run's total (the checkpoint's steps were counted under its plan), the schedule runs
-to that step (``schedule_to``).
+to that step (``checkpoints/resume.go_on_with_this_plan``). What a resume may change (``MAY_CHANGE``: the processes,
+the precision) is said, not refused.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ FINGERPRINT_KEYS = OPTION_KEYS + (
 # Before --buckets existed, everything trained at --height x --width; before --fp32_residual, DiffSynth's forward.
 SAVED_BEFORE = {"objective": {"objective": "diffsynth", "i2v_probability": 1.0}, "buckets": "off",
                 "fp32_residual": False}
+# What a resume may change, said but not refused: the processes it runs on (training/plan/elastic.py: the epoch goes on
+# over this run's processes) and the precision (the LoRA and AdamW's state are fp32 either way; the residual stream
+# follows the precision, training/plan/residual_policy.py).
+MAY_CHANGE = ("world_size", "mixed_precision", "fp32_residual")
+COMPARED_KEYS = tuple(key for key in FINGERPRINT_KEYS if key not in MAY_CHANGE)
 TIMESTEP_SETTINGS = ("timestep_sampling", "timestep_shift", "logit_mean", "logit_std", "sigmoid_scale",
                      "timestep_strata", "loss_weighting")   # how timesteps are drawn and the loss weighted
 
@@ -56,8 +62,8 @@ def run_fingerprint(options, *, world_size: int, accumulation: int, rows: int, m
     }
 
 
-def fingerprint_differences(saved: dict, current: dict, keys=FINGERPRINT_KEYS) -> list[str]:
-    """Human lines for every fingerprint key whose value differs: ``world_size: checkpoint 2, this run 4``.
+def fingerprint_differences(saved: dict, current: dict, keys=COMPARED_KEYS) -> list[str]:
+    """Human lines for every fingerprint key whose value differs: ``lora_rank: checkpoint 32, this run 16``.
 
     A key the checkpoint did not record (saved before it was compared) is not compared, except where what such a
     checkpoint did is known (``SAVED_BEFORE``: it trained DiffSynth's objective)."""
@@ -70,6 +76,23 @@ def fingerprint_differences(saved: dict, current: dict, keys=FINGERPRINT_KEYS) -
             before = "" if key in saved else " (saved before the setting existed)"
             lines.append(f"{key}: checkpoint {value!r}{before}, this run {current.get(key)!r}")
     return lines
+
+
+def hardware_changes(saved: dict, current: dict) -> list[str]:
+    """What a resume changes that it may (``MAY_CHANGE``): ``world_size: checkpoint 2, this run 1``."""
+    return fingerprint_differences(saved, current, MAY_CHANGE)
+
+
+def sharded_optimizer_refusal(folder, manifest: dict, world_size: int) -> str | None:
+    """Why a checkpoint of DeepSpeed ZeRO-2 (its AdamW state sharded over the processes that saved it, in
+    ``*optim_states.pt`` files) cannot resume on another number of processes, and what to do; None when it can."""
+    saved = manifest.get("world_size")
+    if not saved or saved == world_size or not any("optim_states" in name for name in manifest.get("files") or {}):
+        return None
+    return (f"{folder} was saved by {saved} DeepSpeed ZeRO-2 processes, whose optimizer state is sharded {saved} ways; "
+            f"this run has {world_size}. Resume it on {saved} processes (--gpus), or start a new run from its LoRA "
+            f"with --init_lora {folder} (a fresh optimizer), or train with DDP (no --deepspeed), whose checkpoints "
+            "resume on any number of GPUs")
 
 
 def apply_run_settings(scheduler, options) -> list[str]:
@@ -89,17 +112,3 @@ def apply_run_settings(scheduler, options) -> list[str]:
             f"{options.warmup_steps} warm-up steps (at step {step}: {scheduler._last_lr[0]:g})",
             f"weight_decay {options.weight_decay:g}", f"max_grad_norm {options.max_grad_norm:g}"] + (
         [f"loraplus_lr_ratio {options.loraplus_lr_ratio:g}"] if options.loraplus_lr_ratio else [])
-
-
-def schedule_to(scheduler, options, total_steps: int) -> None:
-    """A forced resume whose plan now ends at another step: the learning-rate schedule runs to ``total_steps``, and
-    the rate at the restored step is that schedule's."""
-    from diffsynth_mbc.training.plan.step_plan import lr_factor
-
-    def factor(step: int) -> float:
-        return lr_factor(step, total_steps, options.warmup_steps, options.lr_scheduler)
-
-    scheduler.lr_lambdas = [factor] * len(scheduler.optimizer.param_groups)
-    for base, group in zip(scheduler.base_lrs, scheduler.optimizer.param_groups):
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

@@ -74,7 +74,7 @@ def find_latest(root: str | Path) -> Path | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
-def resolve_resume(resume: str, root: str | Path, world_size: int | None = None, report=None) -> Path:
+def resolve_resume(resume: str, root: str | Path, report=None) -> Path:
     """``latest`` or a path -> an intact checkpoint folder; ValueError saying why not.
 
     ``latest`` falls back from a damaged checkpoint (a file truncated or altered since it was saved, a
@@ -90,18 +90,18 @@ def resolve_resume(resume: str, root: str | Path, world_size: int | None = None,
         if not checkpoints:
             raise ValueError(f"--resume latest: no complete checkpoint in {root}")
         for _step, folder in reversed(checkpoints):
-            problem = damage(folder, read_manifest(folder), world_size)
+            problem = damage(folder, read_manifest(folder))
             if problem is None:
                 return folder
             if report:
                 report(f"skipping damaged checkpoint {folder.name}: {problem}")
         raise ValueError(f"--resume latest: every checkpoint in {root} is damaged (newest first: "
-                         f"{damage(checkpoints[-1][1], read_manifest(checkpoints[-1][1]), world_size)})")
+                         f"{damage(checkpoints[-1][1], read_manifest(checkpoints[-1][1]))})")
     folder = Path(resume)
     manifest = read_manifest(folder)
     if manifest is None:
         raise ValueError(f"--resume {resume}: not a complete checkpoint (no readable {CHECKPOINT_MANIFEST})")
-    problem = damage(folder, manifest, world_size)
+    problem = damage(folder, manifest)
     if problem:
         raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}. Resume from another "
                          "checkpoint (--resume latest picks the newest intact one)")

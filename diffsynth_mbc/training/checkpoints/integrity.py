@@ -1,8 +1,8 @@
 """Whether a checkpoint folder is whole: every file as it was written, every rank's state present. No torch.
 
 When a checkpoint is published, ``checkpoint.json`` lists every file with its size and sha256
-(``files``) and the number of ranks (``world_size``). A resume checks both: a truncated or altered
-file, or a rank whose ``random_states_<rank>.pkl`` is missing (a node that saved elsewhere), makes
+(``files``) and the number of ranks that wrote it (``world_size``). A resume checks both: a truncated or altered
+file, or one of those ranks whose ``random_states_<rank>.pkl`` is missing (a node that saved elsewhere), makes
 the checkpoint damaged, and the resume falls back to an older intact one or refuses, naming the file.
 """
 
@@ -40,15 +40,16 @@ def missing_rank_files(names, world_size: int) -> list[str]:
     return [name for name in rank_state_files(world_size) if name not in present]
 
 
-def damage(folder: str | os.PathLike, manifest: dict, world_size: int | None = None) -> str | None:
-    """None if the checkpoint is whole; else what is wrong, naming the file."""
+def damage(folder: str | os.PathLike, manifest: dict) -> str | None:
+    """None if the checkpoint is whole (every file as written, a state for each of the ranks that wrote it); else what
+    is wrong, naming the file. A resume on another number of ranks is no damage (training/plan/elastic.py)."""
     folder = Path(folder)
     if "files" not in manifest:
         return None   # saved before checkpoints listed their files: nothing to check against
     files = manifest["files"]
     if not isinstance(files, dict):
         return f"{folder / CHECKPOINT_MANIFEST}: its file list is unreadable"
-    expected_ranks = world_size or manifest.get("world_size")
+    expected_ranks = manifest.get("world_size")
     if expected_ranks:
         missing = missing_rank_files(files, int(expected_ranks))
         if missing:

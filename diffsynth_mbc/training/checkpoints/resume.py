@@ -9,16 +9,23 @@ early) trains nothing and writes nothing."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
+from diffsynth_mbc.atomic import write_json_even_when_full
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST, DAMAGED_PREFIX, FINAL_LORA
-from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fingerprint_differences, run_fingerprint
+from diffsynth_mbc.run_files import STATUS_RETIRED
+from diffsynth_mbc.run_layout import CHECKPOINT_MANIFEST, DAMAGED_PREFIX, FINAL_LORA, history_path, status_path
+from diffsynth_mbc.training.checkpoints.fingerprint import (COMPARED_KEYS, fingerprint_differences, run_fingerprint,
+                                                             sharded_optimizer_refusal)
 from diffsynth_mbc.training.checkpoints.folder import read_manifest, resolve_resume, set_aside_unreadable
 from diffsynth_mbc.training.checkpoints.row_sizes import changes_since, media_now, resume_refusal, rows_of
 from diffsynth_mbc.training.checkpoints.state import truncate_history
 from diffsynth_mbc.training.distributed.collectives import wait_for_everyone
+from diffsynth_mbc.training.plan.elastic import EpochSteps, ceil_div
 
 # Settings only the prepared accelerator knows (the precision "auto" chooses and the fp32 residual stream chosen for
 # it, DeepSpeed's accumulation) or only the opened dataset (its rows): compared when the checkpoint loads, not before.
@@ -36,12 +43,15 @@ def refuse_early(options, run_id: str, world_size: int, report=None) -> Path | N
     folder = None
     try:
         if options.resume:
-            folder = resolve_resume(options.resume, options.checkpoint_dir, world_size, report=report)
+            folder = resolve_resume(options.resume, options.checkpoint_dir, report=report)
         else:
             check_claim(options.checkpoint_dir, options.output_path, run_id, options.start_over, options.log_dir)
     except ValueError as exc:
         raise OptionsError(str(exc)) from None
     manifest = (read_manifest(folder) or {}) if folder else {}
+    sharded = sharded_optimizer_refusal(folder, manifest, world_size) if folder else None
+    if sharded:
+        raise OptionsError(sharded)
     compare = bool(folder) and not options.force_resume   # the checkpoint's rows and sizes with these
     rows = rows_of(options)
     now = media_now(options, rows, with_sizes=compare) if rows is not None else None
@@ -61,7 +71,7 @@ def other_checkpoint(options, world_size: int, folder, manifest: dict, now, miss
         current = early_fingerprint(options, world_size)
     except OSError:   # the metadata cannot be read: opening the dataset says so, naming the file
         return None
-    keys = [key for key in FINGERPRINT_KEYS if key not in KNOWN_LATE]
+    keys = [key for key in COMPARED_KEYS if key not in KNOWN_LATE]
     differences = fingerprint_differences(manifest.get("fingerprint", {}), current, keys)
     return resume_refusal(folder, differences, changes_since(folder, manifest, now), now, missing_media)
 
@@ -151,12 +161,16 @@ def claim_checkpoint_folder(checkpoints, options, status, accelerator) -> None:
 
 def resume(checkpoints, options, status, accelerator):
     """Restores weights, optimizer, scheduler and the RNG of every rank, and the data position; the run's id, clock
-    and history go on from the checkpoint's step. Returns (the position, each component's saved state)."""
-    position, states = checkpoints.load(options.resume)
+    and history go on from the checkpoint's step. Returns (the position, each component's saved state, the states of
+    the checkpoint's ranks this run does not have: rank 0's to take over). The files of those ranks are closed at
+    the checkpoint's step (``retire_ranks``)."""
+    position, states, vanished = checkpoints.load(options.resume)
     if accelerator.is_main_process:   # a damaged folder past the checkpoint would block saving that step again
         for moved in set_aside_unreadable(checkpoints.root, position.step):
             print(f"note: {moved.name.removeprefix(DAMAGED_PREFIX)} had no readable {CHECKPOINT_MANIFEST}: moved aside "
                   f"to {moved}", file=sys.stderr)
+        retire_ranks(status.log_dir, range(accelerator.num_processes, position.world_size), position.step,
+                     accelerator.num_processes)
     wait_for_everyone(accelerator, status, "rank 0 setting unreadable checkpoint folders aside")
     kept = truncate_history(status.history_file, position.step)
     status.elapsed_before_s = position.elapsed_s
@@ -165,28 +179,101 @@ def resume(checkpoints, options, status, accelerator):
         status.update(run_id=position.run_id)
     status.update(phase=f"resumed from {position.checkpoint} of run {status.state['run_id']} "
                         f"(history: {kept} lines kept)", resumed_from=lineage, samples_seen=position.samples_seen)
-    return position, states
+    return position, states, vanished
 
 
-def go_on_with_this_plan(parts, position) -> int:
-    """After a forced resume: where this run's plan takes the checkpoint's ``position``, said once; the run's last
-    step (its status, ETA and learning-rate schedule end there: where that plan really ends)."""
-    from diffsynth_mbc.training.checkpoints.fingerprint import schedule_to
-    from diffsynth_mbc.training.plan.step_plan import end_step
+def go_on(parts, position) -> EpochSteps:
+    """Where the run goes on from the checkpoint's ``position``: the epoch it was in (what is left of it, when it was
+    trained on another number of processes), the schedules' state, and the steps of every epoch from here
+    (returned). On another number of processes (``training/plan/elastic.py``) the epoch's rest is shared out over
+    this run's, the steps counted again and the schedules spread over them, said once; after a forced resume whose
+    plan changed, this run's plan goes on from the checkpoint's step (``go_on_with_this_plan``)."""
+    accelerator, options, batches, schedule = parts.accelerator, parts.options, parts.batches, parts.schedule
+    here, saved = accelerator.num_processes, position.world_size or accelerator.num_processes
+    accumulation = accelerator.gradient_accumulation_steps
+    before = [tuple(part) for part in position.epoch_before]
+    if position.schedule:
+        schedule.load_state_dict(position.schedule)
+    elif saved != here:   # saved before checkpoints kept their schedule: it ran over that run's plan
+        schedule.end_at(ceil_div(batches.rank_batches(position.epoch, saved), accumulation) * options.num_epochs)
+    moved = saved != here and position.epoch < options.num_epochs
+    if moved:
+        left_before = ceil_div(batches.rank_batches(position.epoch, saved, before) - position.batches_in_epoch,
+                               accumulation)
+        if before or position.batches_in_epoch:
+            before.append((saved, position.batches_in_epoch))
+        position.batches_in_epoch = 0
+    position.epoch_before = before
+    if before:
+        batches.go_on_after(position.epoch, before)
+    steps = EpochSteps(position.step, position.epoch, position.batches_in_epoch,
+                       batches.rank_batches(position.epoch, before=before), batches.rank_batches(position.epoch + 1),
+                       accumulation)
+    if moved:
+        schedule.spread_from(position.step, steps.end_step(options.num_epochs))
+        refresh_learning_rates(parts.scheduler)
+        said_elsewhere(parts, position, steps, saved, left_before)
+    elif parts.status.state.get("resumed_with_changes"):   # --force_resume on other settings or media
+        go_on_with_this_plan(parts, position, steps)
+    return steps
 
+
+def said_elsewhere(parts, position, steps, saved: int, left_before: int) -> None:
+    """A resume on another number of processes, in the status file (``resumed_elsewhere``); rank 0's terminal says
+    it under the step plan (``recipe._start_reporting``)."""
+    from diffsynth_mbc.training.plan.elastic import describe_resume_elsewhere
+
+    options, accumulation = parts.options, parts.accelerator.gradient_accumulation_steps
+    here = parts.accelerator.num_processes
+    line = describe_resume_elsewhere(saved, here, steps, left_before,
+                                     ceil_div(parts.batches.rank_batches(position.epoch + 1, saved), accumulation),
+                                     options.num_epochs)
+    parts.status.update(resumed_elsewhere={"step": position.step, "from_world_size": saved, "world_size": here,
+                                           "end_step": steps.end_step(options.num_epochs), "said": line})
+
+
+def go_on_with_this_plan(parts, position, steps) -> None:
+    """After a forced resume: where this run's plan takes the checkpoint's ``position``, said once; the schedules
+    end where that plan really ends (``steps``), not where the checkpoint's did."""
     options = parts.options
-    batches = len(parts.loader)
-    planned = parts.total_steps
-    last = end_step(position.step, position.epoch, position.batches_in_epoch, batches,
-                    parts.accelerator.gradient_accumulation_steps, options.num_epochs)
-    if last != planned:
-        schedule_to(parts.scheduler, options, last)
+    batches, planned = steps.batches_per_epoch, parts.total_steps
+    last = steps.end_step(options.num_epochs)
+    parts.schedule.end_at(last)
+    refresh_learning_rates(parts.scheduler)
     if parts.accelerator.is_main_process:
         ends = (f"step {last}" if last == planned else
                 f"step {last}, not this plan's {planned}: the checkpoint's {position.step} steps were counted "
                 f"under its own plan (the learning-rate schedule ends at step {last} too)")
-        steps = f"{parts.steps_per_epoch} step{'s' if parts.steps_per_epoch != 1 else ''}"
-        print(f"the run now uses this run's settings and media: {steps} per epoch ({batches} "
+        count = f"{parts.steps_per_epoch} step{'s' if parts.steps_per_epoch != 1 else ''}"
+        print(f"the run now uses this run's settings and media: {count} per epoch ({batches} "
               f"batches per GPU) x {options.num_epochs} epochs; from the checkpoint's step {position.step} (epoch "
               f"{position.epoch + 1}, batch {position.batches_in_epoch}) it goes on to {ends}", file=sys.stderr)
-    return last
+
+
+def refresh_learning_rates(scheduler) -> None:
+    """The optimizer's learning rates at the scheduler's step, from its (changed) schedule."""
+    for base, group, factor in zip(scheduler.base_lrs, scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+def retire_ranks(log_dir: str | os.PathLike, ranks, step: int, world_size: int, wall_clock=time.time) -> list[int]:
+    """After a resume on ``world_size`` processes at ``step``, the files of the checkpoint's ``ranks`` that this run
+    does not have: each history cut at ``step`` (nothing of theirs past the checkpoint counts), each status file
+    ``retired`` there. Rank 0 calls it. Returns the ranks whose status file it closed."""
+    closed = []
+    for rank in ranks:
+        truncate_history(history_path(log_dir, rank), step)
+        path = status_path(log_dir, rank)
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue   # no readable status file: nothing to close
+        if not isinstance(state, dict):
+            continue
+        gpus = f"{world_size} GPU{'s' if world_size != 1 else ''}"
+        state.update(status=STATUS_RETIRED, step=min(int(state.get("step") or 0), step),
+                     phase=f"retired at step {step}: the run went on from there on {gpus}", updated_at=wall_clock())
+        write_json_even_when_full(path, state)
+        closed.append(rank)
+    return closed

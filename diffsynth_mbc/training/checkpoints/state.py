@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffsynth_mbc import environment
@@ -29,12 +29,14 @@ from diffsynth_mbc.run_layout import (
     CHECKPOINT_MANIFEST,
     DEFAULT_CHECKPOINTS_FOLDER,
     KEEP_MARKER,
+    SCALER_FILE,
     TEMP_PREFIX,
     checkpoint_folder_name,
     published_name,
 )
 from diffsynth_mbc.errors import OptionsError
-from diffsynth_mbc.training.checkpoints.fingerprint import apply_run_settings, fingerprint_differences
+from diffsynth_mbc.training.checkpoints.fingerprint import (apply_run_settings, fingerprint_differences,
+                                                             hardware_changes, sharded_optimizer_refusal)
 from diffsynth_mbc.training.checkpoints.folder import (
     complete_checkpoints,
     find_latest,
@@ -116,6 +118,18 @@ class Position:
     run_id: str | None = None   # the run a resumed position came from (its run id goes on)
     elapsed_s: float = 0.0      # training time before this position, so a resumed run's clock goes on
     checkpoint: str = ""        # the checkpoint folder it was loaded from
+    world_size: int = 0         # the processes that wrote that checkpoint (0: a fresh run)
+    # The parts of ``epoch`` trained on other numbers of processes before this run's, as [processes, batches per
+    # process] (training/plan/elastic.py): the epoch goes on over what they left.
+    epoch_before: list = field(default_factory=list)
+    schedule: dict | None = None   # the schedules' state in that checkpoint (training/plan/schedule.py), if it kept it
+
+
+def vanished_rank_states(manifest: dict, world_size: int) -> list[dict[str, dict]]:
+    """The component states of the checkpoint's ranks this run of ``world_size`` ranks does not have (a resume on
+    fewer processes), for rank 0 to take over (``Component.take_over``)."""
+    saved = len(manifest.get("per_rank") or [])
+    return [component_states(manifest, rank) for rank in range(world_size, saved)]
 
 
 def component_states(manifest: dict, rank: int) -> dict[str, dict]:
@@ -159,12 +173,13 @@ class Checkpoints(LoraFiles):
     """
 
     def __init__(self, accelerator, module, scheduler, options, status: RankStatusWriter, fingerprint: dict,
-                 sized_rows: list | None = None, ema=None):
+                 sized_rows: list | None = None, ema=None, schedule=None):
         from accelerate.utils import DistributedType
 
         self.accelerator = accelerator
         self.module = module
         self.scheduler = scheduler
+        self.schedule = schedule   # the StepSchedule its learning rate follows: where it stands goes in the manifest
         self.options = options
         self.status = status
         self.fingerprint = fingerprint
@@ -270,7 +285,9 @@ class Checkpoints(LoraFiles):
             "fingerprint": self.fingerprint, "per_rank": per_rank,
             "components": {component.name: state for component in components if not component.per_rank
                            and (state := component.state_dict()) is not None},
-            "world_size": self.accelerator.num_processes, "files": files, "row_sizes_sha256": self.sizes_digest})
+            "world_size": self.accelerator.num_processes, "epoch_before": position.epoch_before,
+            "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+            "files": files, "row_sizes_sha256": self.sizes_digest})
         prune(self.root, self.options.keep_checkpoints, self.status.state["run_id"])
         return None
 
@@ -305,11 +322,12 @@ class Checkpoints(LoraFiles):
         return gather_from_all(self.accelerator, {"samples_seen": position.samples_seen, "components": mine},
                                self.status, what)
 
-    def load(self, resume: str) -> tuple[Position, dict[str, dict]]:
-        """The checkpoint ``resume`` names, loaded (weights, optimizer, scheduler, every rank's RNG): where it was, and
-        each component's state (``component_states``)."""
+    def load(self, resume: str) -> tuple[Position, dict[str, dict], list[dict[str, dict]]]:
+        """The checkpoint ``resume`` names, loaded (weights, optimizer, scheduler, every rank's RNG): where it was,
+        each component's state (``component_states``), and on rank 0 of a run of fewer processes, the states of the
+        ranks it no longer has (``vanished_rank_states``; their samples count as rank 0's)."""
         try:
-            folder = resolve_resume(resume, self.root, self.accelerator.num_processes,
+            folder = resolve_resume(resume, self.root,
                                     report=lambda message: print(f"[rank {self.accelerator.process_index}] "
                                                                  f"{message}", file=sys.stderr))
         except ValueError as exc:
@@ -322,12 +340,16 @@ class Checkpoints(LoraFiles):
         refusal = resume_refusal(folder, differences, changes, now)
         if refusal and not self.options.force_resume:
             raise OptionsError(refusal)
+        saved_world = int(manifest.get("world_size") or self.accelerator.num_processes)
+        sharded = sharded_optimizer_refusal(folder, manifest, self.accelerator.num_processes)
+        if sharded:
+            raise OptionsError(sharded)
         self.status.update(phase=f"loading checkpoint {folder.name}")
-        if self.deepspeed:
-            self.accelerator.load_state(str(folder), load_module_strict=False)
-        else:
-            self.accelerator.load_state(str(folder), strict=False)
+        self.load_state(folder)
         self.verify_lora(folder / CHECKPOINT_LORA)
+        changed = hardware_changes(manifest.get("fingerprint", {}), self.fingerprint)
+        if changed and self.accelerator.is_main_process:   # other GPUs, nodes or precision: said once
+            print(f"resuming from {folder} on other hardware:\n  " + "\n  ".join(changed), file=sys.stderr)
         self.last_step = manifest["step"]   # this step has its checkpoint: finishing here saves none again
         if differences or changes:   # --force_resume: this run's settings and media, not the saved ones, said
             applied = apply_run_settings(self.scheduler, self.options) if differences else []
@@ -336,11 +358,35 @@ class Checkpoints(LoraFiles):
                     differences + changes) + ("\nthe optimizer now uses this run's " + ", ".join(applied)
                                               if applied else ""), file=sys.stderr)
             self.status.update(resumed_with_changes=differences + changes)
-        rank = self.accelerator.process_index
-        rank_state = manifest.get("per_rank") or []
-        mine = rank_state[rank] if len(rank_state) > rank else {}
+        rank, here = self.accelerator.process_index, self.accelerator.num_processes
+        rank_state = [state if isinstance(state, dict) else {} for state in manifest.get("per_rank") or []]
+        samples = [state.get("samples_seen", 0) for state in rank_state]
+        mine = samples[rank] if rank < len(samples) else 0
+        if rank == 0:   # the ranks this run does not have: rank 0 counts their samples and takes their states
+            mine += sum(samples[here:])
         position = Position(step=manifest["step"], epoch=manifest["epoch"],
-                            batches_in_epoch=manifest["batches_in_epoch"], samples_seen=mine.get("samples_seen", 0),
+                            batches_in_epoch=manifest["batches_in_epoch"], samples_seen=mine,
                             run_id=manifest.get("run_id"), elapsed_s=float(manifest.get("elapsed_s") or 0.0),
-                            checkpoint=folder.name)
-        return position, component_states(manifest, rank)
+                            checkpoint=folder.name, world_size=saved_world,
+                            epoch_before=[list(part) for part in manifest.get("epoch_before") or []],
+                            schedule=manifest.get("schedule"))
+        return position, component_states(manifest, rank), vanished_rank_states(manifest, here) if rank == 0 else []
+
+    def load_state(self, folder: Path) -> None:
+        """accelerate's state of ``folder`` into this run: weights, optimizer, scheduler, this rank's RNG (a rank the
+        checkpoint did not have keeps its own seed). A loss scaler (fp16) starts fresh when the checkpoint was saved
+        without one (bf16 or fp32), said once; a checkpoint's scaler is left aside by a run without one."""
+        accelerator, scaler = self.accelerator, self.accelerator.scaler
+        fresh_scaler = scaler is not None and not (folder / SCALER_FILE).exists()
+        if fresh_scaler:
+            accelerator.scaler = None   # accelerate would read the missing file
+            if accelerator.is_main_process:
+                print(f"note: {folder} holds no loss scaler (it was saved without fp16): the loss scaler starts fresh",
+                      file=sys.stderr)
+        try:
+            if self.deepspeed:
+                accelerator.load_state(str(folder), load_module_strict=False)
+            else:
+                accelerator.load_state(str(folder), strict=False)
+        finally:
+            accelerator.scaler = scaler

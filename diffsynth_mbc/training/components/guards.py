@@ -90,6 +90,13 @@ class BadMediaGuard(Component):
         self.recent_skips = list(state.get("recent_skips") or [])
         self.replaced = dict(state.get("replaced") or {})
 
+    def take_over(self, state: dict) -> None:
+        """A rank that is gone after a resume on fewer processes: its bad files count as this rank's."""
+        self.skipped_samples += int(state.get("skipped_samples") or 0)
+        self.recent_skips = (self.recent_skips + list(state.get("recent_skips") or []))[-RECENT_SKIPS_SHOWN:]
+        for row, (file, times) in (state.get("replaced") or {}).items():
+            self.replaced.setdefault(row, [file, 0])[1] += times
+
 
 def missing_media_refusal(missing: list[tuple[int, str]], draws: list[int], draws_to_come: int,
                           max_fraction: float) -> str | None:

@@ -19,7 +19,9 @@ hooks in that order on every rank alike:
   LoRA that is not finite at the end), or None;
 - ``state_dict()`` / ``load_state_dict(state)``: what a checkpoint keeps of it, under its ``name``
   (``per_rank``: each rank's own, saved for every rank), JSON only; ``save_files(folder)`` / ``load_files(folder,
-  step)`` for tensors (rank 0 writes into the checkpoint's folder, every rank reads it once its weights are back).
+  step)`` for tensors (rank 0 writes into the checkpoint's folder, every rank reads it once its weights are back);
+  ``take_over(state)``: a per-rank component on rank 0, after a resume on fewer processes, adds the state of a rank
+  the run no longer has to its own.
 
 A hook does only what its component owns. Every collective a hook makes, it makes on every rank at the same step.
 """
@@ -122,6 +124,9 @@ class Component:
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def take_over(self, state: dict[str, Any]) -> None:
         pass
 
     def save_files(self, folder: Path) -> None:

@@ -1,5 +1,6 @@
 """``--resolution_stages``, what trains and what is said, from one list of boundaries: the optimizer step each stage
-ends after, computed once from the run's total (``data/media/stages.boundaries``). The batch sampler is given it,
+ends after, computed once from the run's schedule (``data/media/stages.boundaries`` of its total; after a resume on
+other processes, where the schedule reaches them, ``training/plan/schedule.py``). The batch sampler is given it,
 so each batch goes out with its stage (the dataset and the latent cache load that stage's size); the status file
 says every stage (``stages``) and the one the next optimizer step trains at (``stage``), and rank 0's terminal says
 when it changes. Without stages it does nothing."""
@@ -12,15 +13,17 @@ from diffsynth_mbc.training.components.protocol import Component, StepContext
 class ResolutionStages(Component):
     name = "stages"
 
-    def __init__(self, plan, total_steps: int, batches, steps_per_epoch: int, accumulation: int, status, printer):
-        from diffsynth_mbc.data.media.stages import boundaries
+    def __init__(self, plan, schedule, batches, first_step_of_epoch, accumulation: int, status, printer):
+        from diffsynth_mbc.data.media.stages import boundaries, stage_at
 
         self.status, self.printer = status, printer
-        self.ends: list[int] | None = boundaries(plan.stages, total_steps) if plan.stages else None
-        self.rows = plan.stage_dicts(total_steps) if plan.stages else []   # the same boundaries, said
+        # the boundaries fall at shares of the schedule (its steps: this run's, unless it resumed on other processes)
+        ends = [schedule.run_step(end) for end in boundaries(plan.stages, schedule.total)] if plan.stages else None
+        self.ends: list[int] | None = ends
+        self.rows = plan.stage_dicts(ends=ends) if plan.stages else []   # the same boundaries, said
         self.said: int | None = None   # the stage said last
-        if self.ends:
-            batches.set_stages(self.ends, steps_per_epoch, accumulation)
+        if ends:
+            batches.set_stages(lambda step: stage_at(ends, step), first_step_of_epoch, accumulation)
 
     def at_start(self, context: StepContext) -> None:
         if self.ends:

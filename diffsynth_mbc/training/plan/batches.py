@@ -92,16 +92,46 @@ def epoch_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, in
     """Every rank's batches of one epoch, in order (sample indices into ``rows x repeat``), padded to a multiple
     of ``world_size``. ``row_repeats``: each row's own repeat (several catalogues, ``data/dataset_list.py``)."""
     rows = len(keys)
-    rng = random.Random(f"mbc-batches:{seed}:{epoch}")
     by_key: dict[str, list[int]] = {}
     for index in _sample_indices(rows, repeat, row_repeats):
         by_key.setdefault(keys[index % rows], []).append(index)
+    return _dealt(by_key, batch_sizes, world_size, random.Random(f"mbc-batches:{seed}:{epoch}"), equal_load)
+
+
+def rest_of_epoch(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, int], world_size: int, seed: int,
+                  epoch: int, row_repeats: Sequence[int] | None, equal_load: bool,
+                  before: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """What is left of an epoch that other numbers of processes trained part of, dealt over ``world_size`` ranks
+    (a resume on another number of GPUs, ``training/plan/elastic.py``). ``before``: each part trained, in order, as
+    ``(processes, batches per process)``: the first part's batches are the epoch's as its processes dealt them, each
+    later part's the rest of the part before it. Every sample of the epoch not trained yet, once, in the order the
+    epoch had them, batched by shape again and padded as any epoch is."""
+    rows = len(keys)
+    batches = epoch_batches(keys, repeat, batch_sizes, before[0][0], seed, epoch, row_repeats, equal_load)
+    trained: set[int] = set()
+    for part, (processes, done) in enumerate(before):
+        trained.update(index for batch in batches[:done * processes] for index in batch)
+        by_key: dict[str, list[int]] = {}
+        for index in dict.fromkeys(index for batch in batches[done * processes:] for index in batch):
+            if index not in trained:   # padding repeats samples: each goes once
+                by_key.setdefault(keys[index % rows], []).append(index)
+        dealt_over = before[part + 1][0] if part + 1 < len(before) else world_size
+        rng = random.Random(f"mbc-batches:{seed}:{epoch}:rest:{part}:{processes}:{done}")
+        batches = _dealt(by_key, batch_sizes, dealt_over, rng, equal_load, shuffle=False)
+    return batches
+
+
+def _dealt(by_key: dict[str, list[int]], batch_sizes: Mapping[str, int], world_size: int, rng: random.Random,
+           equal_load: bool, shuffle: bool = True) -> list[list[int]]:
+    """Each key's samples (shuffled, unless ``shuffle`` is off) cut into batches of its size, the batches shuffled
+    together and padded to a multiple of ``world_size``; under equal load, dealt in groups (module docstring)."""
     if equal_load:
-        return _equal_load_batches(by_key, batch_sizes, world_size, rng)
+        return _equal_load_batches(by_key, batch_sizes, world_size, rng, shuffle)
     batches = []
     for key in sorted(by_key):
         indices = by_key[key]
-        rng.shuffle(indices)
+        if shuffle:
+            rng.shuffle(indices)
         size = _batch_size(batch_sizes, key)
         batches.extend(indices[start:start + size] for start in range(0, len(indices), size))
     rng.shuffle(batches)
@@ -112,12 +142,13 @@ def epoch_batches(keys: Sequence[str], repeat: int, batch_sizes: Mapping[str, in
 
 
 def _equal_load_batches(by_key: dict[str, list[int]], batch_sizes: Mapping[str, int], world_size: int,
-                        rng: random.Random) -> list[list[int]]:
+                        rng: random.Random, shuffle: bool = True) -> list[list[int]]:
     """Groups of ``world_size`` full batches of one key each, the groups shuffled (module docstring)."""
     groups = []
     for key in sorted(by_key):
         indices = by_key[key]
-        rng.shuffle(indices)
+        if shuffle:
+            rng.shuffle(indices)
         size = _batch_size(batch_sizes, key)
         filled = indices + [indices[i % len(indices)] for i in range(-len(indices) % size)]
         batches = [filled[start:start + size] for start in range(0, len(filled), size)]
@@ -154,30 +185,62 @@ class ShapeGroupedBatchSampler:
         self.equal_load = equal_load
         self.epoch_span = epoch_span(len(self.keys), repeat, self.row_repeats)
 
-    stage_ends: list | None = None   # --resolution_stages: the optimizer step each stage ends after (set_stages)
+    stage_of_step = None   # --resolution_stages: optimizer step (0-based) -> its stage (set_stages)
+    rest: tuple[int, tuple] | None = None   # (epoch, its parts trained before on other numbers of processes)
+    _rest_kept: tuple = (None, None)        # the last rest of an epoch built (batches_of)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def set_stages(self, ends: list[int], steps_per_epoch: int, accumulation: int) -> None:
+    def set_stages(self, stage_of_step, first_step_of_epoch, accumulation: int) -> None:
         """Each index then goes out as ``(index, stage)``: the stage of the optimizer step its batch belongs to, the
-        same on every rank (batch ``i`` is rank ``i % world_size``'s ``i // world_size``-th)."""
-        self.stage_ends, self.steps_per_epoch, self.accumulation = ends, steps_per_epoch, accumulation
+        same on every rank (batch ``i`` is rank ``i % world_size``'s ``i // world_size``-th); an epoch's first step
+        from ``first_step_of_epoch(epoch)``."""
+        self.stage_of_step, self.first_step_of_epoch, self.accumulation = stage_of_step, first_step_of_epoch, \
+            accumulation
+
+    def go_on_after(self, epoch: int, before: Sequence[tuple[int, int]]) -> None:
+        """``epoch`` was partly trained on other numbers of processes (``before``, as ``rest_of_epoch`` takes it):
+        its iteration is then what is left of it, dealt over this sampler's ranks."""
+        self.rest = (epoch, tuple(tuple(part) for part in before))
+
+    def batches_of(self, epoch: int, world_size: int | None = None, before: Sequence[tuple[int, int]] = ()):
+        """Every rank's batches of ``epoch`` in turn, on ``world_size`` processes (this sampler's by default); the
+        rest of it where ``before`` names parts trained before."""
+        world_size = world_size or self.world_size
+        if before:   # kept: the loader's length asks for it after every step
+            key = (epoch, world_size, tuple(before))
+            if self._rest_kept[0] != key:
+                self._rest_kept = (key, rest_of_epoch(self.keys, self.repeat, self.batch_sizes, world_size, self.seed,
+                                                      epoch, self.row_repeats, self.equal_load, before))
+            return self._rest_kept[1]
+        return epoch_batches(self.keys, self.repeat, self.batch_sizes, world_size, self.seed, epoch,
+                             self.row_repeats, self.equal_load)
+
+    def epoch_batches(self) -> list[list[int]]:
+        """This epoch's batches, every rank's in turn (what is left of it after a resume on other processes)."""
+        return self.batches_of(self.epoch, before=self.before(self.epoch))
+
+    def before(self, epoch: int) -> tuple:
+        """The parts of ``epoch`` trained on other numbers of processes before (``go_on_after``); () for most."""
+        return self.rest[1] if self.rest is not None and self.rest[0] == epoch else ()
+
+    def rank_batches(self, epoch: int, world_size: int | None = None, before: Sequence[tuple[int, int]] = ()) -> int:
+        """Batches per rank of ``epoch`` (of its rest where ``before`` says), on ``world_size`` processes."""
+        world_size = world_size or self.world_size
+        if before:
+            return len(self.batches_of(epoch, world_size, before)) // world_size
+        return batches_per_rank(self.keys, self.repeat, self.batch_sizes, world_size, self.row_repeats,
+                                self.equal_load)
 
     def __iter__(self):
-        from diffsynth_mbc.data.media.stages import stage_at
-
         offset = self.epoch * self.epoch_span   # the epoch rides along in the index (module docstring)
-        batches = epoch_batches(self.keys, self.repeat, self.batch_sizes, self.world_size, self.seed, self.epoch,
-                                self.row_repeats, self.equal_load)
-        batches = [[index + offset for index in batch] for batch in batches]
-        if self.stage_ends:
-            steps = [self.epoch * self.steps_per_epoch + position // self.world_size // self.accumulation
-                     for position in range(len(batches))]
-            batches = [[(index, stage_at(self.stage_ends, step)) for index in batch]
-                       for step, batch in zip(steps, batches)]
+        batches = [[index + offset for index in batch] for batch in self.epoch_batches()]
+        if self.stage_of_step:
+            first = self.first_step_of_epoch(self.epoch)
+            steps = [first + position // self.world_size // self.accumulation for position in range(len(batches))]
+            batches = [[(index, self.stage_of_step(step)) for index in batch] for step, batch in zip(steps, batches)]
         return iter(batches)
 
     def __len__(self) -> int:
-        return batches_per_rank(self.keys, self.repeat, self.batch_sizes, self.world_size,
-                                self.row_repeats, self.equal_load) * self.world_size
+        return self.rank_batches(self.epoch, before=self.before(self.epoch)) * self.world_size

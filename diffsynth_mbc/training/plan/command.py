@@ -15,6 +15,7 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from diffsynth_mbc.data.dataset_list import metadata_counts
 from diffsynth_mbc.data.media.frame_selection import frame_arguments
@@ -327,6 +328,31 @@ def files_not_found(options) -> str | None:
             f"({options.dataset_base_path}) right?")
 
 
+def resume_elsewhere_line(options, world_size: int) -> str | None:
+    """What a ``--resume`` on another number of GPUs than its checkpoint's does (``training/plan/elastic.py``), said
+    with the plan; the training says the steps it counted. None for every other run."""
+    from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints, read_manifest
+
+    if not options.resume:
+        return None
+    try:
+        if options.resume == "latest":
+            found = complete_checkpoints(options.checkpoint_dir)
+            folder = found[-1][1] if found else None
+        else:
+            folder = Path(options.resume)
+        manifest = read_manifest(folder) if folder is not None else None
+    except (OSError, ValueError):
+        return None
+    saved = (manifest or {}).get("world_size")
+    if not isinstance(saved, int) or saved == world_size:
+        return None
+    return (f"resume on {world_size} GPU{'s' if world_size != 1 else ''} from a {saved}-GPU checkpoint ({folder.name}, "
+            f"step {manifest.get('step')}): the rest of its epoch is shared out over {world_size}, every sample of "
+            "it once, and the steps are counted again (the training says how many); the learning-rate schedule goes "
+            "on by samples seen")
+
+
 def print_plan(options, known, plan, nodes: int) -> int:
     try:
         run, unknown = projection_of(options, plan, known.cached, known.assume, nodes)
@@ -334,7 +360,8 @@ def print_plan(options, known, plan, nodes: int) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     missing = files_not_found(options)
-    full = ([missing] if missing else []) + plan_lines(options, plan) + projection_lines(run, unknown)
+    notes = [line for line in (missing, resume_elsewhere_line(options, plan.world_size)) if line]
+    full = notes + plan_lines(options, plan) + projection_lines(run, unknown)
     if known.detail_file:
         try:
             with open(known.detail_file, "a", encoding="utf-8") as handle:
@@ -342,7 +369,7 @@ def print_plan(options, known, plan, nodes: int) -> int:
         except OSError as exc:
             print(f"error: --detail_file {known.detail_file}: {exc.strerror}", file=sys.stderr)
             return 2
-    brief = ([missing] if missing else []) + brief_lines(plan, run, unknown, frame_rates=frame_rate_line(options))
+    brief = notes + brief_lines(plan, run, unknown, frame_rates=frame_rate_line(options))
     print("\n".join(brief if known.brief else full), file=sys.stderr)
     return 0
 

@@ -200,16 +200,18 @@ class StepPlan:
     def describe_modes(self) -> str:
         return describe_modes(self.objective, self.i2v_probability, self.modes_per_epoch)
 
-    def stage_dicts(self, total_steps: int | None = None) -> list[dict]:
+    def stage_dicts(self, total_steps: int | None = None, ends: list[int] | None = None) -> list[dict]:
         """Each stage: its size, its optimizer steps (1-based, inclusive) and a clip's tokens there; the boundaries
-        from ``total_steps`` (the training's, from its data loader), else the plan's total."""
+        ``ends`` where given (the training's, ``training/components/stages.py``), else from ``total_steps``, else
+        from the plan's total."""
         from diffsynth_mbc.data.media.stages import boundaries
         from diffsynth_mbc.training.plan.memory import tokens
 
         height, width, frames = self.final_size
         sizes = [(s.height, s.width, s.num_frames or frames) for s in self.stages] + [(height, width, frames)]
         out, start = [], 0
-        ends = boundaries(self.stages, self.total_steps if total_steps is None else total_steps)
+        if ends is None:
+            ends = boundaries(self.stages, self.total_steps if total_steps is None else total_steps)
         for index, (end, (h, w, f)) in enumerate(zip(ends, sizes)):
             out.append({"stage": index + 1, "size": f"{w}x{h}x{f}", "height": h, "width": w, "num_frames": f,
                         "from_step": start + 1, "to_step": end, "steps": end - start, "tokens": tokens(h, w, f)})
@@ -289,17 +291,6 @@ def steps_from_loader(batches_per_epoch: int, gradient_accumulation: int, num_ep
     """(steps_per_epoch, total_steps) from the length of the already-sharded data loader."""
     steps_per_epoch = _ceil_div(batches_per_epoch, gradient_accumulation)
     return steps_per_epoch, steps_per_epoch * num_epochs
-
-
-def end_step(step: int, epoch: int, batches_in_epoch: int, batches_per_epoch: int, gradient_accumulation: int,
-             num_epochs: int) -> int:
-    """The optimizer step a run resumed at ``step`` (``batches_in_epoch`` batches into ``epoch``) ends at, with
-    ``batches_per_epoch`` batches per epoch now: the plan's total, unless a forced resume changed the plan (the
-    checkpoint's steps were counted under its own)."""
-    if epoch >= num_epochs:
-        return step
-    rest = _ceil_div(max(0, batches_per_epoch - batches_in_epoch), gradient_accumulation)
-    return step + rest + (num_epochs - epoch - 1) * _ceil_div(batches_per_epoch, gradient_accumulation)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",

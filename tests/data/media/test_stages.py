@@ -40,7 +40,8 @@ def test_the_batch_sampler_gives_each_index_the_stage_of_its_optimizer_step():
     from diffsynth_mbc.training.plan.batches import ShapeGroupedBatchSampler
 
     sampler = ShapeGroupedBatchSampler(["video"] * 8, 1, {"video": 1}, world_size=2, seed=0)
-    sampler.set_stages([2, 4], steps_per_epoch=2, accumulation=2)
+    sampler.set_stages(lambda step: stage_at([2, 4], step), first_step_of_epoch=lambda epoch: 2 * epoch,
+                       accumulation=2)
     batches = list(sampler)   # 8 batches: each rank's 4 are 2 optimizer steps of 2
     assert [batch[0][1] for batch in batches] == [0, 0, 0, 0, 0, 0, 0, 0]
     sampler.set_epoch(1)

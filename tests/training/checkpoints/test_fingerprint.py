@@ -9,7 +9,8 @@ import json
 import pytest
 
 from diffsynth_mbc.data.dataset_list import Catalogue
-from diffsynth_mbc.training.checkpoints.fingerprint import FINGERPRINT_KEYS, fingerprint_differences, run_fingerprint
+from diffsynth_mbc.training.checkpoints.fingerprint import (FINGERPRINT_KEYS, fingerprint_differences,
+                                                             hardware_changes, run_fingerprint)
 from diffsynth_mbc.training.options import resolve_options
 from diffsynth_mbc.training.options.run_options import TrainOptions
 
@@ -64,14 +65,22 @@ def fingerprint(options) -> dict:
 ], ids=["defaults", "stages-buckets-frames-cache", "catalogues-ema-dora"])
 def test_the_fingerprint_of_these_options_is_what_checkpoints_already_hold(options, recorded):
     """A setting added since (``fp32_residual``: on under fp16 by default) is compared with what such a checkpoint
-    trained with (off): it is refused, naming it, unless the run turns it off as well."""
+    trained with (off). It is one a resume may change, as the precision and the processes are (a V100's fp16
+    checkpoint goes on in bf16 on an H100): said, not refused."""
     current = fingerprint(options())
     assert current == {**recorded, "fp32_residual": True}
     assert json.loads(json.dumps(current)) == current   # what checkpoint.json gives back compares equal
     assert set(FINGERPRINT_KEYS) == set(recorded) | {"fp32_residual"}
-    assert fingerprint_differences(recorded, current) == [
+    assert fingerprint_differences(recorded, current) == []
+    assert hardware_changes(recorded, current) == [
         "fp32_residual: checkpoint False (saved before the setting existed), this run True"]
-    assert fingerprint_differences(recorded, fingerprint(options().replace(fp32_residual="off"))) == []
+    assert hardware_changes(recorded, fingerprint(options().replace(fp32_residual="off"))) == []
+    elsewhere = run_fingerprint(options(), world_size=1, accumulation=4, rows=170180, metadata_sha256="ab" * 32,
+                                image_batch=5, precision="bf16")
+    assert fingerprint_differences(recorded, elsewhere) == []
+    assert hardware_changes(recorded, elsewhere) == [
+        "world_size: checkpoint 2, this run 1", "mixed_precision: checkpoint 'fp16', this run 'bf16'",
+        "fp32_residual: checkpoint False (saved before the setting existed), this run True"]
 
 
 def test_a_changed_setting_is_named():

@@ -36,7 +36,7 @@ def test_latest_falls_back_to_the_newest_intact_checkpoint_naming_the_damaged_fi
     newest = make_checkpoint(tmp_path, 8)
     broken(newest)
     reports = []
-    assert resolve_resume("latest", tmp_path, world_size=2, report=reports.append).name == checkpoint_folder_name(4)
+    assert resolve_resume("latest", tmp_path, report=reports.append).name == checkpoint_folder_name(4)
     assert len(reports) == 1 and expected in reports[0] and checkpoint_folder_name(8) in reports[0]
 
 
@@ -44,13 +44,16 @@ def test_an_explicit_damaged_checkpoint_is_refused_naming_the_file(tmp_path):
     folder = make_checkpoint(tmp_path, 8)
     (folder / "optimizer.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"damaged: .*optimizer.bin: 0 bytes, 4000 when it was saved"):
-        resolve_resume(str(folder), tmp_path, world_size=2)
+        resolve_resume(str(folder), tmp_path)
 
 
-def test_a_checkpoint_missing_a_ranks_state_is_damaged(tmp_path):
-    """What several nodes without a shared checkpoint folder used to publish: rank 0's state only."""
+def test_a_checkpoint_missing_a_ranks_state_is_damaged_and_one_of_fewer_ranks_is_not(tmp_path):
+    """What several nodes without a shared checkpoint folder used to publish: rank 0's state only, of 2 ranks. A
+    checkpoint of 1 rank resumed on 2 is whole: a resume on another number of ranks (training/plan/elastic.py)."""
     folder = make_checkpoint(tmp_path, 4, world_size=1)
-    problem = damage(folder, json.loads((folder / "checkpoint.json").read_text()), world_size=2)
+    manifest = json.loads((folder / "checkpoint.json").read_text())
+    assert damage(folder, manifest) is None
+    problem = damage(folder, {**manifest, "world_size": 2})
     assert "random_states_1.pkl: missing (the state of rank 1" in problem
 
 
@@ -58,12 +61,12 @@ def test_every_checkpoint_damaged_is_an_error_not_a_silent_fresh_start(tmp_path)
     folder = make_checkpoint(tmp_path, 4)
     (folder / "lora.safetensors").unlink()
     with pytest.raises(ValueError, match="every checkpoint .* is damaged"):
-        resolve_resume("latest", tmp_path, world_size=2)
+        resolve_resume("latest", tmp_path)
 
 
 def test_checkpoints_saved_before_file_lists_still_resume(tmp_path):
     make_checkpoint(tmp_path, 4, listed=False)
-    assert resolve_resume("latest", tmp_path, world_size=2).name == checkpoint_folder_name(4)
+    assert resolve_resume("latest", tmp_path).name == checkpoint_folder_name(4)
 
 
 @pytest.mark.parametrize("broken, why", [
@@ -80,7 +83,7 @@ def test_a_newest_checkpoint_without_a_readable_manifest_is_named_skipped_and_mo
     (newest / "notes.txt").write_text("kept")
     broken(newest)
     reports = []
-    assert resolve_resume("latest", tmp_path, world_size=2, report=reports.append).name == checkpoint_folder_name(4)
+    assert resolve_resume("latest", tmp_path, report=reports.append).name == checkpoint_folder_name(4)
     assert reports == [f"skipping {checkpoint_folder_name(8)}: its checkpoint.json {why}" + (
         " (damaged or cut off)" if why == "cannot be read" else "")]
     moved = set_aside_unreadable(tmp_path, after_step=4)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffsynth_mbc.errors import OptionsError
+from diffsynth_mbc.run_layout import SCALER_FILE, checkpoint_folder_name
 from diffsynth_mbc.models.pipeline import build_demo_pipeline
 from diffsynth_mbc.training.checkpoints.folder import find_latest, read_manifest
 from diffsynth_mbc.training.checkpoints.integrity import damage
@@ -165,6 +166,31 @@ def test_the_same_settings_resume_with_the_saved_optimizer_state(runs):
     assert checkpoints.status.state.get("resumed_with_changes") is None
 
 
+def test_a_loss_scaler_starts_fresh_from_a_checkpoint_without_one_and_is_left_aside_by_a_run_without_one(runs,
+                                                                                                         capfd):
+    """fp16 <-> bf16 on other GPUs (a V100's checkpoint on an H100, and back): accelerate's fp16 loss scaler
+    (``scaler.pt``) is in the one checkpoint and not in the other. torch's GradScaler on the CPU stands in for the one
+    accelerate makes under fp16 on a GPU (the CPU trains no fp16); the files and the loading are accelerate's own."""
+    keep = ("--keep_checkpoints", "5")
+    fp16, _ = runs(*keep)
+    fp16.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    fp16.save(Position(step=2))
+    assert (fp16.root / checkpoint_folder_name(2) / SCALER_FILE).exists()
+    bf16, _ = runs(*keep)
+    assert bf16.load("latest")[0].step == 2 and bf16.accelerator.scaler is None   # left aside
+    bf16.save(Position(step=4))
+    assert not (bf16.root / checkpoint_folder_name(4) / SCALER_FILE).exists()
+    again, _ = runs(*keep)
+    fresh = again.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    capfd.readouterr()
+    assert again.load("latest")[0].step == 4
+    assert again.accelerator.scaler is fresh and fresh.get_scale() == 65536.0
+    assert capfd.readouterr().err.count("holds no loss scaler (it was saved without fp16): the loss scaler starts "
+                                        "fresh") == 1
+    again.load(str(fp16.root / checkpoint_folder_name(2)))   # an fp16 checkpoint's scaler comes back under fp16
+    assert fresh.get_scale() == 256.0
+
+
 def test_a_resume_goes_on_counting_what_each_rank_replaced(runs):
     """The summary counts and names the bad media of the whole run: a resume's counters come from the checkpoint."""
     checkpoints, _optimizer = runs()
@@ -172,10 +198,30 @@ def test_a_resume_goes_on_counting_what_each_rank_replaced(runs):
     guard = BadMediaGuard(0.01)
     guard.load_state_dict({"skipped_samples": 3, "recent_skips": [], "replaced": replaced})
     checkpoints.save(Position(step=2, samples_seen=40), [guard])
-    position, states = runs()[0].load("latest")
+    position, states, vanished = runs()[0].load("latest")
     resumed = BadMediaGuard(0.01)
     resumed.load_state_dict(states["bad_media"])
-    assert (position.samples_seen, resumed.skipped_samples, resumed.replaced) == (40, 3, replaced)
+    assert (position.samples_seen, resumed.skipped_samples, resumed.replaced, vanished) == (40, 3, replaced, [])
+
+
+def test_rank_0_takes_over_the_counts_of_the_ranks_a_resume_on_fewer_processes_does_not_have():
+    """A 3-rank checkpoint resumed on 1: what ranks 1 and 2 replaced is rank 0's now (the run's summary names it)."""
+    from diffsynth_mbc.training.checkpoints.state import component_states, vanished_rank_states
+
+    def rank(skipped, replaced):
+        return {"samples_seen": 10, "components": {"bad_media": {"skipped_samples": skipped, "recent_skips": [
+            {"row": int(row), "file": file, "reason": "undecodable"} for row, (file, _) in replaced.items()],
+            "replaced": replaced}}}
+
+    manifest = {"components": {}, "per_rank": [rank(1, {"3": ["a.mp4", 1]}), rank(2, {"3": ["a.mp4", 2]}),
+                                               rank(1, {"7": ["b.mp4", 1]})]}
+    assert vanished_rank_states(manifest, 3) == [] and len(vanished_rank_states(manifest, 1)) == 2
+    guard = BadMediaGuard(0.01)
+    guard.load_state_dict(component_states(manifest, 0)["bad_media"])
+    for states in vanished_rank_states(manifest, 1):
+        guard.take_over(states["bad_media"])
+    assert guard.skipped_samples == 4 and guard.replaced == {"3": ["a.mp4", 3], "7": ["b.mp4", 1]}
+    assert [skip["file"] for skip in guard.recent_skips] == ["a.mp4", "a.mp4", "b.mp4"]
 
 
 @pytest.fixture

@@ -97,7 +97,11 @@ def test_at_an_area_whose_buckets_are_one_shape_the_plan_says_every_sample_is_cr
 def test_a_resumed_run_ends_at_the_plans_total_unless_a_forced_resume_changed_the_plan():
     """``--force_resume true`` after the media changed size ended ``finished: 5/4 steps``: the checkpoint's 3 steps
     were counted under a plan of 3 steps per epoch, this plan has 2."""
-    from diffsynth_mbc.training.plan.step_plan import end_step
+    from diffsynth_mbc.training.plan.elastic import EpochSteps
+
+    def end_step(step, epoch, batches_done, batches_per_epoch, accumulation, num_epochs):
+        return EpochSteps(step, epoch, batches_done, batches_per_epoch, batches_per_epoch,
+                          accumulation).end_step(num_epochs)
 
     # the same plan: 5 batches per epoch, accumulation 2 (3 steps per epoch), 2 epochs
     assert end_step(0, 0, 0, 5, 2, 2) == 6
