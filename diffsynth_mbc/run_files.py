@@ -83,13 +83,14 @@ STATUS_FIELDS = (
 CACHE_FIELDS = ("rows_done", "rows_total", "rows_per_s", "failures", "last_failure", "cache_dir")
 
 # Fields of each training_gpu{rank}.jsonl line (one per optimizer step; epoch from 0). Extra fields may
-# appear, and other lines carry a "kind": validation {"kind": "val", "step", "val_loss", "val_samples", "time"} (with
-# the base model's "val_loss_base", "val_loss_base_by_quantile", "val_loss_base_by_mode", "val_loss_base_step"),
-# sample clips {"kind": "samples", ...}, and one line per overhead section
-# {"kind": "overhead", "overhead": KIND, "step", "seconds", "time"} (step: the last optimizer step done), and the
-# LoRA health at step 0, every --health_steps and at the end: {"kind": "lora_health", "step",
-# "update_norm_by_block": [|dW|_F / |W|_F per DiT block], "grad_norm_by_block": [...] or null (not measured),
-# "flags": [...], "seconds", "time"} (a norm that is not finite is null).
+# appear: per sample of the step "rows" (its row of the run's metadata, 0-based), "modes", "timesteps",
+# "timestep_losses", "shapes" (one order, but in a batch mixing shapes). Other lines carry a "kind": validation
+# {"kind": "val", "step", "val_loss", "val_samples", "time"} (with the base model's "val_loss_base",
+# "val_loss_base_by_quantile", "val_loss_base_by_mode", "val_loss_base_step"), sample clips {"kind": "samples", ...},
+# and one line per overhead section {"kind": "overhead", "overhead": KIND, "step", "seconds", "time"} (step: the last
+# optimizer step done), and the LoRA health at step 0, every --health_steps and at the end: {"kind": "lora_health",
+# "step", "update_norm_by_block": [|dW|_F / |W|_F per DiT block], "grad_norm_by_block": [...] or null (not
+# measured), "flags": [...], "seconds", "time"} (a norm that is not finite is null).
 HISTORY_FIELDS = ("step", "epoch", "loss", "lr", "step_time_s", "time")
 OVERHEAD_RECORD = "overhead"
 HEALTH_RECORD = "lora_health"

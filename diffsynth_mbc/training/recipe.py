@@ -387,10 +387,11 @@ class TrainingRecipe:
         position.epoch, position.batches_in_epoch = epoch, skip
         # Resuming mid-epoch: skip the batches already trained on without decoding them.
         epoch_batches = parts.accelerator.skip_first_batches(parts.loader, skip) if skip else parts.loader
-        losses, samples, tokens, bad, drawn = [], 0, 0, [], []
+        losses, samples, tokens, bad, drawn, rows = [], 0, 0, [], [], []
         draws = parts.model.draws   # each sample's timestep and loss, for the history
         for batch in iterate_waiting_at_start(epoch_batches, self.status):
             bad_here = [record for sample in batch for record in sample.pop("skipped", ())]
+            rows += [sample["row"] - 1 for sample in batch]   # 0-based rows of the run's metadata
             if not losses:
                 step_parts.compile_timer.step_started()
             tokens += sum(sample_tokens(sample) for sample in batch)
@@ -407,9 +408,10 @@ class TrainingRecipe:
                 continue
             step_parts.compile_timer.step_finished()
             result = StepResult(loss=torch.stack(losses).mean().item(), lr=micro.lr, grad_norm=micro.grad_norm,
-                                skipped=micro.skipped, samples=samples, tokens=tokens, bad_media=bad, draws=drawn)
+                                skipped=micro.skipped, samples=samples, tokens=tokens, bad_media=bad, draws=drawn,
+                                rows=rows)
             decision = self.after_optimizer_step(result)
-            losses, samples, tokens, bad, drawn = [], 0, 0, [], []
+            losses, samples, tokens, bad, drawn, rows = [], 0, 0, [], [], []
             if decision.stop is not None:
                 return decision
         return CONTINUE

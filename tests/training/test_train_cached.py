@@ -102,3 +102,25 @@ def test_two_catalogues_cache_and_train_as_one_on_two_ranks(cached_run):
         assert state["status"] == "finished" and state["step"] == state["total_steps"] == 7
         assert state["plan"]["datasets"] == counts and state["plan"]["samples_per_epoch"] == 33
         assert [line["step"] for line in read_history(log_dir, rank)] == list(range(1, 8))
+
+
+def test_the_step_records_name_the_cached_rows_each_trained_its_catalogues_repeat(cached_run):
+    """From the latent cache too, each step record's `rows` are the metadata rows (0-based) of its samples: over both
+    ranks the epoch trains each cached row its catalogue's repeat x 3 (drama's 2, news' 1), and the padding."""
+    from collections import Counter
+
+    from diffsynth_mbc.data.cache.index import read_index
+    from diffsynth_mbc.data.media.shapes import shape_key
+    from diffsynth_mbc.training.plan.batches import epoch_batches
+
+    work, _ = cached_run
+    entries = read_index(work / "runs" / "my_cache")["rows"]   # the cached dataset's rows, in its order
+    keys = [shape_key(entry["media_type"], entry["file"]) for entry in entries]
+    repeats = [2 if entry["prompt"].startswith("mbcstyle mbc drama, ") else 1 for entry in entries]
+    planned = Counter(entries[index % len(entries)]["row"] - 1
+                      for batch in epoch_batches(keys, 3, {"video": 1, "image": 3}, 2, 42, 0, repeats)
+                      for index in batch)
+    log_dir = work / "runs" / "demo" / "training_logs"
+    trained = Counter(row for rank in (0, 1) for line in read_history(log_dir, rank) for row in line["rows"])
+    assert trained == planned
+    assert sorted(trained) == list(range(8)) and sum(repeats) == 5 + 2 * 3   # news 5 rows once, drama 3 rows twice

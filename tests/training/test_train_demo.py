@@ -155,6 +155,27 @@ def test_every_step_record_names_each_samples_mode_images_t2i_videos_i2v(demo):
     assert "modes per epoch: 15 t2i (images) + 18 i2v" in demo["log"]
 
 
+def test_every_step_record_names_its_metadata_rows_and_each_epoch_trains_every_row_as_planned(demo):
+    """`rows`: the 0-based metadata row of each sample of the step, in the order of its `modes`. Over both ranks an
+    epoch trains each row its 3 copies (--dataset_repeat 3), and the copies the padding repeats, nothing else."""
+    from collections import Counter
+
+    sizes = {"video": 1, "image": 3}
+    for epoch in range(DEMO_EPOCHS):
+        trained = Counter()
+        for rank in (0, 1):
+            for line in read_history(demo["log_dir"], rank):
+                assert len(line["rows"]) == len(line["modes"]) == line["samples"], line
+                assert all(line["modes"][i] == ("i2v" if DEMO_KEYS[row] == "video" else "t2i")
+                           for i, row in enumerate(line["rows"]))
+                if line["epoch"] == epoch:
+                    trained.update(line["rows"])
+        planned = Counter(index % DEMO_ROWS for batch in epoch_batches(DEMO_KEYS, DEMO_REPEAT, sizes, 2, DEMO_SEED,
+                                                                       epoch) for index in batch)
+        assert trained == planned, epoch
+        assert set(trained) == set(range(DEMO_ROWS)) and all(count >= DEMO_REPEAT for count in trained.values())
+
+
 def test_gradients_are_averaged_across_ranks(demo):
     """Different samples and noise on each rank, yet one averaged gradient: DDP really wraps the model."""
     norms = [[line["grad_norm"] for line in read_history(demo["log_dir"], rank)] for rank in (0, 1)]

@@ -16,4 +16,5 @@ class StepProgress(Component):
         result = context.result
         self.logger.on_step_end(self.accelerator, None, loss=result.loss, lr=result.lr, samples=result.samples,
                                 grad_norm=result.grad_norm, tokens=result.tokens, timestep_draws=result.draws,
+                                rows=result.rows,
                                 **({"nonfinite": True} if result.skipped else {}))

@@ -68,6 +68,7 @@ class StepResult:
     tokens: int
     bad_media: list[dict] = field(default_factory=list)   # the rows that could not be decoded ({"row", "reason"...})
     draws: list = field(default_factory=list)             # each sample's (timestep, loss, mode, shape)
+    rows: list[int] = field(default_factory=list)         # each sample's row of the run's metadata, 0-based
 
 
 @dataclass

@@ -114,6 +114,8 @@ class ProgressLogger(ModelLogger):
             record["modes"] = [draw[2] for draw in draws]
             if all(len(draw) > 3 and draw[3] for draw in draws):
                 record["shapes"] = [list(draw[3]) for draw in draws]   # [frames, height, width] in pixels
+        if kwargs.get("rows"):   # the metadata rows it trained (0-based), sample by sample
+            record["rows"] = [int(row) for row in kwargs["rows"]]
         if kwargs.get("nonfinite"):
             record["nonfinite"] = True   # skipped: the loss or gradient norm was inf/NaN
         record.update(extra)
