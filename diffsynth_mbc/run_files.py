@@ -18,6 +18,9 @@ SCHEMA_VERSION = 1
 
 # Lifecycle of one rank. "starting" is written the moment the process starts. "caching": the latent cache job
 # (python -m diffsynth_mbc.cache) encoding its share of the rows, before the training's own files take over.
+# "stopped": a stop someone asked for (Ctrl-C, stop.sh); "preempted": the scheduler ended the job (its warning before
+# the time limit, scancel, a preemption), which a requeued job goes on from. Either ends after a checkpoint when it
+# came while training.
 STATUS_STARTING = "starting"
 STATUS_CACHING = "caching"
 STATUS_LOADING = "loading"
@@ -25,10 +28,12 @@ STATUS_TRAINING = "training"
 STATUS_FINISHED = "finished"
 STATUS_FAILED = "failed"
 STATUS_STOPPED = "stopped"
+STATUS_PREEMPTED = "preempted"
 STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING, STATUS_FINISHED, STATUS_FAILED,
-            STATUS_STOPPED)
+            STATUS_STOPPED, STATUS_PREEMPTED)
 ACTIVE_STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING)
-TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED)
+TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED, STATUS_PREEMPTED)
+STOPPED_STATUSES = (STATUS_STOPPED, STATUS_PREEMPTED)   # ended before the run's end, resumable from a checkpoint
 
 # Fields of training_gpu{rank}.json. Readers must tolerate extra fields and missing optional ones.
 STATUS_FIELDS = (
