@@ -12,6 +12,8 @@ RUN_LOG = "MBC_RUN_LOG"                 # the launcher's log file, which a rank 
 PROGRESS_TTY = "MBC_PROGRESS_TTY"       # the launcher's terminal: rank 0 draws the live progress bar there
 PROGRESS_LOG = "MBC_PROGRESS_LOG"       # the launcher's log file: rank 0 writes plain progress lines there
 STOP_PROG = "MBC_STOP_PROG"             # how ``stop.sh`` names itself in the stop command's usage and errors
+SLURM_JOB = "MBC_SLURM_JOB"             # launchers/train.sbatch: the SLURM job the run is in (a SIGTERM there is the
+                                        # scheduler's: the ranks end 'preempted')
 # Fault injection, for tests of what the run does when things go wrong:
 FAULT_NONFINITE_LOSS = "MBC_FAULT_NONFINITE_LOSS"     # RANK:STEP,STEP,...: that rank's loss is NaN at those steps
 FAULT_SLOW_CHECKPOINT_S = "MBC_FAULT_SLOW_CHECKPOINT_S"   # [RANK:]SECONDS each checkpoint save is delayed by

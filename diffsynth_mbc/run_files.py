@@ -23,7 +23,10 @@ SCHEMA_VERSION = 1
 
 # Lifecycle of one rank. "starting" is written the moment the process starts. "caching": the latent cache job
 # (python -m diffsynth_mbc.cache) encoding its share of the rows, before the training's own files take over.
-# "retired": a rank the run no longer has, after a resume on fewer processes (its records end at that checkpoint).
+# "stopped": a stop someone asked for (Ctrl-C, stop.sh); "preempted": the scheduler ended the job (its warning before
+# the time limit, scancel, a preemption), which a requeued job goes on from. Either ends after a checkpoint when it
+# came while training. "retired": a rank the run no longer has, after a resume on fewer processes (its records end at
+# that checkpoint).
 STATUS_STARTING = "starting"
 STATUS_CACHING = "caching"
 STATUS_LOADING = "loading"
@@ -31,11 +34,13 @@ STATUS_TRAINING = "training"
 STATUS_FINISHED = "finished"
 STATUS_FAILED = "failed"
 STATUS_STOPPED = "stopped"
+STATUS_PREEMPTED = "preempted"
 STATUS_RETIRED = "retired"
 STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING, STATUS_FINISHED, STATUS_FAILED,
-            STATUS_STOPPED, STATUS_RETIRED)
+            STATUS_STOPPED, STATUS_PREEMPTED, STATUS_RETIRED)
 ACTIVE_STATUSES = (STATUS_STARTING, STATUS_CACHING, STATUS_LOADING, STATUS_TRAINING)
-TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED, STATUS_RETIRED)
+TERMINAL_STATUSES = (STATUS_FINISHED, STATUS_FAILED, STATUS_STOPPED, STATUS_PREEMPTED, STATUS_RETIRED)
+STOPPED_STATUSES = (STATUS_STOPPED, STATUS_PREEMPTED)   # ended before the run's end, resumable from a checkpoint
 
 # -- the status schema ------------------------------------------------------------------------------------------------
 # Every field of a status file, declared once: its type, whether every file has it, and which files do (a training

@@ -24,6 +24,9 @@
 # Environment: PYTHON (default: the active venv's python, else the project's .venv, else python3; checked first),
 #   MBC_LOG_FILE, MBC_RUN_ID, NCCL_* (see configs/nccl_pcie.env).
 set -euo pipefail
+# SLURM's warning before a job's end (launchers/train.sbatch) reaches every process of the job: this shell and what it
+# starts go on (the training's ranks take it: diffsynth_mbc.lifecycle.signals).
+trap '' USR1
 
 MBC_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # Known third-party deprecation notices, printed by every process of every run (torch's pynvml and

@@ -1,9 +1,9 @@
 """The README and docs/ say only what the code does: their commands are checked against the real CLIs.
 
 Every shell command in a ```bash block, and every inline `python -m diffsynth_mbc.X ...` / `bash launchers/...`
-/ `bash install.sh ...` span, must name a real module or script, and each of its --flags must be one that
-command's --help lists (launchers: their own flags in launchers/common.sh, or the training's, which they pass
-through). Repository paths and links must exist, and the LoRA key example must be what the training writes.
+/ `bash install.sh ...` / `sbatch ...` span, must name a real module or script, and each of its --flags must be one
+that command's --help lists (launchers: their own flags in launchers/common.sh, or the training's, which they pass
+through; `sbatch [sbatch's options] launchers/train.sbatch FLAGS`: the launchers' flags after the script). Repository paths and links must exist, and the LoRA key example must be what the training writes.
 
 Flags are compared with '-' and '_' taken as the same character: the underscore spelling (DiffSynth's) is the
 one the docs use, and the CLIs accept it beside the dash spelling.
@@ -26,7 +26,7 @@ from diffsynth_mbc.training.options import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-INLINE = re.compile(r"`((?:python3? -m diffsynth_mbc\.|bash launchers/|bash install\.sh)[^`]*)`")
+INLINE = re.compile(r"`((?:python3? -m diffsynth_mbc\.|bash launchers/|bash install\.sh|sbatch )[^`]*)`")
 
 
 def _name(path: Path) -> str:
@@ -91,6 +91,10 @@ def expected_flags(command: list[str]) -> tuple[str, frozenset[str]] | None:
         if module == "diffsynth_mbc.doctor":        # the doctor takes every training flag too
             flags |= help_flags("diffsynth_mbc.train")
         return module, flags
+    if words[:1] == ["sbatch"]:   # sbatch's own options, then the batch script and the launchers' flags
+        script = next((word for word in words[1:] if word.endswith(".sbatch")), None)
+        assert script and (REPO / script).is_file(), f"no batch script in: {shlex.join(words)}"
+        return script, launcher_flags()
     if words[:1] == ["bash"] and len(words) > 1:
         script = words[1]
         assert (REPO / script).is_file(), f"no script {script}"
@@ -108,6 +112,9 @@ def expected_flags(command: list[str]) -> tuple[str, frozenset[str]] | None:
 def _flags_after_program(command: list[str]) -> list[str]:
     if "-m" in command:
         command = command[command.index("-m") + 2:]
+    scripts = [index for index, word in enumerate(command) if word.endswith(".sbatch")]
+    if command[:1] == ["sbatch"] and scripts:
+        command = command[scripts[0] + 1:]
     return [word for word in command if word.startswith("--") and len(word) > 2]
 
 

@@ -92,3 +92,18 @@ def is_launcher(pid: int) -> bool:
         return True
     return bool(argv) and Path(argv[0]).name == "bash" and any(
         arg.endswith(".sh") and Path(arg).parent.name == "launchers" for arg in argv[1:3])
+
+
+def end_with_parent(parent: int) -> None:
+    """In a worker: be killed when the process that started it dies, however it dies (``kill -9`` of the converter
+    left its workers blocked forever, their parent pid 1; so did a rank killed while its data-loader workers outlived
+    the scheduler's SIGTERM). Linux's PR_SET_PDEATHSIG; elsewhere nothing is set."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:   # the parent died before the line above: nobody would kill this worker
+        os._exit(1)

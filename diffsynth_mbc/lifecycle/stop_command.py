@@ -217,7 +217,7 @@ def report_outcome(run: RunProcesses, out) -> int:
     for line in lines or ["stopped"]:
         print(line, file=out)
     ended = {state.get("status") for state in states.values()}
-    return 0 if ended <= {run_files.STATUS_STOPPED, run_files.STATUS_FINISHED} else 1
+    return 0 if ended <= {*run_files.STOPPED_STATUSES, run_files.STATUS_FINISHED} else 1
 
 
 def closing_lines(states: dict, resume_command: str | None, log_file: str | None) -> list[str]:
@@ -231,10 +231,11 @@ def closing_lines(states: dict, resume_command: str | None, log_file: str | None
             lines.append(f"failed: rank {rank} at step {state.get('step')}: {error.get('type', 'error')}: "
                          f"{message[:600]}")
         return lines + ([f"  log: {log_file}"] if log_file else [])
-    if states and all(state.get("status") == run_files.STATUS_STOPPED for state in states.values()):
+    if states and all(state.get("status") in run_files.STOPPED_STATUSES for state in states.values()):
         state = states[min(states)]
         checkpoint = state.get("last_checkpoint")
-        lines = [f"stopped at step {state.get('step')}/{state.get('total_steps')}"
+        preempted = any(state.get("status") == run_files.STATUS_PREEMPTED for state in states.values())
+        lines = [f"{'preempted' if preempted else 'stopped'} at step {state.get('step')}/{state.get('total_steps')}"
                  + (f"; resume from {checkpoint}" if checkpoint else "; no checkpoint was written")]
         if resume_command and checkpoint:
             lines.append(f"  resume: {resume_command}")

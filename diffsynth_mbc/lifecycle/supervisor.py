@@ -13,6 +13,11 @@ the launcher's pid and its locks carry over. It
 - on SIGINT, SIGTERM or SIGHUP sends SIGTERM to the ranks (each finishes its step, checkpoints and
   writes ``stopped``); a repeated SIGTERM or SIGHUP is the same request and changes nothing; a person's
   second Ctrl-C (SIGINT) is passed on as SIGINT (the ranks then exit at once), a third kills them;
+- on the scheduler's warning (SIGUSR1, ``launchers/train.sbatch``) passes it on to the ranks, each time it comes (a
+  rank takes a repeat for the same request; one that came before any rank was up is asked again): they end
+  ``preempted``. accelerate is started with it ignored, so neither it nor a cache job's ranks end on it, and a
+  training's, in a scheduler's job, with SIGTERM blocked: the scheduler's SIGTERM reaches the ranks themselves, and
+  accelerate waits for them;
 - when COMMAND ends, marks ranks that died without a final status failed, ends with the run's last word
   (a failed rank's cause, or the checkpoint and command that resume a stopped run) after whatever torch
   printed, and removes its records.
@@ -34,7 +39,7 @@ from diffsynth_mbc import environment
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.lifecycle import run_lock
 from diffsynth_mbc.lifecycle.processes import children, is_trainer, start_time
-from diffsynth_mbc.lifecycle.signals import NOW_SIGNAL, STOP_SIGNALS
+from diffsynth_mbc.lifecycle.signals import NOW_SIGNAL, PREEMPT_SIGNAL, STOP_SIGNALS
 from diffsynth_mbc.lifecycle.stop_command import closing_lines, mark_dead_ranks, rank_states
 
 ERROR_LINE = re.compile(r"^(?:\[rank \d+\] )?error: (.+)$")
@@ -76,10 +81,21 @@ class Supervisor:
         piped = self.log_file is not None
         if piped:
             self._log = open(self.log_file, "ab")
-        # stdin stays the launcher's: rank 0 sizes its live bar by the terminal found there
-        self.child = subprocess.Popen(self.command, env=self.environment(), start_new_session=True,
-                                      stdout=subprocess.PIPE if piped else None,
-                                      stderr=subprocess.STDOUT if piped else None)
+        # stdin stays the launcher's: rank 0 sizes its live bar by the terminal found there. The command inherits the
+        # preemption signal ignored (its ranks take it back, the training's), this process then passes it on. In a
+        # scheduler's job every process gets its SIGTERM: accelerate would take it for a failure (a traceback, its
+        # ranks killed 30 s on), so a training's starts with SIGTERM blocked and waits for its ranks to stop after
+        # their step (a cache job's ranks end on it at once, as ever).
+        signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
+        training = os.environ.get(environment.SLURM_JOB) and "diffsynth_mbc.train" in self.command
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM} if training else set())
+        try:
+            self.child = subprocess.Popen(self.command, env=self.environment(), start_new_session=True,
+                                          stdout=subprocess.PIPE if piped else None,
+                                          stderr=subprocess.STDOUT if piped else None)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        signal.signal(PREEMPT_SIGNAL, self._on_preemption)
         self.write_records()
         copier = threading.Thread(target=self._copy_output, daemon=True) if piped else None
         if copier:
@@ -161,6 +177,14 @@ class Supervisor:
         for pid in targets:
             try:
                 os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                continue
+
+    def _on_preemption(self, signum, _frame) -> None:
+        """The scheduler's warning: to every rank (the same request again to a rank that had it already)."""
+        for pid in self.ranks():
+            try:
+                os.kill(pid, signum)
             except (ProcessLookupError, PermissionError):
                 continue
 

@@ -87,8 +87,11 @@ def run_status(ranks: list[dict]) -> str:
     if all(s == "finished" for s in statuses):
         return "finished"
     active = [s for s in statuses if s in run_files.ACTIVE_STATUSES]
-    if not active:
-        return "stopped" if "stopped" in statuses else ("finished" if "finished" in statuses else "starting")
+    if not active:   # the scheduler's end beats a stop: a rank it reached first may say stopped
+        for ended in ("preempted", "stopped", "finished"):
+            if ended in statuses:
+                return ended
+        return "starting"
     for candidate in ("training", "loading", "caching", "starting"):
         if candidate in active:
             return candidate
@@ -165,7 +168,7 @@ def aggregate(ranks: list[dict], status: str, now: float) -> dict:
             etas.append(max(0.0, eta))
     if status == "finished":
         eta_s = 0.0
-    elif status in ("failed", "stopped"):
+    elif status in ("failed", "stopped", "preempted"):
         eta_s = None
     else:
         eta_s = max(etas) if etas else None

@@ -25,13 +25,15 @@ Modes
                    give that URL to the browser or to another monitor as a source.
 
 Exit codes (--once / --json)
-    0 starting, loading, training, finished, stopped (a stop was asked for, it is no error);
+    0 starting, loading, training, finished, stopped (a stop was asked for, it is no error), preempted
+    (the scheduler ended the job; a requeued job goes on from its checkpoint);
     1 failed; 3 stalled; 4 no data (no status file); 2 usage error.
 
 Run status, first rule that matches
     no_data > failed (any rank failed) > stalled (any active rank's updated_at older than the
-    stall threshold) > finished (all present ranks finished) > stopped (none active, one
-    stopped) > training / loading / starting (most advanced active status).
+    stall threshold) > finished (all present ranks finished) > preempted (none active, one
+    preempted) > stopped (none active, one stopped) > training / loading / starting (most
+    advanced active status).
 
 Stall threshold
     --stall_after S when given, else max(120 s, 10 x the rank's median step time). A rank waiting

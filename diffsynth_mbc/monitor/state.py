@@ -27,13 +27,14 @@ Missing rank
 
 Run status, first rule that matches
     ``no_data`` (no status file of any run) > ``failed`` (any rank failed) > ``stalled`` (any
-    rank stalled) > ``finished`` (every present rank finished) > ``stopped`` (no rank active
+    rank stalled) > ``finished`` (every present rank finished) > ``preempted`` (no rank active
+    and at least one preempted: the scheduler ended the job) > ``stopped`` (no rank active
     and at least one stopped) > ``training`` / ``loading`` / ``starting`` (the most advanced
     status among the active ranks).
 
 Exit codes of ``--once``
-    0 starting, loading, training, finished and stopped (a stop is asked for by someone, it is
-    not an error); 1 failed; 3 stalled; 4 no data.
+    0 starting, loading, training, finished, stopped (a stop is asked for by someone, it is
+    not an error) and preempted (a requeued job goes on); 1 failed; 3 stalled; 4 no data.
 
 Long histories
     A history over 8 MiB is read tail first: the status (median step time, a loss trend from lines

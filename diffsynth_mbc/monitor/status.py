@@ -23,9 +23,10 @@ STALL_MIN_S = 120.0
 MAX_RANKS = 65_536
 STALL_STEP_FACTOR = 10.0
 
-RUN_STATUSES = ("starting", "caching", "loading", "training", "stalled", "finished", "failed", "stopped", "no_data")
+RUN_STATUSES = ("starting", "caching", "loading", "training", "stalled", "finished", "failed", "stopped", "preempted",
+                "no_data")
 EXIT_CODES = {
-    "starting": 0, "caching": 0, "loading": 0, "training": 0, "finished": 0, "stopped": 0,
+    "starting": 0, "caching": 0, "loading": 0, "training": 0, "finished": 0, "stopped": 0, "preempted": 0,
     "failed": 1, "stalled": 3, "no_data": 4,
 }
 

@@ -29,7 +29,8 @@ SPARK_CHARS = "▁▂▃▄▅▆▇█"
 class Theme:
     status: dict = field(default_factory=lambda: {
         "starting": "cyan", "caching": "bold cyan", "loading": "cyan", "training": "bold green", "finished": "bold blue",
-        "failed": "bold white on red", "stopped": "yellow", "stalled": "bold black on yellow",
+        "failed": "bold white on red", "stopped": "yellow", "preempted": "bold yellow",
+        "stalled": "bold black on yellow",
         "no_data": "dim", "missing": "bold magenta", "unknown": "magenta",
     })
     label: str = "dim"

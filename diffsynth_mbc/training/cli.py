@@ -3,14 +3,15 @@
 Started by ``accelerate launch`` (DDP, DeepSpeed ZeRO-2 and several nodes come from accelerate's
 config), e.g. ``bash launchers/train_test.sh``. Every rank writes ``LOG_DIR/training_gpu{rank}.json``
 from its first instant (status ``starting``), then ``loading``, ``training`` and finally
-``finished``, ``failed`` (with the error) or ``stopped``.
+``finished``, ``failed`` (with the error), ``stopped`` or ``preempted`` (the scheduler ended the job:
+``diffsynth_mbc.lifecycle.signals``).
 
 Started by a launcher, each rank holds the run's folder locks itself and stops as on SIGTERM when its
 launcher dies; started without one, the ranks take the locks themselves (``diffsynth_mbc.lifecycle.run_lock``).
 
-Exit codes: 0 finished, or stopped cleanly by Ctrl-C/SIGTERM (the step finished and a checkpoint
-was saved), or a resume of a run that has ended (nothing to train: nothing written); 1 failed; 2 bad
-options, model files or checkpoint; 75 the folders belong to another run;
+Exit codes: 0 finished, or stopped (or preempted) cleanly by Ctrl-C/SIGTERM/the scheduler's SIGUSR1 (the step
+finished and a checkpoint was saved), or a resume of a run that has ended (nothing to train: nothing written); 1
+failed; 2 bad options, model files or checkpoint; 75 the folders belong to another run;
 130/143 stopped by a signal before training began, or by a second signal.
 """
 
@@ -28,7 +29,7 @@ from diffsynth_mbc.data.media.media_probe import quiet_pil_pixel_warnings
 from diffsynth_mbc.gpu import UnsupportedGpuError
 from diffsynth_mbc.lifecycle.run_lock import (RunLockError, follow_run_log, hold_run_locks, lock_without_launcher,
                                               release, watch_launcher)
-from diffsynth_mbc.lifecycle.signals import StopSignals
+from diffsynth_mbc.lifecycle.signals import StopSignals, end_workers_in_job
 from diffsynth_mbc.models.model_files import ModelFileError
 from diffsynth_mbc.run_files import rank_from_environment
 from diffsynth_mbc.sample_prompts import run_sample_prompts
@@ -120,8 +121,10 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))
     status.update(launch_id=os.environ.get(environment.RUN_ID))   # the launch that started this process
-    signals = StopSignals(grace_s=options.stop_grace_s, on_stuck=lambda sig: status.set_status(
-        run_files.STATUS_STOPPED, phase=f"stopped by signal {sig} while in: {status.state['phase']}"))
+    signals = StopSignals(grace_s=options.stop_grace_s, scheduler_job=bool(os.environ.get(environment.SLURM_JOB)),
+                          on_stuck=lambda sig: status.set_status(
+                              signals.stop_status, phase=f"{signals.stop_status} by signal {sig} while in: "
+                                                         f"{status.state['phase']}"))
     signals.install()
     watch = watch_launcher(lambda reason: (follow_run_log(), signals.request(reason)))
     try:
@@ -131,8 +134,9 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
         return 0
     except KeyboardInterrupt:
         by = signals.describe() if signals.requested.is_set() else "SIGINT"
-        status.set_status(run_files.STATUS_STOPPED, phase=f"stopped by {by} during: {status.state['phase']}")
-        print(f"[rank {rank}] stopped", file=sys.stderr)
+        ended = signals.stop_status if signals.requested.is_set() else run_files.STATUS_STOPPED
+        status.set_status(ended, phase=f"{ended} by {by} during: {status.state['phase']}")
+        print(f"[rank {rank}] {ended}", file=sys.stderr)
         return signals.exit_code
     except (ModelFileError, OptionsError, UnsupportedGpuError) as exc:
         status.fail(exc)
@@ -150,5 +154,6 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
     finally:
         if watch:
             watch.stop()
+        end_workers_in_job()
         signals.finished()
         status.close()

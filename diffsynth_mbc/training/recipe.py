@@ -43,6 +43,7 @@ if TYPE_CHECKING:   # the types of the parts; importing them here would load tor
     from accelerate import Accelerator
 
     from diffsynth_mbc.training.components.protocol import Component
+    from diffsynth_mbc.training.components.schedules import StopRequests
     from diffsynth_mbc.training.evaluation.validation import Validator
     from diffsynth_mbc.training.lora.ema import LoraEma
     from diffsynth_mbc.training.options import TrainOptions
@@ -97,6 +98,7 @@ class TrainingRecipe:
         self.components: list[Component] = []
         self.epoch_steps = None  # where each epoch's optimizer steps fall from this process's start (EpochSteps)
         self.end_step = 0        # the run's last step: its plan's total (a resume's own end, where they differ)
+        self.stop_requests: StopRequests | None = None
         self.step_parts = None   # what a step needs besides the parts: caption dropout, compile timer, the forward
 
     # -----------------------------------------------------------------------------------------
@@ -293,6 +295,7 @@ class TrainingRecipe:
 
         parts, options, status, logger = self.parts, self.options, self.status, self.logger
         accelerator, main = parts.accelerator, parts.accelerator.is_main_process
+        self.stop_requests = StopRequests(self.signals)   # the recipe asks it how a stop ends (outcome)
         stages = ResolutionStages(parts.plan, parts.schedule, parts.batches, self.epoch_steps.first_step,
                                   accelerator.gradient_accumulation_steps, status, logger.printer) \
             if parts.plan.stages else None
@@ -312,7 +315,7 @@ class TrainingRecipe:
             BadMediaGuard(options.max_bad_media_fraction, status, accelerator),
             SampleClips(make_sampler(options, status, accelerator, parts.module, parts.ema), logger,
                         first_step=self.position.step) if options.sample_prompts else None,
-            StopRequests(self.signals),
+            self.stop_requests,
             CheckpointSchedule(options.checkpoint_steps, options.checkpoint_minutes),
             StepLoraFiles(options.save_steps),
         ]
@@ -459,8 +462,8 @@ class TrainingRecipe:
             decision |= self.validate(context)
         if decision.stop is Stop.REQUESTED:
             self.save_checkpoint()
-            self.status.set_status(run_files.STATUS_STOPPED, phase=f"stopped at step {position.step} after a stop "
-                                   f"request ({self.signals.describe()}); resume with --resume latest")
+            status, phase = self.stop_requests.outcome(position.step)
+            self.status.set_status(status, phase=phase)
             return decision
         if decision.checkpoint:
             self.save_checkpoint()

@@ -118,6 +118,32 @@ def test_ctrl_c_exits_0_with_the_summary_last_naming_the_checkpoint_and_the_resu
     assert last[1] == f"  resume: bash {typed} --demo --num_epochs 5000 --resume latest", last
 
 
+def test_the_schedulers_warning_to_the_launcher_alone_ends_every_rank_preempted_after_a_checkpoint(tmp_path):
+    """SIGUSR1 (train.sbatch's warning before the time limit) reaching only the launcher, as a scheduler that signals
+    one process does: passed on to the ranks, never killing accelerate, which ignores it; exit 0, `preempted`."""
+    launcher = start_launcher(tmp_path, "--num_epochs", "5000")
+    log_dir = tmp_path / "runs/demo/training_logs"
+    try:
+        wait_until(ranks_training(log_dir, min_step=2), 180, "both ranks training", tmp_path)
+        accelerate = [pid for pid in children(launcher.pid) if is_accelerate(pid)]
+        os.kill(launcher.pid, signal.SIGUSR1)
+        code = launcher.wait(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            stop_tree(launcher.pid)
+    text = launcher_output(tmp_path)
+    assert code == 0 and len(accelerate) == 1, text[-3000:]
+    states = [read_status(log_dir, rank) for rank in (0, 1)]
+    assert [state["status"] for state in states] == ["preempted", "preempted"], [s["phase"] for s in states]
+    assert all("the scheduler's warning" in state["phase"] or "made on another rank" in state["phase"]
+               for state in states), [state["phase"] for state in states]
+    stopped_at = states[0]["step"]
+    assert states[1]["step"] == stopped_at
+    assert complete_checkpoints(tmp_path / "runs/demo/lora/checkpoints")[-1][0] == stopped_at
+    last = text.strip().splitlines()[-2:]
+    assert last[0].startswith(f"preempted at step {stopped_at}/") and "resume from" in last[0], last
+
+
 def test_a_failed_run_ends_with_its_cause(tmp_path):
     from diffsynth_mbc.data.demo import prepare
 

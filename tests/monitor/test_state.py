@@ -142,6 +142,22 @@ def test_finished_and_stopped_runs(tmp_path):
     assert snap["status"] == "stopped" and exit_code("stopped") == 0
 
 
+def test_a_preempted_run_is_preempted_never_failed_stopped_or_unknown(tmp_path):
+    """The scheduler ended the job after a checkpoint (train.sbatch): PREEMPTED, exit code 0, no ETA; a rank the
+    stop reached first may say stopped, the run is still preempted; a requeued job training again is one run."""
+    F.make_run(tmp_path, world_size=2, steps=500, status="preempted")
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["status"] == "preempted" and exit_code("preempted") == 0 and snap["eta_s"] is None
+    assert [rank["status"] for rank in snap["ranks"]] == ["preempted", "preempted"]
+    assert not [note for note in snap["notes"] if "unknown status" in note], snap["notes"]
+    F.write_status(tmp_path, 1, status="stopped", step=500)
+    assert state_for(tmp_path)[0].refresh()["status"] == "preempted"
+    for rank in (0, 1):
+        F.write_status(tmp_path, rank, status="training", step=501)
+    snap = state_for(tmp_path)[0].refresh()
+    assert snap["status"] == "training" and [rank["status"] for rank in snap["ranks"]] == ["training", "training"]
+
+
 def test_most_advanced_active_status_wins(tmp_path):
     F.write_status(tmp_path, 0, world_size=3, status="starting", step=0)
     F.write_status(tmp_path, 1, world_size=3, status="loading", step=0)

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 from diffsynth_mbc.data.inspect.measure_store import MeasureStore
 from diffsynth_mbc.data.inspect.window import InspectWindow, read_window, stream_window
+from diffsynth_mbc.lifecycle.processes import end_with_parent
 
 MEASURES_VERSION = 2    # raise when measure_window's statistics change: older stored measures are then remeasured
 ROWS_PER_TASK = 8       # rows a worker takes at a time: few enough to keep both workers busy to the end
@@ -124,20 +125,6 @@ def _measure_all(items: Sequence[InspectItem], indices: list[int], window: Inspe
             gc.unfreeze()
         for index_batch, measured in zip(index_batches, measured_batches):
             yield index_batch, measured
-
-
-def end_with_parent(parent: int) -> None:
-    """In a worker: be killed when the process that started it dies, however it dies (``kill -9`` of the converter
-    left its workers blocked forever, their parent pid 1). Linux's PR_SET_PDEATHSIG; elsewhere nothing is set."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:   # the parent died before the line above: nobody would kill this worker
-        os._exit(1)
 
 
 class ProgressLines:

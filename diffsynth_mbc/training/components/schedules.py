@@ -1,12 +1,14 @@
 """What is saved when, and stop requests: the full checkpoint every ``--checkpoint_steps`` optimizer steps and/or
 every ``--checkpoint_minutes`` (whichever comes first; the clock is agreed over the ranks, so every rank saves at
-the same step), a LoRA file every ``--save_steps``, and a stop request (Ctrl-C, SIGTERM, ``stop.sh``) on any rank
-ending every rank at the same step. Pure: no torch."""
+the same step), a LoRA file every ``--save_steps``, and a stop request (Ctrl-C, SIGTERM, ``stop.sh``; the scheduler's
+warning or SIGTERM: a preemption) on any rank ending every rank at the same step, all in the same words. Pure: no
+torch."""
 
 from __future__ import annotations
 
 import time
 
+from diffsynth_mbc import run_files
 from diffsynth_mbc.run_layout import step_file_name
 from diffsynth_mbc.training.components.protocol import Component, Decision, Stop, StepContext, StepResult
 
@@ -60,16 +62,30 @@ class StepLoraFiles(Component):
 
 
 class StopRequests(Component):
-    """A stop request on any rank (``signals.requested``) stops every rank after the same step, with a
-    checkpoint."""
+    """A stop request on any rank (``signals.requested``) stops every rank after the same step, with a checkpoint;
+    when it is the scheduler's on any rank (``signals.preempted``), every rank ends ``preempted``."""
 
     name = "stop_requests"
 
     def __init__(self, signals):
         self.signals = signals
+        self.preempted = False   # agreed at the stop
 
     def votes(self, result: StepResult) -> dict[str, int]:
-        return {"stop": int(self.signals.requested.is_set())}
+        requested = self.signals.requested.is_set()
+        return {"stop": int(requested), "preempted": int(requested and self.signals.preempted)}
 
     def after_step(self, context: StepContext) -> Decision | None:
-        return Decision(stop=Stop.REQUESTED) if context.agreed["stop"] else None
+        if not context.agreed["stop"]:
+            return None
+        self.preempted = bool(context.agreed["preempted"])
+        return Decision(stop=Stop.REQUESTED)
+
+    def outcome(self, step: int) -> tuple[str, str]:
+        """(status, phase) of the run it stopped at ``step``, once the checkpoint is saved."""
+        why = self.signals.describe() if self.signals.requested.is_set() else "made on another rank"
+        if self.preempted:
+            return run_files.STATUS_PREEMPTED, (f"preempted at step {step} ({why}); a checkpoint was saved: the "
+                                                f"requeued job goes on from it with --resume latest")
+        return run_files.STATUS_STOPPED, (f"stopped at step {step} after a stop request ({why}); resume with "
+                                          f"--resume latest")

@@ -18,7 +18,7 @@ import sys
 import time
 
 from diffsynth_mbc import environment
-from diffsynth_mbc.run_files import overheads_text
+from diffsynth_mbc.run_files import STOPPED_STATUSES, overheads_text
 from diffsynth_mbc.run_layout import FINAL_LORA
 from diffsynth_mbc.training.reporting.catalogue_progress import catalogues_text
 from diffsynth_mbc.training.reporting.run_summary import files_lines, replaced_lines, validation_lines
@@ -123,7 +123,7 @@ def summary_lines(state: dict, *, output_path: str, log_dir: str, best_val_loss:
                      f"best {best_val_loss:.4f}")
     lines += validation_lines(state)   # against the base model, once it was measured
     lines += replaced_lines(state)     # bad media files replaced by other rows, over every rank
-    if state.get("status") == "stopped":   # no LoRA file yet: the checkpoint is what the run left
+    if state.get("status") in STOPPED_STATUSES:   # no LoRA file yet: the checkpoint is what the run left
         if state.get("last_checkpoint"):
             lines.append(f"  resume from: {state['last_checkpoint']} (--resume latest)")
         lines += files_lines(output_path, state.get("run_id"))

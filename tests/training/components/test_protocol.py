@@ -59,12 +59,34 @@ def test_the_schedules_decide_checkpoints_lora_files_and_stops():
     assert schedule.votes(context(7).result) == {"checkpoint_time": 0}   # the clock starts again at the save
     assert StepLoraFiles(3).after_step(context(6)) == Decision(lora_file="step-6.safetensors")
     assert StepLoraFiles(None).after_step(context(6)) is None
-    signals = SimpleNamespace(requested=threading.Event())
+    signals = SimpleNamespace(requested=threading.Event(), preempted=False, describe=lambda: "SIGTERM")
     stops = StopRequests(signals)
-    assert stops.votes(context(1).result) == {"stop": 0}
+    assert stops.votes(context(1).result) == {"stop": 0, "preempted": 0}
+    assert stops.after_step(context(1, stop=0, preempted=0)) is None
     signals.requested.set()
-    assert stops.votes(context(1).result) == {"stop": 1}
-    assert stops.after_step(context(2, stop=1)) == Decision(stop=Stop.REQUESTED)
+    assert stops.votes(context(1).result) == {"stop": 1, "preempted": 0}
+    assert stops.after_step(context(2, stop=1, preempted=0)) == Decision(stop=Stop.REQUESTED)
+    assert stops.outcome(2) == ("stopped", "stopped at step 2 after a stop request (SIGTERM); resume with --resume "
+                                           "latest")
+
+
+def test_a_preemption_on_any_rank_ends_every_rank_preempted():
+    """The scheduler's signal reached rank 0 only (or first): rank 1, which saw a stop made on another rank, ends
+    preempted too, so the run is one status everywhere."""
+    warned = SimpleNamespace(requested=threading.Event(), preempted=True,
+                             describe=lambda: "SIGUSR1: the scheduler's warning before the job's end")
+    warned.requested.set()
+    others = SimpleNamespace(requested=threading.Event(), preempted=False, describe=lambda: "made on another rank")
+    ranks = [StopRequests(warned), StopRequests(others)]
+    votes = [rank.votes(context(5).result) for rank in ranks]
+    assert votes == [{"stop": 1, "preempted": 1}, {"stop": 0, "preempted": 0}]
+    agreed = {key: sum(vote[key] for vote in votes) for key in votes[0]}
+    assert all(rank.after_step(context(5, **agreed)) == Decision(stop=Stop.REQUESTED) for rank in ranks)
+    assert [rank.outcome(5) for rank in ranks] == [
+        ("preempted", "preempted at step 5 (SIGUSR1: the scheduler's warning before the job's end); a checkpoint was "
+                      "saved: the requeued job goes on from it with --resume latest"),
+        ("preempted", "preempted at step 5 (made on another rank); a checkpoint was saved: the requeued job goes on "
+                      "from it with --resume latest")]
 
 
 def test_component_states_of_a_manifest_and_of_one_written_before_components():
