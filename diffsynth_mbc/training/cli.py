@@ -82,14 +82,28 @@ def ended_resume(options, run_id: str, rank: int, world_size: int) -> int | None
     if not options.resume:
         return None
     try:
-        said, code = ended_run_note(options, run_id, world_size, report=note_on(rank)), 0
+        said = ended_run_note(options, run_id, world_size, report=note_on(rank))
     except OptionsError as exc:
-        said, code = f"error: {exc}", 2
+        return refuse(rank, str(exc))
     if not said:
         return None
     if rank == 0:
         print(said, file=sys.stderr)
-    return code
+    return 0
+
+
+# A launcher stops every rank once one ends with an error: the other ranks give rank 0 this long to say why first.
+REFUSAL_SAID_BY_RANK_0_S = 10.0
+
+
+def refuse(rank: int, message: str) -> int:
+    """Exit code 2 for a refusal every rank makes from the same files, said once: by rank 0. A rank that ended first
+    would have the launcher (accelerate's agent) stop rank 0 before it said why, so the other ranks wait; one still
+    running then (rank 0 did not refuse: its node's files differ) says it itself."""
+    if rank != 0:
+        time.sleep(REFUSAL_SAID_BY_RANK_0_S)
+    print(f"{f'[rank {rank}] ' if rank else ''}error: {message}", file=sys.stderr)
+    return 2
 
 
 def note_on(rank: int):
@@ -114,9 +128,7 @@ def train_under_lock(options, run_id: str, rank: int, local_rank: int, world_siz
         if options.sample_prompts:   # every entry checked before the model loads
             run_sample_prompts(options)
     except OptionsError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(rank, str(exc))
     status = RankStatusWriter(options.log_dir, run_id, rank, local_rank, world_size,
                               keep_old_histories=options.keep_old_histories,
                               min_interval_s=options.status_interval_s, continue_history=bool(options.resume))
