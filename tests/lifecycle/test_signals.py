@@ -24,7 +24,10 @@ signals.graceful = sys.argv[3] == "training"
 os.kill(os.getpid(), getattr(signal, sys.argv[1]))
 interrupted = False
 try:
-    deadline = time.monotonic() + 1.0   # loading (or a step) goes on meanwhile
+    signals.requested.wait(60)   # the signal thread took it (on a busy machine, not at once)
+    # then loading (or a step) goes on: for as long as an interruption may take to come where one is expected,
+    # else for a second (one that waits for the step comes after grace_s, 3 s)
+    deadline = time.monotonic() + float(sys.argv[4])
     while time.monotonic() < deadline:
         time.sleep(0.01)
 except KeyboardInterrupt:
@@ -35,9 +38,10 @@ signals.finished()
 """
 
 
-def rank_stop(sig: str, job: bool, phase: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", RANK, sig, "job" if job else "-", phase], capture_output=True,
-                            text=True, timeout=60)
+def rank_stop(sig: str, job: bool, phase: str, interrupted: bool = False) -> dict:
+    """How a rank ends ``sig`` in ``phase``; ``interrupted``: a stop at once is expected (waited for up to 60 s)."""
+    result = subprocess.run([sys.executable, "-c", RANK, sig, "job" if job else "-", phase,
+                             "60" if interrupted else "1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -50,7 +54,7 @@ def test_the_schedulers_warning_is_a_preemption_that_lets_loading_finish(phase):
 
 
 def test_a_sigterm_is_the_schedulers_in_its_job_only():
-    in_job = rank_stop("SIGTERM", job=True, phase="loading")
+    in_job = rank_stop("SIGTERM", job=True, phase="loading", interrupted=True)
     assert in_job == {"requested": True, "preempted": True, "status": "preempted", "interrupted": True,
                       "why": "SIGTERM from the scheduler"}   # during loading it stops at once, as ever
     assert rank_stop("SIGTERM", job=True, phase="training")["status"] == "preempted"
