@@ -18,15 +18,16 @@ RANK = """
 import json, os, signal, sys, time
 from diffsynth_mbc.lifecycle.signals import StopSignals
 
-signals = StopSignals(on_stuck=lambda sig: None, grace_s=3.0, hard_grace_s=2.0,
+signals = StopSignals(on_stuck=lambda sig: None, grace_s=10.0, hard_grace_s=60.0,
                       scheduler_job=sys.argv[2] == "job").install()
 signals.graceful = sys.argv[3] == "training"
-os.kill(os.getpid(), getattr(signal, sys.argv[1]))
 interrupted = False
 try:
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
     signals.requested.wait(60)   # the signal thread took it (on a busy machine, not at once)
     # then loading (or a step) goes on: for as long as an interruption may take to come where one is expected,
-    # else for a second (one that waits for the step comes after grace_s, 3 s)
+    # else for a second (one that waits for the step comes after grace_s). Neither grace runs out here: each is
+    # long, so that a process the machine holds back for a while still ends as it would
     deadline = time.monotonic() + float(sys.argv[4])
     while time.monotonic() < deadline:
         time.sleep(0.01)
