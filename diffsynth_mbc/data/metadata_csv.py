@@ -80,6 +80,16 @@ def missing_files(rows: list[dict], base_path: str) -> list[int]:
     from concurrent.futures import ThreadPoolExecutor
 
     paths = [os.path.join(base_path or "", str(row.get("video") or "")) for row in rows]
-    with ThreadPoolExecutor(max_workers=16) as pool:   # a network file system answers each look-up slowly
-        found = list(pool.map(os.path.isfile, paths, chunksize=256))
+    # A network file system answers each look-up slowly: 16 at a time. A task per file cost more than its look-up
+    # (170,180 rows: 3 s of the plan's 6), so each task looks up a slice.
+    slices = [paths[start:start + FILES_PER_TASK] for start in range(0, len(paths), FILES_PER_TASK)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        found = [there for answers in pool.map(_which_are_files, slices) for there in answers]
     return [number for number, there in enumerate(found, 1) if not there]
+
+
+FILES_PER_TASK = 256
+
+
+def _which_are_files(paths: list[str]) -> list[bool]:
+    return [os.path.isfile(path) for path in paths]

@@ -114,3 +114,26 @@ def test_what_save_table_writes_is_read_back_whole(tmp_path):
     sizes = {"1:2:3:/a:b.png": (80, 40), "4:5:6:/c.mp4": None}
     save_table(table, sizes)
     assert load_table(table) == sizes
+
+
+def test_a_files_key_names_it_by_its_resolved_path_however_the_row_spells_it(tmp_path, monkeypatch):
+    """Each folder is resolved once for all its files: a linked folder, a linked file, ``..`` after a linked folder,
+    a relative path and a missing file each get the key of the file ``realpath`` finds (or None)."""
+    from diffsynth_mbc.data.media.size_table import fingerprint_keys
+
+    real, elsewhere = tmp_path / "real", tmp_path / "elsewhere" / "deep"
+    real.mkdir()
+    elsewhere.mkdir(parents=True)
+    write_image(real / "a.png", 8, 8)
+    write_image(tmp_path / "elsewhere" / "b.png", 8, 8, seed=1)
+    (tmp_path / "linked").symlink_to(real)
+    (tmp_path / "linked-deep").symlink_to(elsewhere)
+    (real / "c.png").symlink_to(tmp_path / "elsewhere" / "b.png")
+    monkeypatch.chdir(tmp_path)
+    paths = [str(real / "a.png"), str(tmp_path / "linked" / "a.png"), "linked/a.png", "real/c.png",
+             "linked-deep/../b.png", str(real / "missing.png"), str(real), "a.png"]
+    resolved = [os.path.realpath(path) for path in paths]
+    keys = fingerprint_keys(paths)
+    assert [key.split(":", 3)[-1] if key else None for key in keys] == resolved[:5] + [None] * 3
+    assert resolved[4] == str(tmp_path / "elsewhere" / "b.png")   # .. after the linked folder: where it points
+    assert keys[0] == keys[1] == keys[2] == fingerprint_key(str(real / "a.png"))
