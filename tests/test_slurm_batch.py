@@ -1,8 +1,9 @@
 """launchers/train.sbatch on a real SLURM cluster of two nodes on this machine (tests/slurm_cluster.py): the demo
-trains to its end; the same job warned before its time limit (`scancel --signal=USR1 --batch`, what
-`--signal=B:USR1@N` sends) checkpoints, requeues itself and goes on by itself to the uninterrupted job's LoRA, every
-step once, one run id, one run in the monitor with a gap; `scancel` (SIGTERM) of a two-node job leaves a complete
-checkpoint and `preempted` on every rank. Three jobs run at once, read by the tests below."""
+trains to its end; warned before its time limit (`scancel --signal=USR1 --batch`, what `--signal=B:USR1@N` sends) the
+job checkpoints, requeues itself and goes on by itself to the LoRA of the same training never interrupted (its ranks
+started as the job's launcher starts them, tests/forked_ranks.py), every step once, one run id, one run in the monitor
+with a gap; `scancel` (SIGTERM) of a two-node job leaves a complete checkpoint and `preempted` on every rank. The two
+jobs run at once, read by the tests below."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from diffsynth_mbc.data.demo import prepare
 from diffsynth_mbc.training.checkpoints.folder import complete_checkpoints
 from diffsynth_mbc.training.plan.batches import epoch_batches
 from e2e_helpers import REPO, free_port, isolated_env, read_history, read_status
+from forked_ranks import start_training
 from slurm_cluster import needs_slurm, start_cluster
 
 SCRIPT = str(REPO / "launchers" / "train.sbatch")
-# No GPUs here (the header asks for 2 per node), the nodes shared by the three jobs (the header asks for whole ones).
+# No GPUs here (the header asks for 2 per node), the nodes shared by the jobs (the header asks for whole ones).
 CLUSTER_OPTIONS = ("--gpus-per-node=0", "--exclusive=user")
 FLAGS = ("--demo", "--skip_doctor", "--num_epochs", "4")   # 24 steps on 2 ranks (configs/train_demo.yaml)
 STEPS = list(range(1, 25))
@@ -59,18 +62,21 @@ def wait_until(condition, timeout: float, what: str, output=None) -> None:
 def jobs(tmp_path_factory):
     cluster = start_cluster(nodes=2)
     try:
-        works = {name: tmp_path_factory.mktemp(name) for name in ("plain", "warned", "cancelled")}
-        ids = {"plain": cluster.submit(works["plain"], SCRIPT, *FLAGS, options=CLUSTER_OPTIONS,
-                                       env=isolated_env(works["plain"], OMP_NUM_THREADS=1)),
-               "warned": cluster.submit(works["warned"], SCRIPT, *FLAGS, options=CLUSTER_OPTIONS,
+        works = {name: tmp_path_factory.mktemp(name) for name in ("warned", "cancelled", "uninterrupted")}
+        ids = {"warned": cluster.submit(works["warned"], SCRIPT, *FLAGS, options=CLUSTER_OPTIONS,
                                         env=isolated_env(works["warned"], OMP_NUM_THREADS=1)),
                "cancelled": cluster.submit(works["cancelled"], SCRIPT, *FLAGS, "--dataset_num_workers", "1",
                                            options=(*CLUSTER_OPTIONS, "--nodes=2"),
                                            env=isolated_env(works["cancelled"], OMP_NUM_THREADS=1,
                                                             MASTER_PORT=free_port()))}
         logs = {name: work / "runs" / "demo" / "training_logs" for name, work in works.items()}
-        outputs = {name: works[name] / f"slurm-mbc-train-{ids[name]}.out" for name in works}
+        outputs = {name: works[name] / f"slurm-mbc-train-{ids[name]}.out" for name in ids}
         seen = {}
+        # The same training never interrupted: the demo's catalogue where the launcher writes it, the flags it gives
+        # the ranks (the rest is the preset's), 2 ranks.
+        prepare(works["uninterrupted"] / "runs" / "demo")
+        uninterrupted = start_training(works["uninterrupted"], ["--config", REPO / "configs" / "train_demo.yaml",
+                                                                *FLAGS[2:]], OMP_NUM_THREADS=1)
 
         # The warning before the time limit, as SLURM sends it: to the batch script alone.
         wait_until(training_at(logs["warned"], 3), 240, "the warned job at step 3", outputs["warned"])
@@ -89,7 +95,9 @@ def jobs(tmp_path_factory):
         cluster.run("scontrol", "update", f"JobId={ids['warned']}", "StartTime=now")
 
         ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
-        for name in ("plain", "warned", "cancelled"):
+        uninterrupted.communicate(timeout=300)
+        assert uninterrupted.returncode == 0, uninterrupted.stderr.read()[-3000:]
+        for name in ("warned", "cancelled"):
             seen[name] = cluster.wait_for_job(ids[name], lambda job: job.get("JobState") in ended, 300, "to end")
         seen["after"] = monitor(logs["warned"])
         yield {"works": works, "ids": ids, "logs": logs, "outputs": outputs, "seen": seen,
@@ -108,13 +116,13 @@ def test_outside_slurm_the_script_says_to_submit_it(tmp_path):
 @needs_slurm
 @pytest.mark.slow
 def test_a_one_node_job_trains_the_demo_to_its_end(jobs):
-    job, text = jobs["seen"]["plain"], jobs["text"]["plain"]
+    job, text = jobs["seen"]["warned"], jobs["text"]["warned"]
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", text[-3000:]
-    assert re.search(rf"^job {jobs['ids']['plain']} on 1 node\(s\) \(n\d\): MASTER_ADDR=127\.0\.0\.1 "
-                     rf"MASTER_PORT=\d+$", text, re.M), text[:2000]
+    assert re.search(rf"^job {jobs['ids']['warned']} on 1 node\(s\) \(n\d\): MASTER_ADDR=127\.0\.0\.1 "
+                     rf"MASTER_PORT=\d+$", text, re.M), text[:2000]   # as it started first
     assert "2 process(es) here" in text and "finished: 24/24 steps" in text
     for rank in (0, 1):
-        assert read_status(jobs["logs"]["plain"], rank)["status"] == "finished"
+        assert read_status(jobs["logs"]["warned"], rank)["status"] == "finished"
 
 
 @needs_slurm
@@ -153,8 +161,8 @@ def test_the_warning_checkpoints_requeues_and_the_job_goes_on_by_itself_to_the_s
         planned = Counter(index % len(DEMO_KEYS) for batch in epoch_batches(
             DEMO_KEYS, DEMO_REPEAT, {"video": 1, "image": 3}, 2, DEMO_SEED, epoch) for index in batch)
         assert trained == planned, epoch
-    # The same LoRA as the job that was never interrupted.
-    expected = load_file(str(jobs["works"]["plain"] / "runs/demo/lora/lora.safetensors"))
+    # The same LoRA as the training never interrupted.
+    expected = load_file(str(jobs["works"]["uninterrupted"] / "runs/demo/lora/lora.safetensors"))
     actual = load_file(str(work / "runs/demo/lora/lora.safetensors"))
     assert expected.keys() == actual.keys()
     for key in expected:
