@@ -71,6 +71,10 @@ class StopSignals:
         signal, ignored by the processes above the rank, is taken here again (blocked first, so none is lost)."""
         self._previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
         self._previous_preempt_action = signal.signal(PREEMPT_SIGNAL, signal.SIG_DFL)
+        # The main thread is interrupted through Python's SIGINT handler (``_thread.interrupt_main``), which does
+        # nothing while SIGINT is ignored: in a process a script started in the background (``cmd &``, as a batch
+        # script starts its steps), which Python keeps. SIGINT itself is blocked here and waited for by the thread.
+        self._previous_int_action = signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Thread(target=self._wait, name="stop-signals", daemon=True).start()
         return self
 
@@ -80,6 +84,7 @@ class StopSignals:
         self._finished.set()
         if getattr(self, "_previous_mask", None) is not None:
             signal.signal(PREEMPT_SIGNAL, self._previous_preempt_action)
+            signal.signal(signal.SIGINT, self._previous_int_action)
             signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
 
     def request(self, reason: str) -> None:

@@ -39,10 +39,13 @@ signals.finished()
 """
 
 
-def rank_stop(sig: str, job: bool, phase: str, interrupted: bool = False) -> dict:
-    """How a rank ends ``sig`` in ``phase``; ``interrupted``: a stop at once is expected (waited for up to 60 s)."""
+def rank_stop(sig: str, job: bool, phase: str, interrupted: bool = False, background: bool = False) -> dict:
+    """How a rank ends ``sig`` in ``phase``; ``interrupted``: a stop at once is expected (waited for up to 60 s);
+    ``background``: started as a script starts a command in the background (``cmd &``: SIGINT ignored)."""
+    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None
     result = subprocess.run([sys.executable, "-c", RANK, sig, "job" if job else "-", phase,
-                             "60" if interrupted else "1"], capture_output=True, text=True, timeout=120)
+                             "60" if interrupted else "1"], capture_output=True, text=True, timeout=120,
+                            preexec_fn=ignore_sigint)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -54,10 +57,13 @@ def test_the_schedulers_warning_is_a_preemption_that_lets_loading_finish(phase):
                     "why": "SIGUSR1: the scheduler's warning before the job's end"}
 
 
-def test_a_sigterm_is_the_schedulers_in_its_job_only():
-    in_job = rank_stop("SIGTERM", job=True, phase="loading", interrupted=True)
+@pytest.mark.parametrize("background", [False, True])
+def test_a_sigterm_is_the_schedulers_in_its_job_only(background):
+    """During loading it stops at once, as ever: in a rank started in the background too (a batch script's
+    ``srun ... &``), where it waited out the hard grace and was killed, as SIGINT, ignored, interrupted nothing."""
+    in_job = rank_stop("SIGTERM", job=True, phase="loading", interrupted=True, background=background)
     assert in_job == {"requested": True, "preempted": True, "status": "preempted", "interrupted": True,
-                      "why": "SIGTERM from the scheduler"}   # during loading it stops at once, as ever
+                      "why": "SIGTERM from the scheduler"}
     assert rank_stop("SIGTERM", job=True, phase="training")["status"] == "preempted"
     alone = rank_stop("SIGTERM", job=False, phase="training")
     assert alone["status"] == "stopped" and not alone["preempted"] and alone["why"] == "SIGTERM"
