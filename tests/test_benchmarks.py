@@ -129,3 +129,19 @@ def test_the_fp32_residual_benchmark_shows_the_overflow_the_parity_and_what_back
         extra = kept[True] - kept[False]
         assert 2.5 * 64 * 2 < extra < 3.5 * 64 * 2, extra
     assert "tiny_massive  fp16      model      non-finite non-finite" in capsys.readouterr().out
+
+
+def test_the_file_checks_benchmark_times_both_ways_to_the_same_answers(tmp_path, capsys):
+    """benchmarks/bench_file_checks.py on a few hundred files: the look-ups as they were and as they are answer the
+    same (the missing row, every fingerprint) and both are timed."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_file_checks
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    out = tmp_path / "checks.json"
+    assert bench_file_checks.main(["--rows", "300", "--runs", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rows"] == 300 and all(result[key] > 0 for key in ("missing_before", "missing_after", "keys_before",
+                                                                        "keys_after"))
+    assert "300 files" in capsys.readouterr().out
