@@ -118,11 +118,14 @@ def choose(gpus: list[Gpu], asked: str = "auto", root: Path = ROOT) -> Choice:
 
 
 def commands(choice: Choice, venv: str, extras: str = "dev", python: str = sys.executable) -> list[list[str]]:
-    """The commands that install ``choice`` into ``venv``: create the venv, then one pip resolution."""
-    pip = [str(Path(venv) / "bin" / "python"), "-m", "pip", "install", "-e", f".[{extras}]" if extras else "."]
+    """The commands that install ``choice`` into ``venv``: create the venv, one pip resolution, then this package's
+    bytecode compiled once (pip compiles what it installs, not an editable install's sources: every process would
+    compile them again where bytecode is not written, ``PYTHONDONTWRITEBYTECODE``, as on CI machines)."""
+    venv_python = str(Path(venv) / "bin" / "python")
+    pip = [venv_python, "-m", "pip", "install", "-e", f".[{extras}]" if extras else "."]
     if choice.build == "volta":
         pip += ["-c", VOLTA_CONSTRAINTS]
-    return [[python, "-m", "venv", venv], pip]
+    return [[python, "-m", "venv", venv], pip, [venv_python, "-m", "compileall", "-q", "diffsynth_mbc"]]
 
 
 def build_parser() -> argparse.ArgumentParser:

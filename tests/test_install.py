@@ -56,8 +56,9 @@ def test_a_gpu_no_allowed_torch_runs_on_is_refused_and_a_choice_can_be_forced():
 
 
 def test_the_volta_install_is_one_pip_resolution_with_the_pins_as_constraints():
-    create, pip = commands(choose(parse_smi(V100S)), ".venv", python="python3")
+    create, pip, compiled = commands(choose(parse_smi(V100S)), ".venv", python="python3")
     assert create == ["python3", "-m", "venv", ".venv"]
+    assert compiled == [".venv/bin/python", "-m", "compileall", "-q", "diffsynth_mbc"]
     assert pip == [".venv/bin/python", "-m", "pip", "install", "-e", ".[dev]", "-c", "requirements-volta.txt"]
     plain = commands(choose([]), ".venv", python="python3")[1]
     assert plain == [".venv/bin/python", "-m", "pip", "install", "-e", ".[dev]"]
