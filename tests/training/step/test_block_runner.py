@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from diffsynth_mbc.training.step.batch_loss import batch_loss, draw_timestep_ids
 from diffsynth_mbc.training.step.block_runner import BlockRunner
 from diffsynth_mbc.training.components.guards import NonFiniteGuard
-from tiny_step import make_module
+from tiny_step import make_module, scaled_step
 
 
 def test_with_objective_diffsynth_a_batch_of_one_is_diffsynths_training_loss_bit_for_bit(entries):
@@ -142,13 +142,7 @@ def test_fp16_with_the_loss_scaler_skips_and_counts_a_non_finite_step(entries):
         scale = scaler.get_scale()
         torch.manual_seed(step)
         loss = module([dict(videos[0])]) * factor
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm=1.0))
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        skipped = guard.check(step, float(loss.detach()), grad_norm)
+        skipped = scaled_step(loss, scaler, optimizer, trainable, guard, step)
         unchanged = all(torch.equal(p, b) for p, b in zip(trainable, before))
         if step == 1:
             assert skipped and unchanged and scaler.get_scale() == scale / 2

@@ -17,7 +17,7 @@ from diffsynth_mbc.training.plan.residual_policy import FP16_MAX, decide_fp32_re
 from diffsynth_mbc.training.step.batch_loss import dit_forward, sample_mse
 from diffsynth_mbc.training.step.fp32_residual import keep_residual_in_fp32, residual_in_fp32
 from diffsynth_mbc.training.components.guards import NonFiniteGuard
-from tiny_step import SEED
+from tiny_step import SEED, scaled_step
 
 LOSS_SCALE = 2.0 ** 16   # where torch's GradScaler starts: fp16 gradients this small would underflow unscaled
 # Measured (benchmarks/bench_fp32_residual.py, tiny_massive, fp16): 0.04% and 0.08%; the bounds leave 10x.
@@ -204,14 +204,8 @@ def short_fp16_run(entries, fp32_residual: bool, steps: int = 4):
         batch = [dict(videos[step % len(videos)])] if step % 2 else [dict(s) for s in images[:2]]
         with torch.autocast("cpu", dtype=torch.float16):
             loss = module(batch)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm=1.0))
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
         losses.append(float(loss.detach()))
-        skipped.append(guard.check(step, losses[-1], grad_norm))
+        skipped.append(scaled_step(loss, scaler, optimizer, trainable, guard, step))
     changed = not all(torch.equal(p, b) for p, b in zip(trainable, before))
     return losses, skipped, guard, changed
 
