@@ -3,6 +3,7 @@ refuses without a GPU."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -16,6 +17,15 @@ import pytest
 pytestmark = pytest.mark.slow   # each test starts Python processes that import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cache.py"
+
+
+def benchmark_module(name: str):
+    """benchmarks/NAME.py imported (the benchmarks are scripts, not a package)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH.parent))
 
 
 def bench(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -51,11 +61,7 @@ def test_full_size_refuses_without_cuda():
 
 
 def test_the_encode_benchmark_times_the_cache_builders_encoder_per_kind_of_row(tmp_path, capsys):
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import bench_encode
-    finally:
-        sys.path.remove(str(BENCH.parent))
+    bench_encode = benchmark_module("bench_encode")
     out = tmp_path / "encode.json"
     assert bench_encode.main(["--height", "64", "--width", "96", "--num-frames", "5", "--runs", "2", "--warmup", "0",
                               "--json", str(out)]) == 0
@@ -113,11 +119,7 @@ def test_the_rows_benchmark_times_every_bucket_stage_and_mode_and_the_evaluation
 
 
 def test_the_fp32_residual_benchmark_shows_the_overflow_the_parity_and_what_backward_keeps(tmp_path, capsys):
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import bench_fp32_residual
-    finally:
-        sys.path.remove(str(BENCH.parent))
+    bench_fp32_residual = benchmark_module("bench_fp32_residual")
     out = tmp_path / "residual.json"
     assert bench_fp32_residual.main(["--models", "tiny_massive", "--runs", "1", "--json", str(out)]) == 0
     rows = {(row["precision"], row["fp32_residual"]): row for row in json.loads(out.read_text())["results"][0]["rows"]}
@@ -134,11 +136,7 @@ def test_the_fp32_residual_benchmark_shows_the_overflow_the_parity_and_what_back
 def test_the_file_checks_benchmark_times_both_ways_to_the_same_answers(tmp_path, capsys):
     """benchmarks/bench_file_checks.py on a few hundred files: the look-ups as they were and as they are answer the
     same (the missing row, every fingerprint) and both are timed."""
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import bench_file_checks
-    finally:
-        sys.path.remove(str(BENCH.parent))
+    bench_file_checks = benchmark_module("bench_file_checks")
     out = tmp_path / "checks.json"
     assert bench_file_checks.main(["--rows", "300", "--runs", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
