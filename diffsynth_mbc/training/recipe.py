@@ -383,8 +383,9 @@ class TrainingRecipe:
         self.signals.graceful = True
         for epoch in range(self.position.epoch, self.options.num_epochs):
             decision = self.train_epoch(epoch)
-            # a stop request ends the run here; so does an early stop, after the epoch's file when its last step did
-            if decision.stop is Stop.REQUESTED or (decision.stop is Stop.EARLY and self.position.epoch == epoch):
+            # a stop request or an early stop ends the run here, after the epoch's file when its last step was the
+            # epoch's (a resume starts at the next epoch: the file would never be written)
+            if decision.stop is not None and self.position.epoch == epoch:
                 return decision
             self.write_lora(epoch_file_name(epoch, self.options.num_epochs))
             self.logger.on_epoch_end(save_epoch_file=False)
