@@ -22,7 +22,7 @@ from diffsynth_mbc.data.media.frame_selection import frame_arguments
 from diffsynth_mbc.errors import OptionsError
 from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.options import build_parser as training_parser, resolve_options
-from diffsynth_mbc.training.plan.step_plan import bucket_samples_of_metadata, plan_from_options
+from diffsynth_mbc.training.plan.step_plan import bucket_samples_of_metadata, plan_from_options, step_count, step_span
 
 
 def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str) -> list[str]:
@@ -250,11 +250,12 @@ def brief_lines(plan, run, unknown: str, width: int = 80, frame_rates: str | Non
         projected = f"projected run length: {run.up_to}{duration(run.total_seconds)} ({run.kind}{cache})"
     epochs = f"{plan.num_epochs} epoch{'s' if plan.num_epochs != 1 else ''}"
     gpus = f"{plan.world_size} GPU{'s' if plan.world_size != 1 else ''}"
-    lines = [f"step plan: {plan.total_steps:,} steps in total per GPU ({plan.steps_per_epoch:,} x {epochs}, {gpus})",
+    lines = [f"step plan: {step_count(plan.total_steps)} in total per GPU "
+             f"({plan.steps_per_epoch:,} x {epochs}, {gpus})",
              "  " + plan.describe_modes().replace("modes per epoch: ", "modes/epoch: ", 1),
              *([f"  {frame_rates}"] if frame_rates else []), f"  {projected}"]
     if plan.stages:
-        lines.append("  stages: " + ", then ".join(f"{row['size']} for steps {row['from_step']:,}-{row['to_step']:,}"
+        lines.append("  stages: " + ", then ".join(f"{row['size']} for {step_span(row['from_step'], row['to_step'])}"
                                                    for row in plan.stage_dicts()))
     if run is not None and run.evaluation is not None and run.evaluation.ends_early:
         lines.append(f"  {run.evaluation.best_line()}")

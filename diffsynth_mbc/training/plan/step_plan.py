@@ -222,8 +222,19 @@ class StepPlan:
         """The stage lines of the printed plan (none without --resolution_stages)."""
         return [f"stage {row['stage']}/{len(self.stages) + 1}: {row['size']}"
                 + (" (the final size)" if row["stage"] == len(self.stages) + 1 else "")
-                + f", steps {row['from_step']:,}-{row['to_step']:,} ({row['steps']:,} steps), {row['tokens']:,} tokens "
-                  "a clip" for row in self.stage_dicts()] if self.stages else []
+                + f", {step_span(row['from_step'], row['to_step'])} ({step_count(row['steps'])}), "
+                  f"{row['tokens']:,} tokens a clip"
+                for row in self.stage_dicts()] if self.stages else []
+
+
+def step_span(first: int, last: int) -> str:
+    """``steps 1-40``; one step: ``step 7``."""
+    return f"step {first:,}" if first == last else f"steps {first:,}-{last:,}"
+
+
+def step_count(steps: int) -> str:
+    """``40 steps``; ``1 step``."""
+    return f"{steps:,} step{'' if steps == 1 else 's'}"
 
 
 def plan_from_options(options, *, rows: int, images: int, world_size: int, datasets: tuple = (),

@@ -110,3 +110,13 @@ def test_a_resumed_run_ends_at_the_plans_total_unless_a_forced_resume_changed_th
     assert end_step(3, 1, 0, 4, 2, 2) == 5
     # mid-epoch, more batches done than this plan's epoch holds: the epoch is over
     assert end_step(2, 0, 4, 3, 2, 2) == 4
+
+
+def test_each_stage_line_counts_its_steps_in_words_that_fit_one_step():
+    from diffsynth_mbc.data.media.stages import Stage
+
+    plan = StepPlan(2, 1, 1, 1, 1, 1, stages=(Stage(32, 32, None, 0.5),), final_size=(64, 64, 9))
+    assert [line.split(", ")[1] for line in plan.describe_stages()] == ["step 1 (1 step)", "step 2 (1 step)"]
+    plan = StepPlan(4000, 1, 1, 1, 1, 1, stages=(Stage(32, 32, None, 0.5),), final_size=(64, 64, 9))
+    assert [line.split(", ")[1] for line in plan.describe_stages()] == ["steps 1-2,000 (2,000 steps)",
+                                                                        "steps 2,001-4,000 (2,000 steps)"]
