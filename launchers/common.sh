@@ -320,8 +320,13 @@ mbc_launch() {
   local reads read_args=(--check-paths --project-root "$MBC_ROOT")
   [[ $cached == 1 ]] && read_args+=(--cached)
   [[ -n $demo_data ]] && read_args+=(--demo-root "$demo_data")
+  # Exit 3: a --resume of a run that has ended, said there: nothing to train, so nothing starts (no cache build,
+  # no ranks) and nothing is written, as the training itself would end it.
+  local checked=0
   reads=$("$PYTHON" -m diffsynth_mbc.plan "${read_args[@]}" --gpus "$gpus" --config "$preset" \
-          "${train_args[@]+"${train_args[@]}"}") || exit 2
+          "${train_args[@]+"${train_args[@]}"}") || checked=$?
+  [[ $checked == 3 ]] && exit 0
+  [[ $checked == 0 ]] || exit 2
   [[ $demo == 1 || -f $config ]] || mbc_die "the accelerate config $config is missing (a damaged checkout?)"
   if [[ $dry_run == 1 ]]; then
     echo "would run: ${env_prefix[*]+"${env_prefix[*]}"} $PYTHON -m accelerate.commands.launch ${accelerate_args[*]}" \

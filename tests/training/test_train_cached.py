@@ -27,16 +27,20 @@ def cached_run(tmp_path_factory):
                {"base_path": "drama/catalog", "metadata_path": "drama/metadata/metadata.csv", "name": "drama",
                 "repeat": 2, "caption_prefix": "mbc drama, "}]
     (work / "datasets.yaml").write_text(json.dumps(listing))
-    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached",
-                             "--cache", "runs/my_cache", "--datasets", "datasets.yaml", "--num_epochs", "1",
-                             "--timestep_sampling", "shift", "--timestep_shift", "3", "--min_timestep_boundary", "0.2",
-                             "--caption_prefix", "mbcstyle", "--caption_dropout", "0.5", "--frame_sampling", "uniform",
-                             "--ema_decay", "0.9", "--lora_variant", "dora", "--loraplus_lr_ratio", "4"],
-                            cwd=work, env=isolated_env(work, OMP_NUM_THREADS=1), capture_output=True, text=True,
-                            timeout=400)
+    result = launch(work)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     return work, output
+
+
+def launch(work, *more: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo", "--cached",
+                           "--cache", "runs/my_cache", "--datasets", "datasets.yaml", "--num_epochs", "1",
+                           "--timestep_sampling", "shift", "--timestep_shift", "3", "--min_timestep_boundary", "0.2",
+                           "--caption_prefix", "mbcstyle", "--caption_dropout", "0.5", "--frame_sampling", "uniform",
+                           "--ema_decay", "0.9", "--lora_variant", "dora", "--loraplus_lr_ratio", "4", *more],
+                          cwd=work, env=isolated_env(work, OMP_NUM_THREADS=1), capture_output=True, text=True,
+                          timeout=400)
 
 
 def test_the_recipe_options_reach_the_cache_and_train_the_dit_from_it(cached_run):
@@ -124,3 +128,19 @@ def test_the_step_records_name_the_cached_rows_each_trained_its_catalogues_repea
     trained = Counter(row for rank in (0, 1) for line in read_history(log_dir, rank) for row in line["rows"])
     assert trained == planned
     assert sorted(trained) == list(range(8)) and sum(repeats) == 5 + 2 * 3   # news 5 rows once, drama 3 rows twice
+
+
+def test_a_resume_of_the_finished_run_says_so_and_starts_nothing(cached_run):
+    """`--cached --resume latest` of a run that has ended: the launcher says what the training would (nothing to
+    train) before the cache build, the preflight or any rank: it built the whole cache again first, then launched
+    ranks to say it."""
+    work, _ = cached_run
+    runs = work / "runs"
+    before = {path: path.read_bytes() for path in runs.rglob("*") if path.is_file()}
+    result = launch(work, "--resume", "latest")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert output.strip().startswith("this run finished at step 7 (1 of 1 epochs): nothing more to train; nothing "
+                                     "was written"), output[-4000:]
+    assert "latent cache" not in output and "process(es) here" not in output and "step plan" not in output
+    assert {path: path.read_bytes() for path in runs.rglob("*") if path.is_file()} == before   # no file new or changed

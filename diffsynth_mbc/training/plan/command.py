@@ -24,6 +24,10 @@ from diffsynth_mbc.flags import FlagParser
 from diffsynth_mbc.training.options import build_parser as training_parser, resolve_options
 from diffsynth_mbc.training.plan.step_plan import bucket_samples_of_metadata, plan_from_options, step_count, step_span
 
+# --check-paths' exit code for a --resume of a run that has ended: the launcher says so and ends, exit 0, as the
+# training would (launchers/common.sh).
+RUN_HAS_ENDED = 3
+
 
 def cache_arguments(options, metadata_path: str, base_path: str, cache_dir: str) -> list[str]:
     from diffsynth_mbc.data.media.size_table import table_path_in
@@ -107,8 +111,9 @@ def paths_read(options, cached: bool = False, demo_root: str | None = None) -> l
 def check_paths(options, cached: bool, project_root: str | None, demo_root: str | None = None,
                 world_size: int = 1) -> int:
     """Print each path the run reads and what it resolved to; 2 naming the first missing one and the folder it
-    was resolved against (and the project root, when the path is there instead). The demo says what it trains on:
-    the catalogue it writes under ``demo_root``, or the one it was given."""
+    was resolved against (and the project root, when the path is there instead), or what else the files refuse;
+    ``RUN_HAS_ENDED`` saying so for a --resume of a run that has ended. The demo says what it trains on: the catalogue
+    it writes under ``demo_root``, or the one it was given."""
     from pathlib import Path
 
     here, read = Path.cwd(), paths_read(options, cached, demo_root)
@@ -126,10 +131,13 @@ def check_paths(options, cached: bool, project_root: str | None, demo_root: str 
             hint = f"; it is there under the project folder: run from {project_root}, or give an absolute path"
         print(f"error: {key} {value}: no such {kind}: {resolved}{where}{hint}", file=sys.stderr)
         return 2
-    refusal = refusal_of_the_files(options, world_size)
+    refusal, ended = refusal_of_the_files(options, world_size)
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
+    if ended:   # the launcher ends here, as the training would: nothing started, nothing written
+        print(ended, file=sys.stderr)
+        return RUN_HAS_ENDED
     if options.demo:
         run = (here / options.output_path).resolve()
         if demo_root:
@@ -154,19 +162,20 @@ def resumed_id(options) -> str:
         return ""
 
 
-def refusal_of_the_files(options, world_size: int) -> str | None:
+def refusal_of_the_files(options, world_size: int) -> tuple[str | None, str | None]:
     """What the training would refuse from the files alone (another run's checkpoints or LoRA files in a fresh
     run's folders, a --resume without a usable checkpoint or on other settings or media, missing media files that
-    alone would stop the run), said before anything starts: the launch stops here, and --dry_run finds it too. None
-    when the files allow the run."""
-    from diffsynth_mbc.training.checkpoints.resume import refuse_early
+    alone would stop the run), said before anything starts: the launch stops here, and --dry_run finds it too; or,
+    for a --resume of a run that has ended, what the training says of it (nothing to train): (refusal, None),
+    (None, that note) or (None, None)."""
+    from diffsynth_mbc.training.checkpoints.resume import nothing_to_train, refuse_early
 
     run_id = options.run_id or resumed_id(options) or "a-new-run"
     try:
-        refuse_early(options, run_id, world_size)
+        folder = refuse_early(options, run_id, world_size)
     except OptionsError as exc:
-        return str(exc)
-    return None
+        return str(exc), None
+    return None, nothing_to_train(options, folder) if options.resume else None
 
 
 def projection_of(options, plan, cached: bool, assume: str | None, nodes: int):
@@ -280,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cached", action="store_true",
                         help="the run builds the latent cache first (the launchers' --cached): its time is projected too")
     parser.add_argument("--check-paths", action="store_true",
-                        help="print every path the run reads, resolved; exit 2 naming the first missing one")
+                        help="print every path the run reads, resolved; exit 2 naming the first missing one or what "
+                             "else the files refuse, 3 saying that the --resume's run has ended (nothing to train)")
     parser.add_argument("--project-root", help="with --check_paths: also say when a missing relative path is there")
     parser.add_argument("--demo-root", help="with --check_paths and a demo: the folder the launcher writes the demo's "
                                             "own catalogue into (its data paths are then not checked)")
