@@ -63,6 +63,13 @@ def jobs(tmp_path_factory):
     cluster = start_cluster(nodes=2)
     try:
         works = {name: tmp_path_factory.mktemp(name) for name in ("warned", "cancelled", "uninterrupted")}
+        # The same training never interrupted: the demo's catalogue where the launcher writes it, the flags it gives
+        # the ranks (the rest is the preset's), 2 ranks. Started first: the first forked run of a test session waits
+        # for the process its ranks are forked from to start (most of a minute on a busy machine), and the jobs must
+        # be watched from their start (the warned job had ended, never warned, by the time the watch began).
+        prepare(works["uninterrupted"] / "runs" / "demo")
+        uninterrupted = start_training(works["uninterrupted"], ["--config", REPO / "configs" / "train_demo.yaml",
+                                                                *FLAGS[2:]], OMP_NUM_THREADS=1)
         ids = {"warned": cluster.submit(works["warned"], SCRIPT, *FLAGS, options=CLUSTER_OPTIONS,
                                         env=isolated_env(works["warned"], OMP_NUM_THREADS=1)),
                "cancelled": cluster.submit(works["cancelled"], SCRIPT, *FLAGS, "--dataset_num_workers", "1",
@@ -72,11 +79,6 @@ def jobs(tmp_path_factory):
         logs = {name: work / "runs" / "demo" / "training_logs" for name, work in works.items()}
         outputs = {name: works[name] / f"slurm-mbc-train-{ids[name]}.out" for name in ids}
         seen = {}
-        # The same training never interrupted: the demo's catalogue where the launcher writes it, the flags it gives
-        # the ranks (the rest is the preset's), 2 ranks.
-        prepare(works["uninterrupted"] / "runs" / "demo")
-        uninterrupted = start_training(works["uninterrupted"], ["--config", REPO / "configs" / "train_demo.yaml",
-                                                                *FLAGS[2:]], OMP_NUM_THREADS=1)
 
         # The warning before the time limit, as SLURM sends it: to the batch script alone.
         wait_until(training_at(logs["warned"], 3), 240, "the warned job at step 3", outputs["warned"])
