@@ -1,6 +1,7 @@
 """A stop request on an epoch's last step keeps that epoch's LoRA file, and one on the run's last step leaves a run
 that a resume finishes. 2 forked CPU ranks (gloo) of the demo preset: 6 optimizer steps an epoch, 2 epochs. The stop
-is a real one: rank 0 sends itself SIGTERM while its step computes, as stop.sh does, so every rank stops after it."""
+is a real one: rank 0 sends itself SIGTERM while its step computes, as stop.sh does, and the step goes on once the
+rank's signal thread has it, so every rank stops after that step."""
 
 from __future__ import annotations
 
@@ -29,19 +30,21 @@ STOP_AT_STEP = int(os.environ["STOP_AT_STEP"])
 class StopRequestAt(Component):
     name = "stop_request_at"
 
-    def __init__(self, rank):
-        self.rank = rank
+    def __init__(self, rank, signals):
+        self.rank, self.signals = rank, signals
 
     def on_gradients(self, step, grad_norm, max_norm):
         if step == STOP_AT_STEP and self.rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
+            # received by the rank's signal thread: the step goes on once it is, as a stop that came during it
+            assert self.signals.requested.wait(60)
 
 
 built = recipe.TrainingRecipe._components
 
 
 def with_a_stop(self):
-    return built(self) + [StopRequestAt(self.parts.accelerator.process_index)]
+    return built(self) + [StopRequestAt(self.parts.accelerator.process_index, self.signals)]
 
 
 recipe.TrainingRecipe._components = with_a_stop
