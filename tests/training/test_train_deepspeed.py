@@ -81,7 +81,8 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path, capsys):
                                    rtol=0, atol=1e-7)
     assert (root / "lora" / "checkpoints" / "step-00000003" / "ema_state.safetensors").is_file()
     # ZeRO-2 shards AdamW's state over the 2 ranks: a resume on another number of GPUs is refused before the
-    # launch, saying what to do; on 2 it goes ahead (the launcher's own check, python -m diffsynth_mbc.plan)
+    # launch, saying what to do; on 2 it is accepted, and this run has ended: the launcher says there is nothing to
+    # train and starts nothing (the launcher's own check, python -m diffsynth_mbc.plan)
     from diffsynth_mbc.training.plan import command
 
     capsys.readouterr()
@@ -89,4 +90,5 @@ def test_deepspeed_zero2_config_trains_on_two_cpu_ranks(tmp_path, capsys):
     refusal = capsys.readouterr().err
     assert "step-00000003 was saved by 2 DeepSpeed ZeRO-2 processes, whose optimizer state is sharded 2 ways; " \
            "this run has 1. Resume it on 2 processes (--gpus)" in refusal and "--init_lora" in refusal
-    assert command.main(["--check_paths", "--gpus", "2", *flags, "--resume", "latest"]) == 0
+    assert command.main(["--check_paths", "--gpus", "2", *flags, "--resume", "latest"]) == command.RUN_HAS_ENDED
+    assert "this run finished at step 3 (1 of 1 epochs): nothing more to train" in capsys.readouterr().err
