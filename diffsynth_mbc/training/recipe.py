@@ -13,7 +13,8 @@ on every rank alike:
 4. a validation when due: measured, every component's ``after_validation`` (the best LoRA, the early stop), then its
    record written;
 5. the decisions obeyed: a stop request's checkpoint (the run stops), a checkpoint, a LoRA file; an early stop ends
-   the epochs and the run finishes.
+   the epochs and the run finishes. A stop on an epoch's last step writes the epoch's file first; a stop request's
+   status (stopped, preempted) is written last.
 """
 
 from __future__ import annotations
@@ -385,10 +386,12 @@ class TrainingRecipe:
             decision = self.train_epoch(epoch)
             # a stop request or an early stop ends the run here, after the epoch's file when its last step was the
             # epoch's (a resume starts at the next epoch: the file would never be written)
-            if decision.stop is not None and self.position.epoch == epoch:
-                return decision
-            self.write_lora(epoch_file_name(epoch, self.options.num_epochs))
-            self.logger.on_epoch_end(save_epoch_file=False)
+            if decision.stop is None or self.position.epoch != epoch:
+                self.write_lora(epoch_file_name(epoch, self.options.num_epochs))
+                self.logger.on_epoch_end(save_epoch_file=False)
+            if decision.stop is Stop.REQUESTED:   # its checkpoint is saved: the status says how the run stopped
+                status, phase = self.stop_requests.outcome(self.position.step)
+                self.status.set_status(status, phase=phase)
             if decision.stop is not None:
                 return decision
         return CONTINUE
@@ -463,8 +466,6 @@ class TrainingRecipe:
             decision |= self.validate(context)
         if decision.stop is Stop.REQUESTED:
             self.save_checkpoint()
-            status, phase = self.stop_requests.outcome(position.step)
-            self.status.set_status(status, phase=phase)
             return decision
         if decision.checkpoint:
             self.save_checkpoint()

@@ -76,6 +76,8 @@ def test_a_stop_on_an_epochs_last_step_keeps_its_file_and_one_on_the_runs_last_s
     assert epoch_file.is_file(), sorted(path.name for path in (run / "lora").iterdir())
     assert_equal_tensors(load_file(str(epoch_file)), checkpoint_lora(run, STEPS_PER_EPOCH))
     assert "epoch 1/2 done" in stopped.stdout + stopped.stderr
+    # ... before the status says how the run stopped (the file's saving was the phase it kept)
+    assert read_status(run / "logs", 0)["phase"].startswith(f"stopped at step {STEPS_PER_EPOCH} after a stop request")
 
     # the resume stops again, on the run's last step: the stop's checkpoint, no final LoRA yet
     resumed = run_training(tmp_path, flags + ["--resume", "latest"], prelude=STOP_AT, timeout=400,
