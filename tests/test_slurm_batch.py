@@ -102,6 +102,7 @@ def jobs(tmp_path_factory):
         for name in ("warned", "cancelled"):
             seen[name] = cluster.wait_for_job(ids[name], lambda job: job.get("JobState") in ended, 300, "to end")
         seen["after"] = monitor(logs["warned"])
+        seen["cluster_logs"] = cluster.logs()   # what SLURM said of the jobs, for a failed assertion to show
         yield {"works": works, "ids": ids, "logs": logs, "outputs": outputs, "seen": seen,
                "text": {name: path.read_text() for name, path in outputs.items()}}
     finally:
@@ -119,7 +120,8 @@ def test_outside_slurm_the_script_says_to_submit_it(tmp_path):
 @pytest.mark.slow
 def test_a_one_node_job_trains_the_demo_to_its_end(jobs):
     job, text = jobs["seen"]["warned"], jobs["text"]["warned"]
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", text[-3000:]
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", \
+        f"{text[-3000:]}\n{job}\n{jobs['seen']['cluster_logs']}"
     assert re.search(rf"^job {jobs['ids']['warned']} on 1 node\(s\) \(n\d\): MASTER_ADDR=127\.0\.0\.1 "
                      rf"MASTER_PORT=\d+$", text, re.M), text[:2000]   # as it started first
     assert "2 process(es) here" in text and "finished: 24/24 steps" in text
@@ -142,7 +144,8 @@ def test_the_warning_checkpoints_requeues_and_the_job_goes_on_by_itself_to_the_s
     assert code == 0 and gap["status"] == "preempted" and gap["step"] == stopped_at
     # Requeued by itself, it started again and went on from that checkpoint, under the same run id.
     assert seen["requeued"]["Restarts"] == "1"
-    assert seen["warned"]["JobState"] == "COMPLETED" and seen["warned"]["Restarts"] == "1", text[-3000:]
+    assert seen["warned"]["JobState"] == "COMPLETED" and seen["warned"]["Restarts"] == "1", \
+        f"{text[-3000:]}\n{seen['warned']}\n{seen['cluster_logs']}"
     job_id = jobs["ids"]["warned"]
     assert f"requeueing job {job_id}: when it starts again it goes on from the checkpoint" in text
     assert f"job {job_id} (requeued 1 time(s)) on 1 node(s)" in text and "; goes on with --resume latest" in text
