@@ -88,13 +88,15 @@ def jobs(tmp_path_factory):
         cluster.run("scancel", ids["cancelled"])
 
         # Requeued, the job waits: SLURM holds a requeued job two minutes before it may start; the test lets it start
-        # at once. Meanwhile the monitor shows the run as the preemption left it.
+        # two seconds from now. Not at once: the node revoked the job's credential when it requeued, and a launch in
+        # the same second as the revocation is refused with it ("Job credential revoked": the job ends FAILED).
+        # Meanwhile the monitor shows the run as the preemption left it.
         seen["requeued"] = cluster.wait_for_job(ids["warned"], lambda job: job.get("Restarts") == "1"
                                                 and job.get("JobState") == "PENDING", 180, "requeued")
         seen["gap"] = monitor(logs["warned"])
         seen["gap_states"] = [read_status(logs["warned"], rank) for rank in (0, 1)]
         seen["gap_checkpoints"] = complete_checkpoints(works["warned"] / "runs/demo/lora/checkpoints")
-        cluster.run("scontrol", "update", f"JobId={ids['warned']}", "StartTime=now")
+        cluster.run("scontrol", "update", f"JobId={ids['warned']}", "StartTime=now+2")
 
         ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
         uninterrupted.communicate(timeout=300)
