@@ -369,6 +369,8 @@ class TrainingRecipe:
             run_hook(self.components, "after_training", self.context(samples_seen=self.position.samples_seen))
             if decision.stop is not Stop.REQUESTED:
                 self.finish(decision.stop)
+            else:   # every rank stopped at the same step; none tears down the process group under another's collective
+                wait_for_everyone(self.parts.accelerator, self.status, "ranks to stop")
         except (NonFiniteError, UnhealthyRunError) as error:
             notes = [note for component in self.components if (note := component.failure_note(error))]
             if not notes:
