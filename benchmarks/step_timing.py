@@ -166,6 +166,7 @@ def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun
 
     from diffsynth_mbc.training.distributed.accelerator import start_accelerator
     from diffsynth_mbc.training.lora.module import WanTI2VLoraModule
+    from diffsynth_mbc.training.step.micro_batch import adamw
     from diffsynth_mbc.training.plan.step_choices import residual_choice, step_choices
 
     options = training_options(setting, lora_rank)
@@ -183,7 +184,7 @@ def build_step_run(setting: Setting, make_pipe, lora_rank: int) -> tuple[StepRun
         recompute_blocks=recompute, compile_blocks=compile_blocks, lora_compute=setting.lora_compute,
         fp32_residual=residual_choice(options, status, accelerator.mixed_precision))
     trainable = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=options.weight_decay)
+    optimizer = adamw(trainable, options.learning_rate, options.weight_decay)
     module, optimizer = accelerator.prepare(module, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)   # the constant schedule
     torch.manual_seed(options.seed + 1000 * accelerator.process_index)

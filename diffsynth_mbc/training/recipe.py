@@ -37,7 +37,8 @@ from diffsynth_mbc.training.distributed.accelerator import start_accelerator, un
 from diffsynth_mbc.training.distributed.collectives import (agree, iterate_waiting_at_start, wait_for_everyone,
                                                             watch_gradient_all_reduce)
 from diffsynth_mbc.training.reporting.status_writer import RankStatusWriter
-from diffsynth_mbc.training.step.micro_batch import forward, forward_backward, injected_nonfinite_steps, sample_tokens
+from diffsynth_mbc.training.step.micro_batch import (adamw, forward, forward_backward, injected_nonfinite_steps,
+                                                     sample_tokens)
 
 if TYPE_CHECKING:   # the types of the parts; importing them here would load torch before setup says so
     import torch
@@ -210,9 +211,9 @@ class TrainingRecipe:
             # resumed run (which starts its iterator after restoring the RNG). Keep the two apart.
             generator=torch.Generator().manual_seed(options.seed))
         trainable = [p for p in module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(optimizer_groups(module.named_parameters(), options.learning_rate,
-                                                       options.loraplus_lr_ratio),
-                                      lr=options.learning_rate, weight_decay=options.weight_decay)
+        optimizer = adamw(optimizer_groups(module.named_parameters(), options.learning_rate, options.loraplus_lr_ratio),
+                          options.learning_rate, options.weight_decay,
+                          deepspeed=accelerator.state.deepspeed_plugin is not None)
 
         status.update(phase="preparing (DDP / DeepSpeed)")
         plugin = accelerator.state.deepspeed_plugin
@@ -449,7 +450,7 @@ class TrainingRecipe:
             sample["mode"] = training_mode(options.objective, options.i2v_probability, latent_frames(sample) == 1,
                                            options.seed, rank, epoch, self.position.batches_in_epoch, place)
 
-    def on_gradients(self, grad_norm: float | None, max_norm: float) -> None:
+    def on_gradients(self, grad_norm, max_norm: float) -> None:
         for component in self.components:
             component.on_gradients(self.position.step + 1, grad_norm, max_norm)
 

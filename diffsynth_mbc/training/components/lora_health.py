@@ -145,7 +145,7 @@ def update_norms(blocks: list[list[LayerNorms]]) -> list[float | None]:
     return [_rounded(value) for value in sums]
 
 
-def grad_norms(blocks: list[list], grad_norm: float | None, max_norm: float) -> list[float | None] | None:
+def grad_norms(blocks: list[list], grad_norm, max_norm: float) -> list[float | None] | None:
     """Per block, the norm of its LoRA weights' gradients before clipping (``grad_norm``: the step's total, before
     clipping, ``max_norm``: the clipping's); None when no gradient is there (DeepSpeed)."""
     import math
@@ -198,7 +198,7 @@ class LoraHealth(Component):
     def at_start(self, context: StepContext) -> None:
         self.record(context.step, write=context.step == 0)
 
-    def on_gradients(self, step: int, grad_norm: float | None, max_norm: float) -> None:
+    def on_gradients(self, step: int, grad_norm, max_norm: float) -> None:
         self.read_gradients(step, grad_norm, max_norm)
 
     def after_step(self, context: StepContext) -> None:
@@ -230,7 +230,7 @@ class LoraHealth(Component):
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.total_steps)
 
-    def read_gradients(self, step: int, grad_norm: float | None, max_norm: float) -> None:
+    def read_gradients(self, step: int, grad_norm, max_norm: float) -> None:
         """On a step that records (``step``: the one about to be taken), the blocks' gradient norms."""
         if self.due(step) and self.read_grads:
             start = time.perf_counter()

@@ -8,7 +8,8 @@ hooks in that order on every rank alike:
   handed back to every component as ``StepContext.agreed``): a stop request, a checkpoint time, bad media;
 - ``at_start(context)``: once, before the first step of this process (a fresh run's or a resume's);
 - ``on_gradients(step, grad_norm, max_norm)``: at the end of a step's backward, after clipping, before the
-  optimizer step (the gradients are still there);
+  optimizer step (the gradients are still there); ``grad_norm`` is a 0-dim tensor on the device (or None): reading
+  it waits for the GPU, so a component reads it only on the steps it needs it;
 - ``after_step(context) -> Decision``: after every optimizer step;
 - ``after_validation(context) -> Decision``: after a validation was measured, before its record is written (a
   component may add to ``context.validation``);
@@ -102,7 +103,7 @@ class Component:
     def at_start(self, context: StepContext) -> Decision | None:
         return None
 
-    def on_gradients(self, step: int, grad_norm: float | None, max_norm: float) -> None:
+    def on_gradients(self, step: int, grad_norm, max_norm: float) -> None:
         pass
 
     def after_step(self, context: StepContext) -> Decision | None:

@@ -128,12 +128,13 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         noise stays whole, as the units leave it without an input image.
         """
         pipe = self.pipe
-        input_latents = sample["input_latents"].to(device=pipe.device, dtype=pipe.torch_dtype)
+        # non_blocking: the host does not wait for the GPU to finish the previous step before copying
+        input_latents = sample["input_latents"].to(device=pipe.device, dtype=pipe.torch_dtype, non_blocking=True)
         if input_latents.dim() == 4:
             input_latents = input_latents.unsqueeze(0)
         first_frame = sample.get("first_frame_latents")
         first_frame = input_latents[:, :, :1] if first_frame is None else first_frame.to(
-            device=pipe.device, dtype=pipe.torch_dtype).reshape(input_latents[:, :, :1].shape)
+            device=pipe.device, dtype=pipe.torch_dtype, non_blocking=True).reshape(input_latents[:, :, :1].shape)
         latent_frames, latent_height, latent_width = input_latents.shape[2:]
         factor = getattr(pipe.vae, "upsampling_factor", 16) if pipe.vae is not None else 16
         shared = {
@@ -147,7 +148,7 @@ class WanTI2VLoraModule(DiffusionTrainingModule):
         if pipe.dit.fuse_vae_embedding_in_latents and conditioned:
             noise[:, :, 0:1] = first_frame
             shared.update({"fuse_vae_embedding_in_latents": True, "first_frame_latents": first_frame})
-        context = sample["context"].to(device=pipe.device, dtype=pipe.torch_dtype)
+        context = sample["context"].to(device=pipe.device, dtype=pipe.torch_dtype, non_blocking=True)
         return {**shared, "prompt": sample.get("prompt"), "context": context if context.dim() == 3 else context[None]}
 
     def mode(self, sample: dict) -> str:

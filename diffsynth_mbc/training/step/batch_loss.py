@@ -44,7 +44,9 @@ def batch_loss(pipe, samples: list[dict], runner: BlockRunner, timestep_ids: lis
     if timestep_ids is None:
         timestep_ids = draw_timestep_ids(pipe, samples)
     scheduler = pipe.scheduler
-    timesteps = [scheduler.timesteps[i].to(dtype=pipe.torch_dtype, device=pipe.device) for i in timestep_ids]
+    # On the host, in the model's dtype as DiffSynth rounds them: the scheduler looks up each timestep's sigma and
+    # loss weight in its own tables there, and a timestep on the GPU would make the host wait for it each time.
+    timesteps = [scheduler.timesteps[i].to(dtype=pipe.torch_dtype) for i in timestep_ids]
     noisy, targets = [], []
     for inputs, timestep in zip(samples, timesteps):
         noisy.append(scheduler.add_noise(inputs["input_latents"], inputs["noise"], timestep))
@@ -52,7 +54,8 @@ def batch_loss(pipe, samples: list[dict], runner: BlockRunner, timestep_ids: lis
     latents = noisy[0] if len(noisy) == 1 else torch.cat(noisy)
     context = samples[0]["context"] if len(samples) == 1 else torch.cat([s["context"] for s in samples])
     conditioned = [bool(inputs.get("fuse_vae_embedding_in_latents")) for inputs in samples]
-    prediction = dit_forward(pipe.dit, latents, torch.stack(timesteps), context, runner, conditioned)
+    on_device = torch.stack(timesteps).to(pipe.device, non_blocking=True)
+    prediction = dit_forward(pipe.dit, latents, on_device, context, runner, conditioned)
     losses = [sample_mse(prediction[b:b + 1], target, skip_first_frame=conditioned[b] and not inputs.get(
         "first_frame_in_loss", True)) for b, (inputs, target) in enumerate(zip(samples, targets))]
     if weighting == "diffsynth":
@@ -88,12 +91,27 @@ def time_modulation(dit, latents: torch.Tensor, timesteps: torch.Tensor, conditi
         tokens_per_frame = height * width // 4
         per_token = torch.ones((batch, frames * tokens_per_frame), dtype=timesteps.dtype, device=latents.device) \
             * timesteps.reshape(batch, 1)
-        per_token[torch.tensor(conditioned, device=latents.device), :tokens_per_frame] = 0
+        for sample in (b for b, flag in enumerate(conditioned) if flag):   # no mask on the device: nothing to wait for
+            per_token[sample, :tokens_per_frame] = 0
         embedded = sinusoidal_embedding_1d(dit.freq_dim, per_token.flatten()).reshape(batch, per_token.shape[1], -1)
         t = dit.time_embedding(embedded)
         return t, dit.time_projection(t).unflatten(2, (6, dit.dim))
     t = dit.time_embedding(sinusoidal_embedding_1d(dit.freq_dim, timesteps.reshape(batch)))
     return t, dit.time_projection(t).unflatten(1, (6, dit.dim))
+
+
+def rope_table(dit, f: int, h: int, w: int, device) -> torch.Tensor:
+    """The 3-D rotary table of an (f, h, w) token grid on ``device``, built from the DiT's tables (kept on the host by
+    DiffSynth) once per grid and device: a bucket's steps reuse it instead of copying it to the GPU each forward."""
+    tables = dit.__dict__.setdefault("_rope_tables", {})
+    key = (f, h, w, str(device))
+    if key not in tables:
+        tables[key] = torch.cat([
+            dit.freqs[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+            dit.freqs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+            dit.freqs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+        ], dim=-1).reshape(f * h * w, 1, -1).to(device)
+    return tables[key]
 
 
 def dit_forward(dit, latents: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, runner: BlockRunner,
@@ -105,11 +123,7 @@ def dit_forward(dit, latents: torch.Tensor, timesteps: torch.Tensor, context: to
     x, (f, h, w) = dit.patchify(latents)
     if residual_in_fp32(dit):   # the stream is fp32 from the first block on: one compiled graph serves every block
         x = x.float()
-    freqs = torch.cat([
-        dit.freqs[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
-        dit.freqs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
-        dit.freqs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
-    ], dim=-1).reshape(f * h * w, 1, -1).to(x.device)
+    freqs = rope_table(dit, f, h, w, x.device)
     for index in range(len(dit.blocks)):
         x = runner(index, x, context, t_mod, freqs)
     # DiffSynth's head adds its (1, 2, dim) modulation to a per-sample t of (B, dim), which only broadcasts for B = 1;

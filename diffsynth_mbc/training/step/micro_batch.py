@@ -59,6 +59,24 @@ class MicroBatch:
     lr: float | None = None      # the learning rate the step trained at (before the schedule moved on)
 
 
+def adamw(parameters, learning_rate: float, weight_decay: float, deepspeed: bool = False):
+    """The training's AdamW: torch's fused kernel (one launch for every LoRA tensor, and the skip flag taken on the
+    device: ``skips_on_the_device``), except under DeepSpeed, whose engine steps its own copy of the weights."""
+    import torch
+
+    return torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=weight_decay, fused=not deepspeed or None)
+
+
+def skips_on_the_device(optimizer) -> bool:
+    """Whether ``optimizer`` (torch's, or accelerate's wrapper of it) can be told on the device to skip its update:
+    the fused AdamW takes a ``found_inf`` flag tensor and leaves every weight and moment as it was where it is 1.
+    Each group's own flag counts: a checkpoint's optimizer state brings its groups' (an older run's are not fused)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    groups = getattr(inner, "param_groups", [])
+    return (hasattr(inner, "_step_supports_amp_scaling") and bool(groups)
+            and all(group.get("fused") for group in groups))
+
+
 def forward_backward(parts, batch, earlier_losses: list, loss_of, on_gradients) -> MicroBatch:
     """One micro-batch; at the last of an optimizer step also the step itself, unless it is non-finite.
 
@@ -66,7 +84,12 @@ def forward_backward(parts, batch, earlier_losses: list, loss_of, on_gradients) 
     small all-reduce) or the averaged gradients' norm is. Under fp16 the loss scaler's own step still runs: it skips
     the update itself and lowers the scale. Under DeepSpeed the engine has already stepped inside ``backward``; its
     fp16 scaler skips overflowed steps. ``on_gradients(grad_norm, max_norm)`` is told the clipped gradients' norm
-    while they are there. The learning-rate schedule steps after every optimizer step, skipped or not.
+    (a 0-dim tensor on the device: reading it waits for the GPU) while they are there. The learning-rate schedule
+    steps after every optimizer step, skipped or not.
+
+    The host does not wait for the GPU inside the step: the skip flag stays on the device and a fused AdamW takes it
+    (``skips_on_the_device``); the flag and the norm are read once, after the optimizer's step is queued. Another
+    optimizer (DeepSpeed's engine, a loss scaler's) is told on the host: the one read comes before its step.
     """
     import math
 
@@ -79,20 +102,38 @@ def forward_backward(parts, batch, earlier_losses: list, loss_of, on_gradients) 
         if not accelerator.sync_gradients:
             return MicroBatch(loss)
         losses = torch.stack([*earlier_losses, loss.detach()])
-        local_bad = torch.tensor([0 if bool(torch.isfinite(losses).all()) else 1], device=accelerator.device)
-        any_bad = int(all_reduce_sum(accelerator, local_bad, parts.status, "ranks in all-reduce (non-finite check)")
-                      .item()) > 0
+        nonfinite = torch.isfinite(losses).all().logical_not().to(torch.int64).reshape(1)
+        nonfinite = all_reduce_sum(accelerator, nonfinite, parts.status, "ranks in all-reduce (non-finite check)")
         max_norm = options.max_grad_norm if options.max_grad_norm > 0 else math.inf   # inf: measure only
         grad_norm = accelerator.clip_grad_norm_(parts.trainable, max_norm)
-        grad_norm = None if grad_norm is None else float(grad_norm)
         on_gradients(grad_norm, max_norm)
-        skipped = any_bad or (grad_norm is not None and not math.isfinite(grad_norm))
-        if not skipped or accelerator.scaler is not None:
-            optimizer.step()
+        norm = torch.zeros(1, device=nonfinite.device) if grad_norm is None \
+            else torch.as_tensor(grad_norm, device=nonfinite.device).detach().float().reshape(1)   # DeepSpeed's: a float
+        skip = (nonfinite > 0) | norm.isfinite().logical_not()
+        if accelerator.scaler is None and skips_on_the_device(optimizer):
+            inner = getattr(optimizer, "optimizer", optimizer)
+            inner.found_inf = skip.float().reshape(())
+            try:
+                optimizer.step()
+            finally:
+                del inner.found_inf
+            skipped, grad_norm = read_step(skip, norm, grad_norm)
+        else:
+            skipped, grad_norm = read_step(skip, norm, grad_norm)
+            if not skipped or accelerator.scaler is not None:
+                optimizer.step()
         optimizer.zero_grad()
     lr = optimizer.param_groups[0]["lr"]
     parts.scheduler.step()
     return MicroBatch(loss, step_done=True, grad_norm=grad_norm, skipped=skipped, lr=lr)
+
+
+def read_step(skip, norm, grad_norm) -> tuple[bool, float | None]:
+    """The step's skip flag and gradient norm on the host, in one copy from the device."""
+    import torch
+
+    flag, value = torch.cat([skip.float(), norm]).tolist()
+    return flag > 0, None if grad_norm is None else value
 
 
 def injected_nonfinite_steps(environ, rank: int) -> frozenset[int]:
