@@ -143,3 +143,30 @@ def test_the_file_checks_benchmark_times_both_ways_to_the_same_answers(tmp_path,
     assert result["rows"] == 300 and all(result[key] > 0 for key in ("missing_before", "missing_after", "keys_before",
                                                                         "keys_after"))
     assert "300 files" in capsys.readouterr().out
+
+
+def test_the_step_profile_names_where_the_host_time_goes_and_reads_the_gpus_work_from_the_trace(tmp_path, capsys):
+    profile_step = benchmark_module("profile_step")
+    out, traces = tmp_path / "profile.json", tmp_path / "traces"
+    assert profile_step.main(["--rows", "one_image", "--runs", "1", "--steps", "2", "--json", str(out),
+                              "--traces", str(traces)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["row"] == "one_image" and len(row["per_step"]) == 2 and row["s_per_step"] > 0
+    phases = row["mean"]["phases_s"]
+    assert phases["forward (the module's loss)"] > 0 and phases["optimizer step"] > 0
+    assert "gpu_busy_s" not in row["mean"]   # no GPU here: the host's side alone
+    assert any("mm" in op["name"] for op in row["top_host_ops"])
+    assert (traces / "profile-one_image.json.gz").stat().st_size > 0
+    assert "one_image" in capsys.readouterr().out
+    # the GPU's side of a trace: its kernels, copies and fills that start inside each step's window, overlaps once
+    trace = {"traceEvents": [
+        {"cat": "user_annotation", "name": "profiled step 0", "ts": 0, "dur": 100},
+        {"cat": "user_annotation", "name": "profiled step 1", "ts": 100, "dur": 100},
+        {"cat": "gpu_user_annotation", "name": "profiled step 0", "ts": 0, "dur": 100},   # not the GPU's work
+        {"cat": "kernel", "name": "gemm", "ts": 10, "dur": 30}, {"cat": "kernel", "name": "gemm", "ts": 20, "dur": 30},
+        {"cat": "gpu_memcpy", "name": "copy", "ts": 60, "dur": 10},
+        {"cat": "kernel", "name": "norm", "ts": 150, "dur": 20}]}
+    first, second = profile_step.trace_figures(trace)
+    assert first == {"gpu_busy_s": 50e-6, "gpu_idle": 0.5, "kernels": 2}
+    assert second == {"gpu_busy_s": 20e-6, "gpu_idle": 0.8, "kernels": 1}
+    assert [k["name"] for k in profile_step.top_kernels(trace, 2)] == ["gemm", "norm"]
