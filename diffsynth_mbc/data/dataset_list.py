@@ -19,6 +19,7 @@ the one-catalogue shorthand.
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -168,18 +169,24 @@ def check_epoch_size(counts: Sequence[tuple[str, int, int]], dataset_repeat: int
 
 
 def write_combined(catalogues: Sequence[Catalogue], output_path: str | os.PathLike, dataset_repeat: int = 1) -> Path:
-    """The combined metadata under ``output_path``, written atomically (every rank may write it: same bytes); an
-    epoch too large for the batch sampler (``check_epoch_size``) is refused first."""
+    """The combined metadata under ``output_path``, written atomically; an epoch too large for the batch sampler
+    (``check_epoch_size``) is refused first. Every process of a launch (the plan, the doctor, each rank) and each
+    resume makes it: a file that already holds these bytes is left as it is, so its time says when it last changed."""
     path = Path(output_path) / COMBINED_METADATA
     rows = combined_rows(catalogues)
     kept = Counter(row["dataset"] for row in rows)
     check_epoch_size([(f"datasets[{position}] ({catalogue.name}, {catalogue.metadata_path})", kept[position],
                        catalogue.repeat) for position, catalogue in enumerate(catalogues)], dataset_repeat)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    content = text.getvalue().encode("utf-8")
+    if path.is_file() and path.stat().st_size == len(content) and path.read_bytes() == content:
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
+    with atomic_open(path, "wb") as handle:
+        handle.write(content)
     return path
 
 

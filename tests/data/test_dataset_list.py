@@ -1,6 +1,7 @@
 """Several catalogues in one run (``datasets:``): one combined metadata, per-catalogue repeats and counts."""
 
 import csv
+import os
 
 import pytest
 import yaml
@@ -46,6 +47,20 @@ def test_combined_metadata_has_every_row_with_its_catalogue_prefix_and_absolute_
     assert rows[0]["prompt"] == read(two / "news" / "metadata" / "metadata.csv")[0]["prompt"]   # no prefix: as is
     assert all(r["video"].startswith("/") and (two / r["video"]).is_file() for r in rows)
     assert [r["media_type"] for r in rows] == ["video"] * 3 + ["image"] * 2 + ["video"] * 2 + ["image"]
+
+
+def test_the_combined_metadata_is_rewritten_only_when_it_changes(two, tmp_path):
+    """Every process of a launch and each resume makes it; the same bytes leave the file (its inode and time) as it
+    was, another prefix replaces it."""
+    path = write_combined(parse_datasets(items(two)), tmp_path)
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    before = path.stat()
+    assert write_combined(parse_datasets(items(two)), tmp_path) == path
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, 1_000_000_000)
+    write_combined(parse_datasets(items(two, caption_prefix="mbc drama, ")), tmp_path)
+    assert path.stat().st_mtime_ns != 1_000_000_000
+    assert read(path)[5]["prompt"].startswith("mbc drama, ")
 
 
 def test_media_filter_keeps_one_kind(two, tmp_path):
