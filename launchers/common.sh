@@ -247,6 +247,10 @@ mbc_launch() {
 
   local model_given=0
   for arg in "${train_args[@]+"${train_args[@]}"}"; do arg=$(mbc_canonical "$arg"); [[ $arg == --model_dir* || $arg == --model_id* ]] && model_given=1; done
+  if [[ -n "${MODEL_DIR:-}" && $demo == 1 ]]; then   # the environment's, not a flag the user typed: say which
+    mbc_die "--demo builds a tiny random model, but MODEL_DIR is set in the environment ($MODEL_DIR): unset it for" \
+            "the demo (env -u MODEL_DIR bash $MBC_LAUNCHER --demo), or leave out --demo to train that model"
+  fi
   [[ -n "${MODEL_DIR:-}" ]] && { model_given=1; train_args+=(--model_dir "$MODEL_DIR"); }
   if [[ $demo == 0 && $model_given == 0 && $(mbc_count_gpus) == 0 ]]; then
     echo "no GPU and no --model_dir/MODEL_DIR: running the built-in demo (--demo)" >&2

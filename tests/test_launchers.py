@@ -120,6 +120,18 @@ def test_presets_keep_their_logs_under_their_own_output_folder(tmp_path, preset,
     assert f"output: {output}   logs: {output}/training_logs   checkpoints: {output}/checkpoints" in result.stdout
 
 
+def test_the_demo_with_model_dir_in_the_environment_names_the_variable_and_writes_nothing(tmp_path):
+    """MODEL_DIR set in the shell and --demo: the refusal said "do not combine it with --model_dir ...", a flag the
+    user never typed."""
+    result = subprocess.run(["bash", str(REPO / "launchers" / "train_test.sh"), "--demo"], cwd=tmp_path,
+                            env=isolated_env(tmp_path, MODEL_DIR="models/Wan2.2-TI2V-5B"),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert ("error: --demo builds a tiny random model, but MODEL_DIR is set in the environment "
+            "(models/Wan2.2-TI2V-5B): unset it for the demo") in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_dry_run_from_another_folder_names_the_missing_path_and_the_folder_it_was_resolved_against(tmp_path):
     """From another folder `train_full.sh --dry-run` said "would run ..." (exit 0); the launch failed on
     data/mbc_full/metadata.csv."""
