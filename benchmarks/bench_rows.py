@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from step_timing import (Feed, Geometry, Setting, attention_backends, build_step_run, built_in,  # noqa: E402
-                         cache_like_entries, memory_and_kernels, optimizer_step, peak_flops, random_dit_pipeline,
-                         refuse_to_start, seconds_of_runs, summarise)
+                         cache_like_entries, memory_and_kernels, optimizer_step, peak_flops, print_and_save,
+                         random_dit_pipeline, refuse_to_start, seconds_of_runs, summarise)
 
 NO_CUDA = "--full-size needs a CUDA GPU; none is visible here. Run without --full-size for the tiny DiT."
 
@@ -412,10 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         print(refusal, file=sys.stderr)
         return 2
     result = measure_setting(args)
-    print(report(result))
-    if args.json:
-        from diffsynth_mbc.atomic import atomic_write_json
-        atomic_write_json(Path(args.json), result, indent=1)
+    print_and_save(report(result), result, args.json)
     return 0
 
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_rows import AUTO, NO_CUDA, ROWS, row_samples, sized  # noqa: E402
-from step_timing import (Setting, attention_backends, build_step_run, optimizer_step, random_dit_pipeline,  # noqa: E402
-                         refuse_to_start)
+from step_timing import (Setting, attention_backends, build_step_run, optimizer_step,  # noqa: E402
+                         print_and_save, random_dit_pipeline, refuse_to_start)
 
 # CUDA runtime/driver calls that block the host until the GPU has caught up (a copy to pageable host memory too).
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
@@ -161,22 +161,6 @@ def _parents(event):
         parent = parent.cpu_parent
 
 
-def _device_time(average) -> float:
-    return getattr(average, "self_device_time_total", None) or getattr(average, "self_cuda_time_total", 0) or 0
-
-
-def labelled_step(run, batch: list[dict], record_function) -> None:
-    """``step_timing.optimizer_step`` with the module's forward inside a ``module forward`` window."""
-    from diffsynth_mbc.training.step.micro_batch import forward, forward_backward
-
-    def loss_of(each):
-        with record_function("module forward"):
-            return forward(run.module, run.accelerator, run.status, each)
-
-    forward_backward(run, batch, [], loss_of, lambda grad_norm, max_norm: None)
-    run.position.step += 1
-
-
 def profile_row(run, name: str, pool: list, per_forward: int, args, sync, traces: Path | None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -206,7 +190,7 @@ def profile_row(run, name: str, pool: list, per_forward: int, args, sync, traces
     with profile(activities=activities) as profiler:
         for index in range(args.steps):
             with record_function(f"profiled step {index}"):
-                labelled_step(run, batch(), record_function)
+                optimizer_step(run, batch(), lambda: record_function("module forward"))
                 if index == args.steps - 1:
                     sync()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
@@ -227,10 +211,11 @@ def report(result: dict) -> str:
     lines = [f"{result['label']}: {result['info']['device']}, torch {result['info']['torch']}"]
     for row in result["rows"]:
         mean = row["mean"]
-        idle = "" if "gpu_busy_s" not in mean else (f", GPU busy {mean['gpu_busy_s']:.4f} s (idle {mean['gpu_idle']:.0%}, "
-                                                     f"{mean['kernels']:.0f} kernels)")
+        idle = "" if "gpu_busy_s" not in mean else (
+            f", GPU busy {mean['gpu_busy_s']:.4f} s (idle {mean['gpu_idle']:.0%}, {mean['kernels']:.0f} kernels)")
         memory = "" if row["max_memory_allocated_gib"] is None else f"{row['max_memory_allocated_gib']:.1f} GiB, "
-        lines.append(f"  {row['row']:<12} {row['s_per_step']:.4f} s/step timed ({memory}warm-up {row['warmup_s']:.0f} s); profiled {mean['wall_s']:.4f} s{idle}, "
+        lines.append(f"  {row['row']:<12} {row['s_per_step']:.4f} s/step timed ({memory}warm-up "
+                     f"{row['warmup_s']:.0f} s); profiled {mean['wall_s']:.4f} s{idle}, "
                      f"{mean['host_waits']:.0f} host waits ({mean['host_waits_s'] * 1e3:.1f} ms: "
                      f"{', '.join(mean['wait_calls']) or 'none'}), {mean['launches']:.0f} launches")
         lines.append("    host phases: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in mean["phases_s"].items()))
@@ -285,12 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             pool = row_samples(name, row, args.full_size, dtype, seed)
             rows.append(profile_row(run, name, pool, row.per_forward, args, sync, args.traces))
             print(f"  {name}: {rows[-1]['s_per_step']:.4f} s/step", file=sys.stderr, flush=True)
-    result = {"label": args.label, "cudagraphs": args.cudagraphs, "info": info, "rows": rows, "runs": args.runs, "steps": args.steps,
-              "warmup": args.warmup}
-    print(report(result))
-    if args.json:
-        from diffsynth_mbc.atomic import atomic_write_json
-        atomic_write_json(Path(args.json), result, indent=1)
+    result = {"label": args.label, "cudagraphs": args.cudagraphs, "info": info, "rows": rows, "runs": args.runs,
+              "steps": args.steps, "warmup": args.warmup}
+    print_and_save(report(result), result, args.json)
     return 0
 
 

@@ -327,18 +327,30 @@ class Batches:
 # timing
 
 
-def optimizer_step(run: StepRun, batch: list[dict]) -> bool:
-    """One optimizer step through the training's ``forward_backward``; True when it was skipped (non-finite)."""
+def optimizer_step(run: StepRun, batch: list[dict], around_forward=contextlib.nullcontext) -> bool:
+    """One optimizer step through the training's ``forward_backward``; True when it was skipped (non-finite).
+    ``around_forward()``: a context the module's forward runs in (a profiler's window)."""
     from diffsynth_mbc.training.step.micro_batch import forward, forward_backward
 
     def on_gradients(grad_norm, max_norm):
         if run.health is not None:
             run.health.on_gradients(run.position.step + 1, grad_norm, max_norm)
 
-    step = forward_backward(run, batch, [], lambda each: forward(run.module, run.accelerator, run.status, each),
-                            on_gradients)
+    def loss_of(each):
+        with around_forward():
+            return forward(run.module, run.accelerator, run.status, each)
+
+    step = forward_backward(run, batch, [], loss_of, on_gradients)
     run.position.step += 1
     return step.skipped
+
+
+def print_and_save(text: str, result: dict, json_path: str | None) -> None:
+    """A benchmark's last words: its report printed, its result written to ``json_path`` (when given)."""
+    print(text)
+    if json_path:
+        from diffsynth_mbc.atomic import atomic_write_json
+        atomic_write_json(Path(json_path), result, indent=1)
 
 
 def time_feeds(run: StepRun, feeds: list[Feed], batches: Batches, warmup: int, runs: int, attention: str) -> dict:
